@@ -1,0 +1,83 @@
+"""Backend choice shared by every model: ``recurrent | chunk | triton | auto``.
+
+``auto`` runs the Triton kernel on CUDA tensors and the chunkwise PyTorch form on CPU.
+The Triton kernels run on CPU only under Triton's interpreter, which must be switched on
+*before* ``atlaslib`` is imported (``TRITON_INTERPRET=1``), because ``triton.jit``
+decides at decoration time whether it builds a GPU kernel or an interpreted one.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("recurrent", "chunk", "triton", "auto")
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def resolve_backend(backend, x: torch.Tensor) -> str:
+    """Turn ``backend`` into one of ``recurrent``, ``chunk`` or ``triton`` for tensor ``x``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if x.is_cuda and triton_importable() else "chunk"
+    if backend == "triton":
+        if not triton_importable():
+            raise RuntimeError("backend='triton' needs the triton package (pip install -r requirements.txt)")
+        if not x.is_cuda and not interpreter_on():
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs Triton's interpreter: set the environment "
+                "variable TRITON_INTERPRET=1 before importing atlaslib (or move the tensors to a GPU)")
+    return backend
+
+
+class ChunkBackward(torch.autograd.Function):
+    """Forward with a Triton kernel, backward by autograd through the chunkwise PyTorch form.
+
+    The backward recomputes the chunk form from the saved inputs and differentiates it:
+    the gradients are those of the same function (the two forwards agree to rounding),
+    with no hand-written Triton backward. ``forward_triton`` and ``forward_chunk`` take
+    the same positional tensors (``None`` allowed) and return a tuple of tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, forward_triton, forward_chunk, *inputs):
+        ctx.forward_chunk = forward_chunk
+        ctx.save_for_backward(*[t if isinstance(t, torch.Tensor) else None for t in inputs])
+        ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
+        ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+        with torch.no_grad():
+            outs = forward_triton(*inputs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        saved = ctx.saved_tensors
+        inputs = [s.detach().requires_grad_(s.requires_grad) if is_t and s is not None else o
+                  for s, is_t, o in zip(saved, ctx.is_tensor, ctx.others)]
+        with torch.enable_grad():
+            outs = ctx.forward_chunk(*inputs)
+            pairs = [(o, g) for o, g in zip(outs, grad_outs) if o is not None and g is not None and o.requires_grad]
+            wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs and wrt else []
+        it = iter(grads)
+        result = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        return (None, None, *result)
+
+
+def with_chunk_backward(forward_triton, forward_chunk, *inputs):
+    """Run ``forward_triton`` and attach the chunk-form backward when gradients are needed."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return ChunkBackward.apply(forward_triton, forward_chunk, *inputs)
+    return forward_triton(*inputs)

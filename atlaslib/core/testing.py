@@ -1,0 +1,80 @@
+"""Helpers for tests, exercises and notebooks: relative error, NaN poisoning, random inputs."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+# Relative-RMSE thresholds by dtype: fp32 references agree to rounding; low precision
+# kernels accumulate in fp32 but round their inputs and outputs.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_close(actual, expected, tol: float | None = None, name: str = "output"):
+    """Assert ``rel_rmse(actual, expected) <= tol`` with a message that says where they differ."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    if tol is None:
+        tol = TOLERANCE.get(actual.dtype, 1e-5)
+    if torch.isnan(actual).any() and not torch.isnan(expected).any():
+        idx = torch.nonzero(torch.isnan(actual))[0].tolist()
+        raise AssertionError(f"{name}: NaN at index {idx} (an output the code never wrote?)")
+    err = rel_rmse(actual, expected)
+    if not err <= tol:
+        diff = (actual.double() - expected.double()).abs()
+        idx = torch.nonzero(diff == diff.max())[0].tolist()
+        raise AssertionError(
+            f"{name}: relative RMSE {err:.3g} > {tol:.3g}; largest difference {diff.max().item():.3g} "
+            f"at index {idx} (got {actual[tuple(idx)].item():.6g}, expected {expected[tuple(idx)].item():.6g})")
+    return err
+
+
+_POISON = [False]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Inside this block, ``empty`` fills new buffers with NaN so unwritten outputs show up."""
+    old = _POISON[0]
+    _POISON[0] = True
+    try:
+        yield
+    finally:
+        _POISON[0] = old
+
+
+def empty(*shape, **kw) -> torch.Tensor:
+    """``torch.empty``, but NaN-filled inside ``poisoned_outputs()``; kernels allocate with this."""
+    x = torch.empty(*shape, **kw)
+    if _POISON[0] and x.is_floating_point():
+        x.fill_(float("nan"))
+    return x
+
+
+def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu", seed=None,
+               normalize_keys=True, generator=None):
+    """Fresh random q, k, v of shapes [B,H,T,K], [B,H,T,K], [B,H,T,V]; keys l2-normalised by default."""
+    g = generator if generator is not None else torch.Generator().manual_seed(
+        int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
+    q = torch.randn(B, H, T, K, generator=g)
+    k = torch.randn(B, H, T, K, generator=g)
+    v = torch.randn(B, H, T, V, generator=g)
+    if normalize_keys:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def random_gate(B, H, T, K=None, *, low=0.8, high=1.0, dtype=torch.float32, device="cpu", generator=None):
+    """Retention gates uniform in [low, high]: [B,H,T] if K is None, else [B,H,T,K]."""
+    shape = (B, H, T) if K is None else (B, H, T, K)
+    u = torch.rand(*shape, generator=generator)
+    return (low + (high - low) * u).to(device=device, dtype=dtype)

@@ -1,0 +1,99 @@
+"""Input checks shared by every public function.
+
+Each check raises ``ValueError`` or ``TypeError`` that names the argument and the
+shape it should have, so a reader never meets an IndexError from deep inside a loop.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(name: str, x, ndim: int, layout: str) -> torch.Tensor:
+    """``x`` must be a floating tensor of rank ``ndim`` (``layout`` names its axes)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (fp32/fp16/bf16/fp64), got {x.dtype}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {_shape(x)}")
+    return x
+
+
+def check_qkv(q, k, v):
+    """q, k: [B, H, T, K]; v: [B, H, T, V]. Returns (B, H, T, K, V)."""
+    check_tensor("q", q, 4, "[B, H, T, K]")
+    check_tensor("k", k, 4, "[B, H, T, K]")
+    check_tensor("v", v, 4, "[B, H, T, V]")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape [B, H, T, K], got q {_shape(q)} and k {_shape(k)}")
+    B, H, T, K = q.shape
+    if v.shape[:3] != (B, H, T):
+        raise ValueError(f"v must have shape [B, H, T, V] = [{B}, {H}, {T}, V] to match q, got {_shape(v)}")
+    if T < 1 or K < 1 or v.shape[3] < 1:
+        raise ValueError(f"q, k, v must be non-empty, got q {_shape(q)} and v {_shape(v)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    return B, H, T, K, v.shape[3]
+
+
+def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
+               low: float = 0.0, high: float | None = 1.0, ref: torch.Tensor | None = None):
+    """A gate is ``[B, H, T]`` (scalar per token) or, when ``K`` is given, also ``[B, H, T, K]``.
+
+    Values must lie in ``[low, high]`` (``high=None`` means no upper bound).
+    Returns the gate, or ``None`` if ``g`` is ``None``.
+    """
+    if g is None:
+        return None
+    allowed = f"[{B}, {H}, {T}]" + (f" or [{B}, {H}, {T}, {K}]" if K is not None else "")
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {allowed}, got {type(g).__name__}")
+    if g.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor, got {g.dtype}")
+    ok = tuple(g.shape) == (B, H, T) or (K is not None and tuple(g.shape) == (B, H, T, K))
+    if not ok:
+        raise ValueError(f"{name} must have shape {allowed}, got {_shape(g)}")
+    if ref is not None and g.device != ref.device:
+        raise ValueError(f"{name} must be on {ref.device} like q, got {g.device}")
+    if torch.isnan(g).any():
+        raise ValueError(f"{name} contains NaN")
+    rng = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
+    with torch.no_grad():
+        if (g < low).any() or (high is not None and (g > high).any()):
+            raise ValueError(f"{name} must lie in {rng}, got values in "
+                             f"[{g.min().item():.4g}, {g.max().item():.4g}]")
+    return g
+
+
+def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
+    """An optional state tensor of an exact shape, on ``ref``'s device, without NaN."""
+    if s is None:
+        return None
+    want = "[" + ", ".join(str(d) for d in shape) + "]"
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {want}, got {type(s).__name__}")
+    if s.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor, got {s.dtype}")
+    if tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {want}, got {_shape(s)}")
+    if s.device != ref.device:
+        raise ValueError(f"{name} must be on {ref.device} like q, got {s.device}")
+    if torch.isnan(s).any():
+        raise ValueError(f"{name} contains NaN")
+    return s
+
+
+def check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
