@@ -1,0 +1,251 @@
+"""Chapter 1: linear attention, its gated family, and the shared core helpers.
+
+The per-token loop is checked against an independent closed form (products of gates
+written out term by term); the chunk form and the Triton kernel are then checked
+against the loop on fresh random inputs, odd shapes and all three gate modes.
+"""
+import math
+
+import pytest
+import torch
+
+from atlaslib.core import (assert_close, elu_plus_one, get_feature_map, poisoned_outputs,
+                           random_gate, random_qkv, rel_rmse, softmax_attention)
+from atlaslib.linear import linear_attention
+
+MODES = [None, "scalar", "channel"]
+
+
+def make_inputs(gen, B, H, T, K, V, mode, dtype=torch.float32, low=0.5, h0=True):
+    q, k, v = random_qkv(B, H, T, K, V, dtype=dtype, generator=gen)
+    alpha = None if mode is None else random_gate(B, H, T, K if mode == "channel" else None,
+                                                  low=low, dtype=dtype, generator=gen)
+    state = torch.randn(B, H, V, K, generator=gen, dtype=dtype) if h0 else None
+    return q, k, v, alpha, state
+
+
+def closed_form(q, k, v, alpha, h0):
+    """y_t = M_0 Diag(prod_{j<=t} a_j) q_t + sum_{i<=t} v_i (k_i * prod_{i<j<=t} a_j)^T q_t, term by term."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    q, k, v = q.double(), k.double(), v.double()
+    a = torch.ones(B, H, T, K, dtype=torch.float64) if alpha is None else alpha.double()
+    if a.dim() == 3:
+        a = a[..., None].expand(B, H, T, K)
+    M0 = torch.zeros(B, H, V, K, dtype=torch.float64) if h0 is None else h0.double()
+    out = torch.zeros(B, H, T, V, dtype=torch.float64)
+    for t in range(T):
+        decay0 = a[:, :, : t + 1].prod(dim=2)                       # [B,H,K]
+        out[:, :, t] = torch.einsum("bhvk,bhk->bhv", M0, decay0 * q[:, :, t])
+        for i in range(t + 1):
+            decay = a[:, :, i + 1: t + 1].prod(dim=2)               # empty product = 1
+            w = ((k[:, :, i] * decay) * q[:, :, t]).sum(-1)         # [B,H]
+            out[:, :, t] += w[..., None] * v[:, :, i]
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_recurrent_matches_closed_form(gen, mode):
+    q, k, v, alpha, h0 = make_inputs(gen, 2, 2, 9, 5, 3, mode, dtype=torch.float64)
+    o, _ = linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend="recurrent")
+    assert_close(o, closed_form(q, k, v, alpha, h0), tol=1e-12)
+
+
+SHAPES = [(1, 1, 1, 16, 16), (2, 3, 37, 12, 10), (1, 2, 75, 60, 100), (2, 1, 130, 16, 16)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("h0", [False, True])
+def test_chunk_matches_recurrent(gen, shape, mode, h0):
+    q, k, v, alpha, state = make_inputs(gen, *shape, mode, h0=h0)
+    ref, ref_state = linear_attention(q, k, v, alpha=alpha, initial_state=state,
+                                      output_final_state=True, backend="recurrent")
+    for chunk_size in (1, 7, 16, 64):
+        o, s = linear_attention(q, k, v, alpha=alpha, initial_state=state, output_final_state=True,
+                                backend="chunk", chunk_size=chunk_size)
+        assert_close(o, ref, name=f"o (chunk_size={chunk_size})")
+        assert_close(s, ref_state, name=f"final state (chunk_size={chunk_size})")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_matches_recurrent(gen, shape, mode):
+    q, k, v, alpha, state = make_inputs(gen, *shape, mode)
+    ref, ref_state = linear_attention(q, k, v, alpha=alpha, initial_state=state,
+                                      output_final_state=True, backend="recurrent")
+    with poisoned_outputs():
+        o, s = linear_attention(q, k, v, alpha=alpha, initial_state=state,
+                                output_final_state=True, backend="triton")
+    assert_close(o, ref)
+    assert_close(s, ref_state, name="final state")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_triton_low_precision(gen, mode):
+    q, k, v, alpha, state = make_inputs(gen, 1, 2, 40, 32, 16, mode)
+    ref, _ = linear_attention(q, k, v, alpha=alpha, initial_state=state, backend="recurrent")
+    for dtype in (torch.bfloat16, torch.float16):
+        a = None if alpha is None else alpha.to(dtype)
+        o, _ = linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), alpha=a, initial_state=state,
+                                backend="triton")
+        assert o.dtype == dtype
+        assert_close(o.float(), ref, tol=3e-2, name=str(dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_chunk_vs_recurrent(gen, mode):
+    inputs = make_inputs(gen, 1, 2, 21, 6, 5, mode, dtype=torch.float64)
+    grads = []
+    for backend in ("recurrent", "chunk"):
+        leaves = [x.clone().requires_grad_(True) if x is not None else None for x in inputs]
+        q, k, v, alpha, h0 = leaves
+        o, s = linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True,
+                                backend=backend, chunk_size=8)
+        loss = (o * torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)).sum() + (s ** 2).sum()
+        loss.backward()
+        grads.append([x.grad for x in leaves if x is not None])
+    for name, g_chunk, g_rec in zip(["q", "k", "v", "alpha", "h0"], grads[1], grads[0]):
+        assert_close(g_chunk, g_rec, tol=1e-9, name=f"grad {name}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_triton_vs_recurrent(gen, mode):
+    inputs = make_inputs(gen, 1, 2, 33, 16, 16, mode)
+    grads = []
+    for backend in ("recurrent", "triton"):
+        leaves = [x.clone().requires_grad_(True) for x in inputs if x is not None]
+        q, k, v, *rest = leaves
+        alpha = rest[0] if mode is not None else None
+        h0 = rest[-1]
+        o, s = linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True,
+                                backend=backend)
+        loss = (o * torch.sin(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)).sum() + s.square().sum()
+        loss.backward()
+        grads.append([x.grad for x in leaves])
+    for g_tri, g_rec in zip(grads[1], grads[0]):
+        assert_close(g_tri, g_rec, tol=1e-4, name="gradient")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk", "triton"])
+def test_normalized(gen, backend):
+    q, k, v, alpha, _ = make_inputs(gen, 2, 1, 29, 8, 4, "scalar", h0=False)
+    q, k = elu_plus_one(q), elu_plus_one(k)
+    o, s = linear_attention(q, k, v, alpha=alpha, normalize=True, output_final_state=True, backend=backend)
+    num, _ = linear_attention(q, k, v, alpha=alpha, backend="recurrent")
+    ones = torch.ones_like(v[..., :1])
+    den, _ = linear_attention(q, k, ones, alpha=alpha, backend="recurrent")
+    assert_close(o, num / den)
+    assert s.shape == (2, 1, 5, 8)
+    # The last state row is z_T = sum_i (prod of later gates) k_i: check it against that sum.
+    a = alpha.double()
+    z = sum(a[:, :, i + 1:].prod(-1)[..., None] * k[:, :, i].double() for i in range(29))
+    assert_close(s[:, :, -1], z)
+
+
+def test_special_gates(gen):
+    q, k, v, _, h0 = make_inputs(gen, 2, 2, 20, 8, 6, None)
+    plain, _ = linear_attention(q, k, v, initial_state=h0, backend="recurrent")
+    ones = torch.ones(2, 2, 20)
+    for backend in ("chunk", "triton"):
+        o, _ = linear_attention(q, k, v, alpha=ones, initial_state=h0, backend=backend)
+        assert_close(o, plain, name=f"alpha=1 ({backend})")
+    # per-channel gates that are equal across channels are a scalar gate
+    a = random_gate(2, 2, 20, low=0.3, generator=gen)
+    for backend in ("chunk", "triton"):
+        o_s, _ = linear_attention(q, k, v, alpha=a, initial_state=h0, backend=backend)
+        o_c, _ = linear_attention(q, k, v, alpha=a[..., None].expand(2, 2, 20, 8).contiguous(),
+                                  initial_state=h0, backend=backend)
+        assert_close(o_c, o_s, name=f"channel == scalar ({backend})")
+    # a gate of exactly 0 erases the past: y_t = (k_t . q_t) v_t
+    zeros = torch.zeros(2, 2, 20)
+    expect = (k * q).sum(-1, keepdim=True) * v
+    for backend in ("recurrent", "chunk", "triton"):
+        o, _ = linear_attention(q, k, v, alpha=zeros, initial_state=h0, backend=backend)
+        assert_close(o, expect, tol=1e-5, name=f"alpha=0 ({backend})")
+
+
+def test_strong_decay_is_stable(gen):
+    """Gates near 0 over long chunks: cumulative products underflow, the chunk form must not."""
+    q, k, v, _, h0 = make_inputs(gen, 1, 2, 200, 16, 16, None)
+    for K in (None, 16):
+        alpha = random_gate(1, 2, 200, K, low=1e-4, high=1e-2, generator=gen)
+        ref, _ = linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend="recurrent")
+        for backend in ("chunk", "triton"):
+            o, _ = linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend=backend)
+            assert torch.isfinite(o).all()
+            assert_close(o, ref, name=backend)
+
+
+def test_bad_inputs():
+    q, k, v = random_qkv(1, 2, 10, 4, 3, seed=0)
+    with pytest.raises(ValueError, match=r"q must have shape \[B, H, T, K\]"):
+        linear_attention(q[0], k, v)
+    with pytest.raises(ValueError, match="v must have shape"):
+        linear_attention(q, k, v[:, :, :5])
+    with pytest.raises(ValueError, match="q and k"):
+        linear_attention(q, k[..., :3], v)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        linear_attention(q.numpy(), k, v)
+    with pytest.raises(TypeError, match="floating"):
+        linear_attention(q.long(), k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        linear_attention(q.double(), k.double(), v)
+    with pytest.raises(ValueError, match=r"alpha must have shape \[1, 2, 10\] or \[1, 2, 10, 4\]"):
+        linear_attention(q, k, v, alpha=torch.ones(1, 2, 9))
+    with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
+        linear_attention(q, k, v, alpha=torch.full((1, 2, 10), 1.5))
+    with pytest.raises(ValueError, match="alpha contains NaN"):
+        linear_attention(q, k, v, alpha=torch.full((1, 2, 10), float("nan")))
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 2, 3, 4\]"):
+        linear_attention(q, k, v, initial_state=torch.zeros(1, 2, 4, 3))
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 2, 4, 4\]"):
+        linear_attention(q, k, v, normalize=True, initial_state=torch.zeros(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="initial_state contains NaN"):
+        linear_attention(q, k, v, initial_state=torch.full((1, 2, 3, 4), float("nan")))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        linear_attention(q, k, v, chunk_size=0)
+    with pytest.raises(TypeError, match="chunk_size must be a positive int"):
+        linear_attention(q, k, v, chunk_size=2.5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        linear_attention(q, k, v, backend="cuda")
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    q, k, v = random_qkv(1, 1, 4, 4, 4, seed=0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        linear_attention(q, k, v, backend="triton")
+
+
+def test_softmax_attention_matches_loop(gen):
+    q, k, v = random_qkv(1, 2, 13, 5, 3, generator=gen, normalize_keys=False)
+    for window in (None, 1, 4):
+        o = softmax_attention(q, k, v, window=window)
+        for t in range(13):
+            lo = 0 if window is None else max(0, t - window + 1)
+            s = (k[:, :, lo:t + 1] @ q[:, :, t, :, None]).squeeze(-1) / math.sqrt(5)
+            expect = (s.softmax(-1)[..., None] * v[:, :, lo:t + 1]).sum(2)
+            assert_close(o[:, :, t], expect, name=f"t={t}, window={window}")
+    with pytest.raises(ValueError, match="window"):
+        softmax_attention(q, k, v, window=0)
+
+
+def test_feature_maps(gen):
+    x = torch.randn(100, generator=gen)
+    assert (elu_plus_one(x) > 0).all()
+    assert torch.allclose(elu_plus_one(x), torch.where(x > 0, x + 1, torch.exp(x)))
+    assert get_feature_map("identity")(x) is x
+    with pytest.raises(ValueError, match="unknown feature map"):
+        get_feature_map("relu^2")
+
+
+def test_rel_rmse_and_poison():
+    a = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64)
+    assert rel_rmse(a, a) == 0
+    assert abs(rel_rmse(a + torch.tensor([0.0, 0.0, 0.3], dtype=torch.float64), a) - 0.1) < 1e-12
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_close(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
+    from atlaslib.core import empty
+    with poisoned_outputs():
+        assert torch.isnan(empty(3)).all()
