@@ -1,0 +1,46 @@
+"""Kernel tests on a real GPU (skipped without CUDA; CI has none, the device machine does).
+
+The same comparisons as the interpreter tests, but compiled for the card, in fp32 and in
+bf16/fp16, and at lengths the interpreter would take too long for.
+"""
+import pytest
+import torch
+
+from atlaslib.core import assert_close, poisoned_outputs, random_gate, random_qkv
+from atlaslib.linear import linear_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU kernel tests skipped")
+
+MODES = [None, "scalar", "channel"]
+SHAPES = [(1, 1, 1, 16, 16), (2, 3, 63, 60, 100), (2, 2, 75, 64, 64), (1, 4, 1000, 128, 128)]
+
+
+def inputs(gen, B, H, T, K, V, mode, low=0.5):
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    alpha = None if mode is None else random_gate(B, H, T, K if mode == "channel" else None, low=low, generator=gen)
+    h0 = torch.randn(B, H, V, K, generator=gen)
+    return [None if x is None else x.cuda() for x in (q, k, v, alpha, h0)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_attention_kernel_on_gpu(gen, shape, mode, dtype):
+    q, k, v, alpha, h0 = inputs(gen, *shape, mode)
+    ref, ref_s = linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True, backend="chunk")
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    with poisoned_outputs():
+        o, s = linear_attention(cast(q), cast(k), cast(v), alpha=cast(alpha), initial_state=h0,
+                                output_final_state=True, backend="triton")
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(o.float(), ref, tol=tol)
+    assert_close(s, ref_s, tol=tol, name="final state")
+
+
+def test_linear_attention_long_bf16(gen):
+    q, k, v, alpha, h0 = inputs(gen, 1, 2, 16384, 64, 64, "scalar", low=0.9)
+    ref, _ = linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend="chunk")
+    o, _ = linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), alpha=alpha, initial_state=h0,
+                            backend="triton")
+    assert torch.isfinite(o.float()).all()
+    assert_close(o.float(), ref, tol=3e-2)
