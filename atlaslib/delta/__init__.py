@@ -1,0 +1,89 @@
+"""Chapter 2: the delta rule family (DeltaNet, Gated DeltaNet, KDA, Longhorn)."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..core import check_chunk_size, check_gate, check_qkv, check_state, resolve_backend, with_chunk_backward
+from .chunk import delta_rule_chunk
+from .recurrent import delta_rule_recurrent
+
+# Largest delta-rule step accepted. For a unit key the transition I - beta k k^T scales the
+# k direction by 1 - beta, which is a contraction (|1 - beta| <= 1) exactly for beta in [0, 2];
+# beyond 2 the old memory along k is amplified and flips sign every step.
+BETA_MAX = 2.0
+
+
+def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Longhorn's implicit step: beta_t / (1 + beta_t ||k_t||^2).
+
+    With this step, one delta-rule update lands exactly on the minimiser of
+    1/2 ||v_t - M k_t||^2 + 1/(2 beta_t) ||M - M'_t||_F^2 (implicit / proximal GD), where
+    M'_t = M_{t-1} Diag(alpha_t) is the decayed previous state (M_{t-1} without gates).
+    beta: [B, H, T] with values >= 0; k: [B, H, T, K]. The result always satisfies
+    step * ||k||^2 < 1, so the update never overshoots, however large beta is.
+    Computed in fp32 (fp64 if either input is fp64).
+    """
+    cd = torch.promote_types(torch.promote_types(beta.dtype, k.dtype), torch.float32)
+    beta = beta.to(cd)
+    return beta / (1.0 + beta * k.to(cd).square().sum(-1))
+
+
+def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
+               output_final_state=False, backend="auto", chunk_size=64):
+    """The delta rule with optional retention gates: DeltaNet, Gated DeltaNet and KDA.
+
+    M_t = M_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  y_t = M_t q_t.
+
+    Each token first decays the memory, then takes one gradient step of size beta_t on
+    1/2 ||M k_t - v_t||^2: it overwrites what the memory returned for k_t instead of
+    adding to it, which is what separates the delta rule from linear attention.
+
+    Args:
+        q, k: [B, H, T, K] queries and keys. Keys are used as given; the usual practice
+            (and the regime where beta in [0, 2] means "stable") is l2-normalised keys.
+        v: [B, H, T, V] values.
+        beta: [B, H, T] step sizes in [0, 2] (in [0, inf) when ``longhorn=True``). beta = 1
+            with a unit key overwrites the value stored under that key exactly; beta = 0
+            skips the write. The cap 2 is where I - beta k k^T stops being a contraction
+            for unit keys (eigenvalue 1 - beta along k).
+        alpha: retention in [0, 1]. ``None``: DeltaNet. ``[B, H, T]``: Gated DeltaNet, a
+            scalar decay per token. ``[B, H, T, K]``: KDA, a per-key-channel decay
+            M Diag(alpha_t) applied before the update (diagonal-plus-rank-1 transition).
+        longhorn: interpret ``beta`` as Longhorn's implicit step and use
+            ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
+            the update is then the exact minimiser of
+            1/2 ||v - M k||^2 + 1/(2 beta) ||M - M_{t-1} Diag(alpha_t)||^2.
+        initial_state: optional [B, H, V, K] start state M_0.
+        output_final_state: also return the state after the last token.
+        backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch via the
+            UT transform, exact for every chunk size), "triton" (GPU kernel; CPU under
+            TRITON_INTERPRET=1) or "auto" (triton on CUDA, chunk otherwise). The Triton path
+            computes the forward pass in the kernel and its backward by autograd through
+            the chunk form.
+        chunk_size: chunk length of the "chunk" backend (the kernel uses its own).
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, final state [B, H, V, K] in fp32 — or None unless requested).
+    """
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_gate("beta", beta, B, H, T, low=0.0, high=None if longhorn else BETA_MAX, ref=q)
+    check_gate("alpha", alpha, B, H, T, K, ref=q)
+    check_state("initial_state", initial_state, (B, H, V, K), q)
+    check_chunk_size(chunk_size)
+    backend = resolve_backend(backend, q)
+    if longhorn:
+        beta = longhorn_beta(beta, k)
+    if backend == "recurrent":
+        o, state = delta_rule_recurrent(q, k, v, beta, alpha, initial_state)
+    elif backend == "chunk":
+        o, state = delta_rule_chunk(q, k, v, beta, alpha, initial_state, chunk_size)
+    else:
+        from .kernel import delta_rule_triton
+        chunk = functools.partial(delta_rule_chunk, chunk_size=chunk_size)
+        o, state = with_chunk_backward(delta_rule_triton, chunk, q, k, v, beta, alpha, initial_state)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["delta_rule", "longhorn_beta", "BETA_MAX", "delta_rule_recurrent", "delta_rule_chunk"]
