@@ -44,3 +44,33 @@ def test_linear_attention_long_bf16(gen):
                             backend="triton")
     assert torch.isfinite(o.float()).all()
     assert_close(o.float(), ref, tol=3e-2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_delta_rule_kernel_on_gpu(gen, shape, mode, dtype):
+    from atlaslib.delta import delta_rule
+    q, k, v, alpha, h0 = inputs(gen, *shape, mode)
+    beta = torch.rand(*shape[:3], generator=gen).cuda()
+    ref, ref_s = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True, backend="chunk")
+    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+    with poisoned_outputs():
+        o, s = delta_rule(cast(q), cast(k), cast(v), beta, alpha=cast(alpha), initial_state=h0,
+                          output_final_state=True, backend="triton")
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(o.float(), ref, tol=tol)
+    assert_close(s, ref_s, tol=tol, name="final state")
+
+
+@pytest.mark.parametrize("mode", [None, "scalar"])
+def test_delta_rule_long_bf16(gen, mode):
+    """T = 16K in bf16: the kernel stays finite and close to the fp32 chunk form."""
+    from atlaslib.delta import delta_rule
+    q, k, v, alpha, h0 = inputs(gen, 1, 2, 16384, 64, 64, mode, low=0.9)
+    beta = torch.rand(1, 2, 16384, generator=gen).cuda()
+    ref, _ = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, backend="chunk")
+    o, _ = delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, alpha=alpha, initial_state=h0,
+                      backend="triton")
+    assert torch.isfinite(o.float()).all()
+    assert_close(o.float(), ref, tol=3e-2)
