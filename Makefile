@@ -7,12 +7,13 @@ export OMP_NUM_THREADS ?= 2
 export PYTHONHASHSEED := 0
 export MPLBACKEND := Agg
 
-.PHONY: help venv book test test-lib test-notebooks lab bench exercises clean
+.PHONY: help venv book test test-lib test-notebooks lab bench exercises clean mathjax browser
 
 help:
 	@echo "make book       build the HTML book into _build/html"
 	@echo "make test       every test: library, kernels (Triton interpreter), notebooks, grader, book build"
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
+	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
 
@@ -24,11 +25,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-book: $(STAMP)
-	$(VENV)/bin/jupyter-book build -W -n --keep-going . 
+book: $(STAMP) mathjax
+	$(VENV)/bin/jupyter-book build -W -n --keep-going .
 	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
 
-test: $(STAMP)
+test: $(STAMP) mathjax browser
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
 	    --sanitize-with tests/nbval_sanitize.cfg book exercises/solutions
@@ -41,6 +42,27 @@ bench: $(STAMP)
 
 exercises: $(STAMP)
 	$(PY) -m atlaslib.exercises.generate
+
+# MathJax 3 served by the book itself (offline reading), unpacked from the npm registry.
+MATHJAX_VERSION := 3.2.2
+MATHJAX := book/_static/mathjax/tex-chtml.js
+mathjax: $(MATHJAX)
+
+$(MATHJAX):
+	@command -v npm >/dev/null || { echo "npm is needed to fetch MathJax (apt-get install -y npm)"; exit 1; }
+	@tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null \
+	    && tar xzf mathjax-$(MATHJAX_VERSION).tgz) \
+	  && rm -rf book/_static/mathjax && mkdir -p book/_static \
+	  && cp $$tmp/package/LICENSE $$tmp/package/es5/ && mv $$tmp/package/es5 book/_static/mathjax \
+	  && rm -rf $$tmp && echo "MathJax $(MATHJAX_VERSION) unpacked into book/_static/mathjax"
+
+# Debian's Chromium for the browser tests; where it cannot be installed they are skipped.
+browser:
+	@if command -v chromium >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >/dev/null \
+	    || echo "could not install Chromium: the browser tests will be skipped"; \
+	else echo "Chromium is missing and apt-get/root are not available: the browser tests will be skipped"; fi
 
 clean:
 	rm -rf _build

@@ -1,0 +1,118 @@
+"""The book builds with warnings as errors, and its HTML is self-contained and linked up.
+
+These checks read the built HTML only (no browser): every page of _toc.yml is there,
+next/previous links walk the pages in toc order, nothing is loaded from another host,
+MathJax comes from the site's own _static, notebooks offer an .ipynb download and no
+launch button for a hosting service.
+"""
+import re
+from urllib.parse import urljoin, urlparse
+
+import pytest
+from bs4 import BeautifulSoup
+
+from browser_helpers import ROOT, build_book, source_of, toc_pages
+
+
+@pytest.fixture(scope="module")
+def html_dir():
+    return build_book()[0]
+
+
+def soup_of(html_dir, doc):
+    return BeautifulSoup((html_dir / f"{doc}.html").read_text(encoding="utf-8"), "html.parser")
+
+
+def built_pages(html_dir):
+    return [doc for doc in toc_pages() if (html_dir / f"{doc}.html").exists()]
+
+
+def test_build_has_no_warnings():
+    _, code, log = build_book()
+    problems = [line for line in log.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert code == 0 and not problems, (
+        f"`jupyter-book build -W -n --keep-going` failed (exit {code}):\n"
+        + "\n".join(problems[:40] or log.splitlines()[-40:]))
+
+
+def test_every_toc_page_is_written_and_built(html_dir):
+    missing_source = [doc for doc in toc_pages() if source_of(doc) is None]
+    assert not missing_source, f"_toc.yml lists pages with no source file yet: {missing_source}"
+    missing_html = [doc for doc in toc_pages() if not (html_dir / f"{doc}.html").exists()]
+    assert not missing_html, f"pages missing from the built site: {missing_html}"
+
+
+def test_next_previous_links_follow_the_toc(html_dir):
+    pages = built_pages(html_dir)
+    assert pages, "nothing was built"
+    for i, doc in enumerate(pages):
+        soup = soup_of(html_dir, doc)
+        base = f"http://site/{doc}.html"
+        nxt = soup.select_one("a.right-next")
+        prev = soup.select_one("a.left-prev")
+
+        def target(a):
+            return urlparse(urljoin(base, a["href"])).path.removeprefix("/").removesuffix(".html")
+
+        if i + 1 < len(pages):
+            assert nxt is not None, f"{doc}: no 'next' link"
+            assert target(nxt) == pages[i + 1], f"{doc}: 'next' goes to {target(nxt)}"
+        if i > 0:
+            assert prev is not None, f"{doc}: no 'previous' link"
+            assert target(prev) == pages[i - 1], f"{doc}: 'previous' goes to {target(prev)}"
+
+
+EXTERNAL = re.compile(r"^(https?:)?//", re.I)
+
+
+def test_no_page_loads_anything_from_another_host(html_dir):
+    """Scripts, styles, fonts, images and frames all come from the site itself."""
+    offenders = []
+    for page in sorted(html_dir.rglob("*.html")):
+        soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+        for tag, attr in (("script", "src"), ("link", "href"), ("img", "src"),
+                          ("iframe", "src"), ("source", "src"), ("embed", "src")):
+            for el in soup.find_all(tag):
+                url = el.get(attr) or ""
+                if tag == "link" and not {"stylesheet", "preload", "icon", "prefetch",
+                                          "modulepreload"} & set(el.get("rel") or []):
+                    continue  # plain hyperlinks to other sites are fine
+                if EXTERNAL.match(url):
+                    offenders.append(f"{page.relative_to(html_dir)}: <{tag} {attr}={url}>")
+    assert not offenders, "the site needs the network:\n" + "\n".join(offenders[:30])
+
+
+def test_mathjax_is_served_locally(html_dir):
+    pages = built_pages(html_dir)
+    for doc in pages:
+        srcs = [s.get("src", "") for s in soup_of(html_dir, doc).find_all("script")]
+        mathjax = [s for s in srcs if "mathjax" in s.lower()]
+        for src in mathjax:
+            assert not EXTERNAL.match(src), f"{doc}: MathJax from {src}"
+            local = (html_dir / doc).parent / src.split("?")[0]
+            assert local.resolve().exists(), f"{doc}: {src} is not in the built site"
+    # The chtml fonts must travel with it, or math renders as boxes offline.
+    fonts = list((html_dir / "_static" / "mathjax" / "output" / "chtml" / "fonts").rglob("*.woff"))
+    assert fonts, "MathJax fonts are missing from _static/mathjax"
+
+
+def test_notebooks_download_as_ipynb_and_launch_nowhere(html_dir):
+    notebooks = [doc for doc in built_pages(html_dir) if source_of(doc).suffix == ".ipynb"]
+    for doc in notebooks:
+        soup = soup_of(html_dir, doc)
+        hrefs = [a.get("href", "") for a in soup.find_all("a")]
+        downloads = [h for h in hrefs if h.endswith(".ipynb") and "_sources" in h]
+        assert downloads, f"{doc}: no .ipynb download button"
+        for h in downloads:
+            assert (html_dir / doc).parent.joinpath(h).resolve().exists(), f"{doc}: {h} missing"
+        hosted = [h for h in hrefs if re.search(r"binder|colab|jupyterhub|hub/user-redirect", h)]
+        assert not hosted, f"{doc}: launch buttons for hosting services: {hosted}"
+
+
+def test_config_keeps_execution_off_and_bibliography():
+    import yaml
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert config["execute"]["execute_notebooks"] == "off"
+    for bib in config["bibtex_bibfiles"]:
+        assert (ROOT / bib).exists(), f"bibliography file {bib} is missing"

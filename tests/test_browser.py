@@ -1,0 +1,152 @@
+"""The built book as a reader meets it: headless Chromium, no network, every page checked.
+
+For each page of _toc.yml that was built: no console error, no failed or off-site
+request, MathJax has typeset the math (no raw TeX left, no MathJax error), every image
+has loaded, no cell output shows a traceback, widgets show no error. The search page
+must find "delta rule". A screenshot of each page goes to _build/screenshots/.
+"""
+import re
+import time
+
+import pytest
+
+from browser_helpers import (SCREENSHOTS, OfflineRecorder, StaticServer, build_book,
+                             launch, skip_without_browser, source_of, toc_pages)
+
+# Raw TeX that MathJax should have replaced; code blocks are removed before looking.
+RAW_TEX = re.compile(r"\$\$|\\\[|\\\(|\\begin\{|\$[^$\n]{0,80}[\\^_][^$\n]{0,80}\$")
+
+PAGE_REPORT_JS = """
+async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await MathJax.startup.promise;
+  }
+  const imgs = [...document.images];
+  imgs.forEach(i => { i.loading = 'eager'; });
+  await Promise.all(imgs.map(i => i.decode().catch(() => null)));
+  const article = document.querySelector('main article, main, body');
+  const clone = article.cloneNode(true);
+  clone.querySelectorAll('pre, code, mjx-container, script, style, .highlight, .cell_input')
+       .forEach(e => e.remove());
+  const outputs = [...document.querySelectorAll('.cell_output, .output')]
+       .map(e => e.innerText).join('\\n');
+  return {
+    mathSource: document.querySelectorAll('.math, span.math, div.math').length,
+    mathRendered: document.querySelectorAll('mjx-container').length,
+    mathErrors: [...document.querySelectorAll('mjx-merror, mjx-container [style*="color: red"]')]
+                 .map(e => e.textContent).slice(0, 5),
+    brokenImages: imgs.filter(i => !(i.complete && i.naturalWidth > 0 && i.naturalHeight > 0))
+                      .map(i => i.getAttribute('src').slice(0, 80)),
+    images: imgs.length,
+    text: clone.textContent,
+    outputs: outputs,
+    pageText: document.body.innerText,
+    hasNext: !!document.querySelector('a.right-next'),
+    hasPrev: !!document.querySelector('a.left-prev'),
+    hasSidebarToc: document.querySelectorAll('nav.bd-docs-nav a, .bd-sidebar-primary a.reference').length,
+  };
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def site():
+    """(base_url, pages, browser, recorder): the built book behind a local server."""
+    chromium = skip_without_browser()
+    from playwright.sync_api import sync_playwright
+
+    html_dir = build_book()[0]
+    pages = [doc for doc in toc_pages() if (html_dir / f"{doc}.html").exists()]
+    assert pages, f"no page of _toc.yml was built into {html_dir}"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with StaticServer(html_dir) as server, sync_playwright() as pw:
+        browser = launch(pw, chromium)
+        context = browser.new_context(viewport={"width": 1280, "height": 900})
+        recorder = OfflineRecorder()
+        recorder.attach(context)
+        yield server.url, pages, context, recorder
+        context.close()
+        browser.close()
+
+
+def open_page(context, recorder, url):
+    recorder.reset()
+    page = context.new_page()
+    recorder.watch(page)
+    page.goto(url, wait_until="load")
+    return page
+
+
+def test_every_page_renders_offline(site):
+    base, pages, context, recorder = site
+    problems = []
+    t0 = time.time()
+    for i, doc in enumerate(pages):
+        page = open_page(context, recorder, f"{base}/{doc}.html")
+        report = page.evaluate(PAGE_REPORT_JS)
+        page.wait_for_timeout(200)  # let late requests (fonts) settle before reading
+        name = doc.replace("/", "_")
+        page.screenshot(path=str(SCREENSHOTS / f"{name}.png"))
+        first_math = page.query_selector("mjx-container")
+        if first_math:
+            first_math.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOTS / f"{name}-math.png"))
+
+        def bad(what):
+            problems.append(f"{doc}: {what}")
+
+        if recorder.console_errors:
+            bad(f"console errors {recorder.console_errors[:5]}")
+        if recorder.blocked:
+            bad(f"requests to other hosts {sorted(set(recorder.blocked))[:5]}")
+        if recorder.failed:
+            bad(f"failed requests {recorder.failed[:5]}")
+        if report["mathSource"] and not report["mathRendered"]:
+            bad(f"{report['mathSource']} math elements but MathJax rendered none")
+        if report["mathErrors"]:
+            bad(f"MathJax errors / undefined macros: {report['mathErrors']}")
+        raw = RAW_TEX.findall(report["text"])
+        if raw:
+            bad(f"raw TeX left in the text: {raw[:5]}")
+        if report["brokenImages"]:
+            bad(f"images that did not load: {report['brokenImages']}")
+        for word in ("Traceback", "NotImplementedError"):
+            if word in report["outputs"]:
+                bad(f"a cell output contains {word!r}")
+        for word in ("Error displaying widget", "Error rendering", "Loading widget"):
+            if word in report["pageText"]:
+                bad(f"widget error text on the page: {word!r}")
+        if i + 1 < len(pages) and not report["hasNext"]:
+            bad("no 'next' button")
+        if i > 0 and not report["hasPrev"]:
+            bad("no 'previous' button")
+        if not report["hasSidebarToc"]:
+            bad("no table of contents in the sidebar")
+        print(f"{doc}: {report['mathRendered']} formulas, {report['images']} images")
+        page.close()
+    print(f"{len(pages)} pages checked in {time.time() - t0:.1f} s; "
+          f"screenshots in {SCREENSHOTS}")
+    assert not problems, "\n".join(problems)
+
+
+def test_search_finds_delta_rule(site):
+    base, pages, context, recorder = site
+    page = open_page(context, recorder, f"{base}/search.html?q=delta+rule")
+    page.wait_for_function(
+        "() => { const s = document.querySelector('#search-results');"
+        " return s && (s.querySelector('li') || /did not match|Search Results/i.test(s.innerText)); }",
+        timeout=20_000)
+    page.wait_for_timeout(300)  # results arrive one by one
+    hits = page.eval_on_selector_all("#search-results li a", "as => as.map(a => a.href)")
+    page.screenshot(path=str(SCREENSHOTS / "search-delta-rule.png"))
+    page.close()
+    assert not recorder.console_errors, recorder.console_errors
+    assert not recorder.blocked and not recorder.failed, recorder.failed
+    assert hits, ("search for 'delta rule' found nothing "
+                  f"(pages that mention it in their source: {pages_mentioning('delta rule', pages)})")
+    print(f"search 'delta rule' -> {hits}")
+
+
+def pages_mentioning(phrase, pages):
+    return [doc for doc in pages
+            if (src := source_of(doc)) and phrase in src.read_text(encoding="utf-8").lower()]
