@@ -1,12 +1,33 @@
 """Feature maps phi applied to keys and queries before they enter a linear memory.
 
 Chapter 1 needs the identity and elu+1 (positive features, so that the normaliser
-z_t^T phi(q_t) of normalised linear attention stays positive). The polynomial maps of
-chapter 4 are added next to these.
+z_t^T phi(q_t) of normalised linear attention stays positive). Chapter 4 adds the
+polynomial maps of the ATLAS paper, which raise a linear memory's capacity from d_k
+pairs to the feature dimension D (MATH.md §4, Prop. 2). [A] uses the words
+"polynomial features" for three different maps; each has its own function here:
+
+===========================  ================  ======================================
+map                          dimension D       inner product phi(x)^T phi(y)
+===========================  ================  ======================================
+``monomial_features(x, p)``  C(d + p, p)       sum_{|b|<=p} x^b y^b  (not a kernel
+                                               of x^T y: the monomials are unweighted)
+``tensor_power(x, p)``       d^p               (x^T y)^p
+``TaylorFeatures(p)``        sum_i d^i, or     sum_{i<=p} a_i (x^T y)^i, a_i >= 0
+                             C(d + p, p) when  learnable, initialised at 1/i! (the
+                             ``compressed``    Taylor series of exp(x^T y))
+===========================  ================  ======================================
+
+All maps act on the last axis and keep every leading axis: [..., d] -> [..., D].
 """
 from __future__ import annotations
 
+import functools
+import itertools
+import math
+import numbers
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 
@@ -24,9 +45,158 @@ FEATURE_MAPS = {"identity": identity, "elu+1": elu_plus_one}
 
 
 def get_feature_map(name):
-    """A feature map by name (``identity``, ``elu+1``) or a callable passed through."""
+    """A feature map by name (``identity``, ``elu+1``) or a callable passed through.
+
+    The polynomial maps take a degree, so pass them as callables, e.g.
+    ``functools.partial(monomial_features, degree=2)`` or ``TaylorFeatures(2)``.
+    """
     if callable(name):
         return name
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; choose one of {sorted(FEATURE_MAPS)} or pass a callable")
     return FEATURE_MAPS[name]
+
+
+# ----------------------------------------------------------------------------- polynomial maps
+
+def check_degree(degree) -> int:
+    """A polynomial degree must be an int >= 0 (``True`` and ``2.0`` are refused)."""
+    if isinstance(degree, bool) or not isinstance(degree, numbers.Integral):
+        raise TypeError(f"degree must be a non-negative int, got {degree!r}")
+    if degree < 0:
+        raise ValueError(f"degree must be >= 0, got {degree}")
+    return int(degree)
+
+
+def _check_input(x) -> int:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating torch.Tensor of shape [..., d], got {type(x).__name__}"
+                        + (f" of dtype {x.dtype}" if isinstance(x, torch.Tensor) else ""))
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have shape [..., d] with d >= 1, got {list(x.shape)}")
+    return x.shape[-1]
+
+
+def monomial_dim(d: int, degree: int) -> int:
+    """Number of monomials of degree <= p in d variables: C(d + p, p) (constant included)."""
+    return math.comb(d + check_degree(degree), check_degree(degree))
+
+
+@functools.lru_cache(maxsize=None)
+def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The monomials of degree exactly i in d variables, as sorted index tuples [n_i, i],
+    with their multinomial coefficients i! / prod_c (count of c)! (the number of ordered
+    index tuples, i.e. entries of x^{(x)i}, that equal this monomial)."""
+    combos = list(itertools.combinations_with_replacement(range(d), i))
+    counts = [math.factorial(i) // math.prod(math.factorial(combo.count(c)) for c in set(combo))
+              for combo in combos]
+    index = torch.tensor(combos, dtype=torch.long).view(len(combos), i)
+    return index, torch.tensor(counts, dtype=torch.float64)
+
+
+def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:
+    """[..., d] -> [..., C(d+i-1, i)]: every product x_{c_1} ... x_{c_i} with c_1 <= ... <= c_i."""
+    index, _ = _multisets(x.shape[-1], i)
+    return x[..., index.to(x.device)].prod(dim=-1)               # degree 0: an empty product, 1
+
+
+def monomial_features(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """phi_p(x) = [x^b]_{|b| <= p}: all monomials of degree at most p, constant included.
+
+    This is the map of [A] Prop. 2. Its dimension is C(d + p, p) (d = 4: 5, 15, 35 for
+    p = 1, 2, 3; d = 128, p = 2: 8385), and a linear memory on these features can fit
+    exactly as many generic key-value pairs as that (MATH.md §4). The monomials are
+    unweighted, so phi_p(x)^T phi_p(y) is *not* a function of x^T y; use
+    ``TaylorFeatures(p, compressed=True)`` for the weighted version whose inner product
+    is sum_i a_i (x^T y)^i. Order: by degree, then lexicographic in the variable indices.
+
+    x: [..., d] -> [..., C(d + p, p)].
+    """
+    _check_input(x)
+    degree = check_degree(degree)
+    return torch.cat([_monomials_of_degree(x, i) for i in range(degree + 1)], dim=-1)
+
+
+def tensor_power(x: torch.Tensor, degree: int) -> torch.Tensor:
+    """x^{(x)p}: the p-fold Kronecker power, flattened. [..., d] -> [..., d^p].
+
+    Inner product: <x^{(x)p}, y^{(x)p}> = (x^T y)^p, the self-tensoring block of [A]
+    eq. 22. Entry (c_1, ..., c_p) is x_{c_1} ... x_{c_p} (row-major). Every monomial of
+    degree p appears once per ordering of its indices, so the map is redundant: the
+    symmetric form used by ``TaylorFeatures(compressed=True)`` needs only C(d+p-1, p) entries.
+    p = 0 gives the constant feature 1.
+    """
+    _check_input(x)
+    degree = check_degree(degree)
+    out = torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)
+    for _ in range(degree):
+        out = (out[..., :, None] * x[..., None, :]).flatten(-2)   # one more Kronecker factor
+    return out
+
+
+def _inverse_softplus(a: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.expm1(a))
+
+
+class TaylorFeatures(nn.Module):
+    """The Taylor-weighted polynomial map of [A] eq. 5, with learnable non-negative weights.
+
+        phi(x)^T phi(y) = sum_{i=0}^{p} a_i (x^T y)^i,    a_i = softplus(raw_i) >= 0.
+
+    At initialisation a_i = 1/i!, so the kernel is the degree-p Taylor polynomial of
+    exp(x^T y) (the softmax numerator). [A] writes eq. 5 with real a_i; a feature map
+    (a real phi with this inner product) exists only for a_i >= 0, hence the softplus.
+
+    Realisation: phi(x) = concat_i sqrt(a_i) x^{(x)i}, of dimension sum_i d^i. With
+    ``compressed=True`` each block x^{(x)i} is replaced by its distinct monomials x^b,
+    |b| = i, weighted by sqrt(a_i * multinomial(i; b)); same inner product, dimension
+    C(d + p, p) (the monomial count of Prop. 2) instead of sum_i d^i.
+
+    Args:
+        degree: p >= 0.
+        compressed: use the symmetric-monomial form.
+        coefficients: optional initial a_0..a_p (non-negative; zeros become 1e-12 so that
+            the softplus can be inverted). Default 1/i!.
+    """
+
+    def __init__(self, degree: int, *, compressed: bool = False, coefficients=None):
+        super().__init__()
+        self.degree = check_degree(degree)
+        self.compressed = bool(compressed)
+        if coefficients is None:
+            a = torch.tensor([1.0 / math.factorial(i) for i in range(self.degree + 1)], dtype=torch.float64)
+        else:
+            a = torch.as_tensor(coefficients, dtype=torch.float64).flatten()
+            if a.numel() != self.degree + 1:
+                raise ValueError(f"coefficients must hold degree + 1 = {self.degree + 1} values a_0..a_p, "
+                                 f"got {a.numel()}")
+            if torch.isnan(a).any() or (a < 0).any():
+                raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got {a.tolist()}")
+        self.raw = nn.Parameter(_inverse_softplus(a.clamp_min(1e-12)).float())
+
+    @property
+    def coefficients(self) -> torch.Tensor:
+        """a_i = softplus(raw_i), shape [p + 1]."""
+        return F.softplus(self.raw)
+
+    def feature_dim(self, d: int) -> int:
+        """Output dimension for inputs of dimension d."""
+        if self.compressed:
+            return math.comb(d + self.degree, self.degree)
+        return sum(d ** i for i in range(self.degree + 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = _check_input(x)
+        scale = self.coefficients.to(x.dtype).sqrt()
+        blocks = []
+        for i in range(self.degree + 1):
+            if self.compressed:
+                _, counts = _multisets(d, i)
+                weight = counts.to(device=x.device, dtype=x.dtype).sqrt()
+                blocks.append(scale[i] * weight * _monomials_of_degree(x, i))
+            else:
+                blocks.append(scale[i] * tensor_power(x, i))
+        return torch.cat(blocks, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"degree={self.degree}, compressed={self.compressed}"
