@@ -42,7 +42,7 @@ def gate_kind(alpha) -> str:
 @EXERCISES.check("hebbian_step", title="One gated Hebbian write and read", points=2)
 def hebbian_step(fn, gen):
     """fn(M, q, k, v, alpha) -> (M_t, y_t) with M [B,H,V,K], q,k [B,H,K], v [B,H,V], alpha [B,H]."""
-    shapes = [(1, 1, 4, 4), (2, 3, 5, 7), (2, 1, 16, 3)]
+    shapes = [(2, 3, 5, 7), (1, 1, 4, 4), (2, 1, 16, 3)]   # K != V first: a transposed answer fails on shape
     for B, H, K, V in shapes:
         q, k, v = random_qkv(B, H, 1, K, V, generator=gen)
         alpha = random_gate(B, H, 1, low=0.3, high=1.0, generator=gen)
@@ -143,6 +143,9 @@ def triton_device() -> str:
 def triton_state_update(fn, gen):
     """fn(S [N,V,K], k [N,n,K], v [N,n,V], g [N,n], out [N,V,K]) -> out = e^{g_last} S + (v e^{g_last-g})^T k."""
     device = triton_device()
+    if device == "cpu" and not interpreter_on():
+        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
+                          "importing triton (the notebook's set-up cell does), then restart the kernel")
     tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
     cases = [(2, 5, 6, 3), (1, 16, 16, 16), (3, 11, 20, 9), (1, 1, 4, 4)]   # (N, n, K, V): odd sizes on purpose
     for N, n, K, V in cases:

@@ -1,0 +1,248 @@
+"""Exercise machinery: student copies up to date, the generator, and checks that can fail.
+
+Every chapter-1 check must pass a correct answer (written here from the library, not
+from the solution notebook) and reject typical wrong answers with a message that says
+what is wrong. TRITON_INTERPRET=1 is set by conftest.py before triton is imported.
+"""
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from atlaslib.exercises import ch01, registry
+from atlaslib.exercises.checking import MIME, Verdict
+from atlaslib.exercises.generate import SOLUTIONS, render, strip_solutions, target_of
+from atlaslib.linear import linear_attention
+from atlaslib.linear.chunk import chunk_step as library_chunk_step
+from atlaslib.tasks.capacity import least_squares_memory
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION_NOTEBOOKS = sorted(SOLUTIONS.glob("ch*.ipynb"))
+
+
+# ---- generator ---------------------------------------------------------------------------
+
+def test_there_are_solution_notebooks():
+    assert SOLUTION_NOTEBOOKS, "no exercises/solutions/ch*.ipynb"
+
+
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.name)
+def test_student_notebook_is_up_to_date(path):
+    target = target_of(path)
+    assert target.exists(), f"{target} missing: run `make exercises`"
+    assert target.read_text() == render(path), f"{target.name} is stale: run `make exercises`"
+
+
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_declares_every_exercise_with_stub_and_check(path):
+    nb = nbformat.read(path, as_version=4)
+    exercises = registry(nb.metadata["atlaslib"]["chapter"])
+    assert len(exercises.exercises) >= 4
+    student = nbformat.read(target_of(path), as_version=4)
+    for ex in exercises:
+        tagged = [c for c in student.cells if c.get("metadata", {}).get("atlaslib", {}).get("exercise") == ex.name]
+        assert any("raise NotImplementedError" in c.source for c in tagged), f"{ex.name}: no stub"
+        assert any(f"check.{ex.name}(" in c.source for c in tagged), f"{ex.name}: no check call"
+        assert not any("BEGIN SOLUTION" in c.source or c.outputs for c in tagged)
+
+
+def test_strip_solutions_keeps_indentation_and_the_rest():
+    src = "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION\n\n# BEGIN SOLUTION\nz = 2\n# END SOLUTION\nprint(3)"
+    out = strip_solutions(src, "Exercise 9: f", "test")
+    assert out == ("def f(x):\n    y = 1\n    raise NotImplementedError('Exercise 9: f')\n\n"
+                   "raise NotImplementedError('Exercise 9: f')\nprint(3)")
+
+
+@pytest.mark.parametrize("src", ["# BEGIN SOLUTION\nx = 1", "x = 1\n# END SOLUTION",
+                                 "# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION"])
+def test_strip_solutions_rejects_unbalanced_markers(src):
+    with pytest.raises(ValueError, match="SOLUTION"):
+        strip_solutions(src, "msg", "test")
+
+
+# ---- verdicts ----------------------------------------------------------------------------
+
+def hebbian_step_ok(M, q, k, v, alpha):
+    o, M_t = linear_attention(q[:, :, None], k[:, :, None], v[:, :, None], alpha=alpha[:, :, None],
+                              initial_state=M, output_final_state=True, backend="chunk")
+    return M_t, o[:, :, 0]
+
+
+def test_success_text_is_deterministic_and_machine_readable():
+    a, b = ch01.hebbian_step.evaluate(hebbian_step_ok), ch01.hebbian_step.evaluate(hebbian_step_ok)
+    assert a.status == "passed" and a.earned == a.points == 2
+    assert a.text() == b.text()       # no random numbers in the success line (nbval stays strict)
+    payload = json.loads(json.dumps(a.__dict__))
+    assert Verdict(**payload) == a
+
+
+def test_display_carries_the_grader_payload(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.get_ipython", lambda: object())
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    ch01.hebbian_step(hebbian_step_ok)
+    assert shown and json.loads(shown[0][MIME])["status"] == "passed"
+    assert shown[0]["text/plain"].startswith("PASSED Exercise 1")
+
+
+def test_stub_raising_not_implemented_scores_zero():
+    def stub(*args):
+        raise NotImplementedError("Exercise 1: write me")
+    v = ch01.hebbian_step.evaluate(stub)
+    assert v.status == "not_implemented" and v.earned == 0
+
+
+def test_exception_is_reported_by_name_without_traceback():
+    v = ch01.hebbian_step.evaluate(lambda *a: {}["missing"])
+    assert v.status == "error" and "KeyError" in v.message and "Traceback" not in v.message
+    assert "B=2, H=3" in v.message    # says which case
+
+
+def test_wrong_return_type_and_shape_are_explained():
+    v = ch01.hebbian_step.evaluate(lambda M, q, k, v, a: M)
+    assert v.status == "failed" and "expected a tuple (M_t, y_t)" in v.message
+    v = ch01.hebbian_step.evaluate(lambda M, q, k, v, a: (M.transpose(-1, -2), q))
+    assert v.status == "failed" and "shape" in v.message
+
+
+def test_inputs_modified_in_place_do_not_fool_the_check():
+    def in_place(M, q, k, v, alpha):
+        M.mul_(alpha[:, :, None, None]).add_(v[..., :, None] * k[..., None, :])
+        return M, torch.einsum("bhvk,bhk->bhv", M, q)
+    assert ch01.hebbian_step.evaluate(in_place).status == "passed"
+
+
+# ---- chapter 1: each check passes a correct answer and rejects typical mistakes ----------
+
+def test_hebbian_step_rejects_read_before_write():
+    def read_first(M, q, k, v, alpha):
+        y = torch.einsum("bhvk,bhk->bhv", alpha[:, :, None, None] * M, q)
+        return alpha[:, :, None, None] * M + v[..., :, None] * k[..., None, :], y
+    v = ch01.hebbian_step.evaluate(read_first)
+    assert v.status == "failed" and "y_t" in v.message and "relative RMSE" in v.message
+
+
+def gated_loop_ok(q, k, v, alpha):
+    return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=4)
+
+
+def test_gated_loop_passes_and_rejects_left_multiplied_channel_gates():
+    assert ch01.gated_loop.evaluate(gated_loop_ok).status == "passed"
+
+    def left_gate(q, k, v, alpha):      # Diag(alpha) M: decays value rows instead of key columns
+        if alpha.dim() == 3:
+            return gated_loop_ok(q, k, v, alpha)
+        M = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
+        out = []
+        for t in range(q.shape[2]):
+            a = alpha[:, :, t, : v.shape[-1]]
+            M = a[..., :, None] * M + v[:, :, t, :, None] * k[:, :, t, None, :]
+            out.append(torch.einsum("bhvk,bhk->bhv", M, q[:, :, t]))
+        return torch.stack(out, 2), M
+    v = ch01.gated_loop.evaluate(left_gate)
+    assert v.status != "passed" and "per-channel" in v.message
+
+
+def test_chunk_step_passes_and_rejects_missing_inter_chunk_decay():
+    assert ch01.chunk_step.evaluate(library_chunk_step).status == "passed"
+
+    def no_decay_on_past(S, q, k, v, g):
+        o, S_next = library_chunk_step(S, q, k, v, g)
+        return o - (torch.exp(g)[..., None] - 1) * (q @ S.transpose(-1, -2)), S_next
+    v = ch01.chunk_step.evaluate(no_decay_on_past)
+    assert v.status == "failed" and "o:" in v.message
+
+
+def test_chunkwise_passes_and_rejects_a_gate_that_is_not_restarted():
+    def chunkwise_ok(q, k, v, alpha, chunk_size):
+        return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=chunk_size)
+    assert ch01.chunkwise.evaluate(chunkwise_ok).status == "passed"
+
+    def global_cumsum(q, k, v, alpha, chunk_size):
+        g_all = torch.log(alpha).cumsum(-1)
+        S = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
+        outs = []
+        for s in range(0, q.shape[2], chunk_size):
+            e = min(s + chunk_size, q.shape[2])
+            o, S = library_chunk_step(S, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g_all[:, :, s:e])
+            outs.append(o)
+        return torch.cat(outs, 2), S
+    v = ch01.chunkwise.evaluate(global_cumsum)
+    assert v.status == "failed" and "chunk_size=" in v.message
+
+
+def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
+    def memory_ok(K, V):
+        return least_squares_memory(K.T, V.T)
+    assert ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: d_k).status == "passed"
+    assert ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: torch.tensor(float(d_k))).status == "passed"
+    assert ch01.capacity.evaluate(lambda K, V: V @ K.T, lambda d_k, d_v: d_k).status == "failed"
+    # (K^T K)^{-1} K^T is K^+ only for independent keys: wrong (or singular) beyond m = d_k
+    normal = ch01.capacity.evaluate(lambda K, V: V @ torch.linalg.inv(K.T @ K) @ K.T, lambda d_k, d_v: d_k)
+    assert normal.status in ("failed", "error") and ("m > d_k" in normal.message or "m >> d_k" in normal.message)
+    wrong = ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: min(d_k, d_v))
+    assert wrong.status == "failed" and "your answer" in wrong.message
+    assert ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: True).status == "failed"
+
+
+# ---- the Triton exercise: a correct kernel, and the masking mistakes it must catch --------
+
+@triton.jit
+def state_update_variants(S_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
+                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                          MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    t, c, r = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
+    if MASK_LOADS:
+        m_t, m_c, m_r = t < n, c < K, r < V
+    else:
+        m_t, m_c, m_r = t < BT, c < BK, r < BV
+    k = tl.load(k_ptr + i * n * K + t[:, None] * K + c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+    v = tl.load(v_ptr + i * n * V + t[:, None] * V + r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+    g = tl.load(g_ptr + i * n + t, mask=t < n, other=0.0)
+    if LAST_OF_BLOCK:
+        g_last = tl.sum(tl.where(t == BT - 1, g, 0.0))   # the padded row, not the last real token
+    else:
+        g_last = tl.load(g_ptr + i * n + n - 1)
+    state = i * V * K + r[:, None] * K + c[None, :]
+    S = tl.load(S_ptr + state, mask=(r < V)[:, None] & (c < K)[None, :], other=0.0)
+    S_next = S * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision="ieee")
+    if MASK_STORE:
+        tl.store(out_ptr + state, S_next, mask=(r < V)[:, None] & (c < K)[None, :])
+    else:
+        tl.store(out_ptr + state, S_next, mask=(r < V)[:, None] & (c < BK)[None, :])
+
+
+def launcher(mask_loads=True, mask_store=True, last_of_block=False):
+    def state_update(S, k, v, g, out):
+        N, n, K = k.shape
+        V = v.shape[-1]
+        BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (n, K, V))
+        state_update_variants[(N,)](S, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
+                                    MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block)
+        return out
+    return state_update
+
+
+def test_triton_check_passes_a_correct_kernel():
+    v = ch01.triton_state_update.evaluate(launcher())
+    assert v.status == "passed", v.message
+
+
+def test_triton_check_catches_unmasked_loads():
+    v = ch01.triton_state_update.evaluate(launcher(mask_loads=False))
+    assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
+
+
+def test_triton_check_catches_stores_past_the_end():
+    v = ch01.triton_state_update.evaluate(launcher(mask_store=False))
+    assert v.status == "failed" and "wrote" in v.message
+
+
+def test_triton_check_catches_gate_of_the_padded_row():
+    v = ch01.triton_state_update.evaluate(launcher(last_of_block=True))
+    assert v.status == "failed"
