@@ -1,0 +1,287 @@
+"""Timing and peak-memory tables: ``python -m atlaslib.bench``.
+
+For every registered model (a *bench case*) and every backend it prints
+
+    model  backend  device  dtype  B  H  T  K  V  time_ms  peak_MiB  speedup  [TFLOP/s  GB/s]
+
+* ``time_ms``: median wall time of ``--repeats`` calls after ``--warmup`` calls (CUDA
+  calls are synchronised before the clock stops).
+* ``peak_MiB``: the most memory the call held *beyond what existed before it* (inputs
+  excluded, output included). On CUDA this is ``torch.cuda.max_memory_allocated`` minus
+  the allocation before the call. On CPU PyTorch keeps no such counter, so the call is
+  run once more under ``torch.profiler`` with ``profile_memory=True``: the profiler
+  records every allocation and free of the CPU allocator with its size and time; the
+  running sum of those sizes in time order is the memory held at each moment, and its
+  maximum is the peak. (This counts tensor storage only, not Python objects, which is
+  what grows with T.)
+* ``speedup``: recurrent-loop time / this backend's time, for the same model and shape.
+* On CUDA also ``TFLOP/s`` (the case's FLOP count for its chunkwise algorithm, divided
+  by the time) and ``GB/s`` (bytes of inputs read plus outputs written, divided by the
+  time); the footer prints the card's measured matmul and copy peaks to compare with.
+
+``--scaling`` instead prints chunk-form time and memory for T = 1024 .. 8192, so one can
+see memory grow linearly in T (the state is constant; what grows is the output and the
+per-chunk work).
+
+Later chapters add rows with ``register_bench_case(name, builder, flops=...)``: the
+builder takes a ``BenchShape`` and a ``torch.Generator`` and returns ``call(backend)``,
+a function that runs the model once on fixed inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from .core import random_gate, random_qkv
+from .linear import linear_attention
+from .train import format_table
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    B: int
+    H: int
+    T: int
+    K: int
+    V: int
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass
+class BenchCase:
+    name: str
+    builder: callable                 # (BenchShape, Generator) -> call(backend)
+    flops: callable = None            # BenchShape -> FLOPs of one call (chunkwise algorithm)
+    bytes: callable = None            # BenchShape -> bytes read + written by one call
+    backends: tuple = ("recurrent", "chunk", "triton")
+
+
+BENCH_CASES: dict[str, BenchCase] = {}
+
+
+def register_bench_case(name: str, builder, *, flops=None, bytes=None,
+                        backends=("recurrent", "chunk", "triton")):
+    """Add a row family to the benchmark. ``builder(shape, generator) -> call(backend)``."""
+    if name in BENCH_CASES:
+        raise ValueError(f"bench case {name!r} is already registered")
+    BENCH_CASES[name] = BenchCase(name, builder, flops, bytes, tuple(backends))
+    return builder
+
+
+# ---------------------------------------------------------------------------- chapter 1 cases
+
+def linear_flops(s: BenchShape, chunk: int = 64) -> float:
+    """Chunkwise linear attention, per token and head: q k^T and scores v inside the chunk
+    (2C(K+V)), the inter-chunk read q S^T and the state update v^T k (4KV)."""
+    return s.B * s.H * s.T * (2 * min(chunk, s.T) * (s.K + s.V) + 4 * s.K * s.V)
+
+
+def _io_bytes(gate_width: int):
+    def count(s: BenchShape) -> float:
+        itemsize = torch.empty((), dtype=s.dtype).element_size()
+        return s.B * s.H * s.T * (2 * s.K + 2 * s.V + gate_width(s)) * itemsize   # q, k, v, gate in; o out
+    return count
+
+
+def _linear_builder(gate: str):
+    def build(s: BenchShape, g: torch.Generator):
+        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
+        alpha = None
+        if gate != "none":
+            alpha = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9,
+                                dtype=s.dtype, device=s.device, generator=g)
+        return lambda backend: linear_attention(q, k, v, alpha=alpha, backend=backend)
+    return build
+
+
+register_bench_case("linear", _linear_builder("none"), flops=linear_flops, bytes=_io_bytes(lambda s: 0))
+register_bench_case("linear_scalar_gate", _linear_builder("scalar"), flops=linear_flops,
+                    bytes=_io_bytes(lambda s: 1))
+register_bench_case("linear_channel_gate", _linear_builder("channel"), flops=linear_flops,
+                    bytes=_io_bytes(lambda s: s.K))
+
+
+# ---------------------------------------------------------------------------- measuring
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_call(fn, device, *, warmup: int = 1, repeats: int = 3) -> float:
+    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _cpu_allocations(prof):
+    """(time_ns, bytes) of every CPU allocator event (frees have negative size) seen by the profiler."""
+    from torch._C._profiler import _EventType
+    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device_type == torch.device("cpu").type:
+            out.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    return out
+
+
+def _cpu_allocations_fallback(prof):
+    """Same from the public event list: ops' own allocations plus the stand-alone [memory] events."""
+    return [(e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+            for e in prof.events()]
+
+
+def peak_memory_mib(fn, device) -> float:
+    """Peak memory (MiB) that one call of ``fn`` holds beyond what existed before it."""
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del out
+        return peak / 2**20
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    del out
+    try:
+        events = _cpu_allocations(prof)
+    except Exception:                      # private API moved: use the public event list
+        events = _cpu_allocations_fallback(prof)
+    held, peak = 0, 0
+    for _, nbytes in sorted(events):
+        held += nbytes
+        peak = max(peak, held)
+    return peak / 2**20
+
+
+def default_backends(device) -> list[str]:
+    on_gpu = str(device).startswith("cuda")
+    return ["recurrent", "chunk"] + (["triton"] if on_gpu else [])
+
+
+def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu", dtype=torch.float32,
+                   B=1, H=4, K=64, V=64, warmup=1, repeats=3, seed=0, progress=True) -> list[dict]:
+    """Measure every (model, T, backend); one row per measurement (see the module docstring)."""
+    models = list(BENCH_CASES) if not models else list(models)
+    unknown = [m for m in models if m not in BENCH_CASES]
+    if unknown:
+        raise ValueError(f"unknown bench case(s) {unknown}; registered: {sorted(BENCH_CASES)}")
+    backends = backends or default_backends(device)
+    on_gpu = str(device).startswith("cuda")
+    jobs = [(m, T, b) for m in models for T in Ts for b in backends if b in BENCH_CASES[m].backends]
+    rows, recurrent_ms = [], {}
+    for name, T, backend in tqdm(jobs, desc="bench", disable=not progress):
+        case = BENCH_CASES[name]
+        shape = BenchShape(B, H, T, K, V, str(device), dtype)
+        call = case.builder(shape, torch.Generator().manual_seed(seed))
+        fn = lambda: call(backend)  # noqa: E731
+        with torch.no_grad():
+            ms = time_call(fn, device, warmup=warmup, repeats=repeats)
+            mib = peak_memory_mib(fn, device)
+        if backend == "recurrent":
+            recurrent_ms[(name, T)] = ms
+        ref = recurrent_ms.get((name, T))
+        row = {"model": name, "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+               "B": B, "H": H, "T": T, "K": K, "V": V, "time_ms": ms, "peak_MiB": mib,
+               "speedup": (ref / ms) if ref else None}
+        if on_gpu:
+            row["TFLOP/s"] = case.flops(shape) / (ms * 1e-3) / 1e12 if case.flops else None
+            row["GB/s"] = case.bytes(shape) / (ms * 1e-3) / 1e9 if case.bytes else None
+        rows.append(row)
+    return rows
+
+
+def scaling(models=None, Ts=(1024, 2048, 4096, 8192), *, backend="chunk", **kw) -> list[dict]:
+    """Time and peak memory of one backend as T doubles; adds peak memory per 1k tokens."""
+    rows = run_benchmarks(models, Ts, backends=[backend], **kw)
+    for r in rows:
+        r["MiB_per_1k_tokens"] = r["peak_MiB"] / (r["T"] / 1024)
+        r.pop("speedup")
+    return rows
+
+
+def measured_peaks(device) -> dict:
+    """The card's achievable fp32/tf32 matmul TFLOP/s and copy GB/s, measured here."""
+    n = 4096
+    a = torch.randn(n, n, device=device)
+    ms = time_call(lambda: a @ a, device, warmup=2, repeats=5)
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
+    copy_ms = time_call(lambda: x.clone(), device, warmup=2, repeats=5)
+    return {"matmul_TFLOP/s": 2 * n**3 / (ms * 1e-3) / 1e12, "copy_GB/s": 2 * x.numel() / (copy_ms * 1e-3) / 1e9}
+
+
+def _table(rows):
+    fmt = []
+    for r in rows:
+        r = dict(r)
+        for key in ("time_ms", "peak_MiB", "MiB_per_1k_tokens", "GB/s"):
+            if isinstance(r.get(key), float):
+                r[key] = round(r[key], 2)
+        if isinstance(r.get("speedup"), float):
+            r["speedup"] = f"{r['speedup']:.1f}x"
+        elif "speedup" in r:
+            r["speedup"] = "-"
+        if isinstance(r.get("TFLOP/s"), float):
+            r["TFLOP/s"] = round(r["TFLOP/s"], 3)
+        fmt.append(r)
+    return format_table(fmt, digits=2)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m atlaslib.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096)")
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--K", type=int, default=64)
+    p.add_argument("--V", type=int, default=64)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--models", nargs="+", default=None, help=f"bench cases (default all: {', '.join(BENCH_CASES)})")
+    p.add_argument("--backends", nargs="+", default=None, help="default: recurrent chunk (+ triton on CUDA)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
+    p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
+    p.add_argument("--scaling", action="store_true", help="chunk-form time and memory for T=1024..8192")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V,
+              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
+    if args.quick:
+        kw.update(warmup=1, repeats=1)
+    if args.scaling:
+        Ts = args.T or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192])
+        backend = (args.backends or ["chunk"])[0]
+        print(_table(scaling(args.models, Ts, backend=backend, **kw)))
+    else:
+        Ts = args.T or ([256] if args.quick else [1024, 4096])
+        print(_table(run_benchmarks(args.models, Ts, backends=args.backends, **kw)))
+    if str(args.device).startswith("cuda"):
+        peaks = measured_peaks(args.device)
+        print(f"measured peaks on this card: fp32 matmul {peaks['matmul_TFLOP/s']:.1f} TFLOP/s "
+              f"(TF32 if enabled), copy {peaks['copy_GB/s']:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Token-mixer layers and the tiny LM used by the experiments.
+
+Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) are registered on import; later
+chapters register theirs with ``register_mixer`` in their own modules.
+"""
+from . import mixers  # noqa: F401  (registers the chapter 1 mixers)
+from .lm import TinyLM
+from .mixer import MIXERS, ShortConv, TokenMixer, available_mixers, make_mixer, register_mixer
+
+__all__ = ["TinyLM", "TokenMixer", "ShortConv", "MIXERS", "available_mixers", "make_mixer", "register_mixer"]

@@ -1,0 +1,153 @@
+"""Token mixers: the sequence layers that every chapter plugs into the same tiny LM.
+
+A ``TokenMixer`` owns everything that is the same across models (the q/k/v/o
+projections, the short causal convolution, the feature map, q/k normalisation, the head
+split) and leaves one method to subclasses:
+
+    mix(q, k, v, x) -> o        q, k: [B, H, T, K]; v: [B, H, T, V]; x: [B, T, D]; o: [B, H, T, V]
+
+``x`` is the layer input, from which data-dependent gates are projected. A new model is
+registered from any module with
+
+    @register_mixer("deltanet")
+    class DeltaNetMixer(TokenMixer):
+        def __init__(self, d_model, n_heads, **kw):
+            super().__init__(d_model, n_heads, **kw)
+            self.beta_proj = nn.Linear(d_model, n_heads)
+        def mix(self, q, k, v, x):
+            ...
+
+and built with ``make_mixer("deltanet", d_model, n_heads, **kw)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import get_feature_map
+
+MIXERS: dict[str, type] = {}
+
+
+def register_mixer(name: str):
+    """Class decorator: make a ``TokenMixer`` subclass available as ``make_mixer(name, ...)``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"mixer name must be a non-empty string, got {name!r}")
+
+    def decorator(cls):
+        if not (isinstance(cls, type) and issubclass(cls, TokenMixer)):
+            raise TypeError(f"register_mixer({name!r}) needs a TokenMixer subclass, got {cls!r}")
+        if name in MIXERS and MIXERS[name] is not cls:
+            raise ValueError(f"a different mixer is already registered as {name!r}: {MIXERS[name].__name__}")
+        MIXERS[name] = cls
+        cls.mixer_name = name
+        return cls
+    return decorator
+
+
+def available_mixers() -> list[str]:
+    return sorted(MIXERS)
+
+
+def make_mixer(name: str, d_model: int, n_heads: int, **kw) -> "TokenMixer":
+    """Build the mixer registered as ``name``; extra keywords go to its constructor."""
+    if name not in MIXERS:
+        raise ValueError(f"unknown mixer {name!r}; registered mixers: {available_mixers()} "
+                         "(chapter modules register theirs on import, e.g. import atlaslib.delta)")
+    return MIXERS[name](d_model, n_heads, **kw)
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise convolution over time (each channel sees its last ``size`` inputs), then SiLU.
+
+    It lets a token mix in its immediate predecessors before it is written to memory,
+    which is what MQAR needs to bind a value to the key just before it.
+    """
+
+    def __init__(self, channels: int, size: int = 4):
+        super().__init__()
+        self.size = size
+        self.conv = nn.Conv1d(channels, channels, size, groups=channels, padding=size - 1, bias=False)
+
+    def forward(self, x):                                   # x: [B, T, C]
+        T = x.shape[1]
+        return F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
+
+
+class TokenMixer(nn.Module):
+    """Shared front and back end of a sequence-mixing layer.
+
+    Args:
+        d_model: width D of the residual stream.
+        n_heads: number of heads H.
+        head_k_dim / head_v_dim: per-head key and value widths K, V (default D // H).
+        conv_size: size of the short causal convolution on q, k, v (0 or None: off).
+        feature_map: phi applied to q and k (a name from ``atlaslib.core.FEATURE_MAPS``
+            or a callable).
+        qk_norm: l2-normalise q and k per head (after phi), as delta-rule models do.
+        backend: passed to the library call in ``mix`` ("auto", "chunk", ...).
+    """
+
+    mixer_name = "base"
+
+    def __init__(self, d_model: int, n_heads: int, *, head_k_dim: int | None = None,
+                 head_v_dim: int | None = None, conv_size: int | None = 4,
+                 feature_map="identity", qk_norm: bool = False, backend: str = "auto"):
+        super().__init__()
+        for name, val in (("d_model", d_model), ("n_heads", n_heads)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if (head_k_dim is None or head_v_dim is None) and d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; "
+                             "pass head_k_dim and head_v_dim explicitly")
+        self.d_model, self.n_heads = d_model, n_heads
+        self.head_k_dim = head_k_dim or d_model // n_heads
+        self.head_v_dim = head_v_dim or d_model // n_heads
+        self.backend = backend
+        self.qk_norm = qk_norm
+        self.phi = get_feature_map(feature_map)
+        dk, dv = n_heads * self.head_k_dim, n_heads * self.head_v_dim
+        self.q_proj = nn.Linear(d_model, dk, bias=False)
+        self.k_proj = nn.Linear(d_model, dk, bias=False)
+        self.v_proj = nn.Linear(d_model, dv, bias=False)
+        self.o_proj = nn.Linear(dv, d_model, bias=False)
+        if conv_size:
+            self.q_conv, self.k_conv, self.v_conv = (ShortConv(c, conv_size) for c in (dk, dk, dv))
+        else:
+            self.q_conv = self.k_conv = self.v_conv = None
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, H*d] -> [B, H, T, d]."""
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, -1).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D] -> [B, T, D]."""
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [B, T, {self.d_model}], got {list(x.shape)}")
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv is not None:
+            q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
+        q, k, v = self.heads(q), self.heads(k), self.heads(v)
+        q, k = self.phi(q), self.phi(k)
+        if self.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        o = self.mix(q, k, v, x)                                   # [B, H, T, V]
+        B, H, T, V = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * V))
+
+    def mix(self, q, k, v, x):
+        raise NotImplementedError(f"{type(self).__name__} must implement mix(q, k, v, x)")
+
+    @property
+    def state_size(self) -> int | None:
+        """Numbers in this layer's recurrent state: one [V, K] matrix per head.
+
+        ``None`` for models whose state grows with T (softmax attention's KV cache).
+        """
+        return self.n_heads * self.head_k_dim * self.head_v_dim
+
+    def extra_repr(self) -> str:
+        return (f"name={self.mixer_name!r}, heads={self.n_heads}, K={self.head_k_dim}, "
+                f"V={self.head_v_dim}, backend={self.backend!r}")

@@ -1,0 +1,99 @@
+"""Chapter 1 mixers: softmax attention, linear attention and its gated (Hebbian) family."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import softmax_attention
+from ..linear import linear_attention
+from .mixer import TokenMixer, register_mixer
+
+
+@register_mixer("softmax")
+class SoftmaxAttention(TokenMixer):
+    """Causal softmax attention: the non-parametric memory that keeps every token (KV cache)."""
+
+    def mix(self, q, k, v, x):
+        return softmax_attention(q, k, v)
+
+    @property
+    def state_size(self):
+        return None          # the KV cache grows with T: 2 * H * T * d per layer
+
+
+@register_mixer("linear")
+class LinearAttention(TokenMixer):
+    """M_t = M_{t-1} + v_t phi(k_t)^T, y_t = M_t phi(q_t) (optionally normalised by z_t^T phi(q_t))."""
+
+    def __init__(self, d_model, n_heads, *, normalize: bool = False, **kw):
+        if normalize:
+            kw.setdefault("feature_map", "elu+1")   # the normaliser needs positive features
+        super().__init__(d_model, n_heads, **kw)
+        self.normalize = normalize
+
+    def mix(self, q, k, v, x):
+        return linear_attention(q, k, v, normalize=self.normalize, backend=self.backend)[0]
+
+    @property
+    def state_size(self):
+        return self.n_heads * self.head_k_dim * (self.head_v_dim + (1 if self.normalize else 0))
+
+
+@register_mixer("retnet")
+class RetNet(TokenMixer):
+    """Linear attention with a fixed per-head decay alpha_h = 1 - 2^(-5-h) (RetNet's choice)."""
+
+    def __init__(self, d_model, n_heads, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        alpha = 1.0 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float32))
+        self.register_buffer("alpha", alpha, persistent=False)
+
+    def mix(self, q, k, v, x):
+        B, H, T, _ = q.shape
+        alpha = self.alpha[None, :, None].expand(B, H, T).to(q.dtype)
+        return linear_attention(q, k, v, alpha=alpha, backend=self.backend)[0]
+
+
+class GatedLinear(TokenMixer):
+    """Linear attention with a data-dependent retention gate projected from x.
+
+    alpha_t = sigmoid(w^T x_t + b)^(1/tau), i.e. log alpha_t = logsigmoid(w^T x_t + b) / tau.
+    The temperature tau (16, as in GLA) keeps gates close to 1 at initialisation so the
+    memory starts long-lived and training learns where to forget.
+    """
+
+    per_channel = False                # False: one scalar per head (Mamba2); True: one per key channel (GLA)
+
+    def __init__(self, d_model, n_heads, *, gate_temperature: float = 16.0, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.gate_temperature = gate_temperature
+        width = self.head_k_dim if self.per_channel else 1
+        self.gate_proj = nn.Linear(d_model, n_heads * width)
+
+    def gate(self, x):
+        """Retention in (0, 1): [B, H, T] (scalar) or [B, H, T, K] (per channel)."""
+        log_alpha = F.logsigmoid(self.gate_proj(x)) / self.gate_temperature     # [B, T, H*w]
+        B, T, _ = x.shape
+        log_alpha = log_alpha.view(B, T, self.n_heads, -1).transpose(1, 2)      # [B, H, T, w]
+        alpha = log_alpha.exp()
+        return alpha if self.per_channel else alpha.squeeze(-1)
+
+    def mix(self, q, k, v, x):
+        return linear_attention(q, k, v, alpha=self.gate(x).to(q.dtype), backend=self.backend)[0]
+
+
+@register_mixer("mamba2")
+class Mamba2Style(GatedLinear):
+    """Scalar data-dependent decay per head and token: M_t = alpha_t M_{t-1} + v_t k_t^T."""
+
+    per_channel = False
+
+
+@register_mixer("gla")
+class GLA(GatedLinear):
+    """Per-key-channel decay (Gated Linear Attention): M_t = M_{t-1} Diag(alpha_t) + v_t k_t^T."""
+
+    per_channel = True
