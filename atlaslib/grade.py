@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import nbformat
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from tqdm.auto import tqdm
@@ -77,6 +79,15 @@ def error_in(cell) -> str | None:
     return None
 
 
+class ThisPython(KernelSpecManager):
+    """Kernels run on the interpreter running the grader (the project's .venv), whatever
+    other 'python3' kernels the user has installed."""
+
+    def get_kernel_spec(self, kernel_name):
+        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                          display_name="atlaslib grader", language="python", resource_dir=".")
+
+
 class Kernel:
     """An nbclient kernel that can be thrown away and restarted after a timeout."""
 
@@ -88,7 +99,7 @@ class Kernel:
 
     def start(self):
         c = self.client
-        c.km = c.create_kernel_manager()
+        c.km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
         c.start_new_kernel(stderr=subprocess.DEVNULL)   # the kernel's own log lines are noise here
         c.start_new_kernel_client()
 
