@@ -1,0 +1,168 @@
+"""Chapter 4: the Omega rule (OmegaNet with a linear memory), SWLA and polynomial features.
+
+Public functions: ``omega_rule`` and ``swla``; the three rooms are ``recurrent.py``
+(the per-token definitions and the frozen-gradient oracle ``omega_frozen_seq``),
+``chunk.py`` (the chunkwise algorithm) and ``kernel.py`` (Triton). The polynomial feature
+maps live in ``atlaslib.core.featuremaps`` and are re-exported here.
+"""
+from __future__ import annotations
+
+import functools
+
+from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
+                    monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
+from .chunk import omega_chunk, swla_chunk, window_gates
+from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
+
+MEMORIES = ("linear",)
+
+
+def check_window(window) -> int:
+    """The window length c must be an int >= 1."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window
+
+
+def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size):
+    """Validate every argument, apply phi to q and k, and return (phi(q), phi(k))."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}: deep memories (OmegaNet with an "
+                         f"MLP memory) come with the chapter 3 engine (atlaslib.miras)")
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_window(window)
+    check_gate("gamma", gamma, B, H, T, window, ref=q)
+    check_gate("alpha", alpha, B, H, T, ref=q)
+    check_gate("eta", eta, B, H, T, low=0.0, high=None, ref=q)
+    check_chunk_size(chunk_size)
+    phi = get_feature_map("identity" if phi is None else phi)
+    fq, fk = phi(q), phi(k)
+    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
+        if not hasattr(f, "shape") or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
+            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
+                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
+    if fq.shape != fk.shape:
+        raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
+    check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
+    return fq, fk
+
+
+def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, memory="linear",
+               initial_state=None, output_final_state=False, backend="auto", chunk_size=64):
+    """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
+
+        M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
+            = M_{t-1} (alpha_t I - eta_t sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T)
+              + eta_t sum_i gamma_i^{(t)} v_i phi(k_i)^T,
+        y_t = M_t phi(q_t),            l2(M; k, v) = 1/2 ||M k - v||^2.
+
+    Where the delta rule (c = 1) corrects the memory for the newest pair only, each Omega
+    step corrects it for the whole window of c pairs, every one evaluated at the current
+    state. Sign: the value term is *added*; [A] eq. 11 subtracts it (and multiplies from
+    the left, with a diag(alpha_t) that eq. 10 does not have), see the errata. Tokens
+    before the start of the sequence do not exist, so the windows of t < c are shorter.
+
+    Only the linear memory M [V, D] is implemented here (``memory="linear"``). Deep
+    memories (OmegaNet with an MLP memory, [A] §3) come with the chapter 3 engine,
+    ``atlaslib.miras``; any other value of ``memory`` is a ValueError.
+
+    Args:
+        q, k: [B, H, T, K] queries and keys (phi is applied here).
+        v: [B, H, T, V] values.
+        window: c >= 1, the number of pairs in each update (c = 1: the delta rule).
+        gamma: window gates in [0, 1], in one of two parametrisations (MATH.md §4):
+            ``[B, H, T]`` per source token, gamma_i^{(t)} = gamma_i (a token keeps its
+            weight in every window it belongs to); ``[B, H, T, window]`` per offset,
+            gamma_i^{(t)} = gamma[..., t, t - i] (offset 0 is token t itself; entries that
+            point before the sequence start are ignored). ``None``: all ones.
+        alpha: [B, H, T] retention in [0, 1] (``None``: 1).
+        eta: [B, H, T] inner learning rate >= 0 (``None``: 1). The step is stable while
+            eta_t * ||sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T|| <= 2: for unit features and
+            gamma = 1 that is eta_t <= 2 / c, so eta = 1 with c > 2 can diverge.
+        phi: feature map for q and k: ``None`` (identity), a name from
+            ``core.FEATURE_MAPS`` or a callable [B, H, T, K] -> [B, H, T, D], e.g.
+            ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
+        memory: "linear" (the only option here, see above).
+        initial_state: optional [B, H, V, D] start state M_0.
+        output_final_state: also return the state after the last token.
+        backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
+            M_{t-1}), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
+            MATH.md §8), "triton" (the same chunk form as a GPU kernel; CPU under
+            TRITON_INTERPRET=1; backward by autograd through the chunk form) or "auto"
+            (triton on CUDA, chunk otherwise).
+        chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
+            (see below); b = 1 is the exact per-token rule.
+
+    Which equalities hold (MATH.md §8; all are tested):
+
+    ====================================================  ==============================
+    comparison                                            result
+    ====================================================  ==============================
+    chunk(b) vs ``omega_frozen_seq(b)``                   exact for every b and c
+    triton(b) vs chunk(b)                                 exact (fp32 rounding)
+    chunk(1) vs recurrent                                 exact
+    chunk(b > 1) vs recurrent                             differ: frozen gradients
+                                                          are an approximation
+    recurrent with c = 1, alpha = 1 vs ``delta_rule``     exact, with beta = eta * gamma
+    (or chunk(1); any delta backend: its chunk form
+    is exact)
+    chunk(b > 1) with c = 1 vs ``delta_rule``             differ (frozen gradients)
+    ====================================================  ==============================
+
+    With alpha < 1 and c = 1 the Omega rule is *not* Gated DeltaNet: it takes the gradient
+    at M_{t-1} and decays afterwards, M_{t-1}(alpha_t I - eta_t k k^T) + eta_t v k^T,
+    whereas Gated DeltaNet takes it at alpha_t M_{t-1}: alpha_t M_{t-1}(I - beta_t k k^T) + beta_t v k^T.
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 — or None unless requested).
+    """
+    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size)
+    backend = resolve_backend(backend, q)
+    if backend == "recurrent":
+        o, state = omega_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
+    elif backend == "chunk":
+        o, state = omega_chunk(fq, fk, v, window, gamma, alpha, eta, initial_state, chunk_size)
+    else:
+        from .kernel import omega_triton
+        o, state = with_chunk_backward(omega_triton, omega_chunk, fq, fk, v, window, gamma, alpha, eta,
+                                       initial_state, chunk_size)
+    return o, (state if output_final_state else None)
+
+
+def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial_state=None,
+         output_final_state=False, backend="auto", chunk_size=64):
+    """Sliding-window linear attention: the Omega window with the dot-product bias -<M phi(k), v>.
+
+        M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T,    y_t = M_t phi(q_t).
+
+    The gradient of the dot-product loss, -v phi(k)^T, does not depend on M, so SWLA is
+    linear attention with effective per-pair weights, and its chunkwise form (and kernel)
+    is exact for every chunk size: recurrent == chunk(b) == triton(b) for all b. With
+    c = 1 it is ``linear_attention`` on the values eta_t gamma_t v_t.
+
+    SWLA is **not** sliding-window attention: nothing ever leaves the memory. With
+    alpha = gamma = eta = 1, M_t = sum_{i<=t} min(c, t - i + 1) v_i phi(k_i)^T: every old
+    pair stays, written c times, and the newest c - 1 pairs carry *less* weight. The
+    window shapes the update, not the memory's contents. ([A] eq. 20 drops alpha_t and
+    [A] eq. 55 flips the sign of the write.)
+
+    Arguments and results as ``omega_rule`` (no ``memory``: the state is linear).
+    """
+    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size)
+    backend = resolve_backend(backend, q)
+    if backend == "recurrent":
+        o, state = swla_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
+    elif backend == "chunk":
+        o, state = swla_chunk(fq, fk, v, window, gamma, alpha, eta, initial_state, chunk_size)
+    else:
+        from .kernel import swla_triton
+        o, state = with_chunk_backward(swla_triton, swla_chunk, fq, fk, v, window, gamma, alpha, eta,
+                                       initial_state, chunk_size)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["omega_rule", "swla", "check_window", "omega_recurrent", "omega_frozen_seq", "omega_chunk",
+           "swla_recurrent", "swla_chunk", "window_gates", "TaylorFeatures", "monomial_features",
+           "monomial_dim", "tensor_power", "MEMORIES"]

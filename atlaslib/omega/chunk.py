@@ -1,0 +1,147 @@
+"""The algorithm: the chunkwise Omega rule (frozen gradients) and chunkwise SWLA (exact).
+
+Split the sequence into chunks of b tokens. For a chunk that starts from M_{t0} (the
+state after the previous chunk), replace every gradient grad l2(M_{t-1}; .) by
+grad l2(M_{t0}; .) ([A] §3.3, MATH.md §8). Each window then contributes a *fixed*
+rank-one term e_i phi(k_i)^T with the error e_i = M_{t0} phi(k_i) - v_i, and everything
+left (retention, learning rates, window gates) is linear, so the whole chunk is a few
+masked matrix products.
+
+The window rows of a chunk are idx = [t0 - c + 2, t0 + b] (b + c - 1 rows): a window
+of token t0 + 1 **reaches c - 1 tokens into the previous chunk**. [A] describes the
+mask as "an identity with the c - 1 positions before each diagonal entry set to 1",
+which, read as a b x b matrix, would cut every window at the chunk start (so that
+b = 1 silently became c = 1); the b x (b + c - 1) band used here is the reading under
+which b = 1 gives back the per-token rule (MATH.md §8, "Ambiguity in [A]").
+
+With, inside the chunk (t, n = 1..b local; col over the b + c - 1 window rows):
+
+    A_t         = alpha_{t0+1} ... alpha_{t0+t}                 cumulative retention
+    D[t, n]     = A_t / A_n  (n <= t, else 0)                  = exp(g_t - g_n), g = cumsum log alpha
+    Gamma[n, col] = gamma_i^{(n)} for row col = token i with n - c < i <= n   (the band)
+    C           = D diag(eta) Gamma                             [b, b + c - 1]
+    E           = Phi_K,idx M_{t0}^T - V_idx                    errors at M_{t0}, [b + c - 1, V]
+
+the chunk's outputs and end state are
+
+    Y          = diag(A) Phi_Q M_{t0}^T - (C * Phi_Q Phi_K,idx^T) E
+    M_{t0+b}   = A_b M_{t0} - (C[b, :] * E^T) Phi_K,idx .
+
+(C[t, col] is the total weight, summed over the steps n <= t that saw token col in their
+window and decayed to step t, with which token col's frozen gradient enters M_t.)
+SWLA uses the same formulas with E = -V_idx: its gradient -v phi(k)^T never depended on
+M, so for SWLA nothing is frozen and the chunk form is exact for every b.
+
+Only differences g_t - g_n with n <= t are exponentiated (``linear.chunk.causal_decay``),
+so every decay factor lies in [0, 1]; tokens before the sequence start are zero rows
+with zero gates.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..linear.chunk import causal_decay, log_gate
+from ..linear.recurrent import compute_dtype
+
+
+def window_gates(gamma, B: int, H: int, T: int, window: int, dtype, device) -> torch.Tensor:
+    """Both gamma parametrisations as per-offset gates G [B, H, T, c]: G[t, j] = gamma_{t-j}^{(t)}.
+
+    ``None`` is all ones; per source token [B, H, T] becomes G[t, j] = gamma[t - j]; per
+    offset [B, H, T, c] is used as is. Entries whose source token t - j < 0 does not
+    exist are set to 0.
+    """
+    c = window
+    if gamma is None:
+        G = torch.ones(B, H, T, c, dtype=dtype, device=device)
+    elif gamma.dim() == 3:
+        padded = F.pad(gamma.to(dtype), (c - 1, 0))                 # gamma_{-c+1..-1} = 0 (no such token)
+        G = padded.unfold(-1, c, 1).flip(-1)                         # [B, H, T, c]: G[t, j] = gamma[t - j]
+    else:
+        G = gamma.to(dtype)
+    exists = torch.arange(c, device=device)[None, :] <= torch.arange(T, device=device)[:, None]
+    return G * exists
+
+
+def band_gates(G: torch.Tensor, window: int) -> torch.Tensor:
+    """The banded gate matrix Gamma [B, H, n, n + c - 1] of one chunk from its per-offset gates G [B, H, n, c].
+
+    Column col is window row i = col - (c - 1) (chunk-local, so negative i lie in the
+    previous chunk); Gamma[t, col] = G[t, t - i] when 0 <= t - i < c, else 0.
+    """
+    B, H, n, c = G.shape
+    t = torch.arange(n, device=G.device)[:, None]
+    col = torch.arange(n + c - 1, device=G.device)[None, :]
+    offset = t + (c - 1) - col                                       # j = t - i
+    inside = (offset >= 0) & (offset < c)
+    picked = G.gather(-1, offset.clamp(0, c - 1).expand(B, H, n, n + c - 1))
+    return picked * inside
+
+
+def window_weights(G, eta, g, window):
+    """C = D diag(eta) Gamma [B, H, n, n + c - 1]: the weight of each window row's gradient in each M_t.
+
+    G: [B, H, n, c] per-offset gates of the chunk; eta: [B, H, n]; g: None or [B, H, n]
+    log-retention accumulated from the chunk start.
+    """
+    n = G.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=G.device).tril()
+    D = causal.to(G.dtype) if g is None else causal_decay(g, causal)
+    return (D * eta[..., None, :]) @ band_gates(G, window)
+
+
+def chunk_step(S, q, k_win, v_win, C, g, hebbian=False):
+    """One chunk. S: [B,H,V,D]; q: [B,H,n,D]; k_win, v_win: the n + c - 1 window rows;
+    C: [B,H,n,n+c-1]; g: None or [B,H,n]. Returns (o [B,H,n,V], S at the chunk's end).
+    """
+    E = -v_win if hebbian else k_win @ S.transpose(-1, -2) - v_win   # errors at M_{t0} (SWLA: -v)
+    scores = (q @ k_win.transpose(-1, -2)) * C
+    qS = q @ S.transpose(-1, -2)
+    if g is None:
+        o, S_start = qS - scores @ E, S
+    else:
+        o = torch.exp(g)[..., None] * qS - scores @ E
+        S_start = torch.exp(g[..., -1:, None]) * S                  # A_b M_{t0}
+    c_end = C[..., -1, :, None]                                      # C[b, :]
+    return o, S_start - (E * c_end).transpose(-1, -2) @ k_win
+
+
+def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
+                   chunk_size=64, hebbian=False):
+    """The chunk loop shared by the Omega rule (``hebbian=False``) and SWLA (``hebbian=True``)."""
+    B, H, T, D = q.shape
+    V = v.shape[-1]
+    c = window
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    S = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    G = window_gates(gamma, B, H, T, c, cd, q.device)
+    eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
+    logs = None if alpha is None else log_gate(alpha, cd)
+    k_pad = F.pad(k, (0, 0, c - 1, 0))                               # c - 1 zero rows before token 0
+    v_pad = F.pad(v, (0, 0, c - 1, 0))
+    outputs = []
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
+        C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
+        # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
+        o, S = chunk_step(S, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g, hebbian)
+        outputs.append(o)
+    return torch.cat(outputs, dim=2).to(out_dtype), S
+
+
+def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
+    """Chunkwise Omega rule with gradients frozen at each chunk's start state.
+
+    Equals ``omega_frozen_seq(..., chunk_size)`` for every chunk size and ``omega_recurrent``
+    at chunk_size = 1; for chunk_size > 1 it is a different (approximate) model.
+    Same arguments and results as ``recurrent.omega_frozen_seq``.
+    """
+    return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, hebbian=False)
+
+
+def swla_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
+    """Chunkwise SWLA, exact for every chunk size. Same arguments and results as ``swla_recurrent``."""
+    return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, hebbian=True)
