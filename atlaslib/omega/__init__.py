@@ -7,8 +7,6 @@ maps live in ``atlaslib.core.featuremaps`` and are re-exported here.
 """
 from __future__ import annotations
 
-import functools
-
 from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
                     monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
 from .chunk import omega_chunk, swla_chunk, window_gates

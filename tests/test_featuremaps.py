@@ -1,0 +1,164 @@
+"""Chapter 4: polynomial feature maps (monomials, tensor powers, Taylor-weighted) and Prop. 2.
+
+Each map is checked against the kernel value it claims, computed independently on fresh
+random inputs: the monomial map against a brute-force enumeration of exponent vectors,
+the tensor power against (x.y)^p, the Taylor map against sum_i a_i (x.y)^i. Prop. 2's
+capacity thresholds are measured by least squares.
+"""
+import itertools
+import math
+
+import pytest
+import torch
+
+from atlaslib.core import (TaylorFeatures, assert_close, check_degree, elu_plus_one, get_feature_map,
+                           identity, monomial_dim, monomial_features, tensor_power)
+
+
+def brute_force_monomials(x, p):
+    """All x^beta = prod_c x_c^{beta_c} with |beta| <= p, from an enumeration of exponent vectors."""
+    d = x.shape[-1]
+    betas = [b for b in itertools.product(range(p + 1), repeat=d) if sum(b) <= p]
+    return torch.stack([torch.prod(x ** torch.tensor(b, dtype=x.dtype), dim=-1) for b in betas], dim=-1)
+
+
+@pytest.mark.parametrize("d", [1, 3, 4, 7])
+@pytest.mark.parametrize("p", [0, 1, 2, 3])
+def test_dimensions(gen, d, p):
+    x = torch.randn(2, 5, d, generator=gen)
+    assert monomial_features(x, p).shape == (2, 5, math.comb(d + p, p)) == (2, 5, monomial_dim(d, p))
+    assert tensor_power(x, p).shape == (2, 5, d ** p)
+    for compressed in (False, True):
+        phi = TaylorFeatures(p, compressed=compressed)
+        D = math.comb(d + p, p) if compressed else sum(d ** i for i in range(p + 1))
+        assert phi(x).shape == (2, 5, D) and phi.feature_dim(d) == D
+
+
+def test_documented_dimensions():
+    assert [monomial_dim(4, p) for p in (1, 2, 3)] == [5, 15, 35]
+    assert monomial_dim(16, 2) == 153 and monomial_dim(128, 2) == 8385
+
+
+@pytest.mark.parametrize("d,p", [(1, 3), (3, 2), (4, 3), (5, 1)])
+def test_monomials_are_every_monomial_once(gen, d, p):
+    """Same multiset of values as the brute-force enumeration, and the same inner products."""
+    x = torch.randn(6, d, generator=gen, dtype=torch.float64)
+    y = torch.randn(6, d, generator=gen, dtype=torch.float64)
+    ours, ref = monomial_features(x, p), brute_force_monomials(x, p)
+    assert_close(ours.sort(dim=-1).values, ref.sort(dim=-1).values, tol=1e-12)
+    assert_close((ours * monomial_features(y, p)).sum(-1), (ref * brute_force_monomials(y, p)).sum(-1), tol=1e-12)
+    assert torch.all(ours[..., 0] == 1), "the constant monomial comes first"
+
+
+def test_unweighted_monomials_are_not_a_dot_product_kernel():
+    """x = e_1 and x = (1, 1)/sqrt 2 both have x.x = 1, yet their unweighted degree-2 kernels differ
+    (3 vs 2.75): phi_p(x).phi_p(y) is not a function of x.y, unlike the Taylor-weighted map."""
+    e1 = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    diag = torch.tensor([1.0, 1.0], dtype=torch.float64) / math.sqrt(2)
+    kernel = lambda x: (monomial_features(x, 2) ** 2).sum().item()        # noqa: E731
+    assert kernel(e1) == pytest.approx(3.0) and kernel(diag) == pytest.approx(2.75)
+    taylor = TaylorFeatures(2, compressed=True).double()
+    assert (taylor(e1) ** 2).sum().item() == pytest.approx((taylor(diag) ** 2).sum().item())
+
+
+@pytest.mark.parametrize("p", [0, 1, 2, 3, 4])
+def test_tensor_power_kernel(gen, p):
+    x = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    y = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    assert_close((tensor_power(x, p) * tensor_power(y, p)).sum(-1), (x * y).sum(-1) ** p, tol=1e-12)
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("p", [0, 1, 2, 3])
+def test_taylor_kernel(gen, compressed, p):
+    """phi(x).phi(y) = sum_i a_i (x.y)^i, at the default a_i = 1/i! and at random non-negative a_i."""
+    x = torch.randn(4, 7, 6, generator=gen, dtype=torch.float64) / 2
+    y = torch.randn(4, 7, 6, generator=gen, dtype=torch.float64) / 2
+    s = (x * y).sum(-1)
+    phi = TaylorFeatures(p, compressed=compressed).double()
+    a = phi.coefficients.detach()
+    assert_close(a, torch.tensor([1 / math.factorial(i) for i in range(p + 1)], dtype=torch.float64),
+                 tol=1e-6, name="a_i at initialisation")
+    assert_close((phi(x) * phi(y)).sum(-1), sum(a[i] * s ** i for i in range(p + 1)), tol=1e-12)
+    a_rand = torch.rand(p + 1, generator=gen, dtype=torch.float64) * 2
+    phi = TaylorFeatures(p, compressed=compressed, coefficients=a_rand).double()
+    a = phi.coefficients.detach()
+    assert_close(a, a_rand, tol=1e-6, name="a_i from coefficients=")
+    assert_close((phi(x) * phi(y)).sum(-1), sum(a[i] * s ** i for i in range(p + 1)), tol=1e-12)
+
+
+def test_taylor_forms_agree_and_train(gen):
+    x = torch.randn(5, 4, generator=gen)
+    y = torch.randn(5, 4, generator=gen)
+    full, small = TaylorFeatures(3), TaylorFeatures(3, compressed=True)
+    assert_close((small(x) * small(y)).sum(-1), (full(x) * full(y)).sum(-1), tol=1e-5)
+    (small(x) * small(y)).sum().backward()
+    s = (x * y).sum(-1)
+    # d/d raw_i of sum_n a_i s_n^i = sigmoid(raw_i) * sum_n s_n^i
+    expect = torch.sigmoid(small.raw.detach()) * torch.stack([(s ** i).sum() for i in range(4)])
+    assert_close(small.raw.grad, expect, tol=1e-5, name="gradient of the coefficients")
+
+
+def test_taylor_approximates_exp(gen):
+    """With unit vectors, the degree-p Taylor kernel approaches exp(x.y) like 1/(p+1)!."""
+    x = torch.nn.functional.normalize(torch.randn(50, 3, generator=gen, dtype=torch.float64), dim=-1)
+    y = torch.nn.functional.normalize(torch.randn(50, 3, generator=gen, dtype=torch.float64), dim=-1)
+    errs = []
+    for p in (1, 2, 3, 4, 6):
+        phi = TaylorFeatures(p, compressed=True).double()
+        errs.append(((phi(x) * phi(y)).sum(-1) - torch.exp((x * y).sum(-1))).abs().max().item())
+        assert errs[-1] <= math.e / math.factorial(p + 1) + 1e-9       # Lagrange remainder bound, |x.y| <= 1
+    assert all(a > b for a, b in zip(errs, errs[1:]))
+
+
+@pytest.mark.parametrize("p,expected", [(1, 5), (2, 15), (3, 35)])
+def test_prop2_capacity_thresholds(gen, p, expected):
+    """[A] Prop. 2 (corrected): a linear memory on phi_p features fits m generic pairs exactly iff m <= C(d_k + p, p)."""
+    d_k = d_v = 4
+    fits = []
+    for m in range(1, expected + 6):
+        keys = torch.randn(m, d_k, generator=gen, dtype=torch.float64)
+        values = torch.randn(m, d_v, generator=gen, dtype=torch.float64)
+        features = monomial_features(keys, p)                         # [m, D]
+        M_T = torch.linalg.lstsq(features, values, driver="gelsd").solution   # min ||features M^T - values||
+        residual = (features @ M_T - values).norm() / values.norm()
+        fits.append(residual.item() < 1e-8)
+    largest = max(m for m, ok in zip(range(1, expected + 6), fits) if ok)
+    assert largest == expected == monomial_dim(d_k, p)
+    assert all(fits[:expected]) and not any(fits[expected:])
+
+
+def test_bad_degrees_and_inputs():
+    x = torch.randn(3, 4)
+    for fn in (monomial_features, tensor_power):
+        with pytest.raises(ValueError, match="degree must be >= 0, got -1"):
+            fn(x, -1)
+        with pytest.raises(TypeError, match="degree must be a non-negative int, got 2.0"):
+            fn(x, 2.0)
+        with pytest.raises(TypeError, match="degree must be a non-negative int, got True"):
+            fn(x, True)
+        with pytest.raises(TypeError, match=r"x must be a floating torch.Tensor"):
+            fn([1.0, 2.0], 2)
+        with pytest.raises(TypeError, match=r"x must be a floating torch.Tensor"):
+            fn(torch.ones(3, 4, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match="degree must be >= 0"):
+        TaylorFeatures(-2)
+    with pytest.raises(ValueError, match="degree must be >= 0"):
+        monomial_dim(4, -1)
+    with pytest.raises(TypeError, match="degree must be a non-negative int"):
+        TaylorFeatures(1.5)
+    with pytest.raises(ValueError, match="coefficients must be >= 0"):
+        TaylorFeatures(2, coefficients=[1.0, -0.5, 0.1])
+    with pytest.raises(ValueError, match="coefficients must hold degree \\+ 1 = 3 values"):
+        TaylorFeatures(2, coefficients=[1.0, 1.0])
+    assert check_degree(3) == 3
+
+
+def test_named_maps_still_work(gen):
+    x = torch.randn(2, 3, generator=gen)
+    assert get_feature_map("identity") is identity and get_feature_map("elu+1") is elu_plus_one
+    phi = TaylorFeatures(2)
+    assert get_feature_map(phi) is phi
+    with pytest.raises(ValueError, match="unknown feature map"):
+        get_feature_map("poly2")
+    assert (elu_plus_one(x) > 0).all()
