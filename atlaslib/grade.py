@@ -92,9 +92,9 @@ class Kernel:
     """An nbclient kernel that can be thrown away and restarted after a timeout."""
 
     def __init__(self, nb, timeout: float, cwd: str):
-        self.client = NotebookClient(nb, timeout=max(1, math.ceil(timeout)), allow_errors=True, interrupt_on_timeout=False,
-                                     kernel_name="python3", shutdown_kernel="immediate",
-                                     resources={"metadata": {"path": cwd}})
+        self.client = NotebookClient(nb, timeout=max(1, math.ceil(timeout)), allow_errors=True,
+                                     interrupt_on_timeout=False, kernel_name="python3",
+                                     shutdown_kernel="immediate", resources={"metadata": {"path": cwd}})
         self.start()
 
     def start(self):
@@ -141,12 +141,15 @@ def grade(path, timeout: float = DEFAULT_TIMEOUT, save: str | None = None, progr
     kernel = Kernel(nb, timeout, str(path.resolve().parent))
     cells = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
     try:
-        for i, cell in tqdm(cells, desc=f"grading {path.name}", unit="cell", disable=None if progress else True, file=sys.stderr):
+        bar = tqdm(cells, desc=f"grading {path.name}", unit="cell", disable=None if progress else True, file=sys.stderr)
+        for i, cell in bar:
             name = exercise_of(cell)
             outcome = kernel.run(cell, i)
             if outcome is not None:
-                what = f"cell {i} ran longer than {timeout:g} s" if outcome == "timeout" else f"the kernel died in cell {i}"
-                problem(name, (TIMEOUT, what))
+                if outcome == "timeout":
+                    problem(name, (TIMEOUT, f"cell {i} ran longer than {timeout:g} s"))
+                else:
+                    problem(name, (CRASH, f"the kernel died in cell {i}"))
                 kernel.restart()                       # a fresh kernel, then the set-up again
                 for j in setup_cells:
                     if kernel.run(nb.cells[j], j) is not None:

@@ -51,7 +51,8 @@ def test_notebook_declares_every_exercise_with_stub_and_check(path):
 
 
 def test_strip_solutions_keeps_indentation_and_the_rest():
-    src = "def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION\n\n# BEGIN SOLUTION\nz = 2\n# END SOLUTION\nprint(3)"
+    src = ("def f(x):\n    y = 1\n    # BEGIN SOLUTION\n    return x + y\n    # END SOLUTION\n\n"
+           "# BEGIN SOLUTION\nz = 2\n# END SOLUTION\nprint(3)")
     out = strip_solutions(src, "Exercise 9: f", "test")
     assert out == ("def f(x):\n    y = 1\n    raise NotImplementedError('Exercise 9: f')\n\n"
                    "raise NotImplementedError('Exercise 9: f')\nprint(3)")

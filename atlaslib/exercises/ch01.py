@@ -123,7 +123,8 @@ def capacity(memory_fn, largest_m_fn, gen):
     for d_k, d_v, m, label in cases:
         K = torch.randn(d_k, m, generator=gen, dtype=torch.float64)
         if label == "rank-deficient keys":   # 6 keys spanning only 3 dimensions
-            K = torch.randn(d_k, 3, generator=gen, dtype=torch.float64) @ torch.randn(3, m, generator=gen, dtype=torch.float64)
+            basis = torch.randn(d_k, 3, generator=gen, dtype=torch.float64)
+            K = basis @ torch.randn(3, m, generator=gen, dtype=torch.float64)
         V = torch.randn(d_v, m, generator=gen, dtype=torch.float64)
         M_ref = least_squares_memory(K.T, V.T)      # the library stores keys as rows
         with case(f"d_k={d_k}, d_v={d_v}, m={m} ({label})"):
