@@ -14,7 +14,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -82,7 +81,7 @@ def ensure_mathjax() -> None:
 
 @functools.lru_cache(maxsize=None)
 def build_book() -> tuple[Path, int, str]:
-    """Build the book exactly as `make book` does, into a fresh temp dir.
+    """Build the book exactly as `make book` does, from scratch, into _build/test/.
 
     Returns (html_dir, exit_code, log). Set ATLAS_BOOK_HTML to an existing _build/html to
     reuse it (handy while editing the tests; then exit_code is 0 and log empty).
@@ -91,7 +90,8 @@ def build_book() -> tuple[Path, int, str]:
     if reuse:
         return Path(reuse), 0, ""
     ensure_mathjax()
-    out = Path(tempfile.mkdtemp(prefix="atlas-book-"))
+    out = ROOT / "_build" / "test"  # not _build/html: a reader's `make book` stays as it is
+    shutil.rmtree(out, ignore_errors=True)
     cmd = [str(VENV_BIN / "jupyter-book"), "build", "-W", "-n", "--keep-going",
            "--path-output", str(out), "."]
     t0 = time.time()
