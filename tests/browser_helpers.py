@@ -145,20 +145,33 @@ def find_chromium() -> str | None:
     return None
 
 
-def skip_without_browser() -> str:
+_announced: set[str] = set()
+
+
+def _skip(reason: str, config) -> None:
+    """Skip, and say why once on the terminal (pytest -q would otherwise hide it)."""
+    if reason not in _announced:
+        _announced.add(reason)
+        reporter = config.pluginmanager.get_plugin("terminalreporter") if config else None
+        capture = config.pluginmanager.get_plugin("capturemanager") if config else None
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():  # past pytest's output capture
+                reporter.write_line(f"\n{reason}", yellow=True)
+        else:
+            print(reason)
+    pytest.skip(reason)
+
+
+def skip_without_browser(config=None) -> str:
     """Return Chromium's path, or skip with one clear line saying why."""
     path = find_chromium()
     if path is None:
-        reason = ("browser tests skipped: Chromium is not installed "
-                  "(run `make browser` as root on a Debian machine to install it)")
-        print(reason)
-        pytest.skip(reason)
+        _skip("browser tests skipped: Chromium is not installed "
+              "(run `make browser` as root on a Debian machine to install it)", config)
     try:
         import playwright  # noqa: F401
     except ImportError:
-        reason = "browser tests skipped: the `playwright` package is missing (make venv)"
-        print(reason)
-        pytest.skip(reason)
+        _skip("browser tests skipped: the `playwright` package is missing (make venv)", config)
     return path
 
 

@@ -50,9 +50,9 @@ async () => {
 
 
 @pytest.fixture(scope="module")
-def site():
-    """(base_url, pages, browser, recorder): the built book behind a local server."""
-    chromium = skip_without_browser()
+def site(request):
+    """(base_url, pages, context, recorder): the built book behind a local server."""
+    chromium = skip_without_browser(request.config)
     from playwright.sync_api import sync_playwright
 
     html_dir = build_book()[0]

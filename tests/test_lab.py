@@ -88,9 +88,9 @@ def lab_settings(settings_dir):
 
 
 @pytest.fixture
-def lab(tmp_path):
+def lab(tmp_path, request):
     """(base_url, token, notebook_path): a private JupyterLab server, shut down afterwards."""
-    skip_without_browser()
+    skip_without_browser(request.config)
     work = tmp_path / "work"
     work.mkdir()
     notebook = fresh_copy(work)
