@@ -1,0 +1,419 @@
+"""Chapter 4: the Omega rule and SWLA with a linear memory.
+
+The per-token loop is checked against an independent brute-force oracle: at every step
+the windowed loss sum_i gamma_i^{(t)} 1/2 ||M phi(k_i) - v_i||^2 is differentiated by
+autograd at M_{t-1} (or, for the frozen-gradient variant, at the chunk-start state).
+Then the equalities of MATH.md §8 are asserted exactly as stated there:
+chunk(b) == frozen_seq(b) for every b and window, chunk(1) == recurrent, triton == chunk,
+c = 1 (alpha = 1) == the delta rule; and chunk(b > 1) != recurrent, so the frozen-gradient
+approximation is real. SWLA is exact for every chunk size.
+"""
+import pytest
+import torch
+
+from atlaslib.core import TaylorFeatures, assert_close, poisoned_outputs, random_gate, random_qkv, rel_rmse
+from atlaslib.delta import delta_rule
+from atlaslib.linear import linear_attention
+from atlaslib.omega import omega_frozen_seq, omega_rule, swla
+
+GAMMAS = [None, "source", "offset"]
+
+
+def make_inputs(gen, B, H, T, K, V, window, gmode, *, gates=True, h0=True, dtype=torch.float32, eta_scale=1.0):
+    """Unit keys and eta <= eta_scale / window keep every step a contraction (stable for any T)."""
+    q, k, v = random_qkv(B, H, T, K, V, dtype=dtype, generator=gen)
+    if gmode is None:
+        gamma = None
+    elif gmode == "source":
+        gamma = torch.rand(B, H, T, generator=gen).to(dtype)
+    else:
+        gamma = torch.rand(B, H, T, window, generator=gen).to(dtype)
+    alpha = random_gate(B, H, T, low=0.6, dtype=dtype, generator=gen) if gates else None
+    eta = (eta_scale * (0.3 + 0.7 * torch.rand(B, H, T, generator=gen)) / window).to(dtype) if gates else None
+    state = torch.randn(B, H, V, K, generator=gen).to(dtype) if h0 else None
+    return q, k, v, gamma, alpha, eta, state
+
+
+def gamma_of(gamma, t, i):
+    """gamma_i^{(t)}, written out for the oracle: per source token gamma[i], per offset gamma[t, t-i]."""
+    if gamma is None:
+        return torch.ones(())
+    return gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i]
+
+
+def autograd_oracle(q, k, v, window, gamma, alpha, eta, h0, chunk_size=1):
+    """M_t = alpha_t M_{t-1} - eta_t * autograd of the windowed l2 loss, in fp64.
+
+    The loss is differentiated at M_{t-1} (chunk_size = 1: the Omega rule) or at the state
+    after the previous chunk of ``chunk_size`` tokens (the frozen-gradient rule).
+    """
+    B, H, T, K = q.shape
+    f = lambda x: None if x is None else x.double()          # noqa: E731
+    q, k, v, gamma, alpha, eta = map(f, (q, k, v, gamma, alpha, eta))
+    M = torch.zeros(B, H, v.shape[-1], K, dtype=torch.float64) if h0 is None else h0.double()
+    outs = []
+    for t in range(T):
+        if t % chunk_size == 0:
+            anchor = M
+        W = anchor.detach().clone().requires_grad_(True)
+        loss = 0.0
+        for i in range(max(0, t - window + 1), t + 1):
+            pred = (W @ k[:, :, i, :, None])[..., 0]
+            per_bh = 0.5 * (pred - v[:, :, i]).square().sum(-1)           # [B, H]
+            loss = loss + (gamma_of(gamma, t, i) * per_bh).sum()
+        (grad,) = torch.autograd.grad(loss, W)
+        a_t = 1.0 if alpha is None else alpha[:, :, t, None, None]
+        e_t = 1.0 if eta is None else eta[:, :, t, None, None]
+        M = a_t * M - e_t * grad
+        outs.append((M @ q[:, :, t, :, None])[..., 0])
+    return torch.stack(outs, dim=2), M
+
+
+def run(backend, q, k, v, gamma, alpha, eta, h0, window, **kw):
+    return omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, initial_state=h0,
+                      output_final_state=True, backend=backend, **kw)
+
+
+def frozen(q, k, v, gamma, alpha, eta, h0, window, chunk_size):
+    """The sequential frozen-gradient oracle in fp64."""
+    f = lambda x: None if x is None else x.double()          # noqa: E731
+    return omega_frozen_seq(f(q), f(k), f(v), window, f(gamma), f(alpha), f(eta), f(h0), chunk_size)
+
+
+# ------------------------------------------------------------------ the definition
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_recurrent_matches_autograd_oracle(gen, gmode, window):
+    inputs = make_inputs(gen, 2, 2, 13, 5, 3, window, gmode, dtype=torch.float64)
+    o, s = run("recurrent", *inputs, window)
+    ref_o, ref_s = autograd_oracle(*inputs[:3], window, *inputs[3:])
+    assert_close(o, ref_o, tol=1e-12)
+    assert_close(s, ref_s, tol=1e-12, name="final state")
+
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("window,chunk_size", [(3, 4), (6, 2), (2, 5)])
+def test_frozen_seq_matches_autograd_oracle(gen, gmode, window, chunk_size):
+    inputs = make_inputs(gen, 1, 2, 14, 4, 3, window, gmode, dtype=torch.float64)
+    o, s = omega_frozen_seq(*inputs[:3], window, *inputs[3:], chunk_size=chunk_size)
+    ref_o, ref_s = autograd_oracle(*inputs[:3], window, *inputs[3:], chunk_size=chunk_size)
+    assert_close(o, ref_o, tol=1e-12)
+    assert_close(s, ref_s, tol=1e-12, name="final state")
+
+
+def test_value_term_is_added_eq11_sign(gen):
+    """One step from M = 0 with c pairs writes +eta sum gamma v k^T ([A] eq. 11 subtracts it)."""
+    q, k, v, gamma, _, _, _ = make_inputs(gen, 1, 1, 4, 6, 3, 4, "source", gates=False, h0=False)
+    _, s = run("recurrent", q[:, :, :1], k[:, :, :1], v[:, :, :1], gamma[:, :, :1], None, None, None, 4)
+    assert_close(s, gamma[0, 0, 0] * v[:, :, 0, :, None] * k[:, :, 0, None, :], tol=1e-6)
+
+
+# ------------------------------------------------------------------ chunk form
+
+SHAPES = [(2, 2, 1, 12, 10), (1, 3, 37, 12, 10), (2, 1, 75, 20, 7)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("h0", [False, True])
+@pytest.mark.parametrize("window", [1, 4, 40])
+def test_chunk_matches_frozen_seq(gen, shape, gmode, h0, window):
+    """Exact for every chunk size b, including windows longer than the chunk (c > b)."""
+    inputs = make_inputs(gen, *shape, window, gmode, h0=h0)
+    for chunk_size in (1, 5, 16, 64):
+        ref, ref_s = frozen(*inputs, window, chunk_size)
+        with poisoned_outputs():
+            o, s = run("chunk", *inputs, window, chunk_size=chunk_size)
+        assert_close(o, ref, name=f"o (chunk_size={chunk_size})")
+        assert_close(s, ref_s, name=f"final state (chunk_size={chunk_size})")
+
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("window", [1, 3, 10])
+def test_chunk_size_one_is_the_per_token_rule(gen, gmode, window):
+    inputs = make_inputs(gen, 2, 2, 37, 12, 10, window, gmode, dtype=torch.float64)
+    ref, ref_s = run("recurrent", *inputs, window)
+    o, s = run("chunk", *inputs, window, chunk_size=1)
+    assert_close(o, ref, tol=1e-12)
+    assert_close(s, ref_s, tol=1e-12, name="final state")
+
+
+@pytest.mark.parametrize("window", [1, 3, 10])
+def test_frozen_gradients_are_an_approximation(gen, window):
+    """chunk(b > 1) is a different model from the per-token rule: the gap is far above rounding."""
+    inputs = make_inputs(gen, 2, 2, 64, 12, 10, window, "offset", dtype=torch.float64, eta_scale=1.5)
+    ref, _ = run("recurrent", *inputs, window)
+    gaps = []
+    for chunk_size in (2, 8, 32):
+        o, _ = run("chunk", *inputs, window, chunk_size=chunk_size)
+        gaps.append(rel_rmse(o, ref))
+        assert gaps[-1] > 1e-3, f"chunk_size={chunk_size}: relative gap {gaps[-1]:.2e} is suspiciously small"
+    assert gaps[-1] > gaps[0], f"staler gradients should drift further, got {gaps}"
+
+
+def test_chunk_in_low_gates_and_extremes(gen):
+    """alpha = 0 (full reset each step), alpha = 1, gamma = 0 (no write: M_t = A_t M_0)."""
+    q, k, v, gamma, alpha, eta, h0 = make_inputs(gen, 1, 2, 40, 8, 6, 5, "source")
+    for a in (torch.zeros_like(alpha), torch.ones_like(alpha), torch.full_like(alpha, 1e-3)):
+        ref, ref_s = frozen(q, k, v, gamma, a, eta, h0, 5, 16)
+        o, s = run("chunk", q, k, v, gamma, a, eta, h0, 5, chunk_size=16)
+        assert torch.isfinite(o).all()
+        assert_close(o, ref, tol=1e-5)
+        assert_close(s, ref_s, tol=1e-5, name="final state")
+    for backend in ("recurrent", "chunk"):
+        o, s = run(backend, q, k, v, torch.zeros_like(gamma), alpha, eta, h0, 5, chunk_size=16)
+        A = torch.cumprod(alpha.double(), dim=2)
+        assert_close(o, A[..., None] * torch.einsum("bhvk,bhtk->bhtv", h0.double(), q.double()), name=backend)
+        assert_close(s, A[:, :, -1, None, None] * h0.double(), name=f"{backend} final state")
+
+
+# ------------------------------------------------------------------ Triton kernel (interpreter on CPU)
+
+TRITON_CASES = [  # (shape, window, chunk_size): T = 1, c = 1, c > b, b not a power of two
+    ((2, 2, 1, 12, 10), 3, 16),
+    ((1, 3, 37, 12, 10), 1, 16),
+    ((1, 2, 37, 12, 10), 20, 7),
+    ((2, 1, 75, 20, 7), 4, 32),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+@pytest.mark.parametrize("gmode", GAMMAS)
+def test_triton_matches_frozen_seq(gen, case, gmode):
+    shape, window, chunk_size = case
+    inputs = make_inputs(gen, *shape, window, gmode)
+    ref, ref_s = frozen(*inputs, window, chunk_size)
+    with poisoned_outputs():
+        o, s = run("triton", *inputs, window, chunk_size=chunk_size)
+    assert_close(o, ref)
+    assert_close(s, ref_s, name="final state")
+
+
+def test_triton_without_gates_or_state(gen):
+    inputs = make_inputs(gen, 2, 1, 40, 12, 10, 2, None, gates=False, h0=False)
+    ref, ref_s = frozen(*inputs, 2, 16)
+    with poisoned_outputs():
+        o, s = run("triton", *inputs, 2, chunk_size=16)
+    assert_close(o, ref)
+    assert_close(s, ref_s, name="final state")
+
+
+def test_triton_low_precision(gen):
+    inputs = make_inputs(gen, 1, 2, 40, 32, 16, 4, "offset")
+    ref, _ = run("chunk", *inputs, 4, chunk_size=16)
+    q, k, v = inputs[:3]
+    for dtype in (torch.bfloat16, torch.float16):
+        o, _ = run("triton", q.to(dtype), k.to(dtype), v.to(dtype), *inputs[3:], 4, chunk_size=16)
+        assert o.dtype == dtype
+        assert_close(o.float(), ref, tol=3e-2, name=str(dtype))
+
+
+# ------------------------------------------------------------------ gradients
+
+def weighted_loss(o, s):
+    w = torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)
+    return (o * w).sum() + s.square().sum()
+
+
+NAMES = ["q", "k", "v", "gamma", "alpha", "eta", "h0"]
+
+
+@pytest.mark.parametrize("gmode", ["source", "offset"])
+def test_gradients_chunk_vs_frozen_seq(gen, gmode):
+    window, chunk_size = 3, 4
+    inputs = make_inputs(gen, 1, 2, 15, 5, 4, window, gmode, dtype=torch.float64)
+    grads = []
+    for fn in ("frozen_seq", "chunk"):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        if fn == "frozen_seq":
+            o, s = omega_frozen_seq(*leaves[:3], window, *leaves[3:], chunk_size=chunk_size)
+        else:
+            o, s = run("chunk", *leaves, window, chunk_size=chunk_size)
+        weighted_loss(o, s).backward()
+        grads.append([x.grad for x in leaves])
+    for name, g_chunk, g_seq in zip(NAMES, grads[1], grads[0]):
+        assert_close(g_chunk, g_seq, tol=1e-10, name=f"grad {name}")
+
+
+def test_gradients_triton_vs_frozen_seq(gen):
+    window, chunk_size = 5, 16
+    inputs = make_inputs(gen, 1, 2, 33, 16, 16, window, "offset")
+    grads = []
+    for fn in ("frozen_seq", "triton"):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        if fn == "frozen_seq":
+            o, s = omega_frozen_seq(*leaves[:3], window, *leaves[3:], chunk_size=chunk_size)
+        else:
+            o, s = run("triton", *leaves, window, chunk_size=chunk_size)
+        weighted_loss(o, s).backward()
+        grads.append([x.grad for x in leaves])
+    for name, g_tri, g_seq in zip(NAMES, grads[1], grads[0]):
+        assert_close(g_tri, g_seq, tol=1e-4, name=f"grad {name}")
+
+
+# ------------------------------------------------------------------ reductions
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+def test_window_one_is_the_delta_rule(gen, gmode):
+    """c = 1, alpha = 1: M_t = M_{t-1} + eta_t gamma_t (v_t - M_{t-1} k_t) k_t^T = delta rule, beta = eta * gamma."""
+    q, k, v, gamma, _, eta, h0 = make_inputs(gen, 2, 2, 21, 12, 10, 1, gmode)
+    beta = eta if gamma is None else eta * (gamma if gamma.dim() == 3 else gamma[..., 0])
+    ref, ref_s = delta_rule(q, k, v, beta, initial_state=h0, output_final_state=True, backend="chunk")
+    ones = torch.ones_like(eta)
+    for backend, b, alpha in (("recurrent", 64, None), ("recurrent", 64, ones), ("chunk", 1, None),
+                              ("chunk", 1, ones), ("triton", 1, ones)):
+        o, s = run(backend, q, k, v, gamma, alpha, eta, h0, 1, chunk_size=b)
+        assert_close(o, ref, name=f"{backend} (chunk_size={b})")
+        assert_close(s, ref_s, name=f"{backend} final state")
+    # with b > 1 the chunk form freezes the gradients: no longer the delta rule
+    o, _ = run("chunk", q, k, v, gamma, None, eta, h0, 1, chunk_size=16)
+    assert rel_rmse(o, ref) > 1e-3
+
+
+def test_window_one_with_retention_is_not_gated_deltanet(gen):
+    """Omega decays after the gradient step at M_{t-1}; Gated DeltaNet steps at alpha_t M_{t-1}."""
+    q, k, v, _, alpha, eta, h0 = make_inputs(gen, 1, 2, 30, 8, 6, 1, None, dtype=torch.float64)
+    o, _ = run("recurrent", q, k, v, None, alpha, eta, h0, 1)
+    gated, _ = delta_rule(q, k, v, eta, alpha=alpha, initial_state=h0, backend="recurrent")
+    rescaled, _ = delta_rule(q, k, v, eta / alpha, alpha=alpha, initial_state=h0, backend="recurrent")
+    assert rel_rmse(o, gated) > 1e-3
+    # alpha M - eta (M k - v) k^T = alpha M (I - (eta/alpha) k k^T) + eta v k^T: the writes differ too
+    assert rel_rmse(o, rescaled) > 1e-3
+
+
+# ------------------------------------------------------------------ SWLA
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("window", [1, 4, 20])
+def test_swla_chunk_is_exact(gen, gmode, window):
+    inputs = make_inputs(gen, 2, 1, 37, 12, 10, window, gmode)
+    ref, ref_s = swla(*inputs[:3], window=window, gamma=inputs[3], alpha=inputs[4], eta=inputs[5],
+                      initial_state=inputs[6], output_final_state=True, backend="recurrent")
+    for backend, b in (("chunk", 1), ("chunk", 5), ("chunk", 16), ("triton", 7)):
+        with poisoned_outputs():
+            o, s = swla(*inputs[:3], window=window, gamma=inputs[3], alpha=inputs[4], eta=inputs[5],
+                        initial_state=inputs[6], output_final_state=True, backend=backend, chunk_size=b)
+        assert_close(o, ref, name=f"{backend} (chunk_size={b})")
+        assert_close(s, ref_s, name=f"{backend} final state")
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_swla_is_not_sliding_window_attention(gen, backend):
+    """alpha = gamma = 1: M_t = sum_{i<=t} min(c, t - i + 1) v_i k_i^T; old pairs are never evicted."""
+    c, T = 4, 19
+    q, k, v = random_qkv(1, 2, T, 6, 5, dtype=torch.float64, generator=gen)
+    o, s = swla(q, k, v, window=c, output_final_state=True, backend=backend, chunk_size=5)
+    t = torch.arange(T)
+    weight = torch.minimum(torch.tensor(c), t[:, None] - t[None, :] + 1).clamp_min(0).tril().double()  # [t, i]
+    expect_o = torch.einsum("ti,bhti,bhiv->bhtv", weight, q @ k.transpose(-1, -2), v)
+    assert_close(o, expect_o, tol=1e-12)
+    assert_close(s, torch.einsum("i,bhiv,bhik->bhvk", weight[-1], v, k), tol=1e-12, name="final state")
+    window_only = torch.einsum("ti,bhti,bhiv->bhtv", ((t[:, None] - t[None, :]).abs() < c).tril().double(),
+                               q @ k.transpose(-1, -2), v)
+    assert rel_rmse(o, window_only) > 0.1, "SWLA must differ from a linear attention restricted to the window"
+
+
+def test_swla_window_one_is_linear_attention(gen):
+    q, k, v, gamma, alpha, eta, h0 = make_inputs(gen, 2, 2, 37, 12, 10, 1, "source")
+    o, s = swla(q, k, v, window=1, gamma=gamma, alpha=alpha, eta=eta, initial_state=h0, output_final_state=True)
+    ref, ref_s = linear_attention(q, k, (eta * gamma)[..., None] * v, alpha=alpha, initial_state=h0,
+                                  output_final_state=True, backend="recurrent")
+    assert_close(o, ref)
+    assert_close(s, ref_s, name="final state")
+
+
+# ------------------------------------------------------------------ feature maps inside the rule
+
+def test_polynomial_features_in_the_rule(gen):
+    """phi = TaylorFeatures(2): state [B, H, V, D] with D = 1 + K + K^2, and a_i train through every backend."""
+    window, K = 3, 4
+    q, k, v, gamma, alpha, eta, _ = make_inputs(gen, 1, 2, 20, K, 3, window, "offset")
+    phi = TaylorFeatures(2)
+    D = phi.feature_dim(K)
+    ref, ref_s = run("recurrent", q, k, v, gamma, alpha, eta, None, window, phi=phi)
+    assert ref_s.shape == (1, 2, 3, D) == (1, 2, 3, 21)
+    fq, fk = phi(q).detach(), phi(k).detach()
+    manual, _ = run("recurrent", fq, fk, v, gamma, alpha, eta, None, window)
+    assert_close(ref, manual, name="phi applied to q and k")
+    grads = []
+    for backend in ("chunk", "triton"):
+        phi.zero_grad()
+        o, s = run(backend, q, k, v, gamma, alpha, eta, None, window, phi=phi, chunk_size=1)
+        assert_close(o, ref, name=f"{backend} at chunk_size=1")
+        weighted_loss(o, s).backward()
+        grads.append(phi.raw.grad.clone())
+    assert grads[0].abs().sum() > 0
+    assert_close(grads[1], grads[0], tol=1e-4, name="grad of the Taylor coefficients")
+    o, _ = run("chunk", q, k, v, gamma, alpha, eta, None, window, phi="elu+1")
+    assert o.shape == v.shape
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def test_bad_inputs():
+    q, k, v = random_qkv(1, 2, 10, 4, 3, seed=0)
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        omega_rule(q, k, v, window=0)
+    with pytest.raises(TypeError, match="window must be a positive int"):
+        omega_rule(q, k, v, window=2.0)
+    with pytest.raises(TypeError, match="window must be a positive int"):
+        swla(q, k, v, window=None)
+    with pytest.raises(ValueError, match=r"gamma must have shape \[1, 2, 10\] or \[1, 2, 10, 3\], got \[1, 2, 10, 4\]"):
+        omega_rule(q, k, v, window=3, gamma=torch.ones(1, 2, 10, 4))
+    with pytest.raises(ValueError, match=r"gamma must have shape"):
+        omega_rule(q, k, v, window=3, gamma=torch.ones(1, 2, 9))
+    with pytest.raises(ValueError, match=r"gamma must lie in \[0.0, 1.0\]"):
+        omega_rule(q, k, v, window=3, gamma=torch.full((1, 2, 10), 1.5))
+    with pytest.raises(ValueError, match=r"eta must lie in \[0.0, inf\)"):
+        omega_rule(q, k, v, window=3, eta=torch.full((1, 2, 10), -0.1))
+    with pytest.raises(ValueError, match=r"alpha must have shape \[1, 2, 10\], got \[1, 2, 10, 4\]"):
+        omega_rule(q, k, v, window=3, alpha=torch.ones(1, 2, 10, 4))
+    with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
+        swla(q, k, v, window=3, alpha=torch.full((1, 2, 10), 1.2))
+    with pytest.raises(ValueError, match="deep memories .* chapter 3"):
+        omega_rule(q, k, v, window=3, memory="mlp")
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 2, 3, 15\]"):
+        omega_rule(q, k, v, window=3, phi=TaylorFeatures(2, compressed=True), initial_state=torch.zeros(1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"phi must map \[B, H, T, K\] to \[B, H, T, D\]"):
+        omega_rule(q, k, v, window=3, phi=lambda x: x[0])
+    with pytest.raises(ValueError, match="unknown feature map"):
+        omega_rule(q, k, v, window=3, phi="poly")
+    with pytest.raises(ValueError, match="degree must be >= 0"):
+        omega_rule(q, k, v, window=3, phi=TaylorFeatures(-1))
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        omega_rule(q, k, v, window=3, chunk_size=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        omega_rule(q, k, v, window=3, backend="frozen")
+    with pytest.raises(ValueError, match="v must have shape"):
+        omega_rule(q, k, v[:, :, :5], window=3)
+    with pytest.raises(TypeError, match="fp64"):
+        omega_rule(q.double(), k.double(), v.double(), window=3, backend="triton")
+    with pytest.raises(ValueError, match="chunk_size \\+ window - 1 <= 256"):
+        omega_rule(q, k, v, window=200, chunk_size=64, backend="triton")
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    q, k, v = random_qkv(1, 1, 4, 4, 4, seed=0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        omega_rule(q, k, v, window=2, backend="triton")
+
+
+# ------------------------------------------------------------------ real GPU (skipped without CUDA)
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,chunk_size", [(1, 64), (4, 64), (16, 32), (100, 64)])
+def test_kernel_on_gpu(gen, dtype, window, chunk_size):
+    inputs = [None if x is None else x.cuda() for x in make_inputs(gen, 2, 4, 1000, 64, 64, window, "offset")]
+    ref, ref_s = run("chunk", *inputs, window, chunk_size=chunk_size)
+    q, k, v = (x.to(dtype) for x in inputs[:3])
+    with poisoned_outputs():
+        o, s = run("triton", q, k, v, *inputs[3:], window, chunk_size=chunk_size)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(o.float(), ref, tol=tol)
+    assert_close(s, ref_s, tol=tol, name="final state")
