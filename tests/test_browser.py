@@ -3,7 +3,8 @@
 For each page of _toc.yml that was built: no console error, no failed or off-site
 request, MathJax has typeset the math (no raw TeX left, no MathJax error), every image
 has loaded, no cell output shows a traceback, widgets show no error. The search page
-must find "delta rule". A screenshot of each page goes to _build/screenshots/.
+must find "delta rule". A page with a widget must show a static figure and say how to
+run it live. A screenshot of each page goes to _build/screenshots/.
 """
 import re
 import time
@@ -41,6 +42,8 @@ async () => {
     text: clone.textContent,
     outputs: outputs,
     pageText: document.body.innerText,
+    widgetViews: document.querySelectorAll(
+        'script[type="application/vnd.jupyter.widget-view+json"]').length,
     hasNext: !!document.querySelector('a.right-next'),
     hasPrev: !!document.querySelector('a.left-prev'),
     hasSidebarToc: document.querySelectorAll('nav.bd-docs-nav a, .bd-sidebar-primary a.reference').length,
@@ -117,6 +120,13 @@ def test_every_page_renders_offline(site):
         for word in ("Error displaying widget", "Error rendering", "Loading widget"):
             if word in report["pageText"]:
                 bad(f"widget error text on the page: {word!r}")
+        if report["widgetViews"]:
+            # A widget cannot run on a static page: its default figure and a note on how
+            # to run it live must stand in for it.
+            if not report["images"]:
+                bad("has a widget but no static figure")
+            if not re.search(r"make lab|JupyterLab|Jupyter", report["text"]):
+                bad("has a widget but no note on how to run it live (make lab / Jupyter)")
         if i + 1 < len(pages) and not report["hasNext"]:
             bad("no 'next' button")
         if i > 0 and not report["hasPrev"]:
