@@ -1,9 +1,11 @@
 """Token-mixer layers and the tiny LM used by the experiments.
 
-Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) are registered on import; later
+Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) and chapter 2's (deltanet,
+gated_deltanet, kda) are registered on import; later
 chapters register theirs with ``register_mixer`` in their own modules.
 """
 from . import mixers  # noqa: F401  (registers the chapter 1 mixers)
+from . import delta_mixers  # noqa: F401  (registers the chapter 2 mixers)
 from .lm import TinyLM
 from .mixer import MIXERS, ShortConv, TokenMixer, available_mixers, make_mixer, register_mixer
 
