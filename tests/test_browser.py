@@ -125,7 +125,7 @@ def test_every_page_renders_offline(site):
             # to run it live must stand in for it.
             if not report["images"]:
                 bad("has a widget but no static figure")
-            if not re.search(r"make lab|JupyterLab|Jupyter", report["text"]):
+            if not re.search(r"make lab|Jupyter", report["pageText"]):
                 bad("has a widget but no note on how to run it live (make lab / Jupyter)")
         if i + 1 < len(pages) and not report["hasNext"]:
             bad("no 'next' button")
