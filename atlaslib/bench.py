@@ -51,6 +51,7 @@ class BenchShape:
     V: int
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
+    chunk_size: int = 64
 
 
 @dataclass
@@ -76,10 +77,12 @@ def register_bench_case(name: str, builder, *, flops=None, bytes=None,
 
 # ---------------------------------------------------------------------------- chapter 1 cases
 
-def linear_flops(s: BenchShape, chunk: int = 64) -> float:
+def linear_flops(s: BenchShape) -> float:
     """Chunkwise linear attention, per token and head: q k^T and scores v inside the chunk
-    (2C(K+V)), the inter-chunk read q S^T and the state update v^T k (4KV)."""
-    return s.B * s.H * s.T * (2 * min(chunk, s.T) * (s.K + s.V) + 4 * s.K * s.V)
+    (2C(K+V), C the chunk size), the inter-chunk read q S^T and the state update v^T k (4KV).
+    The Triton kernel picks its own tile (64, or 16 for per-channel gates), so for it this
+    is the work of the algorithm at C = chunk_size, not a count of its instructions."""
+    return s.B * s.H * s.T * (2 * min(s.chunk_size, s.T) * (s.K + s.V) + 4 * s.K * s.V)
 
 
 def _io_bytes(gate_width: int):
@@ -96,7 +99,7 @@ def _linear_builder(gate: str):
         if gate != "none":
             alpha = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9,
                                 dtype=s.dtype, device=s.device, generator=g)
-        return lambda backend: linear_attention(q, k, v, alpha=alpha, backend=backend)
+        return lambda backend: linear_attention(q, k, v, alpha=alpha, backend=backend, chunk_size=s.chunk_size)
     return build
 
 
@@ -178,7 +181,8 @@ def default_backends(device) -> list[str]:
 
 
 def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu", dtype=torch.float32,
-                   B=1, H=4, K=64, V=64, warmup=1, repeats=3, seed=0, progress=True) -> list[dict]:
+                   B=1, H=4, K=64, V=64, chunk_size=64, warmup=1, repeats=3, seed=0,
+                   progress=True) -> list[dict]:
     """Measure every (model, T, backend); one row per measurement (see the module docstring)."""
     models = list(BENCH_CASES) if not models else list(models)
     unknown = [m for m in models if m not in BENCH_CASES]
@@ -190,7 +194,7 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
     rows, recurrent_ms = [], {}
     for name, T, backend in tqdm(jobs, desc="bench", disable=not progress):
         case = BENCH_CASES[name]
-        shape = BenchShape(B, H, T, K, V, str(device), dtype)
+        shape = BenchShape(B, H, T, K, V, str(device), dtype, chunk_size)
         call = case.builder(shape, torch.Generator().manual_seed(seed))
         fn = lambda: call(backend)  # noqa: E731
         with torch.no_grad():
@@ -256,6 +260,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--models", nargs="+", default=None, help=f"bench cases (default all: {', '.join(BENCH_CASES)})")
     p.add_argument("--backends", nargs="+", default=None, help="default: recurrent chunk (+ triton on CUDA)")
+    p.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunk backend")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
@@ -266,7 +271,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V,
+    kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
               warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
     if args.quick:
         kw.update(warmup=1, repeats=1)

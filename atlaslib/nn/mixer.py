@@ -87,13 +87,15 @@ class TokenMixer(nn.Module):
             or a callable).
         qk_norm: l2-normalise q and k per head (after phi), as delta-rule models do.
         backend: passed to the library call in ``mix`` ("auto", "chunk", ...).
+        chunk_size: passed to the library call in ``mix`` (chunk length of the chunk form).
     """
 
     mixer_name = "base"
 
     def __init__(self, d_model: int, n_heads: int, *, head_k_dim: int | None = None,
                  head_v_dim: int | None = None, conv_size: int | None = 4,
-                 feature_map="identity", qk_norm: bool = False, backend: str = "auto"):
+                 feature_map="identity", qk_norm: bool = False, backend: str = "auto",
+                 chunk_size: int = 64):
         super().__init__()
         for name, val in (("d_model", d_model), ("n_heads", n_heads)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -104,7 +106,7 @@ class TokenMixer(nn.Module):
         self.d_model, self.n_heads = d_model, n_heads
         self.head_k_dim = head_k_dim or d_model // n_heads
         self.head_v_dim = head_v_dim or d_model // n_heads
-        self.backend = backend
+        self.backend, self.chunk_size = backend, chunk_size
         self.qk_norm = qk_norm
         self.phi = get_feature_map(feature_map)
         dk, dv = n_heads * self.head_k_dim, n_heads * self.head_v_dim

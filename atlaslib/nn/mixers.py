@@ -35,7 +35,8 @@ class LinearAttention(TokenMixer):
         self.normalize = normalize
 
     def mix(self, q, k, v, x):
-        return linear_attention(q, k, v, normalize=self.normalize, backend=self.backend)[0]
+        return linear_attention(q, k, v, normalize=self.normalize, backend=self.backend,
+                                 chunk_size=self.chunk_size)[0]
 
     @property
     def state_size(self):
@@ -54,7 +55,8 @@ class RetNet(TokenMixer):
     def mix(self, q, k, v, x):
         B, H, T, _ = q.shape
         alpha = self.alpha[None, :, None].expand(B, H, T).to(q.dtype)
-        return linear_attention(q, k, v, alpha=alpha, backend=self.backend)[0]
+        return linear_attention(q, k, v, alpha=alpha, backend=self.backend,
+                                 chunk_size=self.chunk_size)[0]
 
 
 class GatedLinear(TokenMixer):
@@ -82,7 +84,8 @@ class GatedLinear(TokenMixer):
         return alpha if self.per_channel else alpha.squeeze(-1)
 
     def mix(self, q, k, v, x):
-        return linear_attention(q, k, v, alpha=self.gate(x).to(q.dtype), backend=self.backend)[0]
+        return linear_attention(q, k, v, alpha=self.gate(x).to(q.dtype), backend=self.backend,
+                                 chunk_size=self.chunk_size)[0]
 
 
 @register_mixer("mamba2")
@@ -94,6 +97,14 @@ class Mamba2Style(GatedLinear):
 
 @register_mixer("gla")
 class GLA(GatedLinear):
-    """Per-key-channel decay (Gated Linear Attention): M_t = M_{t-1} Diag(alpha_t) + v_t k_t^T."""
+    """Per-key-channel decay (Gated Linear Attention): M_t = M_{t-1} Diag(alpha_t) + v_t k_t^T.
+
+    The chunk form builds a [chunk, chunk, K] decay tile per chunk, so its cost grows with
+    the chunk size; 16 is about twice as fast as 64 on CPU.
+    """
 
     per_channel = True
+
+    def __init__(self, d_model, n_heads, **kw):
+        kw.setdefault("chunk_size", 16)
+        super().__init__(d_model, n_heads, **kw)

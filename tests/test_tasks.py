@@ -1,0 +1,146 @@
+"""MQAR structure and the capacity facts of MATH.md §1 (Proposition 1)."""
+import math
+
+import pytest
+import torch
+
+from atlaslib.tasks import (capacity_sweep, gd_memory, hebbian_memory, least_squares_memory, mqar,
+                            random_pairs, recall_error)
+
+
+def _seed(gen):
+    return int(torch.randint(0, 2**31 - 1, (), generator=gen))
+
+
+# ----------------------------------------------------------------------------- MQAR
+
+@pytest.mark.parametrize("N,T,P,vocab", [(8, 64, 8, 128), (5, 32, 4, 64), (3, 16, 4, 40), (4, 256, 16, 8192)])
+def test_mqar_structure(gen, N, T, P, vocab):
+    x, y = mqar(N, T, P, vocab, seed=_seed(gen))
+    assert x.shape == y.shape == (N, T) and x.dtype == y.dtype == torch.long
+    assert x.min() >= 0 and x.max() < vocab
+    half = vocab // 2
+    for n in range(N):
+        keys, values = x[n, 0:2 * P:2].tolist(), x[n, 1:2 * P:2].tolist()
+        assert all(1 <= k < half for k in keys) and len(set(keys)) == P
+        assert all(half <= v < vocab for v in values) and len(set(values)) == P
+        pair = dict(zip(keys, values))
+        labelled = (y[n] != -100).nonzero().flatten().tolist()
+        assert len(labelled) == P                              # every key is queried exactly once
+        assert all(j >= 2 * P and (j - 2 * P) % 2 == 0 for j in labelled)
+        queried = [x[n, j].item() for j in labelled]
+        assert sorted(queried) == sorted(keys)
+        for j in labelled:                                     # label = value of the key at j
+            assert y[n, j].item() == pair[x[n, j].item()]
+
+
+def test_mqar_filler(gen):
+    seed = _seed(gen)
+    x0, y0 = mqar(6, 64, 8, 128, random_non_queries=False, seed=seed)
+    x1, y1 = mqar(6, 64, 8, 128, seed=seed)
+    filler = (y0 == -100)
+    filler[:, :16] = False
+    assert (x0[filler] == 0).all()                              # Zoology's filler token before noise
+    assert torch.equal(y0, y1) and torch.equal(x0[:, :16], x1[:, :16])
+    assert (x1[filler] != 0).float().mean() > 0.9                # noise replaces the zeros
+
+
+def test_mqar_seeded(gen):
+    seed = _seed(gen)
+    a, b = mqar(16, 64, 8, 128, seed=seed), mqar(16, 64, 8, 128, seed=seed)
+    c = mqar(16, 64, 8, 128, seed=seed + 1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_mqar_power_law_gaps(gen):
+    """Small power_a puts queries near the start of the query region; power_a = 1 is uniform."""
+    seed = _seed(gen)
+    T, P = 128, 4
+    def mean_query_pos(a):
+        _, y = mqar(2000, T, P, 256, power_a=a, seed=seed)
+        return (y != -100).nonzero()[:, 1].float().mean().item()
+    uniform_mean = 2 * P + (T - 2 * P - 2) / 2                  # mean of the even slots
+    assert abs(mean_query_pos(1.0) - uniform_mean) < 2.0
+    assert mean_query_pos(0.01) < uniform_mean - 10
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(seq_len=63), "even"),
+    (dict(seq_len=16, num_kv_pairs=8), "too small"),
+    (dict(vocab_size=64), "exceed seq_len"),
+    (dict(power_a=0.0), "power_a"),
+    (dict(num_examples=0), "num_examples"),
+])
+def test_mqar_bad_input(kw, match):
+    args = dict(num_examples=4, seq_len=64, num_kv_pairs=8, vocab_size=128) | kw
+    with pytest.raises(ValueError, match=match):
+        mqar(args.pop("num_examples"), args.pop("seq_len"), args.pop("num_kv_pairs"), args.pop("vocab_size"), **args)
+
+
+def test_mqar_type_error():
+    with pytest.raises(TypeError, match="seq_len"):
+        mqar(4, 64.0, 8, 128)
+
+
+# ----------------------------------------------------------------------------- capacity
+
+def test_least_squares_matches_lstsq(gen):
+    for m in (5, 16, 30):                                       # under, at and over capacity
+        K, V = random_pairs(m, 16, 7, generator=gen)
+        M = least_squares_memory(K, V)
+        assert M.shape == (7, 16)
+        if m <= 16:                                             # interpolates: K M^T = V
+            assert torch.allclose(K @ M.T, V, atol=1e-9)
+        else:                                                   # the least-squares fit
+            ref = torch.linalg.lstsq(K, V).solution.T
+            assert torch.allclose(M, ref, atol=1e-9)
+
+
+def test_ls_residual_jumps_at_dk(gen):
+    d_k = 16
+    rows = {r["m"]: r for r in capacity_sweep(d_k, 16, [1, 8, 16, 17, 32, 48], trials=30, seed=_seed(gen))}
+    for m in (1, 8, 16):
+        assert rows[m]["ls_residual"] < 1e-8
+    assert rows[17]["ls_residual"] > 0.1
+    for m in (32, 48):   # the part of V outside the d_k-dim column space of K: sqrt((m - d_k) / m)
+        assert rows[m]["ls_residual"] == pytest.approx(math.sqrt((m - d_k) / m), rel=0.1)
+
+
+def test_hebbian_crosstalk_sqrt_law(gen):
+    d_k = 16
+    ms = [4, 16, 64]
+    rows = capacity_sweep(d_k, 16, ms, trials=40, seed=_seed(gen))
+    for r in rows:
+        assert r["hebbian_error"] == pytest.approx(math.sqrt((r["m"] - 1) / d_k), rel=0.12)
+    # quadrupling m doubles the error (for m >> 1)
+    assert rows[2]["hebbian_error"] / rows[1]["hebbian_error"] == pytest.approx(math.sqrt(63 / 15), rel=0.12)
+
+
+def test_hebbian_exact_for_orthonormal_keys(gen):
+    Q, _ = torch.linalg.qr(torch.randn(16, 16, generator=gen, dtype=torch.float64))
+    K = Q[:10]                                                  # 10 orthonormal keys
+    V = torch.randn(10, 5, generator=gen, dtype=torch.float64)
+    assert recall_error(hebbian_memory(K, V), K, V) < 1e-12
+
+
+def test_gd_converges_to_min_norm_not_hebbian(gen):
+    m, d_k, d_v = 8, 16, 6
+    K, V = random_pairs(m, d_k, d_v, generator=gen)            # Gaussian: not orthonormal
+    M = gd_memory(K, V, steps=3000)
+    min_norm = V.T @ torch.linalg.solve(K @ K.T, K)             # V^T (K K^T)^{-1} K = V K^+
+    assert torch.allclose(M, min_norm, atol=1e-7)
+    assert (M - hebbian_memory(K, V)).norm() > 0.1 * M.norm()
+    assert recall_error(M, K, V) < 1e-7
+
+
+def test_capacity_bad_input():
+    K = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="same number of pairs"):
+        least_squares_memory(K, torch.randn(5, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[m, d_k\]"):
+        hebbian_memory(K[0], torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="M must have shape"):
+        recall_error(torch.zeros(8, 3, dtype=torch.float64), K, torch.randn(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="positive int"):
+        capacity_sweep(8, 8, [0])
