@@ -1,0 +1,55 @@
+"""Smoke tests of ``python -m atlaslib.bench`` (no timing assertions) and of its memory meter."""
+import pytest
+import torch
+
+from atlaslib import bench
+
+COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time_ms", "peak_MiB", "speedup"]
+
+
+def test_table_prints_all_columns(capsys):
+    bench.main(["--quick", "--T", "20", "--B", "1", "--H", "2", "--K", "6", "--V", "5", "--no-progress"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == COLUMNS
+    rows = [line.split() for line in lines[2:]]
+    models = {"linear", "linear_scalar_gate", "linear_channel_gate"}
+    assert {r[0] for r in rows} >= models
+    assert {(r[0], r[1]) for r in rows} >= {(m, b) for m in models for b in ("recurrent", "chunk")}
+    for r in rows:
+        assert len(r) == len(COLUMNS) and r[2] == "cpu" and r[6] == "20"
+        assert float(r[9]) >= 0 and float(r[10]) >= 0
+
+
+def test_scaling_mode(capsys):
+    bench.main(["--scaling", "--quick", "--T", "16", "32", "--models", "linear", "--H", "1", "--K", "4",
+                "--V", "4", "--no-progress"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "MiB_per_1k_tokens" in lines[0].split()
+    assert len(lines) == 4 and all(line.split()[1] == "chunk" for line in lines[2:])
+
+
+def test_peak_memory_sees_a_known_allocation():
+    """A call that holds a 4 MiB buffer and a 2 MiB temporary peaks at 6 MiB and returns 4 MiB."""
+    def fn():
+        out = torch.ones(2**20)                 # 4 MiB, returned
+        tmp = torch.ones(2**19)                 # 2 MiB, freed before returning
+        out += tmp.sum()
+        del tmp
+        return out
+    assert bench.peak_memory_mib(fn, "cpu") == pytest.approx(6.0, abs=0.1)
+
+
+def test_register_bench_case_and_errors():
+    calls = []
+    def builder(shape, g):
+        return lambda backend: calls.append((backend, shape.T))
+    bench.register_bench_case("_probe", builder, backends=("chunk",))
+    try:
+        rows = bench.run_benchmarks(["_probe"], [8], warmup=0, repeats=1, progress=False)
+        assert [(r["model"], r["backend"]) for r in rows] == [("_probe", "chunk")] and ("chunk", 8) in calls
+        with pytest.raises(ValueError, match="already registered"):
+            bench.register_bench_case("_probe", builder)
+    finally:
+        bench.BENCH_CASES.pop("_probe")
+    with pytest.raises(ValueError, match="unknown bench case"):
+        bench.run_benchmarks(["nope"], [8])

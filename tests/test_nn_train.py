@@ -1,0 +1,179 @@
+"""Token mixers, the registry, TinyLM, and the MQAR training loop."""
+import pytest
+import torch
+from torch import nn
+
+from atlaslib.nn import MIXERS, TinyLM, TokenMixer, available_mixers, make_mixer, register_mixer
+from atlaslib.tasks import mqar
+from atlaslib.train import MQARTask, compare_mixers, format_table, mqar_accuracy, train_mqar
+
+CH1 = ["softmax", "linear", "retnet", "mamba2", "gla"]
+
+
+def test_chapter1_mixers_registered():
+    assert set(CH1) <= set(available_mixers())
+
+
+@pytest.mark.parametrize("name", CH1)
+def test_mixer_shape_causality_and_grad(gen, name):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer(name, 24, 3, backend="chunk")
+    x = torch.randn(2, 13, 24, generator=gen, requires_grad=True)
+    y = mixer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    # causality: changing token t must not change any output before t
+    t = 7
+    x2 = x.detach().clone()
+    x2[:, t] += torch.randn(2, 24, generator=gen)
+    y2 = mixer(x2)
+    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5)
+    assert not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5)
+    y.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert all(p.grad is not None for p in mixer.parameters())
+
+
+@pytest.mark.parametrize("name", ["linear", "retnet", "mamba2", "gla"])
+def test_mixer_chunk_equals_recurrent(gen, name):
+    """The mixer passes the same q, k, v and gates to every backend."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer(name, 16, 2, backend="recurrent")
+    x = torch.randn(2, 21, 16, generator=gen)
+    ref = mixer(x)
+    mixer.backend, mixer.chunk_size = "chunk", 8
+    assert torch.allclose(mixer(x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_mixer_is_linear_attention(gen):
+    """Without conv, phi = id: the mixer is o_proj(sum_{j<=t} (q_t.k_j) v_j) per head, written out here."""
+    torch.manual_seed(0)
+    D, H = 12, 2
+    mixer = make_mixer("linear", D, H, conv_size=0)
+    x = torch.randn(1, 9, D, generator=gen)
+    q, k, v = (p(x).view(1, 9, H, D // H) for p in (mixer.q_proj, mixer.k_proj, mixer.v_proj))
+    scores = torch.einsum("bthd,bjhd->bhtj", q, k).tril()
+    o = torch.einsum("bhtj,bjhd->bthd", scores, v).reshape(1, 9, D)
+    assert torch.allclose(mixer(x), mixer.o_proj(o), atol=1e-5)
+
+
+def test_gates_and_state_sizes():
+    m = make_mixer("mamba2", 32, 4)
+    x = torch.randn(2, 5, 32)
+    a = m.gate(x)
+    assert a.shape == (2, 4, 5) and ((a > 0) & (a < 1)).all()
+    g = make_mixer("gla", 32, 4, head_k_dim=6)
+    a = g.gate(x)
+    assert a.shape == (2, 4, 5, 6) and ((a > 0) & (a < 1)).all()
+    r = make_mixer("retnet", 33, 3)
+    assert torch.allclose(r.alpha, torch.tensor([1 - 2 ** -5, 1 - 2 ** -6, 1 - 2 ** -7]))
+    assert make_mixer("linear", 32, 4).state_size == 4 * 8 * 8
+    assert make_mixer("linear", 32, 4, normalize=True).state_size == 4 * 8 * 9
+    assert g.state_size == 4 * 6 * 8
+    assert make_mixer("softmax", 32, 4).state_size is None
+    lm = TinyLM(50, 32, 3, "gla", 4, head_k_dim=6)
+    assert lm.state_size == 3 * 4 * 6 * 8
+    assert TinyLM(50, 32, 2, "softmax", 4).state_size is None
+
+
+def test_normalized_linear_uses_positive_features():
+    m = make_mixer("linear", 16, 2, normalize=True)
+    assert m.phi(torch.tensor([-5.0])).item() > 0
+    assert torch.isfinite(m(torch.randn(1, 7, 16))).all()
+
+
+def test_qk_norm():
+    seen = {}
+
+    class Probe(TokenMixer):
+        def mix(self, q, k, v, x):
+            seen["q"], seen["k"] = q, k
+            return v
+
+    m = Probe(16, 2, qk_norm=True)
+    m(torch.randn(2, 5, 16))
+    assert torch.allclose(seen["q"].norm(dim=-1), torch.ones(2, 2, 5), atol=1e-5)
+    assert torch.allclose(seen["k"].norm(dim=-1), torch.ones(2, 2, 5), atol=1e-5)
+
+
+def test_register_from_another_module():
+    @register_mixer("_test_identity")
+    class Identity(TokenMixer):
+        def mix(self, q, k, v, x):
+            return v
+    try:
+        m = make_mixer("_test_identity", 8, 2, conv_size=0, head_k_dim=3, head_v_dim=5)
+        assert isinstance(m, Identity) and m.state_size == 2 * 3 * 5
+        assert m(torch.randn(1, 4, 8)).shape == (1, 4, 8)
+        lm = TinyLM(20, 8, 2, "_test_identity", 2)
+        assert lm(torch.randint(20, (3, 6))).shape == (3, 6, 20)
+        with pytest.raises(ValueError, match="already registered"):
+            register_mixer("_test_identity")(type("Other", (TokenMixer,), {}))
+    finally:
+        MIXERS.pop("_test_identity")
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match="unknown mixer 'nope'.*softmax"):
+        make_mixer("nope", 8, 2)
+    with pytest.raises(TypeError, match="TokenMixer subclass"):
+        register_mixer("_bad")(nn.Linear)
+    with pytest.raises(ValueError, match="not divisible"):
+        make_mixer("linear", 10, 3)
+    with pytest.raises(ValueError, match=r"\[B, T, 8\]"):
+        make_mixer("linear", 8, 2)(torch.randn(2, 3, 9))
+    with pytest.raises(NotImplementedError):
+        TokenMixer(8, 2)(torch.randn(1, 3, 8))
+    with pytest.raises(ValueError, match="ids must be"):
+        TinyLM(10, 8, 1, "linear", 2)(torch.zeros(3, dtype=torch.long))
+
+
+class _Oracle(nn.Module):
+    """Predicts the label wherever there is one and token 0 elsewhere."""
+
+    def __init__(self, inputs, labels, vocab):
+        super().__init__()
+        self.inputs, self.labels, self.vocab = inputs, labels, vocab
+
+    def forward(self, ids):
+        rows = (ids[:, None, :] == self.inputs[None]).all(-1).float().argmax(1)   # find each row
+        target = self.labels[rows].clamp_min(0)
+        return nn.functional.one_hot(target, self.vocab).float()
+
+
+def test_mqar_accuracy_counts_labelled_positions_only(gen):
+    x, y = mqar(40, 32, 4, 64, seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    assert mqar_accuracy(_Oracle(x, y, 64), x, y, batch_size=7) == 1.0
+    wrong = y.clone()
+    wrong[y != -100] -= 1                                   # wrong everywhere it counts
+    assert mqar_accuracy(_Oracle(x, wrong, 64), x, y, batch_size=7) == 0.0
+    half = y.clone()
+    half[:20][y[:20] != -100] -= 1                          # first 20 rows wrong
+    assert mqar_accuracy(_Oracle(x, half, 64), x, y) == pytest.approx(0.5)
+
+
+def _tiny_run(seed, steps=15):
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=200, num_test=50)
+    torch.manual_seed(seed)
+    model = TinyLM(40, 16, 1, "linear", 2)
+    return train_mqar(model, task.data(seed), steps=steps, batch_size=16, lr=1e-2, warmup=5, seed=seed,
+                      progress=False)
+
+
+def test_training_is_seeded_and_learns():
+    a, b, c = _tiny_run(0), _tiny_run(0), _tiny_run(1)
+    assert a.losses == b.losses and a.accuracy == b.accuracy
+    assert a.losses != c.losses
+    assert sum(a.losses[-3:]) / 3 < sum(a.losses[:3]) / 3
+    assert 0.0 <= a.accuracy <= 1.0 and len(a.losses) == 15
+
+
+def test_compare_mixers_rows_and_table():
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=64, num_test=16)
+    rows = compare_mixers(["softmax", ("linear+norm", "linear", {"normalize": True})], task, d_model=16,
+                          n_layers=1, n_heads=2, steps=2, batch_size=8, progress=False)
+    assert [r["mixer"] for r in rows] == ["softmax", "linear+norm"]
+    assert rows[0]["state_size"] is None and rows[1]["state_size"] == 2 * 8 * 9
+    text = format_table(rows, ["mixer", "state_size", "accuracy"])
+    lines = text.splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1      # aligned
+    assert "grows with T" in lines[2] and lines[0].split() == ["mixer", "state_size", "accuracy"]
