@@ -10,6 +10,7 @@ Everything is deterministic for a fixed seed and thread count: the data come fro
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -83,8 +84,8 @@ def train_mqar(model, data, *, steps: int = 500, batch_size: int = 32, lr: float
     train_x, train_y, test_x, test_y = data
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) *
-                                                 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / steps)).item()))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     name = name or getattr(model, "mixer_name", type(model).__name__)
     losses = []
     start = time.perf_counter()

@@ -78,7 +78,7 @@ def recall_error(M: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> float:
     return ((K @ M.T - V).norm() / V.norm()).item()
 
 
-def capacity_sweep(d_k: int, d_v: int, ms, *, trials: int = 20, seed: int = 0, progress: bool = False):
+def capacity_sweep(d_k: int, d_v: int, ms, trials: int = 20, seed: int = 0, *, progress: bool = False):
     """Store m pairs for each m in ``ms``; average the recall errors over ``trials`` draws.
 
     Returns a list of dicts, one per m, with
