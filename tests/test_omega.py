@@ -152,7 +152,7 @@ def test_frozen_gradients_are_an_approximation(gen, window):
     assert gaps[-1] > gaps[0], f"staler gradients should drift further, got {gaps}"
 
 
-def test_chunk_in_low_gates_and_extremes(gen):
+def test_extreme_gates(gen):
     """alpha = 0 (full reset each step), alpha = 1, gamma = 0 (no write: M_t = A_t M_0)."""
     q, k, v, gamma, alpha, eta, h0 = make_inputs(gen, 1, 2, 40, 8, 6, 5, "source")
     for a in (torch.zeros_like(alpha), torch.ones_like(alpha), torch.full_like(alpha, 1e-3)):
@@ -389,8 +389,14 @@ def test_bad_inputs():
         omega_rule(q, k, v[:, :, :5], window=3)
     with pytest.raises(TypeError, match="fp64"):
         omega_rule(q.double(), k.double(), v.double(), window=3, backend="triton")
-    with pytest.raises(ValueError, match="chunk_size \\+ window - 1 <= 256"):
-        omega_rule(q, k, v, window=200, chunk_size=64, backend="triton")
+    wide = random_qkv(1, 1, 4, 128, 3, seed=0)                   # D = 128: a 256 x 128 tile at b + c - 1 = 163
+    with pytest.raises(ValueError, match=r"\[256, 128\] window tile"):
+        omega_rule(*wide, window=100, chunk_size=64, backend="triton")
+    from atlaslib.omega.kernel import kernel_supports            # "auto" on CUDA falls back to chunk there
+    assert kernel_supports(64, 4, 64) and kernel_supports(64, 150, 16)
+    assert not kernel_supports(128, 100, 64) and not kernel_supports(16, 2, 128)
+    with pytest.raises(ValueError, match="chunk_size <= 64"):
+        omega_rule(q, k, v, window=2, chunk_size=128, backend="triton")
 
 
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
@@ -407,7 +413,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window,chunk_size", [(1, 64), (4, 64), (16, 32), (100, 64)])
+@pytest.mark.parametrize("window,chunk_size", [(1, 64), (4, 64), (16, 32), (150, 16)])
 def test_kernel_on_gpu(gen, dtype, window, chunk_size):
     inputs = [None if x is None else x.cuda() for x in make_inputs(gen, 2, 4, 1000, 64, 64, window, "offset")]
     ref, ref_s = run("chunk", *inputs, window, chunk_size=chunk_size)

@@ -47,6 +47,16 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
     return fq, fk
 
 
+def auto_backend(backend, fq, window, chunk_size):
+    """``resolve_backend``, except that "auto" takes the chunk form where the kernel's tiles would not fit."""
+    resolved = resolve_backend(backend, fq)
+    if backend == "auto" and resolved == "triton":
+        from .kernel import kernel_supports
+        if not kernel_supports(fq.shape[-1], window, chunk_size):
+            return "chunk"
+    return resolved
+
+
 def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, memory="linear",
                initial_state=None, output_final_state=False, backend="auto", chunk_size=64):
     """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
@@ -88,8 +98,10 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
             M_{t-1}), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
             MATH.md §8), "triton" (the same chunk form as a GPU kernel; CPU under
-            TRITON_INTERPRET=1; backward by autograd through the chunk form) or "auto"
-            (triton on CUDA, chunk otherwise).
+            TRITON_INTERPRET=1; backward by autograd through the chunk form; needs
+            chunk_size <= 64 and a window tile next_pow2(chunk_size + window - 1) x
+            next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
+            fit, chunk otherwise).
         chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
             (see below); b = 1 is the exact per-token rule.
 
@@ -117,7 +129,7 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 — or None unless requested).
     """
     fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size)
-    backend = resolve_backend(backend, q)
+    backend = auto_backend(backend, fq, window, chunk_size)
     if backend == "recurrent":
         o, state = omega_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
     elif backend == "chunk":
@@ -149,7 +161,7 @@ def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial
     Arguments and results as ``omega_rule`` (no ``memory``: the state is linear).
     """
     fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size)
-    backend = resolve_backend(backend, q)
+    backend = auto_backend(backend, fq, window, chunk_size)
     if backend == "recurrent":
         o, state = swla_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
     elif backend == "chunk":

@@ -27,6 +27,8 @@ the start), eta, and the chunk-local cumulative log-gates g.
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
 inputs). Runs under ``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets.
+Launched with num_stages=1: software pipelining of the chunk loop would multiply the
+shared memory (297 KB instead of 115 KB at BT=64, BW=128, BD=64, over an H100's limit).
 """
 from __future__ import annotations
 
@@ -39,8 +41,13 @@ from ..linear.chunk import log_gate
 from ..linear.recurrent import compute_dtype
 from .chunk import window_gates
 
-# Largest window tile b + c - 1 (rows of K and V held per chunk) and feature dimension.
-MAX_WINDOW_ROWS = 256
+# Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
+# shared memory is 114 KB at BT=64, BW=128, BD=64; 147 KB at (64, 128, 128); 180 KB at
+# (64, 256, 64); but 262 KB, over the 227 KB an H100 block may use, at (64, 256, 128) and
+# at BT = BD = 128. So: chunks of at most 64 tokens and a window tile of at most
+# 128 x 128 elements (BW * BD), e.g. D = 128 with chunk_size + window - 1 <= 128.
+MAX_CHUNK = 64
+MAX_WINDOW_TILE = 128 * 128
 MAX_FEATURES = 256
 
 
@@ -129,6 +136,13 @@ def chunk_local_log_gate(alpha, T: int, b: int) -> torch.Tensor:
     return padded.view(*logs.shape[:2], n_chunks, b).cumsum(-1).flatten(-2)[..., :T].contiguous()
 
 
+def kernel_supports(D: int, window: int, chunk_size: int) -> bool:
+    """Whether the kernel's tiles fit (see the limits above); ``backend="auto"`` falls back to chunk otherwise."""
+    BW = max(16, triton.next_power_of_2(chunk_size + window - 1))
+    BD = max(16, triton.next_power_of_2(D))
+    return chunk_size <= MAX_CHUNK and D <= MAX_FEATURES and BW * BD <= MAX_WINDOW_TILE
+
+
 def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
                     chunk_size=64, hebbian=False):
     """Triton forward of the chunk form; same arguments and results as ``chunk.windowed_chunk``."""
@@ -140,10 +154,15 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     BT = max(16, triton.next_power_of_2(b))
     BW = max(16, triton.next_power_of_2(b + c - 1))
     BD = max(16, triton.next_power_of_2(D))
-    BV = max(16, min(64, triton.next_power_of_2(V)))
-    if b + c - 1 > MAX_WINDOW_ROWS:
-        raise ValueError(f"the Triton kernel supports chunk_size + window - 1 <= {MAX_WINDOW_ROWS}, got "
-                         f"{b} + {c} - 1; use a smaller chunk_size or backend='chunk'")
+    # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk: narrower value blocks
+    # (more programs) keep them within shared memory on the GPU
+    BV = max(16, min(64 if BW <= 64 else 32, triton.next_power_of_2(V)))
+    if b > MAX_CHUNK:
+        raise ValueError(f"the Triton kernel supports chunk_size <= {MAX_CHUNK}, got {b}; use backend='chunk'")
+    if D <= MAX_FEATURES and BW * BD > MAX_WINDOW_TILE:
+        raise ValueError(f"the Triton kernel holds a [{BW}, {BD}] window tile (chunk_size + window - 1 = "
+                         f"{b + c - 1} rows, D = {D}), more than {MAX_WINDOW_TILE} elements; use a smaller "
+                         f"chunk_size (or window), or backend='chunk'")
     if D > MAX_FEATURES:
         raise ValueError(f"the Triton kernel supports feature dimensions D <= {MAX_FEATURES}, got D={D}; "
                          f"use backend='chunk'")
@@ -159,7 +178,7 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     omega_fwd_kernel[grid](
         q, k, v, G, eta, g, h0, o, ht, T, D, V, b, c,
         HAS_ALPHA=alpha is not None, HAS_H0=initial_state is not None, HEBBIAN=hebbian,
-        BT=BT, BW=BW, BD=BD, BV=BV, PRECISION=precision,
+        BT=BT, BW=BW, BD=BD, BV=BV, PRECISION=precision, num_stages=1,
     )
     return o, ht
 
