@@ -1,7 +1,6 @@
 """Chapter 1 mixers: softmax attention, linear attention and its gated (Hebbian) family."""
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
