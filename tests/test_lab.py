@@ -189,7 +189,9 @@ def wait_until_executed(page, timeout_s):
         if prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
             return prompts
         page.wait_for_timeout(500)
-    pytest.fail(f"cells still not executed after {timeout_s} s: prompts {prompts}")
+    running = [i for i, p in enumerate(prompts) if p == "[*]:"]
+    pytest.fail(f"Run All did not finish in {timeout_s} s (a chapter should run in 2 minutes "
+                f"on 2 cores); code cell {running} still running; prompts {prompts}")
 
 
 def drag_slider(page, slider):
