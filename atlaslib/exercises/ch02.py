@@ -1,0 +1,186 @@
+"""Checks for chapter 2's exercises (exercises/ch02_delta.ipynb): the delta rule family.
+
+Each check draws fresh random inputs, runs the learner's function and compares it with
+``atlaslib.delta`` (the per-token loop ``delta_rule(..., backend="recurrent")``, Longhorn's
+step ``longhorn_beta``, the chunk matrices of ``atlaslib.delta.chunk``), then shows a
+verdict. Use in a notebook as::
+
+    from atlaslib.exercises import ch02 as check
+    check.delta_step(loss_gradient, delta_step)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.dispatch import interpreter_on
+from ..core.testing import random_gate, random_qkv
+from ..delta import delta_rule, longhorn_beta
+from ..delta.chunk import decayed_products
+from .ch01 import clones, triton_device
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, guarded,
+                       guarded_output, unpack)
+
+EXERCISES = Registry("ch02")
+
+# fp32 inputs; a correct answer agrees to ~1e-6, a wrong one is off by far more than this.
+TOL = 1e-4
+
+
+def recurrent(q, k, v, beta, alpha=None, initial_state=None, longhorn=False):
+    """The library's per-token loop: (o, final state)."""
+    return delta_rule(q, k, v, beta, alpha=alpha, initial_state=initial_state, longhorn=longhorn,
+                      output_final_state=True, backend="recurrent")
+
+
+def random_beta(B, H, T, gen, low=0.1, high=1.5):
+    return low + (high - low) * torch.rand(B, H, T, generator=gen)
+
+
+@EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2)
+def delta_step(grad_fn, step_fn, gen):
+    """grad_fn(M, k, v) -> dL/dM of 1/2||M k - v||^2;  step_fn(M, k, v, beta, alpha) -> M_t.
+
+    M [B,H,V,K], k [B,H,K], v [B,H,V], beta and alpha [B,H].
+    """
+    # K != V first: a left-multiplied (I - beta k k^T) M fails on shape there, and on values when K = V
+    cases = [(2, 3, 5, 7, 0.3), (1, 2, 6, 6, 0.3), (2, 1, 16, 3, 0.6), (1, 2, 4, 4, 1.0)]  # (B, H, K, V, lowest gate)
+    for B, H, K, V, low in cases:
+        q, k, v = random_qkv(B, H, 1, K, V, generator=gen)
+        M = torch.randn(B, H, V, K, generator=gen)
+        beta = random_beta(B, H, 1, gen)
+        alpha = random_gate(B, H, 1, low=low, generator=gen)
+        label = f"B={B}, H={H}, K={K}, V={V}, gates in [{low}, 1]"
+        with case(f"loss_gradient, {label}"):
+            M_var = M.clone().requires_grad_(True)
+            loss = 0.5 * (torch.einsum("bhvk,bhk->bhv", M_var, k[:, :, 0]) - v[:, :, 0]).square().sum()
+            (grad_ref,) = torch.autograd.grad(loss, M_var)
+            compare("gradient", call(grad_fn, *clones(M, k[:, :, 0], v[:, :, 0])), grad_ref, TOL)
+        with case(f"delta_step, {label}"):
+            _, M_ref = recurrent(q, k, v, beta, alpha, initial_state=M)
+            got = call(step_fn, *clones(M, k[:, :, 0], v[:, :, 0], beta[:, :, 0], alpha[:, :, 0]))
+            compare("M_t", got, M_ref, TOL)
+    return f"the gradient matches autograd and M_t matches atlaslib.delta on {len(cases)} random cases"
+
+
+def corrected_values(S0, k, v, beta, alpha):
+    """u_t = beta_t (v_t - alpha_t M_{t-1} k_t) from the library's per-token loop.
+
+    The loop is run with the queries shifted by one token (query t = key t+1), so that its
+    read y_t = M_t k_{t+1} is exactly what token t+1 needs; token 1 reads S0 directly.
+    """
+    q_next = torch.cat([k[:, :, 1:], k[:, :, :1]], dim=2)
+    y, _ = recurrent(q_next, k, v, beta, alpha, initial_state=S0)
+    first = torch.einsum("bhvk,bhk->bhv", S0, k[:, :, 0])[:, :, None]
+    previous_reads = torch.cat([first, y[:, :, :-1]], dim=2)          # M_{t-1} k_t, t = 1..n
+    return beta[..., None] * (v - alpha[..., None] * previous_reads)
+
+
+@EXERCISES.check("ut_solve", title="The UT transform: one triangular solve per chunk", points=3)
+def ut_solve(fn, gen):
+    """fn(S0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
+    cases = [  # (B, H, n, K, V, lowest gate)
+        (2, 2, 1, 5, 3, 0.5),
+        (1, 2, 6, 6, 4, 0.5),
+        (2, 1, 9, 7, 5, 1.0),       # gates exactly 1: DeltaNet
+        (1, 1, 16, 16, 8, 0.3),
+        (1, 3, 12, 4, 6, 0.8),      # n > K: the keys are linearly dependent
+    ]
+    for B, H, n, K, V, low in cases:
+        _, k, v = random_qkv(B, H, n, K, V, generator=gen)
+        beta = random_beta(B, H, n, gen)
+        alpha = random_gate(B, H, n, low=low, generator=gen)
+        S0 = torch.randn(B, H, V, K, generator=gen)
+        U_ref = corrected_values(S0, k, v, beta, alpha)
+        with case(f"B={B}, H={H}, chunk length n={n}, K={K}, V={V}, gates in [{low}, 1]"):
+            compare("U", call(fn, *clones(S0, k, v, beta, alpha)), U_ref, TOL)
+    return f"U matches the per-token corrected values on {len(cases)} random chunks"
+
+
+@EXERCISES.check("chunkwise", title="The chunkwise delta rule over a whole sequence", points=3)
+def chunkwise(fn, gen):
+    """fn(q, k, v, beta, alpha, chunk_size) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha None or [B,H,T]."""
+    cases = [  # (B, H, T, K, V, gated, chunk sizes)
+        (2, 2, 13, 5, 4, True, (1, 3, 4, 13, 20)),
+        (1, 2, 13, 6, 3, False, (1, 5, 16)),
+        (1, 1, 32, 8, 8, True, (8, 16, 7)),
+        (1, 2, 1, 4, 3, True, (1, 4)),
+    ]
+    for B, H, T, K, V, gated, sizes in cases:
+        q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        beta = random_beta(B, H, T, gen, high=1.0)
+        alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
+        o_ref, M_ref = recurrent(q, k, v, beta, alpha)
+        kind = "scalar gates" if gated else "alpha=None"
+        for c in sizes:
+            with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, {kind}, chunk_size={c}"):
+                o, M_T = unpack(call(fn, *clones(q, k, v, beta, alpha), c), ("o", "M_T"))
+                compare("o", o, o_ref, TOL)
+                compare("M_T", M_T, M_ref, TOL)
+    n = sum(len(c[-1]) for c in cases)
+    return f"matches the per-token loop for {n} (sequence, chunk size) pairs, with and without gates"
+
+
+def keys_of_norm(B, H, K, gen, low, high):
+    """Keys [B,H,K] with random directions and norms uniform in [low, high]."""
+    k = F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    return k * (low + (high - low) * torch.rand(B, H, 1, generator=gen))
+
+
+@EXERCISES.check("kda_beta", title="KDA as a proximal step: the right beta", points=2)
+def kda_beta(prox_fn, beta_fn, gen):
+    """prox_fn(S_prev, k, v, alpha, eta) -> S;  beta_fn(eta, k) -> beta.
+
+    S_prev [B,H,V,K], k [B,H,K], v [B,H,V], alpha [B,H,K] (per key channel), eta [B,H].
+    """
+    cases = [  # (B, H, K, V, key norms)
+        (2, 2, 5, 3, (1.0, 1.0)),       # unit keys: the blog's beta is right here
+        (1, 3, 6, 6, (0.5, 3.0)),
+        (2, 1, 16, 4, (1.5, 2.5)),
+        (1, 2, 3, 7, (0.2, 0.8)),
+    ]
+    for B, H, K, V, (low, high) in cases:
+        k = keys_of_norm(B, H, K, gen, low, high)
+        v = torch.randn(B, H, V, generator=gen)
+        S_prev = torch.randn(B, H, V, K, generator=gen)
+        alpha = random_gate(B, H, 1, K, low=0.5, generator=gen)[:, :, 0]
+        eta = 0.1 + 4.9 * torch.rand(B, H, generator=gen)
+        label = f"B={B}, H={H}, K={K}, V={V}, key norms in [{low}, {high}]"
+        with case(f"prox_step, {label}"):
+            _, S_ref = recurrent(k[:, :, None], k[:, :, None], v[:, :, None], eta[:, :, None],
+                                 alpha[:, :, None], initial_state=S_prev, longhorn=True)
+            compare("S", call(prox_fn, *clones(S_prev, k, v, alpha, eta)), S_ref, TOL)
+        with case(f"kda_beta, {label}"):
+            beta_ref = longhorn_beta(eta[:, :, None], k[:, :, None])[:, :, 0]
+            compare("beta", call(beta_fn, *clones(eta, k)), beta_ref, TOL)
+    return f"the proximal step and its beta match atlaslib.delta (Longhorn) on {len(cases)} cases, unit keys or not"
+
+
+@EXERCISES.check("triton_chunk_matrix", title="A Triton kernel for the chunk's matrix A", points=3)
+def triton_chunk_matrix(fn, gen):
+    """fn(k [N,n,K], beta [N,n], g [N,n], out [N,n,n]) -> out = tril(beta_t e^{g_t - g_j} k_t.k_j, -1)."""
+    device = triton_device()
+    if device == "cpu" and not interpreter_on():
+        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
+                          "importing triton (the notebook's set-up cell does), then restart the kernel")
+    tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
+    cases = [(2, 5, 6, 0.5), (1, 16, 16, 0.5), (3, 11, 20, 0.3), (1, 1, 4, 0.5), (2, 7, 3, 1.0)]  # (N, n, K, low)
+    for N, n, K, low in cases:
+        _, k, _ = random_qkv(N, 1, n, K, 1, generator=gen)
+        beta = random_beta(N, 1, n, gen)
+        g = torch.log(random_gate(N, 1, n, low=low, generator=gen)).cumsum(dim=-1)
+        _, L, *_ = decayed_products(k, k, g)             # strictly lower e^{g_t - g_j} k_t.k_j
+        A_ref = (beta[..., None] * L)[:, 0]
+        ins = [guarded(x[:, 0].to(device)) for x in (k, beta, g)]
+        out = guarded_output((N, n, n), device=device)
+        with case(f"N={N}, n={n}, K={K}, gates in [{low}, 1]"):
+            call(fn, *ins, out)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            check_guards("out", out)
+            try:
+                compare("out", out, A_ref.to(device), tol)
+            except CheckFailed as e:
+                raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
+    # the same text on CPU and GPU, so the stored output is valid on both
+    return f"the kernel matches atlaslib.delta on {len(cases)} odd-sized cases, with no stray loads or stores"
