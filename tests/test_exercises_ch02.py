@@ -1,0 +1,368 @@
+"""Chapter 2's graded exercises: every check passes a correct answer and rejects typical mistakes,
+and the grader gives the solutions full marks, the student copy zero, and a planted wrong
+answer exactly its exercise's points less.
+
+The correct answers here are written from the math or the library, not copied from
+exercises/solutions/ch02_delta.ipynb. TRITON_INTERPRET=1 is set by conftest.py before
+triton is imported.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from atlaslib.delta import delta_rule
+from atlaslib.delta.chunk import chunk_step as library_chunk_step
+from atlaslib.exercises import ch02, registry
+from atlaslib.exercises.generate import BEGIN, END
+from atlaslib.grade import grade, table
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "exercises" / "solutions" / "ch02_delta.ipynb"
+STUDENT = ROOT / "exercises" / "ch02_delta.ipynb"
+POINTS = {e.name: e.points for e in registry("ch02")}
+TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
+
+
+def mv(M, x):
+    """M x for M [B,H,V,K], x [B,H,K]."""
+    return torch.einsum("bhvk,bhk->bhv", M, x)
+
+
+def outer(a, b):
+    return a[..., :, None] * b[..., None, :]
+
+
+# ---- exercise 1: the delta rule as a gradient step -----------------------------------------
+
+def gradient_ok(M, k, v):
+    return outer(mv(M, k) - v, k)
+
+
+def step_ok(M, k, v, beta, alpha):   # the library's other backend, on one token
+    _, M_t = delta_rule(k[:, :, None], k[:, :, None], v[:, :, None], beta[:, :, None], alpha=alpha[:, :, None],
+                        initial_state=M, output_final_state=True, backend="chunk")
+    return M_t
+
+
+def step_explicit(M, k, v, beta, alpha):   # with I - beta k k^T formed explicitly
+    K = k.shape[-1]
+    b, a = beta[:, :, None, None], alpha[:, :, None, None]
+    return a * M @ (torch.eye(K) - b * outer(k, k)) + b * outer(v, k)
+
+
+def test_delta_step_passes_correct_answers():
+    for step in (step_ok, step_explicit):
+        v = ch02.delta_step.evaluate(gradient_ok, step)
+        assert v.status == "passed" and v.earned == v.points == 2, v.message
+
+
+@pytest.mark.parametrize("wrong, where", [
+    (lambda M, k, v: outer(v - mv(M, k), k), "gradient"),          # sign of the error
+    (lambda M, k, v: 2 * outer(mv(M, k) - v, k), "gradient"),      # the loss without its 1/2
+])
+def test_delta_step_rejects_wrong_gradients(wrong, where):
+    v = ch02.delta_step.evaluate(wrong, step_explicit)
+    assert v.status == "failed" and where in v.message and "loss_gradient" in v.message
+
+
+def left_multiplied(M, k, v, beta, alpha):
+    """(I - beta k k^T) alpha M + beta v k^T: acts on value space; only defined when K = V."""
+    b, a = beta[:, :, None, None], alpha[:, :, None, None]
+    return (torch.eye(k.shape[-1]) - b * outer(k, k)) @ (a * M) + b * outer(v, k)
+
+
+def left_multiplied_when_square(M, k, v, beta, alpha):
+    return left_multiplied(M, k, v, beta, alpha) if M.shape[-1] == M.shape[-2] else step_explicit(M, k, v, beta, alpha)
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda M, k, v, beta, alpha: step_explicit(M, k, v, beta, torch.ones_like(alpha)),          # no decay
+    lambda M, k, v, beta, alpha: alpha[:, :, None, None] * M
+    - beta[:, :, None, None] * outer(mv(M, k) - v, k),                                           # gradient at M, not alpha M
+    lambda M, k, v, beta, alpha: alpha[:, :, None, None] * step_explicit(M, k, v, beta, torch.ones_like(alpha)),  # decay last
+    lambda M, k, v, beta, alpha: step_explicit(M, k, v, -beta, alpha),                           # ascent
+    left_multiplied_when_square,
+], ids=["no_decay", "gradient_at_M", "decay_after", "sign", "left_multiplied"])
+def test_delta_step_rejects_wrong_steps(wrong):
+    v = ch02.delta_step.evaluate(gradient_ok, wrong)
+    assert v.status == "failed" and "M_t: relative RMSE" in v.message, v.message
+
+
+def test_delta_step_left_multiplication_fails_on_shape_when_k_differs_from_v():
+    v = ch02.delta_step.evaluate(gradient_ok, left_multiplied)
+    assert v.status == "error" and "K=5, V=7" in v.message
+
+
+# ---- exercise 2: the UT transform -----------------------------------------------------------
+
+def ut_forward_substitution(S0, k, v, beta, alpha):
+    """Row by row: u_t = beta_t (v_t - A_t S0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j)."""
+    A = torch.cumprod(alpha, dim=-1)
+    U = []
+    for t in range(k.shape[2]):
+        r = v[:, :, t] - A[:, :, t, None] * mv(S0, k[:, :, t])
+        for j in range(t):
+            w = (A[:, :, t] / A[:, :, j]) * (k[:, :, j] * k[:, :, t]).sum(-1)
+            r = r - w[..., None] * U[j]
+        U.append(beta[:, :, t, None] * r)
+    return torch.stack(U, dim=2)
+
+
+def ut_variant(diagonal=False, gates=True, transposed=False, rhs_decay=True, rhs_beta=True):
+    def solve(S0, k, v, beta, alpha):
+        n = k.shape[2]
+        g = torch.log(alpha).cumsum(-1) if gates else torch.zeros_like(alpha)
+        diff = g[..., :, None] - g[..., None, :]
+        Gamma = torch.exp((-diff if transposed else diff).tril(0 if diagonal else -1)).tril(0 if diagonal else -1)
+        system = torch.eye(n) + beta[..., None] * Gamma * (k @ k.transpose(-1, -2))
+        decay = torch.exp(torch.log(alpha).cumsum(-1)) if rhs_decay else torch.ones_like(alpha)
+        rhs = v - decay[..., None] * (k @ S0.transpose(-1, -2))
+        rhs = beta[..., None] * rhs if rhs_beta else rhs
+        return torch.linalg.solve(system, rhs)
+    return solve
+
+
+def test_ut_solve_passes_correct_answers():
+    for fn in (ut_forward_substitution, ut_variant()):
+        v = ch02.ut_solve.evaluate(fn)
+        assert v.status == "passed" and v.earned == 3, v.message
+
+
+@pytest.mark.parametrize("kw", [dict(diagonal=True), dict(gates=False), dict(transposed=True),
+                                dict(rhs_decay=False), dict(rhs_beta=False)],
+                         ids=["diagonal_kept", "no_gates_in_Gamma", "Gamma_transposed", "no_A_on_S0", "no_beta_on_rhs"])
+def test_ut_solve_rejects_typical_mistakes(kw):
+    v = ch02.ut_solve.evaluate(ut_variant(**kw))
+    assert v.status == "failed" and "U: relative RMSE" in v.message and "chunk length n=" in v.message
+
+
+# ---- exercise 3: the chunkwise pass ----------------------------------------------------------
+
+def chunkwise_library(q, k, v, beta, alpha, chunk_size):
+    return delta_rule(q, k, v, beta, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=chunk_size)
+
+
+def chunkwise_by_steps(global_gate=False, reset_state=False):
+    """A chunk loop over the library's chunk_step, optionally with a planted mistake."""
+    def run(q, k, v, beta, alpha, chunk_size):
+        B, H, T, K = q.shape
+        S = q.new_zeros(B, H, v.shape[-1], K)
+        logs = None if alpha is None else torch.log(alpha)
+        outs = []
+        for s in range(0, T, chunk_size):
+            e = min(s + chunk_size, T)
+            g = None if logs is None else (logs.cumsum(-1)[:, :, s:e] if global_gate else logs[:, :, s:e].cumsum(-1))
+            o, S_next = library_chunk_step(S, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e], g)
+            S = torch.zeros_like(S_next) if reset_state else S_next
+            outs.append(o)
+        return torch.cat(outs, 2), S_next
+    return run
+
+
+def test_chunkwise_passes_correct_answers():
+    for fn in (chunkwise_library, chunkwise_by_steps()):
+        v = ch02.chunkwise.evaluate(fn)
+        assert v.status == "passed" and v.earned == 3, v.message
+
+
+def test_chunkwise_rejects_gate_not_restarted_and_state_not_carried():
+    v = ch02.chunkwise.evaluate(chunkwise_by_steps(global_gate=True))
+    assert v.status == "failed" and "scalar gates, chunk_size=" in v.message
+    v = ch02.chunkwise.evaluate(chunkwise_by_steps(reset_state=True))
+    assert v.status == "failed" and "chunk_size=" in v.message
+
+
+def test_chunkwise_rejects_hebbian_writes_and_missing_none_case():
+    from atlaslib.linear import linear_attention
+
+    def hebbian(q, k, v, beta, alpha, chunk_size):        # writes beta v k^T: linear attention, not the delta rule
+        return linear_attention(q, k, v * beta[..., None], alpha=alpha, output_final_state=True)
+    assert ch02.chunkwise.evaluate(hebbian).status == "failed"
+
+    def gates_required(q, k, v, beta, alpha, chunk_size):
+        return chunkwise_library(q, k, v, beta, alpha.clone(), chunk_size)
+    v = ch02.chunkwise.evaluate(gates_required)
+    assert v.status == "error" and "alpha=None" in v.message and "AttributeError" in v.message
+
+
+# ---- exercise 4: KDA as a proximal step ------------------------------------------------------
+
+def prox_least_squares(S_prev, k, v, alpha, eta):
+    """The objective is 1/2 || S [k, I/sqrt(eta)] - [v, S'/sqrt(eta)] ||_F^2: a least-squares problem."""
+    S_faded = S_prev * alpha[:, :, None, :]
+    r = eta.rsqrt()[:, :, None, None]
+    X = torch.cat([k[..., :, None], r * torch.eye(k.shape[-1]).expand(*k.shape[:2], -1, -1)], dim=-1)   # [B,H,K,K+1]
+    Y = torch.cat([v[..., :, None], r * S_faded], dim=-1)                                            # [B,H,V,K+1]
+    # S X = Y in the least-squares sense  <=>  X^T S^T = Y^T
+    return torch.linalg.lstsq(X.transpose(-1, -2), Y.transpose(-1, -2)).solution.transpose(-1, -2)
+
+
+def beta_ok(eta, k):
+    return eta / (1 + eta * (k * k).sum(-1))
+
+
+def blog_beta(eta, k):
+    return eta / (1 + eta)
+
+
+def kda_step_with(beta_fn):
+    def step(S_prev, k, v, alpha, eta):
+        S_faded = S_prev * alpha[:, :, None, :]
+        b = beta_fn(eta, k)[:, :, None, None]
+        return S_faded - b * outer(mv(S_faded, k) - v, k)
+    return step
+
+
+def test_kda_beta_passes_correct_answers():
+    for prox in (prox_least_squares, kda_step_with(beta_ok)):
+        v = ch02.kda_beta.evaluate(prox, beta_ok)
+        assert v.status == "passed" and v.earned == 2, v.message
+
+
+def test_kda_beta_rejects_the_unit_key_formula():
+    v = ch02.kda_beta.evaluate(prox_least_squares, blog_beta)
+    assert v.status == "failed" and "kda_beta, " in v.message and "key norms in [0.5, 3.0]" in v.message
+    v = ch02.kda_beta.evaluate(kda_step_with(blog_beta), beta_ok)
+    assert v.status == "failed" and "prox_step, " in v.message and "S: relative RMSE" in v.message
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, torch.ones_like(alpha), eta),     # no decay
+    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, alpha, 1 / eta),                  # eta inverted
+    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, alpha.mean(-1, keepdim=True).expand_as(alpha),
+                                                        eta),                                           # a scalar gate
+], ids=["no_decay", "eta_inverted", "scalar_gate"])
+def test_kda_beta_rejects_wrong_proximal_steps(wrong):
+    v = ch02.kda_beta.evaluate(wrong, beta_ok)
+    assert v.status == "failed" and "prox_step" in v.message
+
+
+# ---- exercise 5: the Triton kernel ----------------------------------------------------------
+
+@triton.jit
+def chunk_matrix_variants(k_ptr, beta_ptr, g_ptr, out_ptr, n, K, BT: tl.constexpr, BK: tl.constexpr,
+                          MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, DIAGONAL: tl.constexpr,
+                          BETA_OF_COLUMN: tl.constexpr, LOWER_STORE_ONLY: tl.constexpr):
+    """A written without tl.dot (broadcast and sum), with switchable mistakes."""
+    i = tl.program_id(0).to(tl.int64)
+    r, c = tl.arange(0, BT), tl.arange(0, BK)
+    if MASK_LOADS:
+        m_r, m_c = r < n, c < K
+    else:
+        m_r, m_c = r < BT, c < BK
+    k = tl.load(k_ptr + i * n * K + r[:, None] * K + c[None, :], mask=m_r[:, None] & m_c[None, :], other=0.0)
+    g = tl.load(g_ptr + i * n + r, mask=r < n, other=0.0)
+    beta = tl.load(beta_ptr + i * n + r, mask=r < n, other=0.0)
+    kk = tl.sum(k[:, None, :] * k[None, :, :], axis=2)
+    if DIAGONAL:
+        below = r[:, None] >= r[None, :]
+    else:
+        below = r[:, None] > r[None, :]
+    A = tl.where(below, kk * tl.exp(tl.where(below, g[:, None] - g[None, :], 0.0)), 0.0)
+    if BETA_OF_COLUMN:
+        A = A * beta[None, :]
+    else:
+        A = A * beta[:, None]
+    if MASK_STORE:
+        m_out = (r < n)[:, None] & (r < n)[None, :]
+    else:
+        m_out = (r < n)[:, None] & (r < BT)[None, :]
+    if LOWER_STORE_ONLY:
+        m_out = m_out & (r[:, None] > r[None, :])
+    tl.store(out_ptr + i * n * n + r[:, None] * n + r[None, :], A, mask=m_out)
+
+
+def chunk_matrix_launcher(mask_loads=True, mask_store=True, diagonal=False, beta_of_column=False, lower_store_only=False):
+    def launch(k, beta, g, out):
+        N, n, K = k.shape
+        BT, BK = (max(16, triton.next_power_of_2(x)) for x in (n, K))
+        chunk_matrix_variants[(N,)](k, beta, g, out, n, K, BT=BT, BK=BK, MASK_LOADS=mask_loads, MASK_STORE=mask_store,
+                                    DIAGONAL=diagonal, BETA_OF_COLUMN=beta_of_column, LOWER_STORE_ONLY=lower_store_only)
+        return out
+    return launch
+
+
+def test_triton_check_passes_a_correct_kernel():
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher())
+    assert v.status == "passed" and v.earned == 3, v.message
+
+
+def test_triton_check_catches_unmasked_loads():
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(mask_loads=False))
+    assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
+
+
+def test_triton_check_catches_stores_past_the_end():
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(mask_store=False))
+    assert v.status == "failed" and "wrote" in v.message
+
+
+def test_triton_check_catches_zeros_never_written():
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(lower_store_only=True))
+    assert v.status == "failed" and "NaN" in v.message
+
+
+@pytest.mark.parametrize("kw", [dict(diagonal=True), dict(beta_of_column=True)], ids=["diagonal", "beta_of_column"])
+def test_triton_check_catches_wrong_entries(kw):
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(**kw))
+    assert v.status == "failed" and "relative RMSE" in v.message
+
+
+# ---- the grader on chapter 2 ------------------------------------------------------------------
+
+def rows(report):
+    return {r["exercise"]: r for r in report["exercises"]}
+
+
+def test_solutions_score_full_marks():
+    report = grade(SOLUTION, timeout=TIMEOUT, progress=False)
+    assert [r["exercise"] for r in report["exercises"]] == list(POINTS)
+    assert all(r["status"] == "passed" for r in report["exercises"]), table(report)
+    assert report["earned"] == report["points"] == sum(POINTS.values())
+    assert report["setup_problems"] == []
+
+
+def test_untouched_student_notebook_scores_zero_via_cli():
+    out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--json", "--timeout", str(TIMEOUT)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["earned"] == 0 and report["points"] == sum(POINTS.values())
+    assert {r["exercise"]: r["status"] for r in report["exercises"]} == {n: "not_implemented" for n in POINTS}
+
+
+def planted_copy(tmp_path, function, body):
+    """The solutions notebook, outputs cleared, with the solution block of ``function`` replaced by ``body``."""
+    nb = nbformat.read(SOLUTION, as_version=4)
+    planted = False
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.outputs = []
+        lines = cell.source.split("\n")
+        if f"def {function}(" not in cell.source:
+            continue
+        head = next(i for i, line in enumerate(lines) if line.startswith(f"def {function}("))
+        start = next(i for i in range(head, len(lines)) if lines[i].strip() == BEGIN)
+        end = next(i for i in range(start, len(lines)) if lines[i].strip() == END)
+        cell.source = "\n".join(lines[:start] + ["    " + body] + lines[end + 1:])
+        planted = True
+    assert planted, f"no solution cell defines {function}"
+    path = tmp_path / SOLUTION.name
+    nbformat.write(nb, path)
+    return path
+
+
+def test_planted_unit_key_beta_loses_exactly_its_points(tmp_path):
+    report = grade(planted_copy(tmp_path, "kda_beta", "return eta / (1.0 + eta)"), timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["kda_beta"]["status"] == "failed" and r["kda_beta"]["earned"] == 0, table(report)
+    assert "key norms" in r["kda_beta"]["verdict"]
+    assert report["earned"] == report["points"] - POINTS["kda_beta"], table(report)
