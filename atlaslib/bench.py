@@ -23,13 +23,16 @@ For every registered model (a *bench case*) and every backend it prints
 see memory grow linearly in T (the state is constant; what grows is the output and the
 per-chunk work).
 
-Later chapters add rows with ``register_bench_case(name, builder, flops=...)``: the
+Later chapters add rows with ``register_bench_case(name, builder, flops=...)`` in a
+module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases`` imports: the
 builder takes a ``BenchShape`` and a ``torch.Generator`` and returns ``call(backend)``,
 a function that runs the model once on fixed inputs.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -110,6 +113,14 @@ register_bench_case("linear_channel_gate", _linear_builder("channel"), flops=lin
                     bytes=_io_bytes(lambda s: s.K))
 
 
+def load_chapter_cases() -> None:
+    """Import ``atlaslib.<chapter>.bench_cases`` for every chapter package that has one."""
+    import atlaslib
+    for pkg in pkgutil.iter_modules(atlaslib.__path__):
+        if pkg.ispkg and importlib.util.find_spec(f"atlaslib.{pkg.name}.bench_cases") is not None:
+            importlib.import_module(f"atlaslib.{pkg.name}.bench_cases")
+
+
 # ---------------------------------------------------------------------------- measuring
 
 def _sync(device):
@@ -184,6 +195,7 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
                    B=1, H=4, K=64, V=64, chunk_size=64, warmup=1, repeats=3, seed=0,
                    progress=True) -> list[dict]:
     """Measure every (model, T, backend); one row per measurement (see the module docstring)."""
+    load_chapter_cases()
     models = list(BENCH_CASES) if not models else list(models)
     unknown = [m for m in models if m not in BENCH_CASES]
     if unknown:
@@ -251,6 +263,7 @@ def _table(rows):
 
 
 def main(argv=None):
+    load_chapter_cases()
     p = argparse.ArgumentParser(prog="python -m atlaslib.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--T", type=int, nargs="+", default=None, help="sequence lengths (default 1024 4096)")
     p.add_argument("--B", type=int, default=1)
@@ -290,4 +303,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # run the copy of this module that chapter bench_cases register into (``atlaslib.bench``),
+    # not the ``__main__`` copy that ``python -m`` executes
+    from atlaslib.bench import main as canonical_main
+    canonical_main()
