@@ -1,0 +1,162 @@
+"""Chapter 4 mixers: OmegaNet (linear memory) and SWLA as token mixers for the tiny LM.
+
+Both update the memory with the last ``window`` = c pairs instead of one (MATH.md §4):
+
+    OmegaNet  M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} (M_{t-1} phi(k_i) - v_i) phi(k_i)^T
+    SWLA      M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T
+
+Every gate is a linear projection of the layer input x_t, squashed as MATH.md §0 says:
+
+* alpha_t (retention, one per head): chapter 1's gate, sigmoid(w^T x_t + b)^(1/16), so
+  that memories start long-lived (``retention=False`` drops it: alpha = 1);
+* gamma (window gates in [0, 1]): sigmoid of a projection, in either parametrisation of
+  MATH.md §4, ``gamma="offset"`` (c gates per token and head, gamma_i^{(t)} indexed by the
+  offset t - i, chosen by the token that updates) or ``gamma="source"`` (one gate per
+  token and head, gamma_i^{(t)} = gamma_i in every window that holds token i);
+  ``gamma=None``: all ones;
+* eta_t (inner step): bounded, eta_t = eta_max * sigmoid(w^T x_t + b). The Omega step is a
+  GD step on sum_i gamma_i 1/2||M phi(k_i) - v_i||^2, whose Hessian has norm at most
+  sum_i gamma_i ||phi(k_i)||^2 <= c for unit features; GD on it is stable while
+  eta_t * c < 2. OmegaNet therefore uses unit features (q, k l2-normalised, also after the
+  polynomial map) and eta_max = 1 / c by default: the window loss is in effect averaged
+  and the step lies in (0, 1), like DeltaNet's beta at c = 1. SWLA has no such limit
+  (its write does not read the state); its default eta_max is 1.
+
+Polynomial features ([A] §3, MATH.md §4): ``degree=p`` applies, per head, a fresh
+``TaylorFeatures(p, compressed=True)`` (``poly="taylor"``: learnable a_i, kernel
+sum_i a_i (q^T k)^i) or the unweighted monomials of degree <= p (``poly="monomial"``, the
+map of Proposition 2) to the *normalised* q and k, then normalises the result again. The
+memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` reports.
+
+The chunk size of the Omega chunk form **changes the model** (gradients frozen at the
+chunk start; chunk_size = 1 is the per-token rule), so OmegaNet defaults to chunk_size=16;
+SWLA's chunk form is exact for every chunk size. Deep memories (OmegaNet with an MLP
+memory) run on chapter 3's engine and are not mixers here.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import TaylorFeatures, monomial_features
+from ..omega import check_window, omega_rule, swla
+from .mixer import register_mixer
+from .mixers import GatedLinear
+
+GAMMA_MODES = ("offset", "source", None)
+POLY_MAPS = ("taylor", "monomial")
+
+
+def polynomial_map(kind: str, degree: int):
+    """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p."""
+    if kind == "taylor":
+        return TaylorFeatures(degree, compressed=True)
+    if kind == "monomial":
+        return functools.partial(monomial_features, degree=degree)
+    raise ValueError(f"poly must be one of {POLY_MAPS}, got {kind!r}")
+
+
+class WindowedMixer(GatedLinear):
+    """Shared parts of OmegaNet and SWLA: the window gates gamma, the step eta, the retention
+    alpha (chapter 1's ``GatedLinear`` gate) and the optional polynomial features."""
+
+    per_channel = False              # alpha: one scalar per head and token
+    default_eta_max = 1.0
+
+    def __init__(self, d_model, n_heads, *, window: int = 8, gamma: str | None = "offset",
+                 retention: bool = True, eta_max: float | None = None, degree: int | None = None,
+                 poly: str = "taylor", **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.window = check_window(window)
+        if gamma not in GAMMA_MODES:
+            raise ValueError(f"gamma must be one of {GAMMA_MODES}, got {gamma!r}")
+        self.gamma_mode = gamma
+        if gamma is not None:
+            width = window if gamma == "offset" else 1
+            self.gamma_proj = nn.Linear(d_model, n_heads * width)
+            nn.init.constant_(self.gamma_proj.bias, 2.0)            # sigmoid(2) ~ 0.88: windows start open
+        if not retention:
+            self.gate_proj = None
+        self.retention = retention
+        self.eta_max = float(self.default_eta_max if eta_max is None else eta_max)
+        if not self.eta_max > 0:
+            raise ValueError(f"eta_max must be > 0, got {eta_max!r}")
+        self.eta_proj = nn.Linear(d_model, n_heads)
+        self.degree, self.poly_kind = degree, poly
+        self.poly = None if degree is None else polynomial_map(poly, degree)
+
+    # ---- gates, all [B, H, T] or [B, H, T, c], projected from x [B, T, D]
+    def gammas(self, x):
+        """Window gates in (0, 1): [B, H, T, c] (per offset), [B, H, T] (per source) or None."""
+        if self.gamma_mode is None:
+            return None
+        B, T, _ = x.shape
+        g = torch.sigmoid(self.gamma_proj(x)).view(B, T, self.n_heads, -1).transpose(1, 2)   # [B, H, T, w]
+        return g if self.gamma_mode == "offset" else g.squeeze(-1)
+
+    def eta(self, x):
+        """Inner step eta_t = eta_max * sigmoid(w^T x_t + b) in (0, eta_max), [B, H, T]."""
+        return self.eta_max * torch.sigmoid(self.eta_proj(x)).transpose(1, 2)
+
+    def alpha(self, x):
+        """Retention in (0, 1), [B, H, T], or None without retention."""
+        return self.gate(x) if self.retention else None
+
+    def features(self, q, k):
+        """phi(q), phi(k): the polynomial map of the unit q, k, normalised again (identity without ``degree``)."""
+        if self.poly is None:
+            return q, k
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return F.normalize(self.poly(q), dim=-1), F.normalize(self.poly(k), dim=-1)
+
+    def feature_dim(self) -> int:
+        """D, the width of phi(k): head_k_dim, or the polynomial (and base) feature map's output width."""
+        x = torch.zeros(1, 1, 1, self.head_k_dim)
+        with torch.no_grad():
+            return self.features(self.phi(x), self.phi(x))[1].shape[-1]
+
+    @property
+    def state_size(self) -> int:
+        """One [V, D] memory per head (D = the feature dimension); the c-pair window itself is input, not state."""
+        return self.n_heads * self.feature_dim() * self.head_v_dim
+
+    def gate_tensors(self, x, dtype):
+        cast = lambda t: None if t is None else t.to(dtype)       # noqa: E731
+        return cast(self.gammas(x)), cast(self.alpha(x)), cast(self.eta(x))
+
+    def extra_repr(self) -> str:
+        poly = f", degree={self.degree} ({self.poly_kind})" if self.degree is not None else ""
+        return (f"{super().extra_repr()}, window={self.window}, gamma={self.gamma_mode!r}, "
+                f"retention={self.retention}, eta_max={self.eta_max:.3g}{poly}")
+
+
+@register_mixer("omeganet")
+class OmegaNet(WindowedMixer):
+    """OmegaNet with a linear memory: one GD step per token on the gated l2 loss of the last c pairs."""
+
+    def __init__(self, d_model, n_heads, *, window: int = 8, eta_max: float | None = None, **kw):
+        kw.setdefault("qk_norm", True)                           # unit features: the step bound needs them
+        kw.setdefault("chunk_size", 16)
+        check_window(window)
+        super().__init__(d_model, n_heads, window=window, eta_max=1.0 / window if eta_max is None else eta_max,
+                         **kw)
+
+    def mix(self, q, k, v, x):
+        q, k = self.features(q, k)
+        gamma, alpha, eta = self.gate_tensors(x, q.dtype)
+        return omega_rule(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
+                          backend=self.backend, chunk_size=self.chunk_size)[0]
+
+
+@register_mixer("swla")
+class SWLA(WindowedMixer):
+    """Sliding-window linear attention: a gated Hebbian write of the last c pairs (exact chunk form)."""
+
+    def mix(self, q, k, v, x):
+        q, k = self.features(q, k)
+        gamma, alpha, eta = self.gate_tensors(x, q.dtype)
+        return swla(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
+                    backend=self.backend, chunk_size=self.chunk_size)[0]
