@@ -1,0 +1,173 @@
+"""The algorithm: chunkwise MIRAS with gradients frozen at each chunk's start state.
+
+Split the sequence into chunks of b tokens. In a chunk that starts from the raw state
+Z_{t0} (weights W_{t0} = R(Z_{t0})) and momentum S_{t0}, every gradient is taken at
+W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, MATH.md §8). Then:
+
+1. **Frozen gradients, all rows at once.** The window rows r of the chunk (the b tokens,
+   plus the c - 1 before it when a window reaches back) go through the memory as one
+   batch at W_{t0}. Every weight W of a memory is used as x -> W x, so row r's gradient
+   is rank one, g_r = a_r x_r^T with x_r the layer's input and a_r = d l_r / d (W x_r),
+   which ``torch.func.vjp`` gives for all rows at once (``row_factors``).
+2. **Optimizer and retention as masked matmuls.** For a linear optimizer the updates are
+   u_t = b_t S_{t0} + sum_r E[t, r] g_r (``optimizer.affine``: E = -diag(eta) Gamma for
+   GD; E = D_theta diag(-eta) Gamma with D_theta[t, i] = theta_{i+1} ... theta_t for
+   momentum), and a linear retention gives
+       Z_t = A_t Z_{t0} + (D_alpha b)_t S_{t0} + sum_r (D_alpha E)[t, r] g_r,
+   with A_t = alpha_{t0+1} ... alpha_t and D_alpha[t, i] = A_t / A_i (i <= t). The decay
+   ratios are exp(differences of cumulative log-gates), never quotients of cumulative
+   products (``atlaslib.linear.chunk.causal_decay``). Memora's log-domain recursion and
+   Moneta's accumulator A are of this form: both are linear in Z; only the read
+   W = R(Z) is not.
+3. **Readouts inside the chunk.** y_t = M_{W_t}(phi(q_t)) needs the weights after every
+   token. Two ways, equal to rounding:
+   * *dual form* (retentions with W = Z and linear combine: none, decay, decay_first,
+     proximal): each layer's output W_t x = A_t W_{t0} x + s_t S_{t0} x +
+     sum_r C[t, r] a_r (x_r . x), with C = D_alpha E, never forming W_t;
+   * *materialised* (kl, lq, elastic, and non-linear optimizers such as chapter 5's
+     Muon): the b per-token weight sets are formed (elastic net by a short elementwise
+     scan, since its soft threshold is not linear), read through R, and applied token by
+     token.
+
+Exactness (MATH.md §8, all tested): ``miras_chunk(b) == miras_frozen_seq(b)`` for every
+b; at b = 1 both equal the per-token engine; for b > 1 they differ from it (the frozen
+gradient is an approximation), except when the gradient does not depend on the state
+(dot-product bias with a linear memory: linear attention, exact for every b). The delta
+family (deltanet, gated_deltanet presets) run through this engine is therefore the
+*approximate* frozen-gradient variant for b > 1; ``atlaslib.delta`` has its exact
+chunkwise form.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..linear.chunk import LOG_FLOOR, causal_decay
+from ..omega.chunk import band_gates
+from .memory import per_token_linear
+from .recurrent import Gates, Parts
+
+
+def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
+    """The rank-one factors of every row's gradient at the frozen weights W.
+
+    W: {name: [N, out, in]}; k_rows [N, R, D]; v_rows [N, R, V]; delta_rows [N, R] or None;
+    scale [N, R] or None (row r evaluated at scale_r * W). Returns ({name: a [N, R, out]},
+    {name: x [N, R, in]}) with grad_W l(row r) = a_r x_r^T for each weight.
+    """
+    N, R, _ = k_rows.shape
+    zeros = {name: k_rows.new_zeros(N, R, out) for name, (out, _) in parts.memory.shapes.items()}
+
+    def predict(taps):
+        inputs = {}
+
+        def linear(name, x):
+            inputs[name] = x
+            out = x @ W[name].transpose(-1, -2)
+            if scale is not None:
+                out = out * scale[..., None]
+            return out + taps[name]                 # d l / d taps = d l / d (W x): the factor a
+        return parts.memory.forward(linear, k_rows), inputs
+
+    y, pullback, inputs = torch.func.vjp(predict, zeros, has_aux=True)
+    (a,) = pullback(parts.bias.psi(y, v_rows, delta_rows))
+    return a, inputs
+
+
+def chunk_log_cumsum(x, s, e):
+    """Cumulative log-gates of tokens s..e-1 from the chunk start (None if x is None)."""
+    if x is None:
+        return None
+    return torch.log(x[:, s:e]).clamp_min(LOG_FLOOR).cumsum(dim=1)
+
+
+def dual_linear(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec):
+    """``linear`` callback for readouts W_t x = A_t Z0 x + s_t S0 x + sum_r C[t, r] a_r (x_r . x)."""
+    def linear(name, x):                                              # x: [N, n, in]
+        out = x @ Z0[name].transpose(-1, -2)
+        if A is not None:
+            out = out * A[..., None]
+        if s_vec is not None and S0 is not None:
+            out = out + s_vec[..., None] * (x @ S0[name].transpose(-1, -2))
+        scores = (x @ x_rows[name].transpose(-1, -2)) * C              # [N, n, R]
+        return out + scores @ a[name]
+    return linear
+
+
+def end_state(base: dict, coef_base, extra: dict | None, coef_extra, a: dict, x_rows: dict, weights) -> dict:
+    """coef_base * base + coef_extra * extra + sum_r weights_r a_r x_r^T for each weight (coefs [N] or None)."""
+    out = {}
+    for name in a:
+        z = (a[name] * weights[..., None]).transpose(-1, -2) @ x_rows[name]
+        if base is not None:
+            z = z + (base[name] if coef_base is None else coef_base[:, None, None] * base[name])
+        if extra is not None and coef_extra is not None:
+            z = z + coef_extra[:, None, None] * extra[name]
+        out[name] = z
+    return out
+
+
+def retained_states(parts: Parts, Z0: dict, U: dict, alpha_chunk, D, A) -> dict:
+    """All b raw states of a chunk from the materialised updates U {name: [N, n, out, in]}."""
+    ret = parts.retention
+    if ret.linear:                                                    # Z_t = A_t Z0 + sum_i D[t, i] U_i
+        out = {}
+        for name, u in U.items():
+            z0 = Z0[name][:, None]
+            out[name] = torch.einsum("nti,nioj->ntoj", D, u) + (z0 if A is None else A[..., None, None] * z0)
+        return out
+    Z, states = Z0, []                                                # elastic net: elementwise scan
+    for t in range(next(iter(U.values())).shape[1]):
+        Z = ret.combine(Z, {name: u[:, t] for name, u in U.items()}, None if alpha_chunk is None else alpha_chunk[:, t])
+        states.append(Z)
+    return {name: torch.stack([z[name] for z in states], dim=1) for name in Z0}
+
+
+def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size: int = 16, materialize=None):
+    """Chunkwise engine (see the module docstring). Returns (o [N, T, V], Z_T, S_T).
+
+    ``materialize``: None picks the dual form where it applies; True forces the
+    materialised per-token weights (the two agree to rounding; tests check both).
+    """
+    ret, opt, mem, c = parts.retention, parts.optimizer, parts.memory, parts.cfg.window
+    N, T, _ = q.shape
+    dual = ret.identity_read and ret.linear and opt.linear if materialize is None else not materialize
+    if dual and not (ret.identity_read and ret.linear and opt.linear):
+        raise ValueError(f"the dual form needs W = Z, a linear retention and a linear optimizer; "
+                         f"retention={ret.name!r}, optimizer={opt.name!r}")
+    pad = lambda x: None if x is None else F.pad(x, (0, 0, c - 1, 0) if x.dim() == 3 else (c - 1, 0))  # noqa: E731
+    k_pad, v_pad, delta_pad = pad(k), pad(v), pad(gates.delta)
+    alpha = gates.alpha if ret.uses_alpha else None
+    theta = gates.theta if opt.uses_theta else None
+    outputs = []
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        n = e - s
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        # padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1 (zeros before token 0)
+        k_rows, v_rows = k_pad[:, s:e + c - 1], v_pad[:, s:e + c - 1]
+        delta_rows = None if delta_pad is None else delta_pad[:, s:e + c - 1]
+        scale = alpha[:, s:e] if (ret.grad_at_decayed and alpha is not None) else None   # window 1 here
+        a, x_rows = row_factors(parts, ret.read(Z), k_rows, v_rows, delta_rows, scale)
+        Gamma = band_gates(gates.G[None, :, s:e], c)[0]                 # [N, n, n + c - 1]
+        ga = chunk_log_cumsum(alpha, s, e)
+        D = causal.to(q.dtype).expand(N, n, n) if ga is None else causal_decay(ga[None], causal)[0]   # D_alpha
+        A = None if ga is None else torch.exp(ga)
+        h = chunk_log_cumsum(theta, s, e)
+        if dual:
+            b, E = opt.affine(Gamma, gates.eta[:, s:e], h)
+            C = D @ E                                                  # weight of row r's gradient in Z_t
+            s_vec = None if b is None else (D @ b[..., None])[..., 0]  # weight of S_{t0} in Z_t
+            outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec), q[:, s:e]))
+            Z_new = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
+                              a, x_rows, C[:, -1])
+            if opt.has_state:
+                S = end_state(None, None, S, None if b is None else b[:, -1], a, x_rows, E[:, -1])
+            Z = Z_new
+        else:
+            G = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
+            U, S = opt.updates(S, G, Gamma, gates.eta[:, s:e], h)
+            Z_all = retained_states(parts, Z, U, None if alpha is None else alpha[:, s:e], D, A)
+            outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
+            Z = {name: z[:, -1] for name, z in Z_all.items()}
+    return torch.cat(outputs, dim=1), Z, S

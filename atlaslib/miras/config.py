@@ -1,0 +1,215 @@
+"""A MIRAS model is one choice on each of four axes; the named models are presets.
+
+    cfg = make_config("titans")                        # a preset
+    cfg = make_config("titans", memory="linear")       # a preset with one axis moved
+    cfg = make_config(memory="mlp", bias="huber_switch", retention="kl", optimizer="momentum")
+    print(axes_markdown())                             # the four-axis table, built from PRESETS
+
+``MirasConfig`` holds the four axes and the few static hyper-parameters they need;
+data-dependent quantities (alpha, eta, theta, delta, gamma) are tensors passed to
+``miras`` at call time. ``make_config`` checks names, values, and axis combinations
+that cannot work, and raises ValueError saying what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .bias import BIASES
+from .memory import ACTIVATIONS, MEMORIES
+from .optimizer import OPTIMIZERS
+from .retention import RETENTIONS
+
+AXES = ("memory", "bias", "retention", "optimizer")
+
+
+@dataclass(frozen=True)
+class MirasConfig:
+    """The four axes plus their static hyper-parameters.
+
+    memory:     "linear" | "mlp" | "residual" | "gated"                        (axis 1)
+    bias:       "dot" | "l2" | "lp" | "huber" | "huber_norm" | "huber_switch" | "value_shift"   (axis 2)
+    retention:  "none" | "decay" | "decay_first" | "proximal" | "kl" | "lq" | "elastic"        (axis 4)
+    optimizer:  "gd" | "momentum"                                                (axis 3)
+    window:     c >= 1 past pairs in each update (Omega rule, l2-family biases; 1: one pair)
+    expansion, activation: hidden width expansion * K and nonlinearity of deep memories
+    layer_norm: LN on the residual memory's branch, x + LN(W1 act(W2 x)) (MIRAS, [M] §4.2)
+    p:          exponent of the lp bias; sign_sharpness a (sign ~ tanh(a x), None: exact
+                sign) and abs_eps (|x| ~ sqrt(x^2 + eps), 0: exact) smooth its gradient
+    delta:      default Huber threshold / value-shift radius when no per-token tensor is given
+    lq:         exponent q of Moneta's normalisation W = A / ||A||_q^(q-2)
+    scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
+    threshold:  gamma >= 0 of the elastic-net soft threshold
+    name:       the preset this came from (or "custom")
+    """
+
+    memory: str = "linear"
+    bias: str = "l2"
+    retention: str = "none"
+    optimizer: str = "gd"
+    window: int = 1
+    expansion: int = 4
+    activation: str = "gelu"
+    layer_norm: bool = False
+    p: float = 3.0
+    sign_sharpness: float | None = 10.0
+    abs_eps: float = 1e-6
+    delta: float = 1.0
+    lq: float = 4.0
+    scale: float = 1.0
+    threshold: float = 0.0
+    name: str = "custom"
+
+    def replace(self, **changes) -> "MirasConfig":
+        return make_config(self, **changes)
+
+
+# Which option belongs to which axis value: passing it with another choice is an error.
+OPTION_OWNERS = {
+    "p": ("bias", ("lp",)), "sign_sharpness": ("bias", ("lp",)), "abs_eps": ("bias", ("lp",)),
+    "delta": ("bias", ("huber", "huber_norm", "huber_switch", "value_shift")),
+    "lq": ("retention", ("lq",)), "scale": ("retention", ("kl",)), "threshold": ("retention", ("elastic",)),
+    "expansion": ("memory", ("mlp", "residual", "gated")), "activation": ("memory", ("mlp", "residual", "gated")),
+    "layer_norm": ("memory", ("residual",)),
+}
+
+PRESETS: dict[str, MirasConfig] = {
+    # chapter 1-2 models as presets of the same engine
+    "linear_attention": MirasConfig(memory="linear", bias="dot", retention="none", optimizer="gd"),
+    "deltanet": MirasConfig(memory="linear", bias="l2", retention="none", optimizer="gd"),
+    "gated_deltanet": MirasConfig(memory="linear", bias="l2", retention="decay_first", optimizer="gd"),
+    # test-time training and Titans
+    "ttt_linear": MirasConfig(memory="linear", bias="l2", retention="none", optimizer="gd"),
+    "ttt_mlp": MirasConfig(memory="mlp", bias="l2", retention="none", optimizer="gd"),
+    "titans": MirasConfig(memory="mlp", bias="l2", retention="decay", optimizer="momentum"),
+    # the three MIRAS models ([M] Table 1, MATH.md §3): residual-MLP memory with LN, expansion 4, GELU
+    "moneta": MirasConfig(memory="residual", layer_norm=True, bias="lp", p=3.0, retention="lq", lq=4.0,
+                          optimizer="gd"),
+    "yaad": MirasConfig(memory="residual", layer_norm=True, bias="huber_switch", retention="decay", optimizer="gd"),
+    "memora": MirasConfig(memory="residual", layer_norm=True, bias="l2", retention="kl", scale=1.0, optimizer="gd"),
+}
+PRESETS = {name: dataclasses.replace(cfg, name=name) for name, cfg in PRESETS.items()}
+
+# Presets whose chunk form is exact for every chunk size (the gradient of the dot-product
+# bias with a linear memory does not depend on the state, MATH.md §8).
+EXACT_CHUNK = ("linear_attention",)
+
+
+def _check_choice(axis, value, table):
+    if value not in table:
+        raise ValueError(f"{axis} must be one of {sorted(table)}, got {value!r}")
+
+
+def _check_number(name, x, low, *, strict=False, integer=False, allow_none=False):
+    if x is None and allow_none:
+        return
+    kind = int if integer else (int, float)
+    if isinstance(x, bool) or not isinstance(x, kind):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {x!r}")
+    if x < low or (strict and x == low):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {x}")
+
+
+def validate_config(cfg: MirasConfig) -> MirasConfig:
+    """Check names, ranges and the combinations of axes that have no meaning here."""
+    if not isinstance(cfg, MirasConfig):
+        raise TypeError(f"config must be a MirasConfig (see make_config), got {type(cfg).__name__}")
+    _check_choice("memory", cfg.memory, MEMORIES)
+    _check_choice("bias", cfg.bias, BIASES)
+    _check_choice("retention", cfg.retention, RETENTIONS)
+    if cfg.optimizer == "muon":
+        raise ValueError("optimizer='muon' (Newton-Schulz on the momentum, ATLAS) comes with chapter 5; "
+                         f"here optimizer must be one of {sorted(OPTIMIZERS)}")
+    _check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    _check_choice("activation", cfg.activation, ACTIVATIONS)
+    _check_number("window", cfg.window, 1, integer=True)
+    _check_number("expansion", cfg.expansion, 1, integer=True)
+    _check_number("p", cfg.p, 1)
+    _check_number("sign_sharpness", cfg.sign_sharpness, 0, strict=True, allow_none=True)
+    _check_number("abs_eps", cfg.abs_eps, 0)
+    _check_number("delta", cfg.delta, 0)
+    _check_number("lq", cfg.lq, 1)
+    _check_number("scale", cfg.scale, 0, strict=True)
+    _check_number("threshold", cfg.threshold, 0)
+    if not isinstance(cfg.layer_norm, bool):
+        raise TypeError(f"layer_norm must be True or False, got {cfg.layer_norm!r}")
+    if cfg.layer_norm and cfg.memory != "residual":
+        raise ValueError(f"layer_norm applies to memory='residual' (x + LN(W1 act(W2 x))), not {cfg.memory!r}")
+    if cfg.retention == "proximal" and (cfg.memory, cfg.bias, cfg.optimizer, cfg.window) != ("linear", "l2", "gd", 1):
+        raise ValueError("retention='proximal' (the exact implicit step, Longhorn) has a closed form only for "
+                         "memory='linear', bias='l2', optimizer='gd', window=1; got "
+                         f"memory={cfg.memory!r}, bias={cfg.bias!r}, optimizer={cfg.optimizer!r}, window={cfg.window}")
+    if cfg.window > 1:
+        if cfg.bias not in ("l2", "lp", "huber", "huber_norm", "huber_switch", "value_shift"):
+            raise ValueError(f"window={cfg.window} (Omega rule) needs a bias that depends on the memory; "
+                             f"bias={cfg.bias!r} has a state-independent gradient (for the dot-product window "
+                             "use atlaslib.omega.swla)")
+        if RETENTIONS[cfg.retention].grad_at_decayed:
+            raise ValueError(f"window={cfg.window} cannot be combined with retention={cfg.retention!r}: the window's "
+                             "gradients are taken at M_{t-1}; use retention='decay' (decay after the gradient)")
+    return cfg
+
+
+def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasConfig:
+    """A validated config: ``preset`` (a name from ``PRESETS`` or a MirasConfig) with ``overrides``.
+
+    Overrides are MirasConfig fields (memory, bias, retention, optimizer, window, p, lq,
+    ...). An option that belongs to an axis choice the config does not make (e.g. ``p``
+    without ``bias="lp"``, ``delta`` with ``bias="dot"``) is a ValueError.
+    """
+    if preset is None:
+        base = MirasConfig()
+    elif isinstance(preset, MirasConfig):
+        base = preset
+    elif isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {sorted(PRESETS)}")
+        base = PRESETS[preset]
+    else:
+        raise TypeError(f"preset must be a preset name or a MirasConfig, got {type(preset).__name__}")
+    fields = {f.name for f in dataclasses.fields(MirasConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise TypeError(f"unknown config option(s) {unknown}; options: {sorted(fields - {'name'})}")
+    if "memory" in overrides and "layer_norm" not in overrides and overrides["memory"] != "residual":
+        overrides = {**overrides, "layer_norm": False}        # a preset's LN belongs to its residual memory
+    changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
+    name = overrides.get("name", base.name if not changed else
+                         f"{base.name}({', '.join(f'{k}={v!r}' for k, v in changed.items())})")
+    cfg = dataclasses.replace(base, **{**overrides, "name": name})
+    for option in overrides:
+        if option in OPTION_OWNERS and not (option == "layer_norm" and overrides[option] is False):
+            axis, owners = OPTION_OWNERS[option]
+            if getattr(cfg, axis) not in owners:
+                raise ValueError(f"option {option}={overrides[option]!r} applies to {axis} in {list(owners)}, "
+                                 f"but this config has {axis}={getattr(cfg, axis)!r}")
+    return validate_config(cfg)
+
+
+# ---------------------------------------------------------------------------- the four-axis table
+
+def describe(cfg: MirasConfig) -> dict:
+    """One row of the four-axis table: model, memory, bias, retention, optimizer (in words)."""
+    row = {"model": cfg.name,
+           "memory": MEMORIES[cfg.memory].describe(cfg),
+           "bias": BIASES[cfg.bias].describe(cfg),
+           "retention": RETENTIONS[cfg.retention].describe(cfg),
+           "optimizer": OPTIMIZERS[cfg.optimizer].describe(cfg)}
+    if cfg.window > 1:
+        row["bias"] += f", window of c={cfg.window} pairs"
+    return row
+
+
+def axes_table(presets=None) -> list[dict]:
+    """The blog's four-axis table, one row per preset, generated from ``PRESETS``."""
+    names = list(PRESETS) if presets is None else list(presets)
+    return [describe(PRESETS[n] if isinstance(n, str) else n) for n in names]
+
+
+def axes_markdown(presets=None) -> str:
+    """``axes_table`` as a Markdown table."""
+    rows = axes_table(presets)
+    cols = ["model", "memory", "bias", "retention", "optimizer"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(r[c].replace("|", "\\|") for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

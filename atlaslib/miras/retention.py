@@ -1,0 +1,156 @@
+"""Axis 4, retention: how the memory holds on to (or lets go of) what it stored.
+
+The engines keep a *raw state* Z (one tensor per weight matrix) and read the memory's
+weights from it with ``read``; each token's update u_t (from the optimizer, axis 3)
+enters through ``combine``:
+
+    name         combine                         read W = R(Z)                 gradient at
+    none         Z_t = Z_{t-1} + u_t             W = Z                         W_{t-1}
+    decay        Z_t = alpha_t Z_{t-1} + u_t     W = Z                         W_{t-1}          (Titans, TTT)
+    decay_first  Z_t = alpha_t Z_{t-1} + u_t     W = Z                         alpha_t W_{t-1}  (Gated DeltaNet)
+    proximal     as decay_first, with the implicit step eta_t / (1 + eta_t ||phi(k_t)||^2) (Longhorn)
+    kl           Z_t = alpha_t Z_{t-1} + u_t     W = c softmax(Z) per matrix   W_{t-1}          (Memora)
+    lq           Z_t = alpha_t Z_{t-1} + u_t     W = Z / ||Z||_q^(q-2)         W_{t-1}          (Moneta)
+    elastic      Z_t = S_gamma(alpha_t Z_{t-1} + u_t),  W = Z                  W_{t-1}          (elastic net)
+
+The two scalar-decay placements differ for the delta family (MATH.md §2): decaying
+after the gradient gives M_{t-1}(alpha_t I - eta_t k k^T) + eta_t v k^T, decaying first
+gives alpha_t M_{t-1}(I - eta_t k k^T) + eta_t v k^T, Gated DeltaNet.
+
+kl is the KL divergence on the scaled simplex {W >= 0, sum W = c} with negative-entropy
+regularisation; its closed form W_t = c Softmax(beta_t log W_{t-1} - eta_t grad) ([M]
+eq 31, MATH.md §3, the softmax over *all* entries of each matrix) is computed in the
+log domain: softmax is shift-invariant, so the logits Z_t = alpha_t Z_{t-1} - eta_t g_t
+give exactly the same W_t, and the recursion on Z is linear (what the chunk form needs).
+lq is Moneta's normalisation: a linear accumulator A_t = beta_t A_{t-1} - eta_t grad, read
+as W_t = A_t / ||A_t||_q^(q-2) with the entrywise q-norm of each whole matrix ([M] eq 8;
+[M] Table 1 writes ||A||_2^2; q > 2 lies outside the range where it follows from a
+retention, so it is a heuristic, MATH.md §3). elastic is the learning-retaining closed
+form of the elastic net, W_t = S_gamma(lambda W_{t-1} - zeta grad) ([M] eq 32) with
+alpha_t = lambda, eta_t = zeta and the soft threshold S_gamma(z) = sign(z) max(0, |z| - gamma).
+
+Retentions whose ``combine`` is linear in (Z, u) (all but elastic) have the chunkwise
+form Z_t = A_t Z_{t0} + sum_i (A_t / A_i) u_i, a masked matmul.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def soft_threshold(z: torch.Tensor, gamma: float) -> torch.Tensor:
+    """S_gamma(z) = sign(z) max(0, |z| - gamma), elementwise."""
+    return torch.sign(z) * (z.abs() - gamma).clamp_min(0.0)
+
+
+def _scale(alpha, like):
+    """alpha [N] (or [N, n] for per-token states) broadcast against matrices [..., out, in]."""
+    return alpha.reshape(*alpha.shape, *([1] * (like.dim() - alpha.dim())))
+
+
+class Retention:
+    name = "base"
+    formula = ""
+    uses_alpha = True           # takes the retention gate alpha (None means alpha = 1)
+    linear = True               # combine is linear in (Z, u): chunk form by masked matmuls
+    grad_at_decayed = False     # gradient taken at alpha_t W_{t-1} instead of W_{t-1}
+    identity_read = True        # W = Z
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    @classmethod
+    def describe(cls, cfg) -> str:
+        return cls.formula
+
+    def read(self, Z: dict) -> dict:
+        """The memory's weights from the raw state (any leading dims)."""
+        return Z
+
+    def combine(self, Z: dict, u: dict, alpha) -> dict:
+        """Z_t from Z_{t-1} and the update u_t; alpha [N] or None (= 1)."""
+        if alpha is None:
+            return {n: Z[n] + u[n] for n in Z}
+        return {n: _scale(alpha, Z[n]) * Z[n] + u[n] for n in Z}
+
+    def effective_eta(self, eta, k):
+        return eta
+
+
+class NoRetention(Retention):
+    name = "none"
+    formula = "none"
+    uses_alpha = False
+
+
+class Decay(Retention):
+    name = "decay"
+    formula = "scalar decay αₜ (after the gradient)"
+
+
+class DecayFirst(Retention):
+    name = "decay_first"
+    formula = "scalar decay αₜ (gradient at αₜM)"
+    grad_at_decayed = True
+
+
+class Proximal(DecayFirst):
+    name = "proximal"
+    formula = "proximal (implicit) step, optional αₜ"
+
+    def effective_eta(self, eta, k):
+        """Longhorn's implicit step eta / (1 + eta ||phi(k)||^2): one GD step then lands on the
+        exact minimiser of l2(M; k, v) + 1/(2 eta) ||M - alpha M_{t-1}||^2 (MATH.md §2)."""
+        return eta / (1.0 + eta * k.square().sum(-1))
+
+
+class KL(Retention):
+    name = "kl"
+    formula = "KL on the simplex: W = c·softmax(Z)"
+    identity_read = False
+
+    @classmethod
+    def describe(cls, cfg):
+        return f"KL on the simplex, c={cfg.scale:g}: W = c·softmax(Z)"
+
+    def read(self, Z):
+        c = self.cfg.scale
+        return {n: c * torch.softmax(z.flatten(-2), dim=-1).view_as(z) for n, z in Z.items()}
+
+
+class Lq(Retention):
+    name = "lq"
+    formula = "ℓq normalisation: W = A / ‖A‖_q^(q−2)"
+    identity_read = False
+
+    @classmethod
+    def describe(cls, cfg):
+        return f"ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
+
+    def read(self, Z):
+        q = self.cfg.lq
+        out = {}
+        for n, a in Z.items():
+            # ||A||_q^(q-2) = (sum |A|^q)^((q-2)/q); the floor keeps A = 0 -> W = 0 (and its gradient finite)
+            s = a.abs().pow(q).sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
+            out[n] = a / s.pow((q - 2.0) / q)
+        return out
+
+
+class ElasticNet(Retention):
+    name = "elastic"
+    formula = "elastic net: soft threshold S_γ(αW + u)"
+    linear = False
+
+    @classmethod
+    def describe(cls, cfg):
+        return f"elastic net: S_γ(αW + u), γ={cfg.threshold:g}"
+
+    def combine(self, Z, u, alpha):
+        return {n: soft_threshold(z, self.cfg.threshold) for n, z in super().combine(Z, u, alpha).items()}
+
+
+RETENTIONS = {r.name: r for r in (NoRetention, Decay, DecayFirst, Proximal, KL, Lq, ElasticNet)}
+
+
+def build_retention(cfg) -> Retention:
+    return RETENTIONS[cfg.retention](cfg)

@@ -1,0 +1,111 @@
+"""The engine's state between calls: the memory's raw state and the optimizer's momentum.
+
+``MirasState(memory, momentum)``:
+
+* ``memory``: the raw state Z of axis 4 (see ``retention``): the memory's weights for
+  every retention except ``kl`` (Memora: Z are the log-weights, W = c softmax(Z)) and
+  ``lq`` (Moneta: Z is the accumulator A, W = A / ||A||_q^(q-2)). For the linear memory
+  it is one tensor [B, H, V, K] (M maps keys to values, as in atlaslib.linear/delta);
+  for deep memories a dict {name: [B, H, out, in]} (see ``memory.py`` for the names).
+* ``momentum``: the buffer S of ``optimizer="momentum"`` with the same structure, or None.
+
+A final state returned with ``output_final_state=True`` can be passed back as
+``initial_state`` to continue the sequence exactly where it stopped.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..core import check_state
+
+
+class MirasState(NamedTuple):
+    memory: object
+    momentum: object = None
+
+
+def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generator | None = None,
+               seed: int = 0, dtype=torch.float32, device="cpu") -> MirasState:
+    """The default start state: one parameter set per head, shared by the batch.
+
+    Deep memories draw W ~ N(0, 1/in) per weight (``memory.Memory.init``) from
+    ``generator`` (default: a generator seeded with ``seed``, so ``miras`` with
+    ``initial_state=None`` is deterministic); Memora's deep log-weights are N(0, 1). The
+    linear memory starts at zero (Memora: uniform weights c / (V K)). Momentum starts at 0.
+    K is the width of the memory's input (the feature width when phi is used).
+    """
+    from .config import make_config
+    from .memory import build_memory
+    cfg = make_config(cfg) if not hasattr(cfg, "memory") else cfg
+    memory = build_memory(cfg, K, V)
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    params = memory.init(H, g, dtype=torch.float32, device="cpu")
+    if cfg.retention == "kl" and cfg.memory != "linear":
+        params = {n: torch.randn(w.shape, generator=g) for n, w in params.items()}
+    params = {n: w.to(dtype=dtype, device=device)[None].expand(B, *w.shape).contiguous() for n, w in params.items()}
+    momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer == "momentum" else None
+    if cfg.memory == "linear":
+        params = params["M"]
+        momentum = None if momentum is None else momentum["M"]
+    return MirasState(params, momentum)
+
+
+def _as_dict(x, memory, what: str, B, H, ref):
+    """Validate one part of a state (a tensor for the linear memory, else a dict) and return a dict."""
+    if memory.name == "linear":
+        if isinstance(x, dict):
+            x = x.get("M") if set(x) == {"M"} else x
+        if isinstance(x, dict):
+            raise ValueError(f"{what} of the linear memory must be a tensor [B, H, V, K] = "
+                             f"[{B}, {H}, {memory.V}, {memory.K}], got a dict with keys {sorted(x)}")
+        check_state(what, x, (B, H, memory.V, memory.K), ref)
+        return {"M": x}
+    if not isinstance(x, dict):
+        want = ", ".join(f"{n}: [{B}, {H}, {o}, {i}]" for n, (o, i) in memory.shapes.items())
+        raise TypeError(f"{what} of memory={memory.name!r} must be a dict {{{want}}}, got {type(x).__name__}")
+    if set(x) != set(memory.shapes):
+        raise ValueError(f"{what} of memory={memory.name!r} must have the weights {sorted(memory.shapes)}, "
+                         f"got {sorted(x)}")
+    for n, (o, i) in memory.shapes.items():
+        check_state(f"{what}[{n!r}]", x[n], (B, H, o, i), ref)
+    return dict(x)
+
+
+def check_initial_state(initial_state, cfg, memory, optimizer, B, H, ref) -> MirasState | None:
+    """Validate ``initial_state`` (None, a memory state, or a MirasState) and return it as a MirasState
+    of dicts (or None). A bare tensor / dict is the memory part, with zero momentum."""
+    if initial_state is None:
+        return None
+    if isinstance(initial_state, tuple) and not isinstance(initial_state, torch.Tensor):
+        if len(initial_state) != 2:
+            raise ValueError("initial_state must be a memory state or a MirasState(memory, momentum), "
+                             f"got a tuple of length {len(initial_state)}")
+        mem, mom = initial_state
+    else:
+        mem, mom = initial_state, None
+    if mem is None:
+        raise ValueError("initial_state.memory is None; pass initial_state=None for the default start state")
+    mem = _as_dict(mem, memory, "initial_state.memory" if mom is not None else "initial_state", B, H, ref)
+    if mom is not None:
+        if not optimizer.has_state:
+            raise ValueError(f"initial_state has a momentum buffer, but optimizer={cfg.optimizer!r} keeps none "
+                             "(use optimizer='momentum' or pass the memory state alone)")
+        mom = _as_dict(mom, memory, "initial_state.momentum", B, H, ref)
+    return MirasState(mem, mom)
+
+
+def flatten_bh(x: dict, B: int, H: int, dtype) -> dict:
+    """{name: [B, H, ...]} -> {name: [B*H, ...]} in the compute dtype."""
+    return {n: t.to(dtype).reshape(B * H, *t.shape[2:]) for n, t in x.items()}
+
+
+def public_state(Z: dict, S, memory, B: int, H: int) -> MirasState:
+    """Internal {name: [B*H, ...]} -> MirasState with [B, H, ...] tensors (a tensor for the linear memory)."""
+    def out(d):
+        if d is None:
+            return None
+        d = {n: t.reshape(B, H, *t.shape[1:]) for n, t in d.items()}
+        return d["M"] if memory.name == "linear" else d
+    return MirasState(out(Z), out(S))

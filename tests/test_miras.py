@@ -1,0 +1,658 @@
+"""Chapter 3: the MIRAS engine (atlaslib.miras).
+
+The per-token engine is checked against chapters 1-2 (linear attention, the delta rule,
+Longhorn, the Omega rule) and against oracles written out here from MATH.md's formulas
+(hand-derived gradients of the linear, MLP and residual memories; Titans' momentum;
+Moneta's accumulator; Memora's softmax update in its naive, non-log form; the
+soft threshold of the elastic net). The chunk form is then checked against the
+frozen-gradient oracle for every preset and several chunk sizes, against the per-token
+engine at chunk size 1, and shown to differ from it for b > 1 where MATH.md §8 says it
+must. All comparisons use fresh random inputs (seed printed on failure).
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse
+from atlaslib.delta import delta_rule
+from atlaslib.linear import linear_attention
+from atlaslib.miras import (BIASES, PRESETS, MirasConfig, MirasState, axes_markdown, axes_table, build_parts,
+                            has_kernel, init_state, make_config, memory_gradient, miras, miras_chunk, prepare)
+from atlaslib.omega import omega_rule
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The engines run many tiny ops per token; with one thread none of them waits for a thread-pool
+    wake-up (which costs milliseconds per op on a busy 2-core machine)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+APPROXIMATE = [p for p in PRESETS if p != "linear_attention"]
+
+# Configurations beyond the presets, so that every axis value runs through every engine.
+EXTRA = {
+    "gated_vshift_elastic_mom": dict(memory="gated", bias="value_shift", retention="elastic", threshold=0.01,
+                                     optimizer="momentum", expansion=2),
+    "mlp_huber_kl_mom": dict(memory="mlp", bias="huber", retention="kl", scale=4.0, optimizer="momentum",
+                             expansion=2, activation="silu"),
+    "linear_hnorm_lq_mom": dict(memory="linear", bias="huber_norm", retention="lq", lq=3.0, optimizer="momentum"),
+    "residual_dot_decayfirst_mom": dict(memory="residual", bias="dot", retention="decay_first", optimizer="momentum",
+                                        expansion=2),
+    "linear_lp_elastic": dict(memory="linear", bias="lp", p=1.5, retention="elastic", threshold=0.02),
+    "residual_l2_decay_window": dict(memory="residual", bias="l2", retention="decay", optimizer="momentum",
+                                     window=3, expansion=2, activation="tanh"),
+}
+CONFIGS = {**{p: dict(preset=p) for p in PRESETS}, **EXTRA}
+
+
+def gates_for(cfg, gen, B, H, T, dtype=F64, eta_high=0.5):
+    """Random gates that the configuration takes (alpha, eta, theta, delta, gamma)."""
+    parts = build_parts(cfg, 4, 4)
+    kw = {"eta": random_gate(B, H, T, low=0.05, high=eta_high, dtype=dtype, generator=gen)}
+    if parts.retention.uses_alpha:
+        kw["alpha"] = random_gate(B, H, T, low=0.6, high=1.0, dtype=dtype, generator=gen)
+    if parts.optimizer.uses_theta:
+        kw["theta"] = random_gate(B, H, T, low=0.2, high=0.9, dtype=dtype, generator=gen)
+    if parts.bias.uses_delta:
+        kw["delta"] = random_gate(B, H, T, low=0.05, high=1.0, dtype=dtype, generator=gen)
+    if cfg.window > 1:
+        kw["gamma"] = random_gate(B, H, T, cfg.window, low=0.3, high=1.0, dtype=dtype, generator=gen)
+    return kw
+
+
+def random_state(cfg, gen, B, H, D, V, dtype=F64, scale=0.3):
+    """A random MirasState (memory and, for momentum, a momentum buffer)."""
+    st = init_state(cfg, B, H, D, V, dtype=dtype)
+    rnd = lambda x: scale * torch.randn(x.shape, generator=gen, dtype=dtype)        # noqa: E731
+    mem = rnd(st.memory) if isinstance(st.memory, torch.Tensor) else {n: rnd(w) for n, w in st.memory.items()}
+    mom = None
+    if st.momentum is not None:
+        mom = rnd(st.momentum) if isinstance(st.momentum, torch.Tensor) else {n: rnd(w) for n, w in st.momentum.items()}
+    return MirasState(mem, mom)
+
+
+def flat_state(s):
+    """All tensors of a MirasState, concatenated (for comparisons)."""
+    parts = []
+    for part in s:
+        if part is None:
+            continue
+        parts += [part.flatten()] if isinstance(part, torch.Tensor) else [part[n].flatten() for n in sorted(part)]
+    return torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------- reductions to chapters 1-2
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_linear_attention_preset_is_linear_attention(gen, backend, gated):
+    """Dot-product bias, linear memory, GD: M_t = alpha_t M_{t-1} + eta_t v_t k_t^T, exact for every chunk size."""
+    B, H, T, K, V = 2, 2, 23, 6, 5
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    eta = random_gate(B, H, T, low=0.1, high=2.0, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.5, dtype=F64, generator=gen) if gated else None
+    h0 = torch.randn(B, H, V, K, generator=gen, dtype=F64)
+    ref, ref_s = linear_attention(q, k, eta[..., None] * v, alpha=alpha, initial_state=h0,
+                                  output_final_state=True, backend="recurrent")
+    extra = {"retention": "decay", "alpha": alpha} if gated else {}
+    for b in (1, 4, 16):
+        o, s = miras(q, k, v, preset="linear_attention", eta=eta, initial_state=h0, output_final_state=True,
+                     backend=backend, chunk_size=b, **extra)
+        assert_close(o, ref, tol=1e-12, name=f"o (chunk_size={b})")
+        assert_close(s.memory, ref_s, tol=1e-12, name="final state")
+        assert s.momentum is None
+
+
+@pytest.mark.parametrize("preset", ["deltanet", "gated_deltanet", "ttt_linear"])
+def test_delta_family_presets_are_the_delta_rule(gen, preset):
+    """l2 bias, linear memory, GD: the per-token engine is the delta rule (eta = beta); Gated DeltaNet
+    needs the gradient at alpha_t M_{t-1} (retention decay_first). The frozen-gradient chunk form
+    equals it at chunk size 1 only."""
+    B, H, T, K, V = 2, 2, 21, 7, 5
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    beta = random_gate(B, H, T, low=0.1, high=1.5, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.5, dtype=F64, generator=gen) if preset == "gated_deltanet" else None
+    h0 = torch.randn(B, H, V, K, generator=gen, dtype=F64)
+    ref, ref_s = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True,
+                            backend="recurrent")
+    for backend, b in (("recurrent", 16), ("chunk", 1), ("frozen_seq", 1)):
+        o, s = miras(q, k, v, preset=preset, eta=beta, alpha=alpha, initial_state=h0, output_final_state=True,
+                     backend=backend, chunk_size=b)
+        assert_close(o, ref, tol=1e-12, name=f"o ({backend}, b={b})")
+        assert_close(s.memory, ref_s, tol=1e-12, name=f"final state ({backend})")
+    o, _ = miras(q, k, v, preset=preset, eta=beta, alpha=alpha, initial_state=h0, backend="chunk", chunk_size=4)
+    assert rel_rmse(o, ref) > 1e-3, "frozen gradients must be an approximation of the delta rule for b > 1"
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_proximal_retention_is_longhorn(gen, gated):
+    B, H, T, K, V = 1, 2, 19, 6, 4
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, normalize_keys=False, generator=gen)
+    beta = 4.0 * torch.rand(B, H, T, generator=gen, dtype=F64)
+    alpha = random_gate(B, H, T, low=0.5, dtype=F64, generator=gen) if gated else None
+    h0 = torch.randn(B, H, V, K, generator=gen, dtype=F64)
+    ref, ref_s = delta_rule(q, k, v, beta, alpha=alpha, longhorn=True, initial_state=h0, output_final_state=True,
+                            backend="recurrent")
+    for backend in ("recurrent", "chunk"):
+        o, s = miras(q, k, v, retention="proximal", eta=beta, alpha=alpha, initial_state=h0,
+                     output_final_state=True, backend=backend, chunk_size=1)
+        assert_close(o, ref, tol=1e-12, name=f"o ({backend})")
+        assert_close(s.memory, ref_s, tol=1e-12, name="final state")
+
+
+def test_decay_after_gradient_is_omega_with_window_one(gen):
+    """Titans' placement without momentum, M_t = alpha_t M_{t-1} - eta_t grad l2(M_{t-1}), is chapter 4's
+    Omega rule with c = 1 (which decays after the gradient) -- and differs from Gated DeltaNet."""
+    B, H, T, K, V = 2, 1, 18, 5, 6
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    eta = random_gate(B, H, T, low=0.1, high=1.0, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.3, dtype=F64, generator=gen)
+    h0 = torch.randn(B, H, V, K, generator=gen, dtype=F64)
+    ref, ref_s = omega_rule(q, k, v, window=1, alpha=alpha, eta=eta, initial_state=h0, output_final_state=True,
+                            backend="recurrent")
+    o, s = miras(q, k, v, preset="titans", memory="linear", eta=eta, alpha=alpha, initial_state=h0,
+                 output_final_state=True, backend="recurrent")
+    assert_close(o, ref, tol=1e-12)
+    assert_close(s.memory, ref_s, tol=1e-12, name="final state")
+    o_first, _ = miras(q, k, v, preset="gated_deltanet", eta=eta, alpha=alpha, initial_state=h0, backend="recurrent")
+    assert rel_rmse(o_first, ref) > 1e-3, "the two decay placements must differ"
+
+
+# ---------------------------------------------------------------------------- oracles from MATH.md
+
+def gelu_prime(u):
+    """d/du of u Phi(u) (exact GELU): Phi(u) + u phi(u)."""
+    return 0.5 * (1 + torch.erf(u / math.sqrt(2))) + u * torch.exp(-0.5 * u * u) / math.sqrt(2 * math.pi)
+
+
+def ln_forward_backward(z, dy, eps=1e-5):
+    """LayerNorm without affine, y = (z - mean) / sqrt(var + eps), and its backward for upstream dy."""
+    mu = z.mean(-1, keepdim=True)
+    sd = ((z - mu).square().mean(-1, keepdim=True) + eps).sqrt()
+    y = (z - mu) / sd
+    dz = (dy - dy.mean(-1, keepdim=True) - y * (dy * y).mean(-1, keepdim=True)) / sd
+    return y, dz
+
+
+def oracle_memory(kind, W, x, ln=False):
+    """Prediction of the memory at weights W for one key x [N, K] (written out, fp64)."""
+    if kind == "linear":
+        return torch.einsum("nvk,nk->nv", W["M"], x)
+    if kind == "mlp":
+        return torch.einsum("nvh,nh->nv", W["W2"], F.gelu(torch.einsum("nhk,nk->nh", W["W1"], x)))
+    z = torch.einsum("nvh,nh->nv", W["W1"], F.gelu(torch.einsum("nhk,nk->nh", W["W2"], x)))
+    return x + (F.layer_norm(z, z.shape[-1:]) if ln else z)
+
+
+def oracle_grad(kind, W, x, psi, ln=False):
+    """grad_W of a loss whose derivative in the prediction is psi, by hand (MATH.md §3)."""
+    if kind == "linear":
+        return {"M": psi[:, :, None] * x[:, None, :]}
+    if kind == "mlp":          # y = W2 h, h = gelu(u), u = W1 x
+        u = torch.einsum("nhk,nk->nh", W["W1"], x)
+        h = F.gelu(u)
+        du = torch.einsum("nvh,nv->nh", W["W2"], psi) * gelu_prime(u)
+        return {"W2": psi[:, :, None] * h[:, None, :], "W1": du[:, :, None] * x[:, None, :]}
+    # residual: y = x + LN(z), z = W1 h, h = gelu(u), u = W2 x
+    u = torch.einsum("nhk,nk->nh", W["W2"], x)
+    h = F.gelu(u)
+    z = torch.einsum("nvh,nh->nv", W["W1"], h)
+    dz = ln_forward_backward(z, psi)[1] if ln else psi
+    du = torch.einsum("nvh,nv->nh", W["W1"], dz) * gelu_prime(u)
+    return {"W1": dz[:, :, None] * h[:, None, :], "W2": du[:, :, None] * x[:, None, :]}
+
+
+def oracle_psi(bias, e, delta, cfg):
+    """d loss / d prediction, from MATH.md §3 (1/2 and 1/p conventions)."""
+    if bias == "l2":
+        return e
+    if bias == "lp":        # smoothed: sign ~ tanh(a e), |e| ~ sqrt(e^2 + eps)
+        return torch.tanh(cfg.sign_sharpness * e) * (e * e + cfg.abs_eps) ** ((cfg.p - 1) / 2)
+    if bias == "huber_switch":
+        small = e.norm(dim=-1, keepdim=True) <= delta[:, None]
+        return torch.where(small, e, delta[:, None] * torch.sign(e))
+    raise AssertionError(bias)
+
+
+def oracle_run(name, q, k, v, gates, state, **overrides):
+    """The per-token recursion of each named model, written from MATH.md §3 with hand-derived gradients.
+
+    titans:  S_t = theta_t S_{t-1} - eta_t grad,   M_t = alpha_t M_{t-1} + S_t
+    ttt_mlp: W_t = W_{t-1} - eta_t grad
+    moneta:  A_t = alpha_t A_{t-1} - eta_t grad_lp(W_{t-1}),   W_t = A_t / ||A_t||_q^(q-2)
+    yaad:    W_t = alpha_t W_{t-1} - eta_t {grad l2 if ||e|| <= delta_t else delta_t grad l1}
+    memora:  W_t = c softmax(alpha_t log W_{t-1} - eta_t grad)   (naive form, on the weights)
+    """
+    cfg = make_config(name, **overrides)
+    B, H, T, K = q.shape
+    N = B * H
+    fl = lambda x: x.reshape(N, *x.shape[2:])                                     # noqa: E731
+    q, k, v = fl(q), fl(k), fl(v)
+    g = {n: (fl(x) if x is not None else None) for n, x in gates.items()}
+    mem = state.memory if isinstance(state.memory, dict) else {"M": state.memory}
+    Z = {n: fl(w).clone() for n, w in mem.items()}
+    S = None
+    if state.momentum is not None:
+        mom = state.momentum if isinstance(state.momentum, dict) else {"M": state.momentum}
+        S = {n: fl(w).clone() for n, w in mom.items()}
+    kind, ln = cfg.memory, cfg.layer_norm
+    c, qn = cfg.scale, cfg.lq
+
+    def weights(Z):
+        if cfg.retention == "lq":
+            return {n: a / (a.abs() ** qn).sum((-2, -1), keepdim=True) ** ((qn - 2) / qn) for n, a in Z.items()}
+        return Z
+
+    outs = []
+    for t in range(T):
+        W = weights(Z)
+        e = oracle_memory(kind, W, k[:, t], ln) - v[:, t]
+        delta = g["delta"][:, t] if g.get("delta") is not None else None
+        grad = oracle_grad(kind, W, k[:, t], oracle_psi(cfg.bias, e, delta, cfg), ln)
+        eta = g["eta"][:, t, None, None]
+        alpha = g["alpha"][:, t, None, None] if g.get("alpha") is not None else 1.0
+        if cfg.optimizer == "momentum":
+            S = {n: g["theta"][:, t, None, None] * S[n] - eta * grad[n] for n in grad}
+            Z = {n: alpha * Z[n] + S[n] for n in Z}
+        elif cfg.retention == "kl":
+            new = {}
+            for n, w in Z.items():
+                logits = alpha * torch.log(w) - eta * grad[n]
+                new[n] = c * torch.softmax(logits.flatten(-2), -1).view_as(w)
+            Z = new
+        else:
+            Z = {n: alpha * Z[n] - eta * grad[n] for n in Z}
+        outs.append(oracle_memory(kind, weights(Z), q[:, t], ln))
+    return torch.stack(outs, 1).reshape(B, H, T, -1), Z
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("titans", {}), ("titans", {"memory": "linear"}), ("ttt_mlp", {}), ("moneta", {}), ("yaad", {}),
+    ("memora", {}), ("memora", {"memory": "linear", "scale": 3.0})])
+def test_per_token_engine_matches_oracle(gen, name, overrides):
+    B, H, T, K = 1, 2, 11, 6
+    cfg = make_config(name, **overrides)
+    q, k, v = random_qkv(B, H, T, K, K, dtype=F64, generator=gen)
+    gates = gates_for(cfg, gen, B, H, T)
+    state = random_state(cfg, gen, B, H, K, K)
+    if cfg.retention == "kl":                 # the naive form works on the weights: start from W_0 = c softmax(Z_0)
+        mem = state.memory if isinstance(state.memory, dict) else {"M": state.memory}
+        W0 = {n: cfg.scale * torch.softmax(z.flatten(-2), -1).view_as(z) for n, z in mem.items()}
+        oracle_state = MirasState(W0 if isinstance(state.memory, dict) else W0["M"], state.momentum)
+    else:
+        oracle_state = state
+    ref, ref_Z = oracle_run(name, q, k, v, dict(gates), oracle_state, **overrides)
+    o, s = miras(q, k, v, preset=name, initial_state=state, output_final_state=True, backend="recurrent",
+                 **gates, **overrides)
+    assert_close(o, ref, tol=1e-10, name=f"{name}: output")
+    mem = s.memory if isinstance(s.memory, dict) else {"M": s.memory}
+    for n, z in mem.items():
+        got = z.reshape(B * H, *z.shape[2:])
+        if cfg.retention == "kl":             # the log-domain state gives the naive weights exactly
+            got = cfg.scale * torch.softmax(got.flatten(-2), -1).view_as(got)
+        assert_close(got, ref_Z[n], tol=1e-10, name=f"{name}: final {n}")
+
+
+def test_linear_memory_axes_against_formulas(gen):
+    """Every bias, and the elastic-net and lq retentions, with a linear memory: g = psi(e) k^T (MATH.md §3)."""
+    B, H, T, K, V = 1, 2, 9, 5, 4
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    delta = random_gate(B, H, T, low=0.05, high=1.5, dtype=F64, generator=gen)
+    eta = random_gate(B, H, T, low=0.1, high=0.8, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.7, dtype=F64, generator=gen)
+    h0 = 0.5 * torch.randn(B, H, V, K, generator=gen, dtype=F64)
+
+    def psi(bias, e, d):
+        n = e.norm(dim=-1, keepdim=True)
+        d = d[..., None]
+        return {"dot": None, "l2": e,
+                "huber": torch.where(e.abs() <= d, e, d * torch.sign(e)),
+                "huber_norm": torch.where(n <= d, e, d * e / n),
+                "huber_switch": torch.where(n <= d, e, d * torch.sign(e)),
+                "value_shift": e + d * e / n}[bias]
+
+    for bias in ("dot", "l2", "huber", "huber_norm", "huber_switch", "value_shift"):
+        for retention, extra in (("elastic", {"threshold": 0.03}), ("lq", {"lq": 3.0})):
+            M = h0.clone()
+            outs = []
+            for t in range(T):
+                A = M
+                W = A if retention == "elastic" else A / (A.abs() ** 3).sum((-2, -1), keepdim=True) ** (1 / 3)
+                e = torch.einsum("bhvk,bhk->bhv", W, k[:, :, t]) - v[:, :, t]
+                g = (-v[:, :, t] if bias == "dot" else psi(bias, e, delta[:, :, t]))[..., None] * k[:, :, t, None, :]
+                A = alpha[:, :, t, None, None] * A - eta[:, :, t, None, None] * g
+                if retention == "elastic":
+                    A = torch.sign(A) * (A.abs() - 0.03).clamp_min(0)
+                    W = A
+                else:
+                    W = A / (A.abs() ** 3).sum((-2, -1), keepdim=True) ** (1 / 3)
+                M = A
+                outs.append(torch.einsum("bhvk,bhk->bhv", W, q[:, :, t]))
+            kw = {"delta": delta} if BIASES[bias].uses_delta else {}
+            o, s = miras(q, k, v, memory="linear", bias=bias, retention=retention, eta=eta, alpha=alpha,
+                         initial_state=h0, output_final_state=True, backend="recurrent", **extra, **kw)
+            assert_close(o, torch.stack(outs, 2), tol=1e-10, name=f"{bias} + {retention}")
+            assert_close(s.memory, M, tol=1e-10, name=f"{bias} + {retention}: final state")
+
+
+def test_bias_psi_is_the_loss_gradient(gen):
+    """For every bias without smoothing, psi = d loss / d prediction (autograd of the loss value)."""
+    y = torch.randn(3, 7, 5, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(3, 7, 5, generator=gen, dtype=F64)
+    delta = random_gate(3, 7, 1, low=0.1, high=3.0, dtype=F64, generator=gen)[..., 0]
+    for name, cls in BIASES.items():
+        cfg = make_config(bias=name, **({"sign_sharpness": None, "abs_eps": 0.0, "p": 2.7} if name == "lp" else {}))
+        bias = cls(cfg)
+        d = delta if cls.uses_delta else None
+        (grad,) = torch.autograd.grad(bias.loss(y, v, d).sum(), y)
+        assert_close(bias.psi(y, v, d), grad, tol=1e-12, name=f"psi of {name}")
+    lp = BIASES["lp"](make_config(bias="lp", p=3.0, sign_sharpness=1e4, abs_eps=1e-12))   # smoothing -> exact
+    e = (y - v).detach()
+    assert_close(lp.psi(y.detach(), v), torch.sign(e) * e.abs() ** 2, tol=1e-6, name="smoothed lp, sharp limit")
+
+
+def test_memory_gradient_by_hand(gen):
+    """The TTT-MLP gradients of MATH.md §3, grad_W2 = -r h^T and grad_W1 = -[(W2^T r) * act'(u)] k^T."""
+    cfg = make_config("ttt_mlp", expansion=3)
+    N, K, V = 4, 5, 6
+    W = {"W1": torch.randn(N, 15, K, generator=gen, dtype=F64), "W2": torch.randn(N, V, 15, generator=gen, dtype=F64)}
+    k = torch.randn(N, 1, K, generator=gen, dtype=F64)
+    v = torch.randn(N, 1, V, generator=gen, dtype=F64)
+    g = memory_gradient(cfg, W, k, v)
+    u = torch.einsum("nhk,nk->nh", W["W1"], k[:, 0])
+    r = v[:, 0] - torch.einsum("nvh,nh->nv", W["W2"], F.gelu(u))
+    assert_close(g["W2"], -r[:, :, None] * F.gelu(u)[:, None, :], tol=1e-12, name="grad W2")
+    du = torch.einsum("nvh,nv->nh", W["W2"], r) * gelu_prime(u)
+    assert_close(g["W1"], -du[:, :, None] * k[:, 0, None, :], tol=1e-12, name="grad W1")
+
+
+def test_theorem_2_2_ftrl_equals_learning_retaining(gen):
+    """[M] Thm 2.2 with linearised losses l_i(W) = <g_i, W> and R = 1/2 ||W||^2 (MATH.md §3): the
+    learning-retaining iterates (GD from W_0 = 0, the engine) are the FTRL minimisers
+    argmin_W sum_{i<=t} <g_i, W> + 1/(2 eta) ||W||^2, here found by a numerical solver."""
+    B, H, T, K, V = 1, 1, 6, 4, 3
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    eta = 0.7
+    grads = []
+    for t in range(1, T + 1):
+        _, s = miras(q[:, :, :t], k[:, :, :t], v[:, :, :t], preset="deltanet", eta=eta, output_final_state=True,
+                     backend="recurrent")
+        W_prev = torch.zeros(V, K, dtype=F64) if t == 1 else W_t
+        W_t = s.memory[0, 0]
+        e = W_prev @ k[0, 0, t - 1] - v[0, 0, t - 1]
+        grads.append(torch.outer(e, k[0, 0, t - 1]))                  # g_t = grad l2 at W_{t-1}
+        X = torch.zeros(V, K, dtype=F64, requires_grad=True)
+        opt = torch.optim.LBFGS([X], lr=1, max_iter=200, tolerance_grad=1e-14, tolerance_change=1e-16)
+
+        def closure():
+            opt.zero_grad()
+            f = sum((gi * X).sum() for gi in grads) + X.square().sum() / (2 * eta)
+            f.backward()
+            return f
+        opt.step(closure)
+        assert_close(W_t, X.detach(), tol=1e-8, name=f"W_{t}: learning-retaining vs FTRL")
+
+
+# ---------------------------------------------------------------------------- chunk form (MATH.md §8)
+
+def run_all(name, gen, T, h0, B=1, H=2, D=6, dtype=F64):
+    spec = dict(CONFIGS[name])
+    cfg = make_config(spec.pop("preset", None), **spec)
+    q, k, v = random_qkv(B, H, T, D, D, dtype=dtype, generator=gen)
+    gates = gates_for(cfg, gen, B, H, T, dtype)
+    state = random_state(cfg, gen, B, H, D, D, dtype) if h0 else None
+    call = lambda backend, b: miras(q, k, v, config=cfg, initial_state=state, output_final_state=True,  # noqa: E731
+                                    backend=backend, chunk_size=b, **gates)
+    return cfg, call, (q, k, v, gates, state)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("T,h0", [(1, True), (21, False), (21, True)])
+def test_chunk_equals_frozen_seq(gen, name, T, h0):
+    cfg, call, _ = run_all(name, gen, T, h0)
+    for b in (1, 3, 16):
+        o_f, s_f = call("frozen_seq", b)
+        o_c, s_c = call("chunk", b)
+        assert_close(o_c, o_f, tol=1e-10, name=f"{name}: o, chunk vs frozen_seq (b={b})")
+        assert_close(flat_state(s_c), flat_state(s_f), tol=1e-10, name=f"{name}: final state (b={b})")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunk_one_is_recurrent_and_larger_chunks_are_not(gen, name):
+    cfg, call, _ = run_all(name, gen, 21, True)
+    o_r, s_r = call("recurrent", 1)
+    o_1, s_1 = call("chunk", 1)
+    assert_close(o_1, o_r, tol=1e-10, name=f"{name}: chunk(1) vs recurrent")
+    assert_close(flat_state(s_1), flat_state(s_r), tol=1e-10, name=f"{name}: final state")
+    o_8, _ = call("chunk", 8)
+    gap = rel_rmse(o_8, o_r)
+    if name == "linear_attention":
+        assert gap < 1e-10, "linear attention's gradient does not depend on the state: chunking is exact"
+    else:
+        assert gap > 1e-4, f"{name}: frozen gradients must change the model for b > 1 (gap {gap:.2e})"
+
+
+@pytest.mark.parametrize("name", ["ttt_mlp", "titans", "yaad", "deltanet", "residual_dot_decayfirst_mom",
+                                  "residual_l2_decay_window"])
+def test_dual_form_equals_materialised_weights(gen, name):
+    """The two readouts of the chunk form (dual form vs per-token weight sets) agree."""
+    cfg, _, (q, k, v, gates, state) = run_all(name, gen, 21, True)
+    problem = prepare(q, k, v, config=cfg, initial_state=state, backend="chunk", chunk_size=5, **gates)
+    o_d, Z_d, S_d = miras_chunk(*problem.args, chunk_size=5)
+    o_m, Z_m, S_m = miras_chunk(*problem.args, chunk_size=5, materialize=True)
+    assert_close(o_d, o_m, tol=1e-12, name="o")
+    for n in Z_d:
+        assert_close(Z_d[n], Z_m[n], tol=1e-12, name=f"final {n}")
+        if S_d is not None:
+            assert_close(S_d[n], S_m[n], tol=1e-12, name=f"final momentum {n}")
+
+
+@pytest.mark.parametrize("name", ["titans", "moneta", "memora", "yaad"])
+def test_continuing_from_a_final_state(gen, name):
+    """Two calls, the second started from the first's final state, equal one call (split at a chunk boundary)."""
+    cfg, _, (q, k, v, gates, state) = run_all(name, gen, 20, True)
+    for backend, b in (("recurrent", 1), ("chunk", 4)):
+        whole, s_whole = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend=backend,
+                               chunk_size=b, **gates)
+        head = {n: (g[:, :, :12] if g is not None else None) for n, g in gates.items()}
+        tail = {n: (g[:, :, 12:] if g is not None else None) for n, g in gates.items()}
+        o1, s1 = miras(q[:, :, :12], k[:, :, :12], v[:, :, :12], config=cfg, initial_state=state,
+                       output_final_state=True, backend=backend, chunk_size=b, **head)
+        o2, s2 = miras(q[:, :, 12:], k[:, :, 12:], v[:, :, 12:], config=cfg, initial_state=s1,
+                       output_final_state=True, backend=backend, chunk_size=b, **tail)
+        assert_close(torch.cat([o1, o2], 2), whole, tol=1e-12, name=f"{name} ({backend})")
+        assert_close(flat_state(s2), flat_state(s_whole), tol=1e-12, name=f"{name} final state ({backend})")
+
+
+def test_default_initial_state_is_seeded(gen):
+    q, k, v = random_qkv(2, 2, 9, 8, 8, generator=gen)
+    a, s = miras(q, k, v, preset="titans", eta=0.1, output_final_state=False)
+    b, _ = miras(q, k, v, preset="titans", eta=0.1, initial_state=init_state("titans", 2, 2, 8, 8))
+    assert torch.equal(a, b)
+    st = init_state("titans", 2, 2, 8, 8)
+    assert torch.equal(st.memory["W1"][0], st.memory["W1"][1]), "one parameter set per head, shared by the batch"
+    assert not torch.equal(init_state("titans", 1, 1, 8, 8, seed=1).memory["W1"], st.memory["W1"][:1, :1])
+    assert float(st.momentum["W1"].abs().max()) == 0.0
+
+
+# ---------------------------------------------------------------------------- gradients
+
+def weighted_loss(o, s):
+    w = torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)
+    return (o * w).sum() + flat_state(s).square().sum()
+
+
+@pytest.mark.parametrize("name,pairs", [("titans", [("recurrent", 1), ("chunk", 1)]),
+                                        ("moneta", [("frozen_seq", 4), ("chunk", 4)]),
+                                        ("residual_l2_decay_window", [("frozen_seq", 3), ("chunk", 3)])])
+def test_gradients_flow_through_the_chunk_form(gen, name, pairs):
+    """Outer-loop gradients (q, k, v, gates, initial state) of the chunk form equal those of its oracle."""
+    cfg, _, (q, k, v, gates, state) = run_all(name, gen, 10, True, H=1, D=4)
+    grads = []
+    for backend, b in pairs:
+        leaves = {"q": q, "k": k, "v": v, **{n: g for n, g in gates.items()}}
+        leaves = {n: x.clone().requires_grad_(True) for n, x in leaves.items()}
+        mem = {n: w.clone().requires_grad_(True) for n, w in state.memory.items()}
+        mom = None if state.momentum is None else {n: w.clone().requires_grad_(True) for n, w in state.momentum.items()}
+        o, s = miras(leaves.pop("q"), leaves.pop("k"), leaves.pop("v"), config=cfg,
+                     initial_state=MirasState(mem, mom), output_final_state=True, backend=backend, chunk_size=b,
+                     **leaves)
+        weighted_loss(o, s).backward()
+        grads.append([x.grad for x in [*leaves.values(), *mem.values(), *(mom or {}).values()]])
+    for g_a, g_b in zip(*grads):
+        assert g_a is not None and torch.isfinite(g_a).all()
+        assert_close(g_b, g_a, tol=1e-9, name=f"{name}: gradient")
+
+
+def test_gradient_matches_finite_differences(gen):
+    """d loss / d eta of Titans (deep memory, chunk form) against central differences."""
+    cfg, _, (q, k, v, gates, state) = run_all("titans", gen, 7, True, H=1, D=4)
+    eta = gates.pop("eta").clone().requires_grad_(True)
+    f = lambda e: miras(q, k, v, config=cfg, initial_state=state, eta=e, backend="chunk", chunk_size=3,  # noqa: E731
+                        **gates)[0].square().sum()
+    f(eta).backward()
+    idx = (0, 0, 4)
+    h = 1e-6
+    up, down = eta.detach().clone(), eta.detach().clone()
+    up[idx] += h
+    down[idx] -= h
+    fd = (f(up) - f(down)) / (2 * h)
+    assert abs(eta.grad[idx].item() - fd.item()) < 1e-6 * max(1.0, abs(fd.item()))
+
+
+# ---------------------------------------------------------------------------- configurations and errors
+
+def test_presets_and_overrides():
+    assert set(PRESETS) == {"linear_attention", "deltanet", "gated_deltanet", "ttt_linear", "ttt_mlp", "titans",
+                            "moneta", "yaad", "memora"}
+    cfg = make_config("titans", memory="linear")
+    assert (cfg.memory, cfg.retention, cfg.optimizer) == ("linear", "decay", "momentum")
+    assert make_config("moneta", memory="mlp").layer_norm is False, "a preset's LN belongs to its residual memory"
+    assert make_config("memora", bias="dot").bias == "dot"
+    assert PRESETS["titans"].replace(optimizer="gd").optimizer == "gd"
+    assert has_kernel(make_config("titans", memory="linear")) and has_kernel(PRESETS["ttt_linear"])
+    assert not has_kernel(PRESETS["titans"]) and not has_kernel(PRESETS["gated_deltanet"])
+
+
+def test_axes_table_is_generated_from_presets():
+    rows = axes_table()
+    assert [r["model"] for r in rows] == list(PRESETS)
+    for r in rows:
+        cfg = PRESETS[r["model"]]
+        parts = build_parts(cfg, 4, 4)
+        assert r["memory"] == type(parts.memory).describe(cfg)
+        assert r["bias"] == type(parts.bias).describe(cfg)
+        assert r["retention"] == type(parts.retention).describe(cfg)
+        assert r["optimizer"] == type(parts.optimizer).describe(cfg)
+    by = {r["model"]: r for r in rows}
+    assert by["titans"]["optimizer"] != by["ttt_mlp"]["optimizer"]
+    assert by["memora"]["retention"] != by["moneta"]["retention"] != by["yaad"]["retention"]
+    md = axes_markdown()
+    assert md.count("\n") == len(PRESETS) + 1 and all(p in md for p in PRESETS)
+    custom = axes_table([make_config("titans", memory="linear", window=4)])[0]
+    assert "linear" in custom["memory"] and "c=4" in custom["bias"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(preset="mamba"), "unknown preset"),
+    (dict(memory="transformer"), "memory must be one of"),
+    (dict(bias="cosine"), "bias must be one of"),
+    (dict(retention="forget"), "retention must be one of"),
+    (dict(optimizer="adam"), "optimizer must be one of"),
+    (dict(optimizer="muon"), "chapter 5"),
+    (dict(bias="l2", p=2.0), "applies to bias"),
+    (dict(bias="dot", delta=0.5), "applies to bias"),
+    (dict(retention="none", scale=2.0), "applies to retention"),
+    (dict(memory="linear", expansion=2), "applies to memory"),
+    (dict(memory="mlp", layer_norm=True), "layer_norm=True applies to memory"),
+    (dict(retention="proximal", memory="mlp"), "proximal"),
+    (dict(retention="proximal", optimizer="momentum"), "proximal"),
+    (dict(window=3, bias="dot"), "window"),
+    (dict(window=2, retention="decay_first"), "window"),
+    (dict(window=0), "window must be >= 1"),
+    (dict(lq=0.5, retention="lq"), "lq must be"),
+    (dict(scale=0.0, retention="kl"), "scale must be >"),
+    (dict(expansion=0, memory="mlp"), "expansion must be"),
+    (dict(activation="swish", memory="mlp"), "activation must be one of"),
+])
+def test_bad_configurations(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_config(kwargs.pop("preset", None), **kwargs)
+
+
+def test_bad_calls(gen):
+    q, k, v = random_qkv(1, 2, 5, 4, 4, generator=gen)
+    T = torch.ones(1, 2, 5)
+    q6, k6, v3 = random_qkv(1, 2, 5, 6, 3, generator=gen)
+    cases = [
+        (ValueError, "K=6 and V=3", lambda: miras(q6, k6, v3, preset="moneta")),
+        (ValueError, "K=6 and V=3", lambda: miras(q6, k6, v3, memory="gated")),
+        (ValueError, "has no retention gate", lambda: miras(q, k, v, preset="deltanet", alpha=T)),
+        (ValueError, "has no momentum", lambda: miras(q, k, v, preset="ttt_mlp", theta=T)),
+        (ValueError, "takes no threshold", lambda: miras(q, k, v, preset="titans", delta=T)),
+        (ValueError, "takes no threshold", lambda: miras(q, k, v, preset="linear_attention", delta=0.3)),
+        (ValueError, r"alpha must lie in \[0.0, 1.0\]", lambda: miras(q, k, v, preset="titans", alpha=1.5 * T)),
+        (ValueError, "alpha must lie", lambda: miras(q, k, v, preset="titans", alpha=-0.1)),
+        (ValueError, "eta must lie", lambda: miras(q, k, v, eta=-T)),
+        (ValueError, r"theta must have shape \[1, 2, 5\]", lambda: miras(q, k, v, preset="titans", theta=T[..., :4])),
+        (ValueError, "delta must lie", lambda: miras(q, k, v, preset="yaad", delta=-T)),
+        (ValueError, "eta contains NaN", lambda: miras(q, k, v, eta=T * float("nan"))),
+        (ValueError, "gamma must have shape", lambda: miras(q, k, v, window=2, gamma=torch.ones(1, 2, 5, 3))),
+        (ValueError, "chunk_size must be >= 1", lambda: miras(q, k, v, chunk_size=0)),
+        (TypeError, "chunk_size must be a positive int", lambda: miras(q, k, v, chunk_size=2.0)),
+        (ValueError, "backend must be one of", lambda: miras(q, k, v, backend="cuda")),
+        (ValueError, "has a kernel only for", lambda: miras(q, k, v, preset="titans", backend="triton")),
+        (ValueError, "has a kernel only for", lambda: miras(q, k, v, preset="gated_deltanet", backend="triton")),
+        (ValueError, "either preset", lambda: miras(q, k, v, preset="titans", config=PRESETS["titans"])),
+        (TypeError, "unknown config option", lambda: miras(q, k, v, preset="titans", lr=0.1)),
+        (ValueError, r"v must have shape \[B, H, T, V\]", lambda: miras(q, k, v[:, :, :4])),
+        (ValueError, r"initial_state must have shape \[1, 2, 4, 4\]",
+         lambda: miras(q, k, v, initial_state=torch.zeros(1, 2, 4, 5))),
+        (ValueError, "initial_state contains NaN", lambda: miras(q, k, v, initial_state=torch.full((1, 2, 4, 4), float("nan")))),
+        (TypeError, "must be a dict", lambda: miras(q, k, v, preset="ttt_mlp", initial_state=torch.zeros(1, 2, 4, 4))),
+        (ValueError, "must have the weights", lambda: miras(q, k, v, preset="ttt_mlp", initial_state={"M": torch.zeros(1, 2, 4, 4)})),
+        (ValueError, r"initial_state\['W1'\] must have shape \[1, 2, 16, 4\]",
+         lambda: miras(q, k, v, preset="ttt_mlp", initial_state={"W1": torch.zeros(1, 2, 4, 4), "W2": torch.zeros(1, 2, 4, 16)})),
+        (ValueError, "keeps none", lambda: miras(q, k, v, initial_state=MirasState(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4)))),
+        (ValueError, "phi must map", lambda: miras(q, k, v, phi=lambda x: x[0])),
+        (TypeError, "output_final_state must be", lambda: miras(q, k, v, output_final_state="yes")),
+    ]
+    for exc, match, fn in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+
+
+def test_config_type_errors():
+    with pytest.raises(TypeError, match="preset must be"):
+        make_config(3)
+    with pytest.raises(TypeError, match="window must be an int"):
+        make_config(window=2.0)
+    with pytest.raises(TypeError, match="MirasConfig"):
+        build_parts("titans", 4, 4)
+    assert isinstance(make_config(PRESETS["yaad"]), MirasConfig)
+
+
+# ---------------------------------------------------------------------------- the Triton kernel (if present)
+
+@pytest.mark.parametrize("preset,overrides", [("titans", {"memory": "linear"}), ("ttt_linear", {})])
+def test_triton_matches_chunk(gen, preset, overrides):
+    pytest.importorskip("atlaslib.miras.kernel", reason="atlaslib/miras/kernel.py (the Titans kernel) not present yet")
+    cfg = make_config(preset, **overrides)
+    B, H, T, K, V = 1, 2, 37, 16, 12
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    gates = gates_for(cfg, gen, B, H, T, torch.float32)
+    state = random_state(cfg, gen, B, H, K, V, torch.float32)
+    for b in (1, 16):
+        ref, ref_s = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend="chunk",
+                           chunk_size=b, **gates)
+        o, s = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend="triton",
+                     chunk_size=b, **gates)
+        assert_close(o, ref, tol=1e-5, name=f"o (b={b})")
+        assert_close(flat_state(s), flat_state(ref_s), tol=1e-5, name=f"final state (b={b})")
