@@ -656,3 +656,72 @@ def test_triton_matches_chunk(gen, preset, overrides):
                      chunk_size=b, **gates)
         assert_close(o, ref, tol=1e-5, name=f"o (b={b})")
         assert_close(flat_state(s), flat_state(ref_s), tol=1e-5, name=f"final state (b={b})")
+
+
+def contract_oracle(q, k, v, alpha, eta, theta, M0, S0, b):
+    """The kernel contract, literally: in each chunk [t0, t0 + b), with errors at M_{t0},
+    S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,  M_t = alpha_t M_{t-1} + S_t,  y_t = M_t q_t."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    M = torch.zeros(B, H, V, K, dtype=F64) if M0 is None else M0.double()
+    S = torch.zeros(B, H, V, K, dtype=F64) if S0 is None else S0.double()
+    ones = torch.ones(B, H, T, dtype=F64)
+    alpha = ones if alpha is None else alpha.double()
+    eta = ones if eta is None else eta.double()
+    theta = 0 * ones if theta is None else theta.double()
+    out = []
+    for t in range(T):
+        if t % b == 0:
+            M_start = M
+        err = torch.einsum("bhvk,bhk->bhv", M_start, k[:, :, t].double()) - v[:, :, t].double()
+        S = theta[:, :, t, None, None] * S - eta[:, :, t, None, None] * err[..., None] * k[:, :, t, None, :].double()
+        M = alpha[:, :, t, None, None] * M + S
+        out.append(torch.einsum("bhvk,bhk->bhv", M, q[:, :, t].double()))
+    return torch.stack(out, 2).to(q.dtype), M.float(), S.float()
+
+
+@pytest.mark.parametrize("preset,overrides", [("titans", {"memory": "linear"}), ("ttt_linear", {}),
+                                              ("titans", {"memory": "linear", "retention": "none"})])
+def test_triton_dispatch_follows_the_kernel_contract(gen, monkeypatch, preset, overrides):
+    """backend="triton" calls kernel.titans_linear_triton with the agreed arguments (a stand-in kernel
+    that computes the contract literally) and takes its gradients from the chunk form."""
+    import importlib.machinery
+    import sys
+    import types
+    calls = []
+
+    def fake_kernel(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size):
+        calls.append(dict(alpha=alpha, eta=eta, theta=theta, M0=initial_state, S0=initial_momentum, b=chunk_size))
+        return contract_oracle(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size)
+
+    fake = types.ModuleType("atlaslib.miras.kernel")
+    fake.__spec__ = importlib.machinery.ModuleSpec("atlaslib.miras.kernel", None)
+    fake.titans_linear_triton = fake_kernel
+    monkeypatch.setitem(sys.modules, "atlaslib.miras.kernel", fake)
+    cfg = make_config(preset, **overrides)
+    B, H, T, K, V = 1, 2, 13, 5, 4
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    gates = gates_for(cfg, gen, B, H, T, torch.float32)
+    state = random_state(cfg, gen, B, H, K, V, torch.float32)
+    leaves = {n: g.clone().requires_grad_(True) for n, g in gates.items()}
+    o, s = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend="triton",
+                 chunk_size=4, **leaves)
+    assert len(calls) == 1
+    call = calls[0]
+    assert call["b"] == 4 and call["eta"].shape == (B, H, T)
+    assert (call["alpha"] is None) == (cfg.retention == "none")
+    assert (call["theta"] is None) == (cfg.optimizer == "gd") and (call["S0"] is None) == (cfg.optimizer == "gd")
+    assert_close(call["M0"], state.memory, tol=0, name="initial state passed through")
+    ref, ref_s = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend="chunk",
+                       chunk_size=4, **gates)
+    assert_close(o, ref, name="o")
+    assert_close(flat_state(s), flat_state(ref_s), name="final state")
+    assert (s.momentum is None) == (cfg.optimizer == "gd")
+    o.square().sum().backward()
+    chunk_leaves = {n: g.clone().requires_grad_(True) for n, g in gates.items()}
+    miras(q, k, v, config=cfg, initial_state=state, backend="chunk", chunk_size=4, **chunk_leaves)[0].square().sum().backward()
+    for n in leaves:
+        assert_close(leaves[n].grad, chunk_leaves[n].grad, name=f"grad {n}")
+    calls.clear()
+    miras(q, k, v, config=cfg, initial_state=state, backend="auto", **gates)        # CPU tensors: auto is chunk
+    assert not calls
