@@ -1,0 +1,165 @@
+"""Checks for chapter 4's exercises (exercises/ch04_omega.ipynb): the Omega rule.
+
+Each check draws fresh random inputs, runs the learner's function and compares it with
+``atlaslib`` (the monomial map ``core.monomial_features``, the window gradient of the
+per-token definition ``omega.recurrent.window_gradient``, the banded gate matrix
+``omega.chunk.band_gates`` and the chunk weights ``omega.chunk.window_weights``, the
+frozen-gradient oracle ``omega.omega_frozen_seq``), then shows a verdict. Use in a
+notebook as::
+
+    from atlaslib.exercises import ch04 as check
+    check.omega_step(omega_step)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core import monomial_features
+from ..core.dispatch import interpreter_on
+from ..core.testing import random_gate, random_qkv
+from ..omega import omega_frozen_seq
+from ..omega.chunk import band_gates, window_weights
+from ..omega.recurrent import window_gradient
+from .ch01 import clones, triton_device
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_number,
+                       guarded, guarded_output, unpack)
+
+EXERCISES = Registry("ch04")
+
+# fp32 inputs; a correct answer agrees to ~1e-6, a wrong one is off by far more than this.
+TOL = 1e-4
+
+
+@EXERCISES.check("monomials", title="The polynomial feature map and its dimension", points=2)
+def monomials(features_fn, dim_fn, gen):
+    """features_fn(x [..., d], p) -> [..., C(d+p, p)] (all monomials of degree <= p);  dim_fn(d, p) -> int.
+
+    The order of the monomials is free: the check compares the Gram matrix
+    phi(X) phi(Y)^T = sum_{|b| <= p} x^b y^b, which does not depend on it.
+    """
+    cases = [(3, 2, (5,)), (4, 1, (2, 3)), (4, 3, (7,)), (2, 4, (2, 2, 3)), (5, 0, (4,)), (1, 3, (6,))]  # (d, p, lead)
+    for d, p, lead in cases:
+        x = torch.randn(*lead, d, generator=gen, dtype=torch.float64)
+        y = torch.randn(*lead, d, generator=gen, dtype=torch.float64)
+        D = math.comb(d + p, p)
+        with case(f"phi(x) with x of shape {list(x.shape)}, degree p={p}"):
+            fx, fy = call(features_fn, x.clone(), p), call(features_fn, y.clone(), p)
+            for name, f in (("phi(x)", fx), ("phi(y)", fy)):
+                if not isinstance(f, torch.Tensor):
+                    raise CheckFailed(f"{name} should be a torch.Tensor, got {type(f).__name__}")
+                if tuple(f.shape[:-1]) != tuple(lead) or f.shape[-1] != D:
+                    raise CheckFailed(f"{name} has shape {list(f.shape)}, expected {list(lead) + [D]}: "
+                                      f"C(d + p, p) = C({d + p}, {p}) = {D} monomials of degree <= {p}")
+            gram = torch.einsum("...i,...i->...", fx.to(torch.float64), fy.to(torch.float64))
+            ref = torch.einsum("...i,...i->...", monomial_features(x, p), monomial_features(y, p))
+            compare("sum over monomials of x^b y^b", gram, ref, 1e-8)
+    for d, p in [(4, 2), (16, 2), (128, 2), (4, 3), (7, 1), (3, 0)]:
+        with case(f"feature_dim(d={d}, p={p})"):
+            compare_number("your answer", call(dim_fn, d, p), math.comb(d + p, p))
+    return "the map has C(d+p, p) features with the right inner products, and the dimension formula is right"
+
+
+def window_rows(B, H, c, D, V, gen):
+    _, k, v = random_qkv(B, H, c, D, V, generator=gen)
+    return k, v
+
+
+@EXERCISES.check("omega_step", title="One Omega step with gates", points=2)
+def omega_step(fn, gen):
+    """fn(M [B,H,V,D], k_win [B,H,c,D], v_win [B,H,c,V], gamma [B,H,c], alpha [B,H], eta [B,H]) -> M_t.
+
+    Window rows are the last c pairs, oldest first; gamma[..., j] weighs row j.
+    """
+    cases = [(2, 3, 4, 5, 7), (1, 2, 1, 6, 6), (2, 1, 3, 6, 6), (1, 2, 8, 16, 4), (2, 2, 5, 3, 3)]  # (B, H, c, D, V)
+    for B, H, c, D, V in cases:
+        k, v = window_rows(B, H, c, D, V, gen)
+        M = torch.randn(B, H, V, D, generator=gen)
+        gamma = random_gate(B, H, c, low=0.0, generator=gen)
+        alpha = random_gate(B, H, 1, low=0.3, generator=gen)[:, :, 0]
+        eta = (0.1 + 0.9 * torch.rand(B, H, generator=gen)) / c
+        # the library's definition: every gradient of the window at the current state M
+        pairs = [(i, k[:, :, i], v[:, :, i]) for i in range(c)]
+        M_ref = alpha[..., None, None] * M - eta[..., None, None] * window_gradient(M, pairs, gamma, c - 1)
+        with case(f"B={B}, H={H}, window c={c}, D={D}, V={V}"):
+            compare("M_t", call(fn, *clones(M, k, v, gamma, alpha, eta)), M_ref, TOL)
+    return f"M_t matches the Omega rule of atlaslib.omega on {len(cases)} random windows"
+
+
+@EXERCISES.check("band", title="The banded gate matrix of a chunk", points=2)
+def band(fn, gen):
+    """fn(G [B,H,n,c]) -> Gamma [B,H,n,n+c-1] with Gamma[t, col] = G[t, t + c - 1 - col] inside the band, else 0."""
+    cases = [(2, 2, 4, 3), (1, 1, 1, 5), (1, 2, 3, 7), (2, 1, 6, 1), (1, 3, 5, 5), (1, 1, 8, 2)]  # (B, H, n, c)
+    for B, H, n, c in cases:
+        G = 0.1 + 0.9 * torch.rand(B, H, n, c, generator=gen)
+        label = f"chunk n={n}, window c={c}" + (" (c > n: the band reaches past the chunk)" if c > n else "")
+        with case(label):
+            got = call(fn, G.clone())
+            if isinstance(got, torch.Tensor) and tuple(got.shape) != (B, H, n, n + c - 1):
+                hint = " (a chunk-sized n x n mask cuts every window at the chunk start)" \
+                    if tuple(got.shape[-2:]) == (n, n) else ""
+                raise CheckFailed(f"Gamma has shape {list(got.shape)}, expected [{B}, {H}, {n}, {n + c - 1}]: "
+                                  f"one column per window row, n + c - 1 = {n + c - 1}{hint}")
+            compare("Gamma", got, band_gates(G, c), TOL)
+    return f"Gamma matches atlaslib.omega on {len(cases)} chunks, windows shorter and longer than the chunk"
+
+
+@EXERCISES.check("chunkwise", title="The chunkwise Omega rule (frozen gradients)", points=3)
+def chunkwise(fn, gen):
+    """fn(q, k, v, gamma [B,H,T,c], alpha None or [B,H,T], eta [B,H,T], chunk_size) -> (o [B,H,T,V], M_T [B,H,V,D]).
+
+    The window length is c = gamma.shape[-1]; the reference is ``omega_frozen_seq``.
+    """
+    cases = [  # (B, H, T, D, V, c, gated, chunk sizes)
+        (2, 2, 13, 5, 4, 3, True, (1, 4, 5, 13, 20)),
+        (1, 2, 14, 6, 3, 6, False, (1, 2, 4, 7)),       # c > chunk: windows reach into the previous chunk
+        (1, 1, 24, 8, 8, 1, True, (3, 8)),              # c = 1: the delta rule with frozen gradients
+        (1, 2, 1, 4, 3, 2, True, (1, 4)),
+    ]
+    for B, H, T, D, V, c, gated, sizes in cases:
+        q, k, v = random_qkv(B, H, T, D, V, generator=gen)
+        gamma = random_gate(B, H, T, c, low=0.2, generator=gen)
+        alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
+        eta = (0.2 + 0.8 * torch.rand(B, H, T, generator=gen)) / c
+        kind = "scalar gates" if gated else "alpha=None"
+        for b in sizes:
+            o_ref, M_ref = omega_frozen_seq(q, k, v, c, gamma, alpha, eta, None, b)
+            with case(f"B={B}, H={H}, T={T}, D={D}, V={V}, window c={c}, {kind}, chunk_size={b}"):
+                o, M_T = unpack(call(fn, *clones(q, k, v, gamma, alpha, eta), b), ("o", "M_T"))
+                compare("o", o, o_ref, TOL)
+                compare("M_T", M_T, M_ref, TOL)
+    n = sum(len(c[-1]) for c in cases)
+    return f"matches the frozen-gradient oracle for {n} (sequence, chunk size) pairs, windows longer than chunks included"
+
+
+@EXERCISES.check("triton_window_weights", title="A Triton kernel for the chunk's window weights C", points=3)
+def triton_window_weights(fn, gen):
+    """fn(G [N,n,c], eta [N,n], g [N,n], out [N,n,n+c-1]) -> out = (D diag(eta)) Gamma, D[t,s] = e^{g_t-g_s} (s <= t)."""
+    device = triton_device()
+    if device == "cpu" and not interpreter_on():
+        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
+                          "importing triton (the notebook's set-up cell does), then restart the kernel")
+    tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
+    cases = [(2, 5, 3, 0.5), (1, 16, 8, 0.5), (3, 7, 11, 0.3), (1, 1, 4, 0.5), (2, 9, 1, 1.0)]  # (N, n, c, low)
+    for N, n, c, low in cases:
+        G = random_gate(N, 1, n, c, low=0.1, generator=gen)
+        eta = 0.1 + 0.9 * torch.rand(N, 1, n, generator=gen)
+        g = torch.log(random_gate(N, 1, n, low=low, generator=gen)).cumsum(dim=-1)
+        C_ref = window_weights(G, eta, g, c)[:, 0]
+        ins = [guarded(x[:, 0].contiguous().to(device)) for x in (G, eta, g)]
+        out = guarded_output((N, n, n + c - 1), device=device)
+        with case(f"N={N}, n={n}, window c={c}, gates in [{low}, 1]"):
+            call(fn, *ins, out)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            check_guards("out", out)
+            try:
+                compare("out", out, C_ref.to(device), tol)
+            except CheckFailed as e:
+                raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
+    # the same text on CPU and GPU, so the stored output is valid on both
+    return f"the kernel matches atlaslib.omega on {len(cases)} odd-sized cases, with no stray loads or stores"
+
+
+__all__ = ["EXERCISES", "monomials", "omega_step", "band", "chunkwise", "triton_window_weights"]
