@@ -439,10 +439,10 @@ def test_chunk_one_is_recurrent_and_larger_chunks_are_not(gen, name):
         assert gap > 1e-4, f"{name}: frozen gradients must change the model for b > 1 (gap {gap:.2e})"
 
 
-@pytest.mark.parametrize("name", ["ttt_mlp", "titans", "yaad", "deltanet", "residual_dot_decayfirst_mom",
-                                  "residual_l2_decay_window"])
+@pytest.mark.parametrize("name", ["ttt_mlp", "titans", "yaad", "deltanet", "moneta", "linear_hnorm_lq_mom",
+                                  "residual_dot_decayfirst_mom", "residual_l2_decay_window"])
 def test_dual_form_equals_materialised_weights(gen, name):
-    """The two readouts of the chunk form (dual form vs per-token weight sets) agree."""
+    """The readouts of the chunk form (dual form, also divided by Moneta's nu_t, vs per-token weight sets) agree."""
     cfg, _, (q, k, v, gates, state) = run_all(name, gen, 21, True)
     problem = prepare(q, k, v, config=cfg, initial_state=state, backend="chunk", chunk_size=5, **gates)
     o_d, Z_d, S_d = miras_chunk(*problem.args, chunk_size=5)
@@ -725,3 +725,53 @@ def test_triton_dispatch_follows_the_kernel_contract(gen, monkeypatch, preset, o
     calls.clear()
     miras(q, k, v, config=cfg, initial_state=state, backend="auto", **gates)        # CPU tensors: auto is chunk
     assert not calls
+
+
+# ---------------------------------------------------------------------------- token mixers (atlaslib.nn)
+
+MIXER_NAMES = ["ttt_linear", "ttt_mlp", "titans", "moneta", "yaad", "memora"]
+
+
+@pytest.mark.parametrize("name", MIXER_NAMES)
+def test_mixer_shape_causality_grad_and_backends(gen, name):
+    from atlaslib.nn import available_mixers, make_mixer
+    assert name in available_mixers()
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer(name, 16, 2, **({} if name == "ttt_linear" else {"expansion": 2}))
+    x = torch.randn(2, 11, 16, generator=gen, requires_grad=True)
+    y = mixer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    t = 6                                              # causality: token t changes no earlier output
+    x2 = x.detach().clone()
+    x2[:, t] += torch.randn(2, 16, generator=gen)
+    y2 = mixer(x2)
+    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5) and not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5)
+    y.square().sum().backward()
+    missing = [n for n, p in mixer.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"no (finite) gradient for {missing}"
+    assert any(n.startswith("initial.") for n, _ in mixer.named_parameters()), "W_0 is learned"
+    with torch.no_grad():                              # chunk_size 1 is the per-token engine (fp64: Moneta's
+        mixer.double()                                 # 1/||A||^2 amplifies fp32 rounding)
+        mixer.chunk_size = 1
+        ref = mixer(x.double())
+        mixer.backend = "recurrent"
+        assert_close(mixer(x.double()), ref, tol=1e-10)
+    cfg = mixer.config
+    per_head = sum(o * i for o, i in build_parts(cfg, 8, 8).memory.shapes.values())
+    assert mixer.state_size == 2 * per_head * (2 if cfg.optimizer == "momentum" else 1)
+
+
+def test_mixer_overrides_and_seeding():
+    from atlaslib.nn import make_mixer
+    torch.manual_seed(0)
+    a = make_mixer("titans", 16, 2, memory="linear")
+    assert a.config.memory == "linear" and set(a.initial) == {"M"}
+    torch.manual_seed(0)
+    b = make_mixer("ttt_mlp", 16, 2)
+    torch.manual_seed(0)
+    c = make_mixer("ttt_mlp", 16, 2)
+    d = make_mixer("ttt_mlp", 16, 2)
+    assert torch.equal(b.initial["W1"], c.initial["W1"]), "torch.manual_seed fixes W_0"
+    assert not torch.equal(c.initial["W1"], d.initial["W1"]), "two layers start from different W_0"
+    with pytest.raises(ValueError, match="applies to bias"):
+        make_mixer("titans", 16, 2, p=3.0)

@@ -20,14 +20,15 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, MATH.md §8). Then:
    Moneta's accumulator A are of this form: both are linear in Z; only the read
    W = R(Z) is not.
 3. **Readouts inside the chunk.** y_t = M_{W_t}(phi(q_t)) needs the weights after every
-   token. Two ways, equal to rounding:
+   token. Three ways, equal to rounding:
    * *dual form* (retentions with W = Z and linear combine: none, decay, decay_first,
      proximal): each layer's output W_t x = A_t W_{t0} x + s_t S_{t0} x +
      sum_r C[t, r] a_r (x_r . x), with C = D_alpha E, never forming W_t;
-   * *materialised* (kl, lq, elastic, and non-linear optimizers such as chapter 5's
-     Muon): the b per-token weight sets are formed (elastic net by a short elementwise
-     scan, since its soft threshold is not linear), read through R, and applied token by
-     token.
+   * *dual form over a scalar* (lq, Moneta: W_t = A_t / nu_t with nu_t = ||A_t||_q^(q-2)):
+     the same, divided by nu_t; the b accumulators A_t are formed only for their norms;
+   * *materialised* (kl, elastic, and non-linear optimizers such as chapter 5's Muon):
+     the b per-token weight sets are formed (elastic net by a short elementwise scan,
+     since its soft threshold is not linear), read through R, and applied token by token.
 
 Exactness (MATH.md §8, all tested): ``miras_chunk(b) == miras_frozen_seq(b)`` for every
 b; at b = 1 both equal the per-token engine; for b > 1 they differ from it (the frozen
@@ -81,8 +82,9 @@ def chunk_log_cumsum(x, s, e):
     return torch.log(x[:, s:e]).clamp_min(LOG_FLOOR).cumsum(dim=1)
 
 
-def dual_linear(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec):
-    """``linear`` callback for readouts W_t x = A_t Z0 x + s_t S0 x + sum_r C[t, r] a_r (x_r . x)."""
+def dual_linear(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec, divisor=None):
+    """``linear`` callback for readouts Z_t x = A_t Z0 x + s_t S0 x + sum_r C[t, r] a_r (x_r . x)
+    (divided by divisor[name] [N, n] when W_t = Z_t / nu_t)."""
     def linear(name, x):                                              # x: [N, n, in]
         out = x @ Z0[name].transpose(-1, -2)
         if A is not None:
@@ -90,7 +92,8 @@ def dual_linear(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec):
         if s_vec is not None and S0 is not None:
             out = out + s_vec[..., None] * (x @ S0[name].transpose(-1, -2))
         scores = (x @ x_rows[name].transpose(-1, -2)) * C              # [N, n, R]
-        return out + scores @ a[name]
+        out = out + scores @ a[name]
+        return out if divisor is None else out / divisor[name][..., None]
     return linear
 
 
@@ -103,6 +106,19 @@ def end_state(base: dict, coef_base, extra: dict | None, coef_extra, a: dict, x_
             z = z + (base[name] if coef_base is None else coef_base[:, None, None] * base[name])
         if extra is not None and coef_extra is not None:
             z = z + coef_extra[:, None, None] * extra[name]
+        out[name] = z
+    return out
+
+
+def states_from_factors(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec) -> dict:
+    """All b raw states Z_t = A_t Z0 + s_t S0 + sum_r C[t, r] a_r x_r^T, {name: [N, n, out, in]}."""
+    out = {}
+    for name in a:
+        z = (C[..., :, None] * a[name][:, None]).transpose(-1, -2) @ x_rows[name][:, None]   # [N, n, out, in]
+        z0 = Z0[name][:, None]
+        z = z + (z0 if A is None else A[..., None, None] * z0)
+        if s_vec is not None and S0 is not None:
+            z = z + s_vec[..., None, None] * S0[name][:, None]
         out[name] = z
     return out
 
@@ -123,18 +139,17 @@ def retained_states(parts: Parts, Z0: dict, U: dict, alpha_chunk, D, A) -> dict:
     return {name: torch.stack([z[name] for z in states], dim=1) for name in Z0}
 
 
-def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size: int = 16, materialize=None):
+def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size: int = 16, materialize=False):
     """Chunkwise engine (see the module docstring). Returns (o [N, T, V], Z_T, S_T).
 
-    ``materialize``: None picks the dual form where it applies; True forces the
-    materialised per-token weights (the two agree to rounding; tests check both).
+    ``materialize=True`` forces the materialised per-token weights everywhere (the readouts
+    agree with the dual form to rounding; the tests check both).
     """
     ret, opt, mem, c = parts.retention, parts.optimizer, parts.memory, parts.cfg.window
     N, T, _ = q.shape
-    dual = ret.identity_read and ret.linear and opt.linear if materialize is None else not materialize
-    if dual and not (ret.identity_read and ret.linear and opt.linear):
-        raise ValueError(f"the dual form needs W = Z, a linear retention and a linear optimizer; "
-                         f"retention={ret.name!r}, optimizer={opt.name!r}")
+    linear = ret.linear and opt.linear
+    dual = linear and ret.identity_read and not materialize                 # readouts W_t x in the dual form
+    scaled = linear and ret.scalar_read and not materialize                 # ... divided by nu_t (W_t = Z_t / nu_t)
     pad = lambda x: None if x is None else F.pad(x, (0, 0, c - 1, 0) if x.dim() == 3 else (c - 1, 0))  # noqa: E731
     k_pad, v_pad, delta_pad = pad(k), pad(v), pad(gates.delta)
     alpha = gates.alpha if ret.uses_alpha else None
@@ -154,20 +169,34 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
         D = causal.to(q.dtype).expand(N, n, n) if ga is None else causal_decay(ga[None], causal)[0]   # D_alpha
         A = None if ga is None else torch.exp(ga)
         h = chunk_log_cumsum(theta, s, e)
-        if dual:
+        if opt.linear:
             b, E = opt.affine(Gamma, gates.eta[:, s:e], h)
             C = D @ E                                                  # weight of row r's gradient in Z_t
             s_vec = None if b is None else (D @ b[..., None])[..., 0]  # weight of S_{t0} in Z_t
+            S_end = None
+            if opt.has_state:                                         # S_b = B_b S_{t0} + sum_r E[b, r] g_r
+                S_end = end_state(None, None, S, None if b is None else b[:, -1], a, x_rows, E[:, -1])
+        if dual:
             outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec), q[:, s:e]))
-            Z_new = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
-                              a, x_rows, C[:, -1])
-            if opt.has_state:
-                S = end_state(None, None, S, None if b is None else b[:, -1], a, x_rows, E[:, -1])
-            Z = Z_new
-        else:
+            Z = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
+                          a, x_rows, C[:, -1])
+            S = S_end
+            continue
+        if scaled:                                                    # W_t = Z_t / nu_t (Moneta): dual readout
+            nu = {name: ret.divisor(z)[..., 0, 0] for name, z in states_from_factors(Z, S, a, x_rows, C, A,
+                                                                                       s_vec).items()}
+            outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec, nu), q[:, s:e]))
+            Z = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
+                          a, x_rows, C[:, -1])
+            S = S_end
+            continue
+        if linear:                                                    # all b raw states straight from the factors
+            Z_all = states_from_factors(Z, S, a, x_rows, C, A, s_vec)
+            S = S_end
+        else:                                                         # per-row gradients -> updates -> states
             G = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
             U, S = opt.updates(S, G, Gamma, gates.eta[:, s:e], h)
             Z_all = retained_states(parts, Z, U, None if alpha is None else alpha[:, s:e], D, A)
-            outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
-            Z = {name: z[:, -1] for name, z in Z_all.items()}
+        outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
+        Z = {name: z[:, -1] for name, z in Z_all.items()}
     return torch.cat(outputs, dim=1), Z, S

@@ -54,6 +54,7 @@ class Retention:
     linear = True               # combine is linear in (Z, u): chunk form by masked matmuls
     grad_at_decayed = False     # gradient taken at alpha_t W_{t-1} instead of W_{t-1}
     identity_read = True        # W = Z
+    scalar_read = False         # W = Z / nu(Z), nu one number per matrix (``divisor``)
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -126,14 +127,17 @@ class Lq(Retention):
     def describe(cls, cfg):
         return f"ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
 
-    def read(self, Z):
+    scalar_read = True          # W = Z / nu(Z) with a scalar nu per matrix: readouts can use the dual form
+
+    def divisor(self, a):
+        """nu = ||A||_q^(q-2) over each matrix (last two dims), keepdim. The floor on ||A||_q keeps
+        A = 0 -> W = 0 (no 0/0); W is singular there for q > 3 anyway (it scales like ||A||^(3-q))."""
         q = self.cfg.lq
-        out = {}
-        for n, a in Z.items():
-            # ||A||_q^(q-2) = (sum |A|^q)^((q-2)/q); the floor keeps A = 0 -> W = 0 (and its gradient finite)
-            s = a.abs().pow(q).sum(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
-            out[n] = a / s.pow((q - 2.0) / q)
-        return out
+        norm = torch.linalg.vector_norm(a, ord=q, dim=(-2, -1), keepdim=True)
+        return norm.clamp_min(torch.finfo(a.dtype).tiny ** (1.0 / q)).pow(q - 2.0)
+
+    def read(self, Z):
+        return {n: a / self.divisor(a) for n, a in Z.items()}
 
 
 class ElasticNet(Retention):

@@ -1,0 +1,147 @@
+"""Chapter 3 mixers: TTT-Linear, TTT-MLP, Titans, Moneta, Yaad and Memora for the tiny LM.
+
+Each is a preset of the MIRAS engine (``atlaslib.miras``) run on l2-normalised q and k
+(MATH.md §0), with every data-dependent quantity projected from the layer input x_t and
+squashed as MATH.md §0 says:
+
+* alpha_t (retention, one per head; the models whose retention takes it): chapter 1's
+  gate sigmoid(w^T x_t + b)^(1/16), so memories start long-lived;
+* eta_t (inner learning rate): softplus(w^T x_t + b), started at ``eta_init`` (0.1);
+* theta_t (Titans' momentum decay): sigmoid(w^T x_t + b), started at 0.5;
+* delta_t (Yaad's Huber threshold): softplus(w^T x_t + b), started at 1.
+
+The memory's initial weights W_0 (one set per head, shared by the batch) are parameters
+of the layer, trained by the outer loop as in TTT and Titans; they start from the
+engine's default initialisation (zeros for the linear memory, N(0, 1/in) for deep ones,
+Memora's log-weights N(0, 1)) drawn from torch's global generator, so that
+``torch.manual_seed`` fixes them and two layers differ. Momentum starts at zero.
+
+The chunk form runs with gradients frozen at each chunk's start, which **changes the
+model** (chunk_size = 1 is the per-token rule); the default chunk_size is 16, as in
+MIRAS. Keyword arguments that are ``MirasConfig`` fields (memory, expansion, bias, ...)
+move the preset's axes, e.g. ``make_mixer("titans", 64, 4, memory="linear")``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..miras import MirasConfig, MirasState, build_parts, init_state, make_config, miras
+from .mixer import register_mixer
+from .mixers import GatedLinear
+
+CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}
+
+
+def _inverse_softplus(y: float) -> float:
+    return y + math.log(-math.expm1(-y))
+
+
+class ScalarGate(nn.Module):
+    """One value per head and token from x [B, T, D]: squash(w_h^T x_t + b_h) as [B, H, T]."""
+
+    def __init__(self, d_model: int, n_heads: int, squash: str, start: float):
+        super().__init__()
+        self.proj = nn.Linear(d_model, n_heads)
+        self.squash = squash
+        nn.init.constant_(self.proj.bias, _inverse_softplus(start) if squash == "softplus" else
+                          math.log(start / (1 - start)))
+
+    def forward(self, x):
+        z = self.proj(x).transpose(1, 2)
+        return F.softplus(z) if self.squash == "softplus" else torch.sigmoid(z)
+
+
+class MirasMixer(GatedLinear):
+    """A MIRAS preset as a token mixer (see the module docstring)."""
+
+    preset = "ttt_linear"
+    per_channel = False
+
+    def __init__(self, d_model, n_heads, *, eta_init: float = 0.1, **kw):
+        options = {name: kw.pop(name) for name in list(kw) if name in CONFIG_FIELDS}
+        kw.setdefault("qk_norm", True)
+        kw.setdefault("chunk_size", 16)
+        super().__init__(d_model, n_heads, **kw)
+        self.config = make_config(self.preset, **options)
+        parts = build_parts(self.config, self.head_k_dim, self.head_v_dim)
+        self.memory_shapes = parts.memory.shapes
+        if not parts.retention.uses_alpha:
+            self.gate_proj = None
+        self.eta_gate = ScalarGate(d_model, n_heads, "softplus", eta_init)
+        self.theta_gate = ScalarGate(d_model, n_heads, "sigmoid", 0.5) if parts.optimizer.uses_theta else None
+        self.delta_gate = ScalarGate(d_model, n_heads, "softplus", 1.0) if parts.bias.uses_delta else None
+        self.has_momentum = parts.optimizer.has_state
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())            # from the global RNG (torch.manual_seed)
+        start = init_state(self.config, 1, n_heads, self.head_k_dim, self.head_v_dim,
+                           generator=torch.Generator().manual_seed(seed)).memory
+        start = start if isinstance(start, dict) else {"M": start}
+        self.initial = nn.ParameterDict({name: nn.Parameter(w[0].clone()) for name, w in start.items()})
+
+    def initial_state(self, B: int, dtype) -> MirasState:
+        """W_0 broadcast over the batch: a tensor [B, H, V, K] (linear memory) or a dict of them."""
+        mem = {n: w.to(dtype)[None].expand(B, *w.shape) for n, w in self.initial.items()}
+        return MirasState(mem["M"] if set(mem) == {"M"} else mem, None)
+
+    def gates(self, x, dtype):
+        cast = lambda g: None if g is None else g.to(dtype)             # noqa: E731
+        return dict(alpha=cast(self.gate(x)) if self.gate_proj is not None else None,
+                    eta=cast(self.eta_gate(x)),
+                    theta=cast(self.theta_gate(x)) if self.theta_gate is not None else None,
+                    delta=cast(self.delta_gate(x)) if self.delta_gate is not None else None)
+
+    def mix(self, q, k, v, x):
+        gates = {n: g for n, g in self.gates(x, q.dtype).items() if g is not None}
+        return miras(q, k, v, config=self.config, initial_state=self.initial_state(q.shape[0], q.dtype),
+                     backend=self.backend, chunk_size=self.chunk_size, **gates)[0]
+
+    @property
+    def state_size(self) -> int:
+        """The memory's weights (plus the momentum buffer, for Titans), summed over heads."""
+        per_head = sum(o * i for o, i in self.memory_shapes.values())
+        return self.n_heads * per_head * (2 if self.has_momentum else 1)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"{super().extra_repr()}, memory={c.memory!r}, bias={c.bias!r}, retention={c.retention!r}, "
+                f"optimizer={c.optimizer!r}, chunk_size={self.chunk_size}")
+
+
+@register_mixer("ttt_linear")
+class TTTLinear(MirasMixer):
+    """TTT-Linear: a linear memory, one GD step on the l2 loss per token (mini-batched by chunks)."""
+    preset = "ttt_linear"
+
+
+@register_mixer("ttt_mlp")
+class TTTMLP(MirasMixer):
+    """TTT-MLP: a 2-layer MLP memory W2 gelu(W1 k), GD on the l2 loss."""
+    preset = "ttt_mlp"
+
+
+@register_mixer("titans")
+class Titans(MirasMixer):
+    """Titans: an MLP memory, l2 loss, GD with momentum theta_t and retention alpha_t."""
+    preset = "titans"
+
+
+@register_mixer("moneta")
+class Moneta(MirasMixer):
+    """Moneta: residual-MLP memory, l3 loss, l4 normalisation of a linear accumulator."""
+    preset = "moneta"
+
+
+@register_mixer("yaad")
+class Yaad(MirasMixer):
+    """Yaad: residual-MLP memory, Huber switch loss with threshold delta_t, retention alpha_t."""
+    preset = "yaad"
+
+
+@register_mixer("memora")
+class Memora(MirasMixer):
+    """Memora: residual-MLP memory on the scaled simplex (softmax in the log domain), l2 loss."""
+    preset = "memora"
