@@ -19,6 +19,7 @@ CONFIGS = [
     ("omeganet", {"gamma": None, "retention": False}),
     ("omeganet", {"degree": 2}),
     ("omeganet", {"degree": 2, "poly": "monomial", "window": 3}),
+    ("omeganet", {"degree": 2, "constant": False}),
     ("swla", {}),
     ("swla", {"gamma": "source", "degree": 2}),
 ]
@@ -74,10 +75,26 @@ def test_state_sizes():
     assert m.state_size == 4 * math.comb(6, 2) * 8 == 4 * 15 * 8
     assert make_mixer("omeganet", 32, 4, head_k_dim=4, degree=3, poly="monomial").state_size == 4 * 35 * 8
     assert m(torch.randn(1, 5, 32)).shape == (1, 5, 32)
+    # without the constant feature: one channel less, for both maps
+    for poly in ("taylor", "monomial"):
+        nc = make_mixer("omeganet", 32, 4, head_k_dim=4, degree=2, poly=poly, constant=False)
+        assert nc.state_size == 4 * 14 * 8
+        fq, fk = nc.features(*torch.randn(2, 1, 1, 3, 4))
+        assert fk.shape[-1] == 14 and torch.allclose(fk.norm(dim=-1), torch.ones(1, 1, 3))
     lm = TinyLM(50, 32, 2, "omeganet", 4, head_k_dim=4, degree=2)
     assert lm.state_size == 2 * 4 * 15 * 8
     # the window of c pairs is not state: it does not change the size
     assert make_mixer("omeganet", 32, 4, window=64).state_size == make_mixer("omeganet", 32, 4, window=1).state_size
+
+
+def test_features_without_constant_keep_the_kernel_of_the_rest():
+    """Taylor map without a_0: phi(x).phi(y) is proportional to (x.y) + (x.y)^2 / 2 for unit x, y."""
+    m = make_mixer("omeganet", 32, 4, head_k_dim=5, degree=2, constant=False)
+    x, y = F.normalize(torch.randn(2, 7, 5, dtype=torch.float64), dim=-1)
+    m.poly.double()
+    fx, fy = m.features(x, y)
+    s = (x * y).sum(-1)
+    assert torch.allclose((fx * fy).sum(-1), (s + s**2 / 2) / 1.5, atol=1e-6)
 
 
 def test_each_layer_has_its_own_taylor_coefficients():

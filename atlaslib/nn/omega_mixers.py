@@ -26,7 +26,8 @@ Polynomial features ([A] §3, MATH.md §4): ``degree=p`` applies, per head, a fr
 ``TaylorFeatures(p, compressed=True)`` (``poly="taylor"``: learnable a_i, kernel
 sum_i a_i (q^T k)^i) or the unweighted monomials of degree <= p (``poly="monomial"``, the
 map of Proposition 2) to the *normalised* q and k, then normalises the result again. The
-memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` reports.
+memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` reports
+(``constant=False`` drops the degree-0 feature: D = C(d_k + p, p) - 1).
 
 The chunk size of the Omega chunk form **changes the model** (gradients frozen at the
 chunk start; chunk_size = 1 is the per-token rule), so OmegaNet defaults to chunk_size=16;
@@ -36,6 +37,7 @@ memory) run on chapter 3's engine and are not mixers here.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +52,23 @@ GAMMA_MODES = ("offset", "source", None)
 POLY_MAPS = ("taylor", "monomial")
 
 
-def polynomial_map(kind: str, degree: int):
-    """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p."""
+def without_constant(x, degree):
+    """The monomials of degree 1..p (the constant feature 1 dropped)."""
+    return monomial_features(x, degree)[..., 1:]
+
+
+def polynomial_map(kind: str, degree: int, constant: bool = True):
+    """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p.
+
+    ``constant=False`` drops the degree-0 term (a_0 = 0 for the Taylor map, which then stays 0):
+    after normalisation a constant feature makes all keys alike (cosine >= a_0 / sum_i a_i
+    for unit inputs), which a memory that must tell keys apart does not want.
+    """
     if kind == "taylor":
-        return TaylorFeatures(degree, compressed=True)
+        coefficients = None if constant else [0.0] + [1.0 / math.factorial(i) for i in range(1, degree + 1)]
+        return TaylorFeatures(degree, compressed=True, coefficients=coefficients)
     if kind == "monomial":
-        return functools.partial(monomial_features, degree=degree)
+        return functools.partial(monomial_features if constant else without_constant, degree=degree)
     raise ValueError(f"poly must be one of {POLY_MAPS}, got {kind!r}")
 
 
@@ -68,7 +81,7 @@ class WindowedMixer(GatedLinear):
 
     def __init__(self, d_model, n_heads, *, window: int = 8, gamma: str | None = "offset",
                  retention: bool = True, eta_max: float | None = None, degree: int | None = None,
-                 poly: str = "taylor", **kw):
+                 poly: str = "taylor", constant: bool = True, **kw):
         super().__init__(d_model, n_heads, **kw)
         self.window = check_window(window)
         if gamma not in GAMMA_MODES:
@@ -85,8 +98,8 @@ class WindowedMixer(GatedLinear):
         if not self.eta_max > 0:
             raise ValueError(f"eta_max must be > 0, got {eta_max!r}")
         self.eta_proj = nn.Linear(d_model, n_heads)
-        self.degree, self.poly_kind = degree, poly
-        self.poly = None if degree is None else polynomial_map(poly, degree)
+        self.degree, self.poly_kind, self.constant = degree, poly, constant
+        self.poly = None if degree is None else polynomial_map(poly, degree, constant)
 
     # ---- gates, all [B, H, T] or [B, H, T, c], projected from x [B, T, D]
     def gammas(self, x):
@@ -110,7 +123,10 @@ class WindowedMixer(GatedLinear):
         if self.poly is None:
             return q, k
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        return F.normalize(self.poly(q), dim=-1), F.normalize(self.poly(k), dim=-1)
+        fq, fk = self.poly(q), self.poly(k)
+        if not self.constant and self.poly_kind == "taylor":
+            fq, fk = fq[..., 1:], fk[..., 1:]                    # the a_0 channel (first, degree 0) is 0
+        return F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
 
     def feature_dim(self) -> int:
         """D, the width of phi(k): head_k_dim, or the polynomial (and base) feature map's output width."""
@@ -128,7 +144,8 @@ class WindowedMixer(GatedLinear):
         return cast(self.gammas(x)), cast(self.alpha(x)), cast(self.eta(x))
 
     def extra_repr(self) -> str:
-        poly = f", degree={self.degree} ({self.poly_kind})" if self.degree is not None else ""
+        poly = f", degree={self.degree} ({self.poly_kind}{'' if self.constant else ', no constant'})" \
+            if self.degree is not None else ""
         return (f"{super().extra_repr()}, window={self.window}, gamma={self.gamma_mode!r}, "
                 f"retention={self.retention}, eta_max={self.eta_max:.3g}{poly}")
 
