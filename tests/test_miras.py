@@ -775,3 +775,55 @@ def test_mixer_overrides_and_seeding():
     assert not torch.equal(c.initial["W1"], d.initial["W1"]), "two layers start from different W_0"
     with pytest.raises(ValueError, match="applies to bias"):
         make_mixer("titans", 16, 2, p=3.0)
+
+
+# ---------------------------------------------------------------------------- window (Omega rule)
+
+@pytest.mark.parametrize("gamma_mode", ["source", "offset", None])
+def test_window_with_linear_memory_is_the_omega_rule(gen, gamma_mode):
+    """window=c, linear memory, l2, decay after the gradient == chapter 4's omega_rule, backend by backend
+    (the window rows of a chunk reach c - 1 tokens into the previous chunk in both)."""
+    B, H, T, K, V, c = 1, 2, 23, 6, 5, 3
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    eta = random_gate(B, H, T, low=0.05, high=0.6, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.6, dtype=F64, generator=gen)
+    gamma = None if gamma_mode is None else random_gate(B, H, T, c if gamma_mode == "offset" else None, low=0.3,
+                                                         dtype=F64, generator=gen)
+    h0 = torch.randn(B, H, V, K, generator=gen, dtype=F64)
+    kw = dict(window=c, gamma=gamma, alpha=alpha, eta=eta, initial_state=h0, output_final_state=True)
+    ref, ref_s = omega_rule(q, k, v, backend="recurrent", **kw)
+    o, s = miras(q, k, v, preset="deltanet", retention="decay", backend="recurrent", **kw)
+    assert_close(o, ref, tol=1e-12, name="recurrent")
+    assert_close(s.memory, ref_s, tol=1e-12, name="recurrent final state")
+    for b in (1, 4, 16):
+        ref, ref_s = omega_rule(q, k, v, backend="chunk", chunk_size=b, **kw)
+        for backend in ("chunk", "frozen_seq"):
+            o, s = miras(q, k, v, preset="deltanet", retention="decay", backend=backend, chunk_size=b, **kw)
+            assert_close(o, ref, tol=1e-12, name=f"{backend} (b={b}) vs omega chunk")
+            assert_close(s.memory, ref_s, tol=1e-12, name=f"{backend} final state (b={b})")
+
+
+def test_window_with_linear_memory_matches_the_omega_kernel(gen):
+    pytest.importorskip("triton")
+    B, H, T, K, V, c = 1, 1, 21, 8, 8, 3
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    eta = random_gate(B, H, T, low=0.05, high=0.4, generator=gen)
+    gamma = random_gate(B, H, T, c, low=0.3, generator=gen)
+    ref, _ = omega_rule(q, k, v, window=c, gamma=gamma, eta=eta, backend="triton", chunk_size=8)
+    o, _ = miras(q, k, v, preset="deltanet", window=c, gamma=gamma, eta=eta, backend="chunk", chunk_size=8)
+    assert_close(o, ref, tol=1e-5)
+
+
+def test_window_changes_deep_memories_and_reduces_to_one_pair(gen):
+    """A deep memory with a window: gamma = (1, 0, ..., 0) per offset keeps only the newest pair (= window 1)."""
+    B, H, T, D, c = 1, 2, 13, 6, 4
+    q, k, v = random_qkv(B, H, T, D, D, dtype=F64, generator=gen)
+    eta = random_gate(B, H, T, low=0.05, high=0.4, dtype=F64, generator=gen)
+    only_newest = torch.zeros(B, H, T, c, dtype=F64)
+    only_newest[..., 0] = 1.0
+    for backend in ("recurrent", "chunk"):
+        one, _ = miras(q, k, v, preset="ttt_mlp", eta=eta, backend=backend, chunk_size=5)
+        win, _ = miras(q, k, v, preset="ttt_mlp", window=c, gamma=only_newest, eta=eta, backend=backend, chunk_size=5)
+        assert_close(win, one, tol=1e-12, name=backend)
+        full, _ = miras(q, k, v, preset="ttt_mlp", window=c, eta=eta, backend=backend, chunk_size=5)
+        assert rel_rmse(full, one) > 1e-3, "the other window pairs must contribute"

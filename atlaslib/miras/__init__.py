@@ -106,7 +106,7 @@ def _titans_linear_chunk(q, k, v, alpha, eta, theta, initial_state, initial_mome
     return o.reshape(B, H, T, V).to(q.dtype), Z["M"].reshape(B, H, V, K), S["M"].reshape(B, H, V, K)
 
 
-def _resolve(backend, cfg, q):
+def _resolve(backend, cfg, q, V, chunk_size):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend in ("recurrent", "frozen_seq", "chunk"):
@@ -119,8 +119,11 @@ def _resolve(backend, cfg, q):
         if not kernel_available():
             raise ValueError("backend='triton': atlaslib/miras/kernel.py is not available in this installation")
         return resolve_backend("triton", q)
-    if q.is_cuda and has_kernel(cfg) and kernel_available() and resolve_backend("auto", q) == "triton":
-        return "triton"
+    if (q.is_cuda and q.dtype != torch.float64 and has_kernel(cfg) and kernel_available()
+            and resolve_backend("auto", q) == "triton"):
+        from .kernel import kernel_supports
+        if kernel_supports(q.shape[-1], V, chunk_size):          # tile limits (chunk <= 64, K <= 256)
+            return "triton"
     return "chunk"
 
 
@@ -166,8 +169,9 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
         backend: "recurrent" (the per-token definition, gradients at W_{t-1}),
             "frozen_seq" (per-token, gradients frozen at each chunk start: the chunk form's
             oracle), "chunk" (chunkwise PyTorch), "triton" (kernel; only for
-            ``KERNEL_CONFIGS``; CPU under TRITON_INTERPRET=1; backward through the chunk
-            form) or "auto" (triton on CUDA where a kernel exists, chunk otherwise).
+            ``KERNEL_CONFIGS``, chunk_size <= 64, K <= 256, fp32/fp16/bf16; CPU under
+            TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
+            where a kernel exists and its tiles fit, chunk otherwise).
         chunk_size: b for "chunk", "frozen_seq" and "triton". **It changes the model** for
             every configuration whose gradient depends on the state.
 
@@ -246,7 +250,7 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     gamma = _gate("gamma", gamma, B, H, T, cd, q, width=cfg.window)
     check_chunk_size(chunk_size)
     state = check_initial_state(initial_state, cfg, parts.memory, opt, B, H, q)
-    backend = _resolve(backend, cfg, fq)
+    backend = _resolve(backend, cfg, fq, V, chunk_size)
     eta = ret.effective_eta(eta.to(cd), fk.to(cd))                           # proximal: the implicit step
     if state is None:
         state = check_initial_state(init_state(cfg, B, H, D, V, dtype=cd, device=q.device), cfg, parts.memory,
