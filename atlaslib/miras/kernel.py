@@ -71,10 +71,11 @@ write nothing. The chunk size is a runtime argument (any 1 <= b <= 64; b = 1 was
 of 16 rows). fp32/fp16/bf16 inputs, fp32 accumulation (tl.dot in IEEE fp32 for fp32
 inputs, TF32 for half-precision inputs, and always IEEE for the decay product D_A D_B).
 
-Forward only: a library entry point gets gradients by ``core.with_chunk_backward``
-(autograd through the chunk form). Runs under ``TRITON_INTERPRET=1`` on CPU: no
-autotune, int64 base offsets. Launched with num_stages=1: software pipelining of the
-chunk loop would multiply the shared memory, as measured for the Omega kernel.
+Forward only: ``miras(..., backend="triton")`` gets gradients by
+``core.with_chunk_backward`` (autograd through the chunk form). Runs under
+``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets. Launched with
+num_stages=1: software pipelining of the chunk loop would multiply the shared memory
+(measured: 330 KB instead of 176 KB at BT = 64, BK = 256, BV = 32 with fp32 inputs).
 """
 from __future__ import annotations
 
@@ -85,12 +86,15 @@ import triton.language as tl
 from ..core.testing import empty
 from ..core.validation import check_chunk_size, check_qkv
 
-# Tile limits, measured by compiling for sm_90 (H100; no GPU needed, see the tests' notes)
-# with num_stages=1 at BT = 64 and both gates and momentum on. Shared memory per program:
-# fp32 inputs 64 KB at (BK, BV) = (64, 64), 96 KB at (128, 32), 176 KB at (256, 32);
-# bf16/fp16 inputs 80, 72 and 120 KB. An H100 block may use at most 227 KB; (256, 64)
-# would take 208-224 KB, too close, hence BV = 32 beyond BK = 64. So: chunks of at most
-# 64 tokens, keys of at most 256 channels, any V (split across programs).
+# Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
+# (triton.compile with GPUTarget("cuda", 90, 32), num_stages=1, BT = 64, all gates and
+# both states on). Shared memory per program: fp32 inputs 64 KB at (BK, BV) = (64, 64),
+# 96 KB at (128, 32), 176 KB at (256, 32); bf16/fp16 inputs 80, 72 and 120 KB. An H100
+# block may use at most 227 KB; (256, 64) would take 208-224 KB, too close. BV = 32
+# beyond BK = 64 also halves the register-held states: ptxas already spills at these
+# tiles (about 4 KB of stack per thread with half-precision inputs at (64, 64); the IEEE
+# fp32 path, FMA-based, spills far more, as the Omega kernel's does). Speed has not been
+# measured on a GPU. So: chunks of at most 64 tokens, keys of at most 256 channels, any V.
 MAX_CHUNK = 64
 MAX_KEY = 256
 
