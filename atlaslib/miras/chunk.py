@@ -55,12 +55,17 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
     W: {name: [N, out, in]}; k_rows [N, R, D]; v_rows [N, R, V]; delta_rows [N, R] or None;
     scale [N, R] or None (row r evaluated at scale_r * W). Returns ({name: a [N, R, out]},
     {name: x [N, R, in]}) with grad_W l(row r) = a_r x_r^T for each weight.
+
+    All rows share the weights, so they go through the memory as one batch (what a vmap
+    over the chunk would do); a zero "tap" added to each layer's output W x has gradient
+    a = d l / d (W x), which one autograd call gives for every row. The result stays
+    differentiable for the outer loop (create_graph) when gradients are being recorded.
     """
     N, R, _ = k_rows.shape
-    zeros = {name: k_rows.new_zeros(N, R, out) for name, (out, _) in parts.memory.shapes.items()}
-
-    def predict(taps):
-        inputs = {}
+    outer = torch.is_grad_enabled()
+    inputs = {}
+    with torch.enable_grad():
+        taps = {name: k_rows.new_zeros(N, R, out).requires_grad_() for name, (out, _) in parts.memory.shapes.items()}
 
         def linear(name, x):
             inputs[name] = x
@@ -68,10 +73,13 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
             if scale is not None:
                 out = out * scale[..., None]
             return out + taps[name]                 # d l / d taps = d l / d (W x): the factor a
-        return parts.memory.forward(linear, k_rows), inputs
-
-    y, pullback, inputs = torch.func.vjp(predict, zeros, has_aux=True)
-    (a,) = pullback(parts.bias.psi(y, v_rows, delta_rows))
+        y = parts.memory.forward(linear, k_rows)
+        psi = parts.bias.psi(y, v_rows, delta_rows)
+        grads = torch.autograd.grad(y, list(taps.values()), psi, create_graph=outer)
+    a = dict(zip(taps, grads))
+    if not outer:
+        a = {name: g.detach() for name, g in a.items()}
+        inputs = {name: x.detach() for name, x in inputs.items()}
     return a, inputs
 
 
@@ -101,12 +109,15 @@ def end_state(base: dict, coef_base, extra: dict | None, coef_extra, a: dict, x_
     """coef_base * base + coef_extra * extra + sum_r weights_r a_r x_r^T for each weight (coefs [N] or None)."""
     out = {}
     for name in a:
-        z = (a[name] * weights[..., None]).transpose(-1, -2) @ x_rows[name]
+        update = (a[name] * weights[..., None]).transpose(-1, -2)          # [N, out, R]
+        start = None
         if base is not None:
-            z = z + (base[name] if coef_base is None else coef_base[:, None, None] * base[name])
+            start = base[name] if coef_base is None else coef_base[:, None, None] * base[name]
         if extra is not None and coef_extra is not None:
-            z = z + coef_extra[:, None, None] * extra[name]
-        out[name] = z
+            scaled = coef_extra[:, None, None] * extra[name]
+            start = scaled if start is None else start + scaled
+        # one fused GEMM: start + sum_r (weights_r a_r) x_r^T
+        out[name] = update @ x_rows[name] if start is None else torch.baddbmm(start, update, x_rows[name])
     return out
 
 
