@@ -1,4 +1,4 @@
-"""Chapter 4: the Omega rule and SWLA with a linear memory.
+"""Chapter 4: the Omega rule and SWLA (linear memory; deep memories through chapter 3's engine).
 
 The per-token loop is checked against an independent brute-force oracle: at every step
 the windowed loss sum_i gamma_i^{(t)} 1/2 ||M phi(k_i) - v_i||^2 is differentiated by
@@ -371,8 +371,12 @@ def test_bad_inputs():
         omega_rule(q, k, v, window=3, alpha=torch.ones(1, 2, 10, 4))
     with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):
         swla(q, k, v, window=3, alpha=torch.full((1, 2, 10), 1.2))
-    with pytest.raises(ValueError, match="deep memories .* chapter 3"):
-        omega_rule(q, k, v, window=3, memory="mlp")
+    with pytest.raises(ValueError, match=r"memory must be one of \('linear', 'mlp', 'residual', 'gated'\)"):
+        omega_rule(q, k, v, window=3, memory="conv")
+    with pytest.raises(ValueError, match="kernel only for memory='linear'"):
+        omega_rule(q, k, v, window=3, memory="mlp", backend="triton")
+    with pytest.raises(ValueError, match="needs the key .* width to equal the value width"):
+        omega_rule(q, k, v, window=3, memory="residual")          # K = 4, V = 3: no skip connection
     with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 2, 3, 15\]"):
         omega_rule(q, k, v, window=3, phi=TaylorFeatures(2, compressed=True), initial_state=torch.zeros(1, 2, 3, 4))
     with pytest.raises(ValueError, match=r"phi must map \[B, H, T, K\] to \[B, H, T, D\]"):
@@ -423,3 +427,47 @@ def test_kernel_on_gpu(gen, dtype, window, chunk_size):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert_close(o.float(), ref, tol=tol)
     assert_close(s, ref_s, tol=tol, name="final state")
+
+
+# ------------------------------------------------------------------ deep memories (OmegaNet on chapter 3's engine)
+
+def deep_oracle(q, k, v, window, gamma, alpha, eta, W0, chunk_size=1):
+    """OmegaNet with the memory W2 gelu(W1 x), written out: autograd of the windowed l2 loss
+    at W_{t-1} (chunk_size = 1) or at the chunk-start weights, W_t = alpha_t W_{t-1} - eta_t grad."""
+    B, H, T, _ = q.shape
+    W = {n: w.double() for n, w in W0.items()}
+    mlp = lambda P, x: (P["W2"] @ torch.nn.functional.gelu(P["W1"] @ x[..., None]))[..., 0]   # noqa: E731
+    outs = []
+    for t in range(T):
+        if t % chunk_size == 0:
+            anchor = {n: w.detach().clone().requires_grad_(True) for n, w in W.items()}
+        loss = 0.0
+        for i in range(max(0, t - window + 1), t + 1):
+            per_bh = 0.5 * (mlp(anchor, k[:, :, i]) - v[:, :, i]).square().sum(-1)
+            loss = loss + (gamma_of(gamma, t, i) * per_bh).sum()
+        grads = torch.autograd.grad(loss, list(anchor.values()))
+        a_t = 1.0 if alpha is None else alpha[:, :, t, None, None]
+        W = {n: a_t * W[n] - eta[:, :, t, None, None] * g for n, g in zip(anchor, grads)}
+        outs.append(mlp(W, q[:, :, t]))
+    return torch.stack(outs, dim=2), W
+
+
+@pytest.mark.parametrize("gmode", ["source", "offset"])
+@pytest.mark.parametrize("window,chunk_size", [(1, 1), (3, 1), (3, 4), (2, 5)])
+def test_deep_memory_matches_autograd_oracle(gen, gmode, window, chunk_size):
+    """memory="mlp": recurrent (b = 1) and chunk(b) against the written-out oracle above."""
+    from atlaslib.miras import init_state
+    q, k, v, gamma, alpha, eta, _ = make_inputs(gen, 1, 2, 11, 4, 3, window, gmode, h0=False, dtype=torch.float64)
+    W0 = init_state("ttt_mlp", 1, 2, 4, 3, generator=gen, dtype=torch.float64).memory
+    ref_o, ref_W = deep_oracle(q, k, v, window, gamma, alpha, eta, W0, chunk_size)
+    backends = ["recurrent", "chunk"] if chunk_size == 1 else ["chunk"]
+    for backend in backends:
+        o, state = omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, memory="mlp",
+                              initial_state=W0, output_final_state=True, backend=backend, chunk_size=chunk_size)
+        assert_close(o, ref_o, tol=1e-10, name=f"{backend} output")
+        for n in ref_W:
+            assert_close(state.memory[n], ref_W[n], tol=1e-10, name=f"{backend} final {n}")
+    if chunk_size > 1:                        # frozen gradients really change the deep model
+        o_rec, _ = omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, memory="mlp",
+                              initial_state=W0, backend="recurrent")
+        assert rel_rmse(o_rec, ref_o) > 1e-4

@@ -1,4 +1,4 @@
-"""Chapter 4: the Omega rule (OmegaNet with a linear memory), SWLA and polynomial features.
+"""Chapter 4: the Omega rule (OmegaNet, linear or deep memory), SWLA and polynomial features.
 
 Public functions: ``omega_rule`` and ``swla``; the three rooms are ``recurrent.py``
 (the per-token definitions and the frozen-gradient oracle ``omega_frozen_seq``),
@@ -12,7 +12,10 @@ from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, che
 from .chunk import omega_chunk, swla_chunk, window_gates
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
-MEMORIES = ("linear",)
+# "linear": this package's own three rooms; the deep memories run on chapter 3's engine
+# (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
+MEMORIES = ("linear", "mlp", "residual", "gated")
+DEEP_MEMORIES = MEMORIES[1:]
 
 
 def check_window(window) -> int:
@@ -27,8 +30,7 @@ def check_window(window) -> int:
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size):
     """Validate every argument, apply phi to q and k, and return (phi(q), phi(k))."""
     if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}: deep memories (OmegaNet with an "
-                         f"MLP memory) come with the chapter 3 engine (atlaslib.miras)")
+        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
     check_gate("gamma", gamma, B, H, T, window, ref=q)
@@ -43,7 +45,8 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
                              f"but {name} has shape {list(getattr(f, 'shape', []))}")
     if fq.shape != fk.shape:
         raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
-    check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
+    if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
+        check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
     return fq, fk
 
 
@@ -72,9 +75,11 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
     the left, with a diag(alpha_t) that eq. 10 does not have), see the errata. Tokens
     before the start of the sequence do not exist, so the windows of t < c are shorter.
 
-    Only the linear memory M [V, D] is implemented here (``memory="linear"``). Deep
-    memories (OmegaNet with an MLP memory, [A] §3) come with the chapter 3 engine,
-    ``atlaslib.miras``; any other value of ``memory`` is a ValueError.
+    ``memory="linear"`` (a matrix M [V, D]) runs on this package's three rooms. The deep
+    memories of OmegaNet ([A] §3) -- ``"mlp"`` (W2 act(W1 x)), ``"residual"``
+    (x + W1 act(W2 x), needs D == V) and ``"gated"`` (ATLAS++) -- run on chapter 3's engine
+    (``atlaslib.miras``, see ``omega_deep``): same window, gates and exactness table, but
+    no kernel, and the state is a ``MirasState`` of weight dicts.
 
     Args:
         q, k: [B, H, T, K] queries and keys (phi is applied here).
@@ -92,7 +97,7 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         phi: feature map for q and k: ``None`` (identity), a name from
             ``core.FEATURE_MAPS`` or a callable [B, H, T, K] -> [B, H, T, D], e.g.
             ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
-        memory: "linear" (the only option here, see above).
+        memory: "linear", "mlp", "residual" or "gated" (see above).
         initial_state: optional [B, H, V, D] start state M_0.
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
@@ -129,6 +134,9 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 — or None unless requested).
     """
     fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size)
+    if memory in DEEP_MEMORIES:
+        return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
+                          backend, chunk_size)
     backend = auto_backend(backend, fq, window, chunk_size)
     if backend == "recurrent":
         o, state = omega_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
@@ -139,6 +147,27 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         o, state = with_chunk_backward(omega_triton, omega_chunk, fq, fk, v, window, gamma, alpha, eta,
                                        initial_state, chunk_size)
     return o, (state if output_final_state else None)
+
+
+def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,
+               chunk_size):
+    """OmegaNet with a deep memory: chapter 3's engine with the Omega window on the l2 bias.
+
+    ``atlaslib.miras`` takes all c gradients at the same state (W_{t-1}, or the chunk-start
+    state in its chunk form), decays with alpha after the gradient step, and reads out
+    after the update, so this is the same rule as the linear case with M(x) = M x replaced
+    by the MLP. Its backends are "recurrent", "chunk" and "auto" (= chunk; there is no
+    kernel for deep memories, so "triton" is a ValueError). The state is a
+    ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
+    """
+    from ..miras import miras                  # imported here: atlaslib.miras itself imports omega.chunk
+    if backend == "triton":
+        raise ValueError(f"backend='triton' has a kernel only for memory='linear'; memory={memory!r} runs on "
+                         f"atlaslib.miras: use backend='chunk' (or 'recurrent')")
+    return miras(fq, fk, v, memory=memory, bias="l2", optimizer="gd",
+                 retention="none" if alpha is None else "decay", window=window, gamma=gamma, alpha=alpha,
+                 eta=eta, initial_state=initial_state, output_final_state=output_final_state, backend=backend,
+                 chunk_size=chunk_size)
 
 
 def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial_state=None,
@@ -175,4 +204,4 @@ def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial
 
 __all__ = ["omega_rule", "swla", "check_window", "omega_recurrent", "omega_frozen_seq", "omega_chunk",
            "swla_recurrent", "swla_chunk", "window_gates", "TaylorFeatures", "monomial_features",
-           "monomial_dim", "tensor_power", "MEMORIES"]
+           "monomial_dim", "tensor_power", "MEMORIES", "DEEP_MEMORIES", "omega_deep"]
