@@ -5,7 +5,7 @@ from .checking import MIME, Registry, Verdict
 
 # chapter tag -> module with that chapter's checks (its ``EXERCISES`` registry)
 CHAPTERS = {"ch01": "atlaslib.exercises.ch01", "ch02": "atlaslib.exercises.ch02",
-            "ch04": "atlaslib.exercises.ch04"}
+            "ch03": "atlaslib.exercises.ch03", "ch04": "atlaslib.exercises.ch04"}
 
 
 def registry(chapter: str) -> Registry:

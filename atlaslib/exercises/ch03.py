@@ -1,0 +1,197 @@
+"""Checks for chapter 3's exercises (exercises/ch03_miras.ipynb): the four MIRAS axes.
+
+Each check draws fresh random inputs, runs the learner's function and compares it with
+``atlaslib.miras`` (the memory gradient ``memory_gradient`` of the per-token engine, one
+token of ``miras(..., backend="recurrent")`` for Yaad's step and Memora's log-domain
+loop, the optimizer and retention parts ``Momentum.step`` / ``Decay.combine`` for the
+chunk's momentum, and the chunk decay ratios ``atlaslib.linear.chunk.causal_decay`` for
+the kernel), then shows a verdict. Use in a notebook as::
+
+    from atlaslib.exercises import ch03 as check
+    check.ttt_mlp_grads(ttt_mlp_grads)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.dispatch import interpreter_on
+from ..core.testing import random_gate, random_qkv
+from ..linear.chunk import causal_decay
+from ..miras import make_config, memory_gradient, miras
+from ..miras.optimizer import build_optimizer
+from ..miras.retention import build_retention
+from .ch01 import clones, triton_device
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, guarded,
+                       guarded_output, unpack)
+
+EXERCISES = Registry("ch03")
+
+# fp32 inputs unless stated; a correct answer agrees to ~1e-6, a wrong one is off by far more.
+TOL = 1e-4
+
+
+def _shape_check(name, got, want):
+    if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(want):
+        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}")
+
+
+@EXERCISES.check("ttt_mlp_grads", title="TTT-MLP's inner gradients by hand", points=2)
+def ttt_mlp_grads(fn, gen):
+    """fn(W1 [N,h,K], W2 [N,V,h], k [N,K], v [N,V]) -> (grad_W1, grad_W2) of 1/2 ||W2 gelu(W1 k) - v||^2.
+
+    The reference is the per-token engine's gradient (``miras.memory_gradient``, autograd
+    through the library's MLP memory), one (W1, W2) pair per row n.
+    """
+    cases = [(3, 5, 2, 7), (1, 4, 4, 4), (2, 6, 1, 3), (4, 3, 3, 8)]   # (N, K, expansion, V): K != V first
+    for N, K, e, V in cases:
+        h = e * K
+        W1 = torch.randn(N, h, K, generator=gen, dtype=torch.float64) / K ** 0.5
+        W2 = torch.randn(N, V, h, generator=gen, dtype=torch.float64) / h ** 0.5
+        k = torch.randn(N, K, generator=gen, dtype=torch.float64)
+        v = torch.randn(N, V, generator=gen, dtype=torch.float64)
+        ref = memory_gradient(make_config("ttt_mlp", expansion=e), {"W1": W1, "W2": W2}, k[:, None], v[:, None])
+        with case(f"N={N}, K={K}, hidden h={h}, V={V}"):
+            g1, g2 = unpack(call(fn, *clones(W1, W2, k, v)), ("grad_W1", "grad_W2"))
+            _shape_check("grad_W1", g1, W1.shape)
+            _shape_check("grad_W2", g2, W2.shape)
+            compare("grad_W2", g2, ref["W2"], 1e-8)
+            compare("grad_W1", g1, ref["W1"], 1e-8)
+    return f"both gradients match the engine's autograd on {len(cases)} random MLP memories"
+
+
+def _switch_deltas(M, k, v, gen):
+    """Per-row thresholds clearly below or above ||e|| (never within 10% of it), so both branches occur."""
+    e = torch.einsum("bhvk,bhk->bhv", M, k) - v
+    n = e.norm(dim=-1)
+    below = torch.rand(n.shape, generator=gen) < 0.5
+    r = torch.where(below, 0.3 + 0.6 * torch.rand(n.shape, generator=gen), 1.1 + 0.9 * torch.rand(n.shape, generator=gen))
+    below[..., 0] = True                                    # at least one row of each kind per head
+    r[..., 0] = 0.5
+    if n.shape[-1] > 1:
+        below[..., 1] = False
+        r[..., 1] = 1.5
+    return n * r
+
+
+@EXERCISES.check("yaad_step", title="One Yaad step: the Huber switch with retention", points=2)
+def yaad_step(fn, gen):
+    """fn(M [B,H,V,K], k [B,H,K], v [B,H,V], alpha [B,H], eta [B,H], delta [B,H]) -> M_t.
+
+    M_t = alpha M - eta psi k^T, psi = e if ||e|| <= delta else delta sign(e), e = M k - v.
+    """
+    cases = [(2, 3, 5, 7), (1, 4, 6, 6), (3, 2, 16, 3), (1, 1, 2, 9)]     # (B, H, K, V): K != V first
+    for B, H, K, V in cases:
+        _, k, v = random_qkv(B, H, 1, K, V, generator=gen)
+        k, v = k[:, :, 0], v[:, :, 0]
+        M = torch.randn(B, H, V, K, generator=gen)
+        alpha = random_gate(B, H, 1, low=0.5, generator=gen)[..., 0]
+        eta = 0.1 + 0.9 * torch.rand(B, H, generator=gen)
+        delta = _switch_deltas(M, k, v, gen)
+        _, state = miras(k[:, :, None], k[:, :, None], v[:, :, None], preset="yaad", memory="linear",
+                         alpha=alpha[..., None], eta=eta[..., None], delta=delta[..., None], initial_state=M,
+                         output_final_state=True, backend="recurrent")
+        with case(f"B={B}, H={H}, K={K}, V={V}, rows on both sides of the threshold"):
+            got = call(fn, *clones(M, k, v, alpha, eta, delta))
+            _shape_check("M_t", got, M.shape)
+            compare("M_t", got, state.memory, TOL)
+    return f"M_t matches atlaslib.miras (preset yaad, linear memory) on {len(cases)} random steps, both branches"
+
+
+@EXERCISES.check("memora_loop", title="Memora in the log domain", points=2)
+def memora_loop(fn, gen):
+    """fn(Z0 [B,H,V,K], q, k [B,H,T,K], v [B,H,T,V], alpha [B,H,T], eta [B,H,T], c) -> (o [B,H,T,V], W_T [B,H,V,K]).
+
+    Z_t = alpha_t Z_{t-1} - eta_t (W_{t-1} k_t - v_t) k_t^T, W_t = c softmax(Z_t) over all V*K
+    entries, y_t = W_t q_t. W_T is compared (not Z_T), so a shift of Z by a constant is fine.
+    """
+    cases = [(2, 2, 9, 5, 4, 1.0), (1, 3, 16, 6, 6, 3.0), (1, 1, 1, 3, 7, 0.5), (2, 1, 40, 8, 5, 8.0)]
+    for B, H, T, K, V, c in cases:
+        q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        Z0 = torch.randn(B, H, V, K, generator=gen)
+        alpha = random_gate(B, H, T, low=0.6, generator=gen)
+        eta = 0.5 + 4.5 * torch.rand(B, H, T, generator=gen)       # large steps: the memory moves a lot
+        o_ref, state = miras(q, k, v, memory="linear", retention="kl", scale=c, alpha=alpha, eta=eta,
+                             initial_state=Z0, output_final_state=True, backend="recurrent")
+        W_ref = c * torch.softmax(state.memory.flatten(-2), dim=-1).view_as(state.memory)
+        with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, c={c:g}"):
+            o, W_T = unpack(call(fn, *clones(Z0, q, k, v, alpha, eta), c), ("o", "W_T"))
+            _shape_check("o", o, o_ref.shape)
+            _shape_check("W_T", W_T, W_ref.shape)
+            compare("o", o, o_ref, TOL)
+            compare("W_T", W_T, W_ref, TOL)
+    return f"outputs and final weights match atlaslib.miras (retention='kl') on {len(cases)} random sequences"
+
+
+def titans_parts():
+    cfg = make_config("titans", memory="linear")
+    return build_optimizer(cfg), build_retention(cfg)
+
+
+@EXERCISES.check("momentum_chunk", title="Titans' momentum over a chunk as masked matmuls", points=3)
+def momentum_chunk(fn, gen):
+    """fn(M0 [N,V,K], S0 [N,V,K], G [N,n,V,K], alpha [N,n], theta [N,n], eta [N,n]) -> (M [N,n,V,K], S_n [N,V,K]).
+
+    The chunk's gradients G are given (frozen at the chunk start); the reference runs the
+    library's optimizer and retention token by token: S_t = theta_t S_{t-1} - eta_t G_t,
+    M_t = alpha_t M_{t-1} + S_t.
+    """
+    opt, ret = titans_parts()
+    cases = [(2, 5, 3, 4, 0.3), (1, 16, 4, 4, 0.05), (3, 1, 2, 5, 0.5), (2, 9, 6, 2, 0.8)]   # (N, n, V, K, low)
+    for N, n, V, K, low in cases:
+        M0 = torch.randn(N, V, K, generator=gen)
+        S0 = torch.randn(N, V, K, generator=gen)
+        G = torch.randn(N, n, V, K, generator=gen)
+        alpha = random_gate(N, 1, n, low=max(low, 0.5), generator=gen)[:, 0]
+        theta = random_gate(N, 1, n, low=low, generator=gen)[:, 0]
+        eta = 0.1 + 0.9 * torch.rand(N, n, generator=gen)
+        M, S, states = {"M": M0}, {"M": S0}, []
+        for t in range(n):                                        # the per-token definition
+            u, S = opt.step(S, {"M": G[:, t]}, eta[:, t], theta[:, t])
+            M = ret.combine(M, u, alpha[:, t])
+            states.append(M["M"])
+        M_ref, S_ref = torch.stack(states, dim=1), S["M"]
+        with case(f"N={N}, chunk n={n}, V={V}, K={K}, momentum decay theta in [{low}, 1]"):
+            got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_n"))
+            _shape_check("M", got_M, M_ref.shape)
+            _shape_check("S_n", got_S, S_ref.shape)
+            compare("M", got_M, M_ref, TOL)
+            compare("S_n", got_S, S_ref, TOL)
+    return f"all the chunk's memories and its final momentum match the per-token recursion on {len(cases)} chunks"
+
+
+@EXERCISES.check("triton_decay_product", title="A Triton kernel for the momentum weights D_A D_B", points=3)
+def triton_decay_product(fn, gen):
+    """fn(la [N,n], lb [N,n], out [N,n,n]) -> out = D_A D_B, D_X[t, m] = exp(lx_t - lx_m) for m <= t, else 0."""
+    device = triton_device()
+    if device == "cpu" and not interpreter_on():
+        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
+                          "importing triton (the notebook's set-up cell does), then restart the kernel")
+    tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
+    # (N, n, gates in [low, high]); the last case's cumulative products underflow fp32 (A_t < 1e-45)
+    cases = [(2, 5, 0.5, 1.0), (1, 16, 0.8, 1.0), (3, 11, 0.3, 1.0), (1, 1, 0.5, 1.0), (2, 30, 0.001, 0.05)]
+    for N, n, low, high in cases:
+        la = torch.log(random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
+        lb = torch.log(random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        ref = causal_decay(la[None], causal)[0] @ causal_decay(lb[None], causal)[0]
+        ins = [guarded(x.contiguous().to(device)) for x in (la, lb)]
+        out = guarded_output((N, n, n), device=device)
+        with case(f"N={N}, n={n}, gates in [{low}, {high}]"):
+            call(fn, *ins, out)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            check_guards("out", out)
+            if torch.isinf(out).any():
+                raise CheckFailed("out contains inf: exponentiate only differences lx_t - lx_m with m <= t "
+                                  "(mask with -inf *before* tl.exp; above the diagonal the difference is large "
+                                  "and positive)")
+            try:
+                compare("out", out, ref.to(device), tol)
+            except CheckFailed as e:
+                raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
+    # the same text on CPU and GPU, so the stored output is valid on both
+    return f"the kernel matches atlaslib on {len(cases)} odd-sized chunks, strong gates included, with no stray loads or stores"
+
+
+__all__ = ["EXERCISES", "ttt_mlp_grads", "yaad_step", "memora_loop", "momentum_chunk", "triton_decay_product"]
