@@ -11,7 +11,10 @@ ttt_linear, ttt_mlp, titans, moneta, yaad, memora. One function runs any of them
 
 The three rooms: ``recurrent.py`` (the per-token definition and the frozen-gradient
 oracle ``frozen_seq``), ``chunk.py`` (chunkwise, gradients frozen at the chunk start) and
-``kernel.py`` (Triton, Titans/TTT with a linear memory).
+``kernel.py`` (Triton, Titans/TTT with a linear memory). ``config.py`` has the presets
+and the four-axis table (``axes_table``, ``axes_markdown``), ``state.py`` the state
+(``MirasState``, ``init_state``); ``prepare`` + ``run`` split ``miras`` into validation and
+execution, and ``memory_gradient`` gives grad_W l for any configuration (autograd).
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, MATH.md §8). Then:
    plus the c - 1 before it when a window reaches back) go through the memory as one
    batch at W_{t0}. Every weight W of a memory is used as x -> W x, so row r's gradient
    is rank one, g_r = a_r x_r^T with x_r the layer's input and a_r = d l_r / d (W x_r),
-   which ``torch.func.vjp`` gives for all rows at once (``row_factors``).
+   which one autograd call gives for all rows at once (``row_factors``). A window row
+   before the chunk is evaluated at W_{t0} too, as MATH.md §8 prescribes; with
+   retention decay_first row r is evaluated at alpha_r W_{t0} (window 1 only).
 2. **Optimizer and retention as masked matmuls.** For a linear optimizer the updates are
    u_t = b_t S_{t0} + sum_r E[t, r] g_r (``optimizer.affine``: E = -diag(eta) Gamma for
    GD; E = D_theta diag(-eta) Gamma with D_theta[t, i] = theta_{i+1} ... theta_t for

@@ -16,8 +16,8 @@ memories need no hand-written derivatives and outer-loop gradients flow through 
 
 ``miras_frozen_seq`` is the same loop with every gradient of chunk [t0, t0 + b) taken at
 the chunk-start state W_{t0} (including the window rows that reach into the previous
-chunk): the sequential oracle of the chunkwise form (MATH.md §8). At b = 1 it is the
-per-token engine.
+chunk; at alpha_t W_{t0} for decay_first): the sequential oracle of the chunkwise form
+(MATH.md §8). At b = 1 it is the per-token engine.
 
 All tensors here are internal: q, k [N, T, D] and v [N, T, V] with N = B * H, gates
 [N, T], states {name: [N, out, in]}; ``atlaslib.miras.miras`` validates and reshapes.
