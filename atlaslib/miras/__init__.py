@@ -90,8 +90,16 @@ def _unused(name, x, why):
         raise ValueError(f"{name} was given but {why}")
 
 
-def _titans_linear_chunk(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size):
-    """The chunk form with the kernel's contract: returns (o, M_T, S_T) (used for its backward)."""
+def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
+                        chunk_size=16):
+    """Titans with a linear memory, chunkwise in PyTorch, with the Triton kernel's contract.
+
+    q, k [B, H, T, K], v [B, H, T, V]; alpha, eta, theta [B, H, T] or None (1, 1, 0);
+    initial_state / initial_momentum [B, H, V, K] or None (zeros). In each chunk, with errors
+    frozen at the chunk-start state: S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,
+    M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
+    fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
+    """
     B, H, T, K = q.shape
     V = v.shape[-1]
     cfg = make_config("titans", memory="linear", retention="decay" if alpha is not None else "none")
@@ -282,7 +290,7 @@ def run(problem: Problem, backend: str | None = None):
     parts = problem.parts
     if backend == "triton":
         from .kernel import titans_linear_triton
-        o, M_T, S_T = with_chunk_backward(titans_linear_triton, _titans_linear_chunk, *problem.kernel_inputs)
+        o, M_T, S_T = with_chunk_backward(titans_linear_triton, titans_linear_chunk, *problem.kernel_inputs)
         return o, MirasState(M_T, S_T if parts.optimizer.has_state else None)
     if backend == "recurrent":
         o, Z, S = miras_recurrent(*problem.args)
@@ -296,7 +304,8 @@ def run(problem: Problem, backend: str | None = None):
 __all__ = [
     "miras", "MirasConfig", "MirasState", "make_config", "validate_config", "PRESETS", "AXES", "EXACT_CHUNK",
     "axes_table", "axes_markdown", "describe", "init_state", "build_parts", "has_kernel", "kernel_available",
-    "KERNEL_CONFIGS", "BACKENDS", "memory_gradient", "loss_gradient", "row_factors", "soft_threshold",
+    "KERNEL_CONFIGS", "BACKENDS", "memory_gradient", "titans_linear_chunk", "loss_gradient", "row_factors",
+    "soft_threshold",
     "miras_recurrent", "miras_frozen_seq", "miras_chunk", "Parts", "Gates", "Problem", "prepare", "run",
     "MEMORIES", "BIASES", "RETENTIONS", "OPTIMIZERS", "ACTIVATIONS", "Memory", "Bias", "Retention", "Optimizer",
 ]
