@@ -45,9 +45,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear.chunk import LOG_FLOOR, causal_decay
+from ..linear.chunk import LOG_FLOOR
 from ..omega.chunk import band_gates
 from .memory import per_token_linear
+from .optimizer import decay_matrix
 from .recurrent import Gates, Parts
 
 
@@ -85,11 +86,50 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
     return a, inputs
 
 
-def chunk_log_cumsum(x, s, e):
-    """Cumulative log-gates of tokens s..e-1 from the chunk start (None if x is None)."""
-    if x is None:
-        return None
-    return torch.log(x[:, s:e]).clamp_min(LOG_FLOOR).cumsum(dim=1)
+def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> dict:
+    """Everything of the chunk form that depends on the gates alone, for all chunks at once.
+
+    Tokens are grouped into nc = ceil(T / b) blocks [N, nc, b] (the last one padded at its
+    end with neutral gates, which leaves the top-left blocks of every matrix unchanged):
+    Gamma [.., b, b + c - 1] (window gates), eta, the log-retention ga (cumulative from
+    each chunk's start), D_alpha, A, the log-momentum h, and for linear optimizers
+    b, E (``optimizer.affine``), C = D_alpha E and s = D_alpha b.
+    """
+    ret, opt, c = parts.retention, parts.optimizer, parts.cfg.window
+    N = gates.eta.shape[0]
+    nc = -(-T // chunk_size)
+    extra = nc * chunk_size - T
+
+    def blocks(x, fill):                                              # [N, T] -> [N, nc, b]
+        return F.pad(x, (0, extra), value=fill).view(N, nc, chunk_size)
+
+    def log_cumsum(x):
+        return None if x is None else torch.log(blocks(x, 1.0)).clamp_min(LOG_FLOOR).cumsum(-1)
+
+    ga = log_cumsum(gates.alpha if ret.uses_alpha else None)
+    h = log_cumsum(gates.theta if opt.uses_theta else None)
+    Gamma = band_gates(F.pad(gates.G, (0, 0, 0, extra)).view(N, nc, chunk_size, c), c)
+    eta = blocks(gates.eta, 0.0)
+    causal = torch.ones(chunk_size, chunk_size, dtype=eta.dtype, device=eta.device).tril()
+    coef = dict(Gamma=Gamma, eta=eta, h=h, A=None if ga is None else torch.exp(ga),
+                D=causal.expand(N, nc, -1, -1) if ga is None else decay_matrix(ga))
+    if opt.linear:
+        b, E = opt.affine(Gamma, eta, h)
+        coef.update(b=b, E=E, C=coef["D"] @ E, s=None if b is None else (coef["D"] @ b[..., None])[..., 0])
+    return coef
+
+
+def chunk_slice(coef: dict, j: int, n: int, R: int) -> dict:
+    """Chunk j's coefficients, cut to its n tokens and R window rows."""
+    out = {}
+    for key, x in coef.items():
+        if x is None:
+            out[key] = None
+        elif key in ("Gamma", "E", "C", "D"):
+            out[key] = x[:, j, :n, :R if key != "D" else n]
+        else:
+            out[key] = x[:, j, :n]
+    return out
 
 
 def dual_linear(Z0: dict, S0, a: dict, x_rows: dict, C, A, s_vec, divisor=None):
@@ -166,38 +206,28 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     pad = lambda x: None if x is None else F.pad(x, (0, 0, c - 1, 0) if x.dim() == 3 else (c - 1, 0))  # noqa: E731
     k_pad, v_pad, delta_pad = pad(k), pad(v), pad(gates.delta)
     alpha = gates.alpha if ret.uses_alpha else None
-    theta = gates.theta if opt.uses_theta else None
+    coef = chunk_coefficients(parts, gates, T, chunk_size)
     outputs = []
-    for s in range(0, T, chunk_size):
+    for j, s in enumerate(range(0, T, chunk_size)):
         e = min(s + chunk_size, T)
-        n = e - s
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        n, R = e - s, e - s + c - 1
+        cf = chunk_slice(coef, j, n, R)
         # padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1 (zeros before token 0)
         k_rows, v_rows = k_pad[:, s:e + c - 1], v_pad[:, s:e + c - 1]
         delta_rows = None if delta_pad is None else delta_pad[:, s:e + c - 1]
         scale = alpha[:, s:e] if (ret.grad_at_decayed and alpha is not None) else None   # window 1 here
         a, x_rows = row_factors(parts, ret.read(Z), k_rows, v_rows, delta_rows, scale)
-        Gamma = band_gates(gates.G[None, :, s:e], c)[0]                 # [N, n, n + c - 1]
-        ga = chunk_log_cumsum(alpha, s, e)
-        D = causal.to(q.dtype).expand(N, n, n) if ga is None else causal_decay(ga[None], causal)[0]   # D_alpha
-        A = None if ga is None else torch.exp(ga)
-        h = chunk_log_cumsum(theta, s, e)
+        D, A = cf["D"], cf["A"]
         if opt.linear:
-            b, E = opt.affine(Gamma, gates.eta[:, s:e], h)
-            C = D @ E                                                  # weight of row r's gradient in Z_t
-            s_vec = None if b is None else (D @ b[..., None])[..., 0]  # weight of S_{t0} in Z_t
+            b, E, C, s_vec = cf["b"], cf["E"], cf["C"], cf["s"]      # u_t = b_t S + E g;  Z_t = A_t Z + s_t S + C g
             S_end = None
             if opt.has_state:                                         # S_b = B_b S_{t0} + sum_r E[b, r] g_r
                 S_end = end_state(None, None, S, None if b is None else b[:, -1], a, x_rows, E[:, -1])
-        if dual:
-            outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec), q[:, s:e]))
-            Z = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
-                          a, x_rows, C[:, -1])
-            S = S_end
-            continue
-        if scaled:                                                    # W_t = Z_t / nu_t (Moneta): dual readout
-            nu = {name: ret.divisor(z)[..., 0, 0] for name, z in states_from_factors(Z, S, a, x_rows, C, A,
-                                                                                       s_vec).items()}
+        if dual or scaled:
+            nu = None
+            if scaled:                                                # W_t = Z_t / nu_t (Moneta): norms of all Z_t
+                nu = {name: ret.divisor(z)[..., 0, 0]
+                      for name, z in states_from_factors(Z, S, a, x_rows, C, A, s_vec).items()}
             outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec, nu), q[:, s:e]))
             Z = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
                           a, x_rows, C[:, -1])
@@ -208,7 +238,7 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
             S = S_end
         else:                                                         # per-row gradients -> updates -> states
             G = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
-            U, S = opt.updates(S, G, Gamma, gates.eta[:, s:e], h)
+            U, S = opt.updates(S, G, cf["Gamma"], cf["eta"], cf["h"])
             Z_all = retained_states(parts, Z, U, None if alpha is None else alpha[:, s:e], D, A)
         outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
         Z = {name: z[:, -1] for name, z in Z_all.items()}

@@ -54,6 +54,7 @@ class Optimizer:
         raise NotImplementedError
 
     def affine(self, Gamma, eta, h):
+        """(b [..., n] or None, E [..., n, R]) with u_t = b_t S_{t0} + sum_r E[t, r] g_r; any leading dims."""
         raise NotImplementedError
 
     def updates(self, S0, G: dict, Gamma, eta, h):
@@ -66,6 +67,17 @@ class Optimizer:
                 U[name] = U[name] + b[..., None, None] * S0[name][:, None]
         S_end = {name: u[:, -1] for name, u in U.items()} if self.has_state else None
         return U, S_end
+
+
+def decay_matrix(g):
+    """D[..., t, i] = exp(g_t - g_i) for i <= t, else 0, from log-gates g [..., n] accumulated over a chunk.
+
+    Only differences g_t - g_i <= 0 are exponentiated (``atlaslib.linear.chunk.causal_decay``),
+    never quotients of cumulative products.
+    """
+    n = g.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
+    return causal_decay(g.reshape(1, -1, n), causal).reshape(*g.shape, n)
 
 
 def _bcast(x, like):
@@ -100,13 +112,11 @@ class Momentum(Optimizer):
         return new, new
 
     def affine(self, Gamma, eta, h):
-        """h: [N, n] chunk-local cumulative log theta (None: theta = 0, no carried momentum)."""
+        """h: [..., n] chunk-local cumulative log theta (None: theta = 0, no carried momentum)."""
         step = -eta[..., None] * Gamma
         if h is None:
             return None, step
-        n = h.shape[-1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
-        return torch.exp(h), causal_decay(h[None], causal)[0] @ step     # h [N, n]: scalar gates
+        return torch.exp(h), decay_matrix(h) @ step
 
 
 OPTIMIZERS = {o.name: o for o in (GD, Momentum)}
