@@ -829,3 +829,23 @@ def test_window_changes_deep_memories_and_reduces_to_one_pair(gen):
         assert_close(win, one, tol=1e-12, name=backend)
         full, _ = miras(q, k, v, preset="ttt_mlp", window=c, eta=eta, backend=backend, chunk_size=5)
         assert rel_rmse(full, one) > 1e-3, "the other window pairs must contribute"
+
+
+def test_titans_linear_chunk_is_the_contract(gen):
+    """The public chunk form with the kernel's signature equals the contract written out, and checks its inputs."""
+    from atlaslib.miras import titans_linear_chunk
+    B, H, T, K, V = 2, 1, 17, 5, 3
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    alpha, theta = (random_gate(B, H, T, low=0.5, dtype=F64, generator=gen) for _ in range(2))
+    eta = random_gate(B, H, T, low=0.1, high=0.9, dtype=F64, generator=gen)
+    M0, S0 = (torch.randn(B, H, V, K, generator=gen, dtype=F64) for _ in range(2))
+    for args in ((alpha, eta, theta, M0, S0), (None, eta, None, None, None), (None, None, None, M0, None)):
+        o, M, S = titans_linear_chunk(q, k, v, *args, chunk_size=6)
+        ref_o, ref_M, ref_S = contract_oracle(q, k, v, *args, 6)
+        assert_close(o, ref_o, tol=1e-12)
+        assert_close(M, ref_M.double(), tol=1e-6, name="M_T")
+        assert_close(S, ref_S.double(), tol=1e-6, name="S_T")
+    with pytest.raises(ValueError, match="theta must lie"):
+        titans_linear_chunk(q, k, v, theta=2 * theta)
+    with pytest.raises(ValueError, match="initial_momentum must have shape"):
+        titans_linear_chunk(q, k, v, initial_momentum=M0[..., :2])

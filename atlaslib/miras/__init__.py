@@ -24,7 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..core import check_chunk_size, check_gate, check_qkv, get_feature_map, resolve_backend, with_chunk_backward
+from ..core import (check_chunk_size, check_gate, check_qkv, check_state, get_feature_map, resolve_backend,
+                    with_chunk_backward)
 from ..linear.recurrent import compute_dtype
 from ..omega.chunk import window_gates
 from .bias import BIASES, Bias, build_bias
@@ -100,8 +101,13 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
     fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
     """
-    B, H, T, K = q.shape
-    V = v.shape[-1]
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_gate("alpha", alpha, B, H, T, ref=q)
+    check_gate("eta", eta, B, H, T, high=None, ref=q)
+    check_gate("theta", theta, B, H, T, ref=q)
+    check_state("initial_state", initial_state, (B, H, V, K), q)
+    check_state("initial_momentum", initial_momentum, (B, H, V, K), q)
+    check_chunk_size(chunk_size)
     cfg = make_config("titans", memory="linear", retention="decay" if alpha is not None else "none")
     parts = build_parts(cfg, K, V)
     cd = compute_dtype(q)
