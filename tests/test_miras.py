@@ -849,3 +849,17 @@ def test_titans_linear_chunk_is_the_contract(gen):
         titans_linear_chunk(q, k, v, theta=2 * theta)
     with pytest.raises(ValueError, match="initial_momentum must have shape"):
         titans_linear_chunk(q, k, v, initial_momentum=M0[..., :2])
+
+
+@pytest.mark.parametrize("name", ["titans", "moneta", "memora", "residual_l2_decay_window", "linear_lp_elastic"])
+def test_chunk_coefficients_built_in_groups(gen, name, monkeypatch):
+    """The gate-only coefficients are built GROUP_TOKENS tokens at a time; groups must not change the result."""
+    import atlaslib.miras.chunk as chunk_module
+    cfg, call, _ = run_all(name, gen, 23, True)
+    for b in (1, 3, 16):
+        monkeypatch.setattr(chunk_module, "GROUP_TOKENS", 1024)
+        ref, ref_s = call("frozen_seq", b)
+        monkeypatch.setattr(chunk_module, "GROUP_TOKENS", 7)
+        o, s = call("chunk", b)
+        assert_close(o, ref, tol=1e-10, name=f"{name} (b={b}, groups of {max(1, 7 // b) * b} tokens)")
+        assert_close(flat_state(s), flat_state(ref_s), tol=1e-10, name="final state")

@@ -86,8 +86,13 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
     return a, inputs
 
 
+# The gate-only coefficients are built for this many tokens at a time (whole chunks), so their
+# memory, O(GROUP_TOKENS * (b + c - 1)) per head, does not grow with T.
+GROUP_TOKENS = 1024
+
+
 def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> dict:
-    """Everything of the chunk form that depends on the gates alone, for all chunks at once.
+    """Everything of the chunk form that depends on the gates alone, for many chunks at once.
 
     Tokens are grouped into nc = ceil(T / b) blocks [N, nc, b] (the last one padded at its
     end with neutral gates, which leaves the top-left blocks of every matrix unchanged):
@@ -206,12 +211,15 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     pad = lambda x: None if x is None else F.pad(x, (0, 0, c - 1, 0) if x.dim() == 3 else (c - 1, 0))  # noqa: E731
     k_pad, v_pad, delta_pad = pad(k), pad(v), pad(gates.delta)
     alpha = gates.alpha if ret.uses_alpha else None
-    coef = chunk_coefficients(parts, gates, T, chunk_size)
+    group = max(1, GROUP_TOKENS // chunk_size) * chunk_size            # tokens whose coefficients exist at once
     outputs = []
-    for j, s in enumerate(range(0, T, chunk_size)):
+    for s in range(0, T, chunk_size):
+        if s % group == 0:
+            g_end = min(s + group, T)
+            coef = chunk_coefficients(parts, gates.slice(s, g_end), g_end - s, chunk_size)
         e = min(s + chunk_size, T)
         n, R = e - s, e - s + c - 1
-        cf = chunk_slice(coef, j, n, R)
+        cf = chunk_slice(coef, (s % group) // chunk_size, n, R)
         # padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1 (zeros before token 0)
         k_rows, v_rows = k_pad[:, s:e + c - 1], v_pad[:, s:e + c - 1]
         delta_rows = None if delta_pad is None else delta_pad[:, s:e + c - 1]

@@ -57,6 +57,11 @@ class Gates:
     theta: torch.Tensor | None = None
     delta: torch.Tensor | None = None
 
+    def slice(self, s: int, e: int) -> "Gates":
+        """The gates of tokens s .. e - 1."""
+        cut = lambda x: None if x is None else x[:, s:e]          # noqa: E731
+        return Gates(cut(self.eta), cut(self.G), cut(self.alpha), cut(self.theta), cut(self.delta))
+
 
 def loss_gradient(parts: Parts, W: dict, k_rows, v_rows, delta_rows, weights, scale=None) -> dict:
     """sum_r weights_r grad_W l(W'; k_r, v_r) at W' = W (or scale * W), for each (batch, head).
