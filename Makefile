@@ -4,6 +4,8 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
+# idle OpenMP threads sleep instead of spinning: a busy machine otherwise stalls every torch call
+export OMP_WAIT_POLICY ?= PASSIVE
 export PYTHONHASHSEED := 0
 export MPLBACKEND := Agg
 
