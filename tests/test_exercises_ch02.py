@@ -6,12 +6,8 @@ The correct answers here are written from the math or the library, not copied fr
 exercises/solutions/ch02_delta.ipynb. TRITON_INTERPRET=1 is set by conftest.py before
 triton is imported.
 """
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import triton
@@ -20,8 +16,9 @@ import triton.language as tl
 from atlaslib.delta import delta_rule
 from atlaslib.delta.chunk import chunk_step as library_chunk_step
 from atlaslib.exercises import ch02, registry
-from atlaslib.exercises.generate import BEGIN, END
 from atlaslib.grade import grade, table
+from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
+from grading_helpers import planted_copy as plant
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "exercises" / "solutions" / "ch02_delta.ipynb"
@@ -317,47 +314,16 @@ def test_triton_check_catches_wrong_entries(kw):
 
 # ---- the grader on chapter 2 ------------------------------------------------------------------
 
-def rows(report):
-    return {r["exercise"]: r for r in report["exercises"]}
-
-
 def test_solutions_score_full_marks():
-    report = grade(SOLUTION, timeout=TIMEOUT, progress=False)
-    assert [r["exercise"] for r in report["exercises"]] == list(POINTS)
-    assert all(r["status"] == "passed" for r in report["exercises"]), table(report)
-    assert report["earned"] == report["points"] == sum(POINTS.values())
-    assert report["setup_problems"] == []
+    assert_full_marks(SOLUTION, POINTS, TIMEOUT)
 
 
 def test_untouched_student_notebook_scores_zero_via_cli():
-    out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--json", "--timeout", str(TIMEOUT)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["earned"] == 0 and report["points"] == sum(POINTS.values())
-    assert {r["exercise"]: r["status"] for r in report["exercises"]} == {n: "not_implemented" for n in POINTS}
+    assert_student_scores_zero(STUDENT, POINTS, TIMEOUT)
 
 
 def planted_copy(tmp_path, function, body):
-    """The solutions notebook, outputs cleared, with the solution block of ``function`` replaced by ``body``."""
-    nb = nbformat.read(SOLUTION, as_version=4)
-    planted = False
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        cell.outputs = []
-        lines = cell.source.split("\n")
-        if f"def {function}(" not in cell.source:
-            continue
-        head = next(i for i, line in enumerate(lines) if line.startswith(f"def {function}("))
-        start = next(i for i in range(head, len(lines)) if lines[i].strip() == BEGIN)
-        end = next(i for i in range(start, len(lines)) if lines[i].strip() == END)
-        cell.source = "\n".join(lines[:start] + ["    " + body] + lines[end + 1:])
-        planted = True
-    assert planted, f"no solution cell defines {function}"
-    path = tmp_path / SOLUTION.name
-    nbformat.write(nb, path)
-    return path
+    return plant(SOLUTION, tmp_path, function, body)
 
 
 def test_planted_unit_key_beta_loses_exactly_its_points(tmp_path):

@@ -7,13 +7,9 @@ exercises/solutions/ch04_omega.ipynb. TRITON_INTERPRET=1 is set by conftest.py b
 triton is imported.
 """
 import itertools
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import triton
@@ -21,8 +17,9 @@ import triton.language as tl
 
 from atlaslib.core import TaylorFeatures, monomial_features, tensor_power
 from atlaslib.exercises import ch04, registry
-from atlaslib.exercises.generate import BEGIN, END
 from atlaslib.grade import grade, table
+from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
+from grading_helpers import planted_copy as plant
 from atlaslib.omega import omega_chunk, omega_rule
 from atlaslib.omega.chunk import band_gates
 
@@ -295,47 +292,16 @@ def test_triton_check_catches_wrong_entries(kw):
 
 # ---- the grader on chapter 4 -----------------------------------------------------------------------
 
-def rows(report):
-    return {r["exercise"]: r for r in report["exercises"]}
-
-
 def test_solutions_score_full_marks():
-    report = grade(SOLUTION, timeout=TIMEOUT, progress=False)
-    assert [r["exercise"] for r in report["exercises"]] == list(POINTS)
-    assert all(r["status"] == "passed" for r in report["exercises"]), table(report)
-    assert report["earned"] == report["points"] == sum(POINTS.values())
-    assert report["setup_problems"] == []
+    assert_full_marks(SOLUTION, POINTS, TIMEOUT)
 
 
 def test_untouched_student_notebook_scores_zero_via_cli():
-    out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--json", "--timeout", str(TIMEOUT)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
-    assert report["earned"] == 0 and report["points"] == sum(POINTS.values())
-    assert {r["exercise"]: r["status"] for r in report["exercises"]} == {n: "not_implemented" for n in POINTS}
+    assert_student_scores_zero(STUDENT, POINTS, TIMEOUT)
 
 
 def planted_copy(tmp_path, function, body):
-    """The solutions notebook, outputs cleared, with the solution block of ``function`` replaced by ``body``."""
-    nb = nbformat.read(SOLUTION, as_version=4)
-    planted = False
-    for cell in nb.cells:
-        if cell.cell_type != "code":
-            continue
-        cell.outputs = []
-        lines = cell.source.split("\n")
-        if f"def {function}(" not in cell.source:
-            continue
-        head = next(i for i, line in enumerate(lines) if line.startswith(f"def {function}("))
-        start = next(i for i in range(head, len(lines)) if lines[i].strip() == BEGIN)
-        end = next(i for i in range(start, len(lines)) if lines[i].strip() == END)
-        cell.source = "\n".join(lines[:start] + ["    " + body] + lines[end + 1:])
-        planted = True
-    assert planted, f"no solution cell defines {function}"
-    path = tmp_path / SOLUTION.name
-    nbformat.write(nb, path)
-    return path
+    return plant(SOLUTION, tmp_path, function, body)
 
 
 def test_planted_eq11_sign_loses_exactly_its_points(tmp_path):
