@@ -110,7 +110,10 @@ def test_ls_residual_jumps_at_dk(gen):
 def test_hebbian_crosstalk_sqrt_law(gen):
     d_k = 16
     ms = [4, 16, 64]
-    rows = capacity_sweep(d_k, 16, ms, trials=40, seed=_seed(gen))
+    # 400 draws: at m = 4 one draw's error spreads widely (std of a 40-draw mean ~4% of
+    # the law, and E[error] sits ~3% below sqrt(E[error^2]) by Jensen), so 40 draws
+    # failed the 12% band about once in a few hundred seeds; 400 draws put it ~6 sigma out.
+    rows = capacity_sweep(d_k, 16, ms, trials=400, seed=_seed(gen))
     for r in rows:
         assert r["hebbian_error"] == pytest.approx(math.sqrt((r["m"] - 1) / d_k), rel=0.12)
     # quadrupling m doubles the error (for m >> 1)
