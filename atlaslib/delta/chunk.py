@@ -15,7 +15,7 @@ unit lower-triangular linear system for all u's of the chunk at once:
     (I + Diag(beta) L) U = Diag(beta) (V - (K * e^g) S^T),
     L[t, j] = sum_c k_tc k_jc e^{g_tc - g_jc}   for j < t   (0 on and above the diagonal),
 
-solved here with ``torch.linalg.solve_triangular`` (forward substitution). Then
+solved here by multiplying with the inverse (below). Then
 
     Y  = (Q * e^g) S^T + P U,            P[t, j] = sum_c q_tc k_jc e^{g_tc - g_jc}  (j <= t)
     S' = S Diag(e^{g_n}) + U^T (K * e^{g_n - g}) .
@@ -24,45 +24,88 @@ Stability: only differences g_t - g_j with j <= t are exponentiated (and e^{g_t}
 so every decay factor lies in [0, 1]; nothing is ever divided by a cumulative product of
 gates, which would overflow as soon as the gates are small (MATH.md §2 warns about the
 division in the textbook form). For KDA the per-channel decay sits inside the k.k and q.k
-sums. ``decayed_products`` builds the exact [n, n, K] tile as ``atlaslib.linear.chunk`` does
-for GLA; ``delta_rule_chunk`` instead splits the sums at sub-chunk boundaries (only the
-diagonal sub-blocks need the tile, see ``batched_decayed_products``) and batches a few
-chunks at a time: with A = I + Diag(beta) L, everything but the start state is solved
-ahead, W = A^{-1} Diag(beta) (K e^g) and U0 = A^{-1} Diag(beta) V, so U = U0 - W S^T and
-only the state recurrence runs chunk by chunk.
+sums; ``atlaslib.linear.chunk.channel_scores`` computes them as one matrix product while
+the chunk's decay is bounded and splits the chunk where it is not.
+
+The unit lower-triangular system is solved by multiplying with its inverse
+T = (I + Diag(beta) L)^{-1}, built by ``unit_lower_inverse`` (the same blocked inversion
+as the Triton kernel). Everything but the start state is computed for all chunks at
+once -- P, L, T and the gated q and k -- so only four small matrix products per chunk
+run in sequence:
+
+    U = T Diag(beta) (V - (K e^g) S^T),   Y = (Q e^g) S^T + P U,   S' = S e^{g_n} + U^T (K e^{g_n - g}).
 """
 from __future__ import annotations
 
 import torch
 
-from ..linear.chunk import causal_decay, log_gate
+from ..linear.chunk import decayed_scores, log_gate
 from ..linear.recurrent import compute_dtype
 
 
 def decayed_products(q, k, g):
-    """Everything the gates touch in one chunk.
+    """Everything the gates touch, for one chunk or for all chunks at once.
 
-    Returns (P, L, q_dec, k_dec, k_end, s_dec): P [B,H,n,n] the causal decayed q.k scores,
-    L [B,H,n,n] the strictly lower decayed k.k products, q * e^g, k * e^g, k * e^{g_n - g},
-    and the factor e^{g_n} (None, [B,H,1,1] or [B,H,1,K]) that multiplies the start state.
+    q, k: [..., n, K]; g: None, [..., n] (scalar) or [..., n, K] (per channel), the log-gates
+    accumulated from the chunk start. Returns (P, L, q_dec, k_dec, k_end, s_dec): P [..., n, n]
+    the causal decayed q.k scores, L [..., n, n] the strictly lower decayed k.k products,
+    q * e^g, k * e^g, k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
+    that multiplies the start state. Queries, then keys, are scored against the keys by
+    chapter 1's ``decayed_scores``.
     """
-    n = q.shape[2]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    if g is None:                                                    # DeltaNet: no decay at all
-        P = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
-        L = (k @ k.transpose(-1, -2)).tril(-1)
-        return P, L, q, k, k, None
-    if g.dim() == 3:                                                 # scalar gates [B, H, n]
-        D = causal_decay(g, causal)                                  # e^{g_t - g_j}, j <= t
-        P = (q @ k.transpose(-1, -2)) * D
-        L = ((k @ k.transpose(-1, -2)) * D).tril(-1)
-        e_g, e_end = torch.exp(g)[..., None], torch.exp(g[..., -1:, None] - g[..., None])
-        return P, L, q * e_g, k * e_g, k * e_end, torch.exp(g[..., -1:, None])
-    D = causal_decay(g, causal)                                      # per channel: [B, H, n, n, K]
-    P = torch.einsum("bhtc,bhjc,bhtjc->bhtj", q, k, D)
-    L = torch.einsum("bhtc,bhjc,bhtjc->bhtj", k, k, D).tril(-1)
-    e_g, e_end = torch.exp(g), torch.exp(g[..., -1:, :] - g)
-    return P, L, q * e_g, k * e_g, k * e_end, torch.exp(g[..., -1:, :])
+    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
+    KK, k_dec, _, _ = decayed_scores(k, k, g)
+    return P, KK.tril_(-1), q_dec, k_dec, k_end, s_dec
+
+
+def diagonal_blocks(X, b):
+    """View of the b x b diagonal blocks of X [..., n, n] as [..., n // b, b, b] (b divides n)."""
+    n = X.shape[-1]
+    return X.unflatten(-1, (n // b, b)).unflatten(-3, (n // b, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def invert_by_doubling(A):
+    """Inverse of unit lower-triangular A [..., n, n] by doubling inverted diagonal blocks:
+
+        [A11 0; A21 A22]^{-1} = [T1 0; -T2 A21 T1  T2]   with T1 = A11^{-1}, T2 = A22^{-1}.
+
+    Starts from the 1 x 1 blocks (all 1) and doubles the block size log2(n) times, all
+    blocks of one size at once, writing into T in place (no autograd here). n is padded with
+    identity rows up to a power of two (the padding does not touch the inverse of A).
+    """
+    n = A.shape[-1]
+    m = 1 << (n - 1).bit_length()
+    if m != n:
+        A = torch.nn.functional.pad(A, (0, m - n, 0, m - n))
+        A.diagonal(dim1=-2, dim2=-1)[..., n:] = 1.0
+    T = torch.zeros_like(A)
+    T.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    b = 1
+    while b < m:
+        Tb, Ab = diagonal_blocks(T, 2 * b), diagonal_blocks(A, 2 * b)
+        Tb[..., b:, :b] = -(Tb[..., b:, b:] @ Ab[..., b:, :b] @ Tb[..., :b, :b])
+        b *= 2
+    return T[..., :n, :n]
+
+
+class UnitLowerInverse(torch.autograd.Function):
+    """T = A^{-1} for unit lower-triangular A; backward: dA = -T^T dT T^T (d(A^{-1}) = -T dA T)."""
+
+    @staticmethod
+    def forward(ctx, A):
+        T = invert_by_doubling(A.detach())
+        ctx.save_for_backward(T)
+        return T
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        (T,) = ctx.saved_tensors
+        return -(T.mT @ grad_T @ T.mT)
+
+
+def unit_lower_inverse(A):
+    """(I + strictly lower)^{-1} for A [..., n, n], differentiable (see ``UnitLowerInverse``)."""
+    return UnitLowerInverse.apply(A)
 
 
 def chunk_step(S, q, k, v, beta, g):
@@ -74,105 +117,44 @@ def chunk_step(S, q, k, v, beta, g):
     P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
     b = beta[..., None]
     eye = torch.eye(n, dtype=q.dtype, device=q.device)
-    system = eye + b * L                                             # I + Diag(beta) L, unit lower-triangular
-    rhs = b * (v - k_dec @ S.transpose(-1, -2))                      # Diag(beta) (V - (K e^g) S^T)
-    U = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    o = q_dec @ S.transpose(-1, -2) + P @ U
+    T = unit_lower_inverse(eye + b * L)                              # (I + Diag(beta) L)^{-1}
+    U = T @ (b * (v - k_dec @ S.mT))                                 # T Diag(beta) (V - (K e^g) S^T)
+    o = q_dec @ S.mT + P @ U
     S_start = S if s_dec is None else S * s_dec
-    return o, S_start + U.transpose(-1, -2) @ k_end
+    return o, S_start + U.mT @ k_end
 
 
-# Sub-chunk length for the per-channel (KDA) products: only the diagonal SUB x SUB blocks
-# of a chunk need the exact [SUB, SUB, K] decay tile.
-SUB = 16
-
-
-def batched_decayed_products(q, k, g):
-    """``decayed_products`` for all chunks at once: q, k [B,H,N,C,K]; g None, [B,H,N,C] or [B,H,N,C,K].
-
-    Same six results with the chunk axis N in front of the chunk's rows. For per-channel
-    gates the sums over c of x_tc y_jc e^{g_tc - g_jc} are split at sub-chunk boundaries:
-    for sub-chunks I > J they equal (X_I e^{g_I - r_I}) (Y_J e^{r_I - g_J})^T with r_I the
-    log-gate just before sub-chunk I (both exponents <= 0); only the diagonal sub-blocks
-    build the exact [SUB, SUB, K] tile.
-    """
-    C = q.shape[3]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if g is None:                                                    # DeltaNet: no decay at all
-        P = (q @ k.mT).masked_fill(~causal, 0.0)
-        L = (k @ k.mT).tril(-1)
-        return P, L, q, k, k, None
-    if g.dim() == 4:                                                 # scalar gates [B, H, N, C]
-        D = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
-        P = (q @ k.mT) * D
-        L = ((k @ k.mT) * D).tril(-1)
-        e_g, e_end = torch.exp(g)[..., None], torch.exp(g[..., -1:, None] - g[..., None])
-        return P, L, q * e_g, k * e_g, k * e_end, torch.exp(g[..., -1:, None])
-    P, L = per_channel_products(q, k, g)
-    e_g, e_end = torch.exp(g), torch.exp(g[..., -1:, :] - g)
-    return P, L, q * e_g, k * e_g, k * e_end, torch.exp(g[..., -1:, :])
-
-
-def per_channel_products(q, k, g):
-    """P and L for per-channel log-gates g [B,H,N,C,K] via sub-chunks (see above)."""
-    *lead, C, K = q.shape
-    sub = SUB if C % SUB == 0 else C                                 # odd chunk sizes: one exact tile
-    ns = C // sub
-    gs = g.unflatten(-2, (ns, sub))                                  # [B, H, N, ns, sub, K]
-    # r_I: log-gate just before sub-chunk I (0 at the chunk start)
-    r = torch.cat([torch.zeros_like(gs[..., :1, -1, :]), gs[..., :-1, -1, :]], dim=-2)[..., None, :]
-    row_scale = torch.exp(gs - r)                                    # e^{g_t - r_I}, t in I
-    # column factor e^{r_I - g_j} for j before sub-chunk I, 0 elsewhere (masked before exp)
-    before = torch.arange(C, device=q.device)[None, :] < (torch.arange(ns, device=q.device) * sub)[:, None]
-    col = torch.exp((r - g[..., None, :, :]).masked_fill(~before[..., None], float("-inf")))
-    k_col = k[..., None, :, :] * col                                 # [B, H, N, ns, C, K]
-    qs, ks = q.unflatten(-2, (ns, sub)), k.unflatten(-2, (ns, sub))
-    P_off = ((qs * row_scale) @ k_col.mT).flatten(-3, -2)            # [B, H, N, C, C]
-    L_off = ((ks * row_scale) @ k_col.mT).flatten(-3, -2)
-    tri = torch.ones(sub, sub, dtype=torch.bool, device=q.device).tril()
-    D = torch.exp((gs[..., :, None, :] - gs[..., None, :, :]).masked_fill(~tri[..., None], float("-inf")))
-    kD = ks[..., None, :, :] * D                                     # [B, H, N, ns, sub, sub, K]
-    P_diag = (qs[..., :, None, :] * kD).sum(-1)
-    L_diag = (ks[..., :, None, :] * kD).sum(-1).tril(-1)
-    # place the diagonal blocks: [.., ns, sub, sub] -> [.., ns, sub, ns, sub]
-    place = torch.eye(ns, dtype=q.dtype, device=q.device)[:, None, :, None]
-    P = P_off + (P_diag[..., :, None, :] * place).flatten(-2, -1).flatten(-3, -2)
-    L = L_off + (L_diag[..., :, None, :] * place).flatten(-2, -1).flatten(-3, -2)
-    return P, L
-
-
-# Chunks processed per batched step: large enough to batch, small enough to stay in cache.
-GROUP = 2
+# Chunks whose state-independent work is done together: enough to batch the small matrix
+# products, few enough that the group's tensors stay in cache (measured on a 2-core CPU).
+GROUP = 8
 
 
 def chunk_group(S, q, k, v, b, g):
-    """A group of G chunks from start state S [B,H,V,K]: q, k [B,H,G,C,K]; v [B,H,G,C,V];
-    b = beta [B,H,G,C,1]; g None, [B,H,G,C] or [B,H,G,C,K]. Returns (o [B,H,G,C,V], end state)."""
-    B, H, G, C, K = q.shape
-    V = v.shape[-1]
-    P, L, q_dec, k_dec, k_end, s_dec = batched_decayed_products(q, k, g)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    rhs = torch.cat([b * k_dec, b * v], dim=-1)                      # Diag(beta) [K e^g | V]
-    # flattened to one batch axis: much faster than the 5-d broadcasting path
-    sol = torch.linalg.solve_triangular((eye + b * L).flatten(0, 2), rhs.flatten(0, 2), upper=False,
-                                        unitriangular=True).view(B, H, G, C, K + V)
-    W, U0 = sol[..., :K], sol[..., K:]
-    starts, Us = [], []
-    for c in range(G):                                               # the only sequential part
-        U = U0[:, :, c] - W[:, :, c] @ S.mT
-        starts.append(S)
-        Us.append(U)
-        S = (S if s_dec is None else S * s_dec[:, :, c]) + U.mT @ k_end[:, :, c]
-    S_c, U = torch.stack(starts, dim=2), torch.stack(Us, dim=2)      # [B,H,G,V,K], [B,H,G,C,V]
-    return q_dec @ S_c.mT + P @ U, S
+    """A run of G chunks from start state S [BH,V,K]: q, k [BH,G,C,K]; v [BH,G,C,V]; b = beta
+    [BH,G,C,1]; g None, [BH,G,C] or [BH,G,C,K]. Returns (o [BH,G,C,V], the state after them).
+
+    P, L, T and the gated q and k of all G chunks come first, in one batch; then only four
+    small matrix products per chunk run in sequence.
+    """
+    C = q.shape[2]
+    P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
+    Tinv = unit_lower_inverse(torch.eye(C, dtype=q.dtype, device=q.device) + b * L)
+    bv, bk = b * v, b * k_dec
+    outputs = []
+    for c in range(q.shape[1]):
+        St = S.mT
+        U = Tinv[:, c] @ torch.baddbmm(bv[:, c], bk[:, c], St, alpha=-1)      # T Diag(beta)(V - K_dec S^T)
+        outputs.append(torch.baddbmm(P[:, c] @ U, q_dec[:, c], St))           # Y = Q_dec S^T + P U
+        S = torch.baddbmm(S if s_dec is None else S * s_dec[:, c], U.mT, k_end[:, c])
+    return torch.stack(outputs, dim=1), S
 
 
 def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=64):
     """Chunkwise form; same arguments and results as ``delta_rule_recurrent``.
 
     T is padded to whole chunks with zero rows, beta 0 and gates 1, which write nothing.
-    Without gates or with scalar gates each chunk is one ``chunk_step`` (fastest on CPU);
-    with per-channel gates ``chunk_group`` handles GROUP chunks per batched step.
+    Does what a loop of ``chunk_step`` does, with the state-independent work (P, L, T and
+    the gated q, k) hoisted out of the loop and batched over GROUP chunks at a time.
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -189,19 +171,15 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
         beta = torch.nn.functional.pad(beta, (0, pad))
         if logs is not None:
             logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
-    q, k, v = (x.unflatten(2, (N, C)) for x in (q, k, v))            # [B, H, N, C, .]
-    b = beta.unflatten(2, (N, C))[..., None]
-    g = None if logs is None else logs.unflatten(2, (N, C)).cumsum(dim=3)
+    # one batch axis (B*H) and a chunk axis: [BH, N, C, .]; the chunk loop needs 3-d matmuls
+    q, k, v = (x.reshape(B * H, N, C, x.shape[-1]) for x in (q, k, v))
+    b = beta.reshape(B * H, N, C, 1)
+    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
+    S = S.reshape(B * H, V, K)
     outputs = []
-    if g is None or g.dim() == 4:
-        # no or scalar gates: per-chunk steps measured fastest on CPU (everything stays in cache)
-        for c in range(N):
-            o, S = chunk_step(S, q[:, :, c], k[:, :, c], v[:, :, c], b[:, :, c, :, 0], None if g is None else g[:, :, c])
-            outputs.append(o[:, :, None])
-    else:
-        for s in range(0, N, GROUP):                                 # small groups of chunks stay in cache
-            sl = slice(s, min(s + GROUP, N))
-            o, S = chunk_group(S, q[:, :, sl], k[:, :, sl], v[:, :, sl], b[:, :, sl], g[:, :, sl])
-            outputs.append(o)
-    o = torch.cat(outputs, dim=2)
-    return o.flatten(2, 3)[:, :, :T].to(out_dtype), S
+    for s in range(0, N, GROUP):
+        e = min(s + GROUP, N)
+        o, S = chunk_group(S, q[:, s:e], k[:, s:e], v[:, s:e], b[:, s:e], None if g is None else g[:, s:e])
+        outputs.append(o)
+    o = torch.cat(outputs, dim=1).reshape(B, H, N * C, V)[:, :, :T]
+    return o.to(out_dtype), S.reshape(B, H, V, K)

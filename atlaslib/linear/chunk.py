@@ -9,6 +9,14 @@ g_t = sum_{j<=t} log alpha_j accumulated from the chunk start,
 (per-channel gates: the exponentials act channel by channel on the key side). Only
 differences g_t - g_i with i <= t are exponentiated, so every factor lies in [0, 1]
 and nothing overflows however strong the decay (MATH.md §1).
+
+With per-channel gates the scores sum_c q_tc k_ic e^{g_tc - g_ic} would need an
+[n, n, K] tile of decays. ``channel_scores`` avoids it: when the chunk's total decay is
+at most SPLIT_SPAN (in log units), e^{g_tc - g_ic} = e^{g_tc} e^{-g_ic} with both
+factors inside [e^-SPLIT_SPAN, e^SPLIT_SPAN], so the scores are one matrix product of
+q e^g and k e^-g (each product of two factors is the exact term; nothing can overflow).
+A chunk that decays more is split in halves: the off-diagonal block takes its
+reference at the split, where both exponents are <= 0, and each half recurses.
 """
 from __future__ import annotations
 
@@ -33,42 +41,92 @@ def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
     return torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
 
 
+# Largest total per-channel decay (log units) of a block scored as one matrix product:
+# factors e^{+-g} stay within e^30 ~ 1e13, far from fp32 overflow.
+SPLIT_SPAN = 30.0
+
+
+def channel_scores(x: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Causal per-channel decayed scores, [..., n, n]:
+
+        out[t, i] = sum_c x_tc k_ic e^{g_tc - g_ic}   for i <= t, 0 above the diagonal,
+
+    for x [..., n, K] (queries, or keys), k [..., n, K] and g [..., n, K] the log-gates
+    accumulated from the block start (non-increasing, <= 0; leading dims broadcast).
+    """
+    n = g.shape[-2]
+    if n == 1:                                                   # e^0: a plain dot product
+        return (x * k).sum(-1, keepdim=True)
+    if -g[..., -1, :].min().item() <= SPLIT_SPAN:               # bounded factors: one product
+        return ((x * torch.exp(g)) @ (k * torch.exp(-g)).mT).tril_()
+    h = n // 2
+    r = g[..., h - 1:h, :]                                       # log-gate at the split
+    top = channel_scores(x[..., :h, :], k[..., :h, :], g[..., :h, :])
+    bottom = channel_scores(x[..., h:, :], k[..., h:, :], g[..., h:, :] - r)
+    cross = (x[..., h:, :] * torch.exp(g[..., h:, :] - r)) @ (k[..., :h, :] * torch.exp(r - g[..., :h, :])).mT
+    upper = torch.zeros(*cross.shape[:-2], h, n - h, dtype=cross.dtype, device=cross.device)
+    return torch.cat([torch.cat([top, upper], -1), torch.cat([cross, bottom], -1)], -2)
+
+
+def decayed_scores(x, k, g):
+    """Everything the gates touch in a chunk (or in all chunks at once).
+
+    x, k: [..., n, K] (x: the queries, or any rows to score against the keys); g: None,
+    [..., n] (scalar) or [..., n, K] (per channel), log-gates accumulated from the chunk
+    start. Returns (P, x_dec, k_end, s_dec): P [..., n, n] the causal decayed scores
+    x_t . k_i e^{g_t - g_i}, x * e^g, k * e^{g_n - g}, and the factor e^{g_n} (None,
+    [..., 1, 1] or [..., 1, K]) that multiplies the start state.
+    """
+    if g is None:
+        return (x @ k.mT).tril_(), x, k, None
+    if g.dim() < k.dim():
+        n = k.shape[-2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()                                        # scalar gates [..., n]
+        D = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+        return (x @ k.mT) * D, x * torch.exp(g)[..., None], \
+            k * torch.exp(g[..., -1:, None] - g[..., None]), torch.exp(g[..., -1:, None])
+    return channel_scores(x, k, g), x * torch.exp(g), k * torch.exp(g[..., -1:, :] - g), torch.exp(g[..., -1:, :])
+
+
 def chunk_step(S, q, k, v, g):
     """One chunk. S: [B,H,V,K]; q,k: [B,H,n,K]; v: [B,H,n,V]; g: None, [B,H,n] or [B,H,n,K].
 
     Returns (o [B,H,n,V], S at the chunk's end).
     """
-    n = q.shape[2]
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    if g is None:
-        scores = (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
-        o = q @ S.transpose(-1, -2) + scores @ v
-        return o, S + v.transpose(-1, -2) @ k
-    if g.dim() == 3:
-        scores = (q @ k.transpose(-1, -2)) * causal_decay(g, causal)
-        o = torch.exp(g)[..., None] * (q @ S.transpose(-1, -2)) + scores @ v
-        g_last = g[..., -1:]                                     # [B, H, 1]
-        v_decayed = v * torch.exp(g_last - g)[..., None]
-        return o, torch.exp(g_last)[..., None] * S + v_decayed.transpose(-1, -2) @ k
-    scores = torch.einsum("bhtc,bhic,bhtic->bhti", q, k, causal_decay(g, causal))
-    o = (q * torch.exp(g)) @ S.transpose(-1, -2) + scores @ v
-    g_last = g[..., -1:, :]                                      # [B, H, 1, K]
-    k_decayed = k * torch.exp(g_last - g)
-    return o, S * torch.exp(g_last) + v.transpose(-1, -2) @ k_decayed
+    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
+    o = q_dec @ S.mT + P @ v
+    return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
 
 
 def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64):
-    """Chunkwise form; same arguments and results as ``linear_attention_recurrent``."""
+    """Chunkwise form; same arguments and results as ``linear_attention_recurrent``.
+
+    Does what a loop of ``chunk_step`` does, in three phases: the scores and gated q, k of
+    all chunks at once, the chunk-to-chunk state recurrence (the only sequential part, one
+    matrix product per chunk), then all outputs at once. T is padded to whole chunks with
+    zero rows and gates 1, which write nothing.
+    """
     B, H, T, K = q.shape
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     S = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    if T == 0:
+        return v.to(out_dtype), S
+    C = min(chunk_size, T)
+    N, pad = -(-T // C), -T % C
     logs = None if alpha is None else log_gate(alpha, cd)
-    outputs = []
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
-        g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
-        o, S = chunk_step(S, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g)
-        outputs.append(o)
-    return torch.cat(outputs, dim=2).to(out_dtype), S
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        if logs is not None:
+            logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
+    q, k, v = (x.reshape(B * H, N, C, x.shape[-1]) for x in (q, k, v))     # [BH, N, C, .]
+    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
+    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
+    S = S.reshape(B * H, V, K)
+    starts = []
+    for c in range(N):                                           # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
+        starts.append(S)
+        S = torch.baddbmm(S if s_dec is None else S * s_dec[:, c], v[:, c].mT, k_end[:, c])
+    o = q_dec @ torch.stack(starts, dim=1).mT + P @ v           # every chunk reads its start state
+    return o.reshape(B, H, N * C, V)[:, :, :T].to(out_dtype), S.reshape(B, H, V, K)
