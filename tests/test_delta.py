@@ -12,6 +12,8 @@ import torch
 
 from atlaslib.core import assert_close, poisoned_outputs, random_gate, random_qkv
 from atlaslib.delta import BETA_MAX, delta_rule, longhorn_beta
+from atlaslib.delta.chunk import unit_lower_inverse
+from test_linear import mixed_channel_gates
 
 MODES = [None, "scalar", "channel"]
 
@@ -320,3 +322,31 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         delta_rule(q, k, v, torch.ones(1, 1, 4), backend="triton")
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 33, 64])
+def test_unit_lower_inverse(gen, n):
+    """T = (I + strictly lower)^{-1} by block doubling: against torch.linalg.inv, and its
+    custom backward against autograd's finite differences."""
+    A = torch.eye(n, dtype=torch.float64) + 0.3 * torch.randn(3, 2, n, n, generator=gen, dtype=torch.float64).tril(-1)
+    assert_close(unit_lower_inverse(A), torch.linalg.inv(A), tol=1e-12, name="inverse")
+    Ls = (0.3 * torch.randn(2, n, n, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda L: unit_lower_inverse(torch.eye(n, dtype=L.dtype) + L.tril(-1)), (Ls,))
+
+
+@pytest.mark.parametrize("T,chunk_size", [(75, 16), (200, 64)])
+def test_kda_mixed_strong_and_mild_gates(gen, T, chunk_size):
+    """Per-channel gates mild in most chunks and (almost) resetting in a few: chunks on both
+    paths of channel_scores, outputs and gradients against the loop."""
+    q, k, v, beta, _, h0 = make_inputs(gen, 1, 2, T, 12, 10, None, dtype=torch.float64)
+    alpha = mixed_channel_gates(gen, 1, 2, T, 12, reset=1e-6)
+    grads = []
+    for backend in ("recurrent", "chunk"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, beta, alpha, h0)]
+        o, s = run(backend, *leaves, chunk_size=chunk_size)
+        weighted_loss(o, s).backward()
+        grads.append((o.detach(), s.detach(), [x.grad for x in leaves]))
+    assert_close(grads[1][0], grads[0][0], tol=1e-10, name="o")
+    assert_close(grads[1][1], grads[0][1], tol=1e-10, name="final state")
+    for name, g_chunk, g_rec in zip("q k v beta alpha h0".split(), grads[1][2], grads[0][2]):
+        assert_close(g_chunk, g_rec, tol=1e-8, name=f"grad {name}")

@@ -12,6 +12,7 @@ import torch
 from atlaslib.core import (assert_close, elu_plus_one, get_feature_map, poisoned_outputs,
                            random_gate, random_qkv, rel_rmse, softmax_attention)
 from atlaslib.linear import linear_attention
+from atlaslib.linear.chunk import channel_scores, log_gate
 
 MODES = [None, "scalar", "channel"]
 
@@ -249,3 +250,51 @@ def test_rel_rmse_and_poison():
     from atlaslib.core import empty
     with poisoned_outputs():
         assert torch.isnan(empty(3)).all()
+
+
+def mixed_channel_gates(gen, B, H, T, K, reset=0.0):
+    """Per-channel gates that are mild in most places and at or near 0 in a few: some chunks
+    decay far beyond SPLIT_SPAN (the split path), others not (the one-product path)."""
+    alpha = random_gate(B, H, T, K, low=0.6, generator=gen, dtype=torch.float64)
+    strong = torch.rand(B, H, T, K, generator=gen, dtype=torch.float64) < 0.05
+    alpha = torch.where(strong, 1e-3 * torch.rand(B, H, T, K, generator=gen, dtype=torch.float64), alpha)
+    alpha[..., T // 3: T // 3 + 3, : K // 2] = reset             # (almost) a full reset of half the channels
+    return alpha
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 33, 64])
+@pytest.mark.parametrize("gates", ["mild", "mixed", "zero"])
+def test_channel_scores_equal_the_decay_tile(gen, n, gates):
+    """channel_scores (one product where the decay is bounded, split in halves where not) equals
+    the sum over channels of q_tc k_ic e^{g_tc - g_ic} formed with the full [n, n, K] tile."""
+    K = 8
+    x = torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64)
+    k = torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64)
+    alpha = {"mild": random_gate(3, 2, n, K, low=0.5, generator=gen, dtype=torch.float64),
+             "mixed": mixed_channel_gates(gen, 3, 2, n, K),
+             "zero": torch.zeros(3, 2, n, K, dtype=torch.float64)}[gates]
+    g = log_gate(alpha, torch.float64).cumsum(2)
+    diff = g[..., :, None, :] - g[..., None, :, :]                 # [.., t, i, K]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    tile = torch.where(causal[..., None], torch.exp(diff.clamp(max=0.0)), 0.0)
+    ref = (x[..., :, None, :] * k[..., None, :, :] * tile).sum(-1)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        out = channel_scores(x.to(dtype), k.to(dtype), g.to(dtype))
+        assert torch.isfinite(out).all()
+        assert_close(out.double(), ref, tol=tol, name=f"scores ({dtype})")
+
+
+def test_gradients_through_split_channel_scores(gen):
+    """The split path (chunks decaying beyond SPLIT_SPAN) differentiates like the loop."""
+    q, k, v, _, h0 = make_inputs(gen, 1, 2, 40, 6, 5, None, dtype=torch.float64)
+    alpha = mixed_channel_gates(gen, 1, 2, 40, 6, reset=1e-6)   # 3 x log(1e-6) < -SPLIT_SPAN
+    grads = []
+    for backend in ("recurrent", "chunk"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, h0)]
+        o, s = linear_attention(*leaves[:3], alpha=leaves[3], initial_state=leaves[4], backend=backend,
+                                chunk_size=16, output_final_state=True)
+        (o * torch.cos(torch.arange(o.numel(), dtype=o.dtype)).view_as(o)).sum().add(s.square().sum()).backward()
+        grads.append([x.grad for x in leaves])
+    for name, g_chunk, g_rec in zip("q k v alpha h0".split(), grads[1], grads[0]):
+        assert torch.isfinite(g_chunk).all(), name
+        assert_close(g_chunk, g_rec, tol=1e-8, name=f"grad {name}")

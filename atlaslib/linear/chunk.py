@@ -20,16 +20,19 @@ reference at the split, where both exponents are <= 0, and each half recurses.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .recurrent import compute_dtype
 
-# log(alpha) is clamped here so that a gate of exactly 0 (a full reset) stays finite.
+# alpha is clamped to e^LOG_FLOOR before the log so that a gate of exactly 0 (a full reset)
+# gives a finite log-gate and a zero, not NaN, gradient (clamping after the log would give 0 * inf).
 LOG_FLOOR = -60.0
 
 
 def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
-    return torch.log(alpha.to(cd)).clamp_min(LOG_FLOOR)
+    return torch.log(alpha.to(cd).clamp_min(math.exp(LOG_FLOOR)))
 
 
 def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
