@@ -28,8 +28,8 @@ sums; ``atlaslib.linear.chunk.channel_scores`` computes them as one matrix produ
 the chunk's decay is bounded and splits the chunk where it is not.
 
 The unit lower-triangular system is solved by multiplying with its inverse
-T = (I + Diag(beta) L)^{-1}, built by ``unit_lower_inverse`` (the same blocked inversion
-as the Triton kernel). Everything but the start state is computed for all chunks at
+T = (I + Diag(beta) L)^{-1}, formed once per chunk by ``unit_lower_inverse`` (the Triton
+kernel forms the same T). Everything but the start state is computed for all chunks at
 once -- P, L, T and the gated q and k -- so only four small matrix products per chunk
 run in sequence:
 
@@ -58,54 +58,14 @@ def decayed_products(q, k, g):
     return P, KK.tril_(-1), q_dec, k_dec, k_end, s_dec
 
 
-def diagonal_blocks(X, b):
-    """View of the b x b diagonal blocks of X [..., n, n] as [..., n // b, b, b] (b divides n)."""
-    n = X.shape[-1]
-    return X.unflatten(-1, (n // b, b)).unflatten(-3, (n // b, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
-
-
-def invert_by_doubling(A):
-    """Inverse of unit lower-triangular A [..., n, n] by doubling inverted diagonal blocks:
-
-        [A11 0; A21 A22]^{-1} = [T1 0; -T2 A21 T1  T2]   with T1 = A11^{-1}, T2 = A22^{-1}.
-
-    Starts from the 1 x 1 blocks (all 1) and doubles the block size log2(n) times, all
-    blocks of one size at once, writing into T in place (no autograd here). n is padded with
-    identity rows up to a power of two (the padding does not touch the inverse of A).
-    """
-    n = A.shape[-1]
-    m = 1 << (n - 1).bit_length()
-    if m != n:
-        A = torch.nn.functional.pad(A, (0, m - n, 0, m - n))
-        A.diagonal(dim1=-2, dim2=-1)[..., n:] = 1.0
-    T = torch.zeros_like(A)
-    T.diagonal(dim1=-2, dim2=-1).fill_(1.0)
-    b = 1
-    while b < m:
-        Tb, Ab = diagonal_blocks(T, 2 * b), diagonal_blocks(A, 2 * b)
-        Tb[..., b:, :b] = -(Tb[..., b:, b:] @ Ab[..., b:, :b] @ Tb[..., :b, :b])
-        b *= 2
-    return T[..., :n, :n]
-
-
-class UnitLowerInverse(torch.autograd.Function):
-    """T = A^{-1} for unit lower-triangular A; backward: dA = -T^T dT T^T (d(A^{-1}) = -T dA T)."""
-
-    @staticmethod
-    def forward(ctx, A):
-        T = invert_by_doubling(A.detach())
-        ctx.save_for_backward(T)
-        return T
-
-    @staticmethod
-    def backward(ctx, grad_T):
-        (T,) = ctx.saved_tensors
-        return -(T.mT @ grad_T @ T.mT)
-
-
 def unit_lower_inverse(A):
-    """(I + strictly lower)^{-1} for A [..., n, n], differentiable (see ``UnitLowerInverse``)."""
-    return UnitLowerInverse.apply(A)
+    """T = A^{-1} for unit lower-triangular A [..., n, n]: forward substitution against I.
+
+    Forming T once per chunk (the "T" of the WY form) turns every later solve into a matrix
+    product; the Triton kernel builds the same T by blocked forward substitution.
+    """
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand(A.shape)
+    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
 
 
 def chunk_step(S, q, k, v, beta, g):
