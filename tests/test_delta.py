@@ -12,7 +12,6 @@ import torch
 
 from atlaslib.core import assert_close, poisoned_outputs, random_gate, random_qkv
 from atlaslib.delta import BETA_MAX, delta_rule, longhorn_beta
-from atlaslib.delta.chunk import unit_lower_inverse
 from test_linear import mixed_channel_gates
 
 MODES = [None, "scalar", "channel"]
@@ -322,16 +321,6 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         delta_rule(q, k, v, torch.ones(1, 1, 4), backend="triton")
-
-
-@pytest.mark.parametrize("n", [1, 2, 5, 16, 33, 64])
-def test_unit_lower_inverse(gen, n):
-    """T = (I + strictly lower)^{-1} by block doubling: against torch.linalg.inv, and its
-    custom backward against autograd's finite differences."""
-    A = torch.eye(n, dtype=torch.float64) + 0.3 * torch.randn(3, 2, n, n, generator=gen, dtype=torch.float64).tril(-1)
-    assert_close(unit_lower_inverse(A), torch.linalg.inv(A), tol=1e-12, name="inverse")
-    Ls = (0.3 * torch.randn(2, n, n, generator=gen, dtype=torch.float64)).requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda L: unit_lower_inverse(torch.eye(n, dtype=L.dtype) + L.tril(-1)), (Ls,))
 
 
 @pytest.mark.parametrize("T,chunk_size", [(75, 16), (200, 64)])

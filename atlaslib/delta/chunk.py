@@ -15,25 +15,25 @@ unit lower-triangular linear system for all u's of the chunk at once:
     (I + Diag(beta) L) U = Diag(beta) (V - (K * e^g) S^T),
     L[t, j] = sum_c k_tc k_jc e^{g_tc - g_jc}   for j < t   (0 on and above the diagonal),
 
-solved here by multiplying with the inverse (below). Then
+solved by forward substitution (``torch.linalg.solve_triangular``). Then
 
     Y  = (Q * e^g) S^T + P U,            P[t, j] = sum_c q_tc k_jc e^{g_tc - g_jc}  (j <= t)
     S' = S Diag(e^{g_n}) + U^T (K * e^{g_n - g}) .
 
-Stability: only differences g_t - g_j with j <= t are exponentiated (and e^{g_t} itself),
-so every decay factor lies in [0, 1]; nothing is ever divided by a cumulative product of
-gates, which would overflow as soon as the gates are small (MATH.md §2 warns about the
-division in the textbook form). For KDA the per-channel decay sits inside the k.k and q.k
-sums; ``atlaslib.linear.chunk.channel_scores`` computes them as one matrix product while
-the chunk's decay is bounded and splits the chunk where it is not.
+Stability: with scalar gates only differences g_t - g_j with j <= t are exponentiated (and
+e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided by a
+cumulative product of gates, which would overflow as soon as the gates are small (MATH.md §2
+warns about the division in the textbook form). For KDA the per-channel decay sits inside
+the k.k and q.k sums; ``atlaslib.linear.chunk.channel_scores`` factors it as e^{g_t} e^{-g_j}
+only while the chunk's decay keeps both factors within e^{+-30}, and splits the chunk where
+it does not.
 
-The unit lower-triangular system is solved by multiplying with its inverse
-T = (I + Diag(beta) L)^{-1}, formed once per chunk by ``unit_lower_inverse`` (the Triton
-kernel forms the same T). Everything but the start state is computed for all chunks at
-once -- P, L, T and the gated q and k -- so only four small matrix products per chunk
-run in sequence:
+Everything but the start state is solved ahead, for a group of chunks at once: with
+A = I + Diag(beta) L, the WY pair W = A^{-1} Diag(beta) (K e^g) and U0 = A^{-1} Diag(beta) V
+(one triangular solve with K + V right-hand sides) gives U = U0 - W S^T, so only four small
+matrix products per chunk run in sequence:
 
-    U = T Diag(beta) (V - (K e^g) S^T),   Y = (Q e^g) S^T + P U,   S' = S e^{g_n} + U^T (K e^{g_n - g}).
+    U = U0 - W S^T,   Y = (Q e^g) S^T + P U,   S' = S e^{g_n} + U^T (K e^{g_n - g}).
 """
 from __future__ import annotations
 
@@ -58,16 +58,6 @@ def decayed_products(q, k, g):
     return P, KK.tril_(-1), q_dec, k_dec, k_end, s_dec
 
 
-def unit_lower_inverse(A):
-    """T = A^{-1} for unit lower-triangular A [..., n, n]: forward substitution against I.
-
-    Forming T once per chunk (the "T" of the WY form) turns every later solve into a matrix
-    product; the Triton kernel builds the same T by blocked forward substitution.
-    """
-    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand(A.shape)
-    return torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
-
-
 def chunk_step(S, q, k, v, beta, g):
     """One chunk. S: [B,H,V,K]; q,k: [B,H,n,K]; v: [B,H,n,V]; beta: [B,H,n]; g: None, [B,H,n] or [B,H,n,K].
 
@@ -77,8 +67,9 @@ def chunk_step(S, q, k, v, beta, g):
     P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
     b = beta[..., None]
     eye = torch.eye(n, dtype=q.dtype, device=q.device)
-    T = unit_lower_inverse(eye + b * L)                              # (I + Diag(beta) L)^{-1}
-    U = T @ (b * (v - k_dec @ S.mT))                                 # T Diag(beta) (V - (K e^g) S^T)
+    system = eye + b * L                                             # I + Diag(beta) L, unit lower-triangular
+    rhs = b * (v - k_dec @ S.mT)                                     # Diag(beta) (V - (K e^g) S^T)
+    U = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     o = q_dec @ S.mT + P @ U
     S_start = S if s_dec is None else S * s_dec
     return o, S_start + U.mT @ k_end
@@ -93,17 +84,19 @@ def chunk_group(S, q, k, v, b, g):
     """A run of G chunks from start state S [BH,V,K]: q, k [BH,G,C,K]; v [BH,G,C,V]; b = beta
     [BH,G,C,1]; g None, [BH,G,C] or [BH,G,C,K]. Returns (o [BH,G,C,V], the state after them).
 
-    P, L, T and the gated q and k of all G chunks come first, in one batch; then only four
-    small matrix products per chunk run in sequence.
+    P, L, the gated q and k and the WY pair (W, U0) of all G chunks come first, in one batch;
+    then only four small matrix products per chunk run in sequence.
     """
-    C = q.shape[2]
+    C, K = q.shape[2], q.shape[3]
     P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
-    Tinv = unit_lower_inverse(torch.eye(C, dtype=q.dtype, device=q.device) + b * L)
-    bv, bk = b * v, b * k_dec
+    system = torch.eye(C, dtype=q.dtype, device=q.device) + b * L     # I + Diag(beta) L
+    WU = torch.linalg.solve_triangular(system, torch.cat([b * k_dec, b * v], dim=-1), upper=False,
+                                       unitriangular=True)
+    W, U0 = WU[..., :K], WU[..., K:]
     outputs = []
     for c in range(q.shape[1]):
         St = S.mT
-        U = Tinv[:, c] @ torch.baddbmm(bv[:, c], bk[:, c], St, alpha=-1)      # T Diag(beta)(V - K_dec S^T)
+        U = torch.baddbmm(U0[:, c], W[:, c], St, alpha=-1)                    # U = U0 - W S^T
         outputs.append(torch.baddbmm(P[:, c] @ U, q_dec[:, c], St))           # Y = Q_dec S^T + P U
         S = torch.baddbmm(S if s_dec is None else S * s_dec[:, c], U.mT, k_end[:, c])
     return torch.stack(outputs, dim=1), S
@@ -113,8 +106,8 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     """Chunkwise form; same arguments and results as ``delta_rule_recurrent``.
 
     T is padded to whole chunks with zero rows, beta 0 and gates 1, which write nothing.
-    Does what a loop of ``chunk_step`` does, with the state-independent work (P, L, T and
-    the gated q, k) hoisted out of the loop and batched over GROUP chunks at a time.
+    Does what a loop of ``chunk_step`` does, with the state-independent work (P, L, the gated
+    q, k and the WY pair) hoisted out of the loop and batched over GROUP chunks at a time.
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
