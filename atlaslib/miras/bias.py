@@ -28,6 +28,8 @@ broadcast over the value channels, data-dependent in MIRAS ([M] §4.2).
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 
@@ -36,7 +38,8 @@ def _norm(e: torch.Tensor) -> torch.Tensor:
     return e.square().sum(-1).clamp_min(torch.finfo(e.dtype).tiny).sqrt()
 
 
-class Bias:
+class Bias(abc.ABC):
+    """One attentional bias: the loss of a read-out y against the value v, and its gradient psi."""
     name = "base"
     formula = ""
     uses_delta = False                      # takes the per-token threshold / radius delta
@@ -44,13 +47,13 @@ class Bias:
     def __init__(self, cfg):
         self.cfg = cfg
 
+    @abc.abstractmethod
     def psi(self, y, v, delta=None):
         """d loss / d y, [..., R, V]."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def loss(self, y, v, delta=None):
         """The loss value per row, [..., R]."""
-        raise NotImplementedError
 
     @classmethod
     def describe(cls, cfg) -> str:

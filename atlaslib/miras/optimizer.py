@@ -31,12 +31,15 @@ that is needed.
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from ..linear.chunk import causal_decay
 
 
-class Optimizer:
+class Optimizer(abc.ABC):
+    """One inner optimizer: the per-token step, and its affine form for the chunkwise path."""
     name = "base"
     formula = ""
     uses_theta = False          # takes the momentum decay theta
@@ -50,12 +53,13 @@ class Optimizer:
     def describe(cls, cfg) -> str:
         return cls.formula
 
+    @abc.abstractmethod
     def step(self, S, g: dict, eta, theta):
-        raise NotImplementedError
+        """One token: (the update u_t, the new buffer S_t) from the gradients g, per parameter name."""
 
+    @abc.abstractmethod
     def affine(self, Gamma, eta, h):
         """(b [..., n] or None, E [..., n, R]) with u_t = b_t S_{t0} + sum_r E[t, r] g_r; any leading dims."""
-        raise NotImplementedError
 
     def updates(self, S0, G: dict, Gamma, eta, h):
         """Materialised chunk updates U {name: [N, n, out, in]} and the buffer after the chunk."""
