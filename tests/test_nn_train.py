@@ -121,8 +121,8 @@ def test_registry_errors():
         make_mixer("linear", 10, 3)
     with pytest.raises(ValueError, match=r"\[B, T, 8\]"):
         make_mixer("linear", 8, 2)(torch.randn(2, 3, 9))
-    with pytest.raises(NotImplementedError):
-        TokenMixer(8, 2)(torch.randn(1, 3, 8))
+    with pytest.raises(TypeError, match="abstract"):              # mix is abstract
+        TokenMixer(8, 2)
     with pytest.raises(ValueError, match="ids must be"):
         TinyLM(10, 8, 1, "linear", 2)(torch.zeros(3, dtype=torch.long))
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.chunk import decayed_scores, log_gate
+from ..linear.chunk import decayed_scores, log_gate, to_chunks
 from ..linear.recurrent import compute_dtype
 
 
@@ -116,18 +116,9 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     S = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     if T == 0:
         return v.to(out_dtype), S
-    C = min(chunk_size, T)
-    N, pad = -(-T // C), -T % C
-    logs = None if alpha is None else log_gate(alpha, cd)
-    if pad:                                                          # zero rows, beta 0, log-gate 0
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        beta = torch.nn.functional.pad(beta, (0, pad))
-        if logs is not None:
-            logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
-    # one batch axis (B*H) and a chunk axis: [BH, N, C, .]; the chunk loop needs 3-d matmuls
-    q, k, v = (x.reshape(B * H, N, C, x.shape[-1]) for x in (q, k, v))
-    b = beta.reshape(B * H, N, C, 1)
-    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
+    C = min(chunk_size, T)                                           # padding: zero rows, beta 0, gates 1
+    (q, k, v, b), g = to_chunks([q, k, v, beta[..., None]], None if alpha is None else log_gate(alpha, cd), C)
+    N = q.shape[1]
     S = S.reshape(B * H, V, K)
     outputs = []
     for s in range(0, N, GROUP):

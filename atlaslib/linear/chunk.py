@@ -36,12 +36,12 @@ def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
 
 
 def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """D[t, i] = exp(g_t - g_i) for i <= t, else 0. g: [..., n] or [..., n, K] (per channel)."""
-    if g.dim() == 3:                                            # scalar gates [B, H, n]
-        diff = g[..., :, None] - g[..., None, :]
-        return torch.exp(diff.masked_fill(~causal, float("-inf")))
-    diff = g[..., :, None, :] - g[..., None, :, :]              # [B, H, n, n, K]
-    return torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
+    """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
+
+    The entries above the diagonal are masked to -inf *before* the exponential, so they
+    become exact zeros instead of overflowing. (Per-channel gates: ``channel_scores``.)
+    """
+    return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
 
 
 # Largest total per-channel decay (log units) of a block scored as one matrix product:
@@ -82,10 +82,9 @@ def decayed_scores(x, k, g):
     """
     if g is None:
         return (x @ k.mT).tril_(), x, k, None
-    if g.dim() < k.dim():
+    if g.dim() < k.dim():                                        # scalar gates [..., n]
         n = k.shape[-2]
-        causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()                                        # scalar gates [..., n]
-        D = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+        D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=k.device).tril())
         return (x @ k.mT) * D, x * torch.exp(g)[..., None], \
             k * torch.exp(g[..., -1:, None] - g[..., None]), torch.exp(g[..., -1:, None])
     return channel_scores(x, k, g), x * torch.exp(g), k * torch.exp(g[..., -1:, :] - g), torch.exp(g[..., -1:, :])
@@ -101,13 +100,30 @@ def chunk_step(S, q, k, v, g):
     return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
 
 
+def to_chunks(rows, logs, C):
+    """Rows [B, H, T, d] (q, k, v, ...) and log-gates (None, [B,H,T] or [B,H,T,K]) in chunks of C.
+
+    T is padded to whole chunks with zero rows and log-gates 0 (gates 1), which write
+    nothing. Returns the rows as [B*H, N, C, d] and g, the log-gates accumulated from each
+    chunk's start ([B*H, N, C] or [B*H, N, C, K], or None).
+    """
+    B, H, T = rows[0].shape[:3]
+    N, pad = -(-T // C), -T % C
+    if pad:
+        rows = [torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in rows]
+        if logs is not None:
+            logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
+    rows = [x.reshape(B * H, N, C, x.shape[-1]) for x in rows]
+    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
+    return rows, g
+
+
 def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64):
     """Chunkwise form; same arguments and results as ``linear_attention_recurrent``.
 
     Does what a loop of ``chunk_step`` does, in three phases: the scores and gated q, k of
     all chunks at once, the chunk-to-chunk state recurrence (the only sequential part, one
-    matrix product per chunk), then all outputs at once. T is padded to whole chunks with
-    zero rows and gates 1, which write nothing.
+    matrix product per chunk), then all outputs at once.
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -117,14 +133,8 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     if T == 0:
         return v.to(out_dtype), S
     C = min(chunk_size, T)
-    N, pad = -(-T // C), -T % C
-    logs = None if alpha is None else log_gate(alpha, cd)
-    if pad:
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        if logs is not None:
-            logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
-    q, k, v = (x.reshape(B * H, N, C, x.shape[-1]) for x in (q, k, v))     # [BH, N, C, .]
-    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
+    (q, k, v), g = to_chunks([q, k, v], None if alpha is None else log_gate(alpha, cd), C)
+    N = q.shape[1]
     P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
     S = S.reshape(B * H, V, K)
     starts = []

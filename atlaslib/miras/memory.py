@@ -23,6 +23,7 @@ autograd see plain tensors.
 """
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -50,7 +51,7 @@ def per_token_linear(params: dict):
     return linear
 
 
-class Memory:
+class Memory(abc.ABC):
     """Base class. Subclasses set ``name``/``formula``/``shapes`` and implement ``forward``."""
 
     name = "base"
@@ -71,12 +72,13 @@ class Memory:
         """One line for the four-axis table."""
         return cls.formula
 
+    @abc.abstractmethod
     def weight_shapes(self) -> dict:
-        raise NotImplementedError
+        """{name: (out, in)} of the memory's weight matrices."""
 
+    @abc.abstractmethod
     def forward(self, linear, x):
         """x [..., K] -> prediction [..., V], with the weights applied through ``linear``."""
-        raise NotImplementedError
 
     def __call__(self, params: dict, x: torch.Tensor) -> torch.Tensor:
         """M_params(x) for x [N, R, K] and params {name: [N, out, in]}."""

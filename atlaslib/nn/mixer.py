@@ -21,6 +21,8 @@ and built with ``make_mixer("deltanet", d_model, n_heads, **kw)``.
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +77,7 @@ class ShortConv(nn.Module):
         return F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
 
 
-class TokenMixer(nn.Module):
+class TokenMixer(nn.Module, abc.ABC):
     """Shared front and back end of a sequence-mixing layer.
 
     Args:
@@ -139,8 +141,9 @@ class TokenMixer(nn.Module):
         B, H, T, V = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * V))
 
+    @abc.abstractmethod
     def mix(self, q, k, v, x):
-        raise NotImplementedError(f"{type(self).__name__} must implement mix(q, k, v, x)")
+        """The sequence mixing itself: q, k [B,H,T,K], v [B,H,T,V], x the layer input -> o [B,H,T,V]."""
 
     @property
     def state_size(self) -> int | None:
