@@ -5,7 +5,9 @@ For every registered model (a *bench case*) and every backend it prints
     model  backend  device  dtype  B  H  T  K  V  time_ms  peak_MiB  speedup  [TFLOP/s  GB/s]
 
 * ``time_ms``: median wall time of ``--repeats`` calls after ``--warmup`` calls (CUDA
-  calls are synchronised before the clock stops).
+  calls are synchronised before the clock stops). The backends of one model and T are
+  called in turn (recurrent, chunk, ..., then again), so a machine whose speed drifts
+  slows them alike and ``speedup`` compares times taken over the same stretch.
 * ``peak_MiB``: the most memory the call held *beyond what existed before it* (inputs
   excluded, output included). On CUDA this is ``torch.cuda.max_memory_allocated`` minus
   the allocation before the call. On CPU PyTorch keeps no such counter, so the call is
@@ -128,18 +130,30 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def time_calls(fns: dict, device, *, warmup: int = 1, repeats: int = 3) -> dict:
+    """Median wall time in milliseconds of each ``fns[name]()``, after ``warmup`` untimed calls.
+
+    The calls are interleaved (one of each, ``repeats`` times round), so that on a machine
+    whose speed drifts (a shared VM) every function is timed over the same stretch and
+    their ratios stay fair.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def time_call(fn, device, *, warmup: int = 1, repeats: int = 3) -> float:
     """Median wall time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return time_calls({"fn": fn}, device, warmup=warmup, repeats=repeats)["fn"]
 
 
 def _cpu_allocations(prof):
@@ -202,27 +216,27 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
         raise ValueError(f"unknown bench case(s) {unknown}; registered: {sorted(BENCH_CASES)}")
     backends = backends or default_backends(device)
     on_gpu = str(device).startswith("cuda")
-    jobs = [(m, T, b) for m in models for T in Ts for b in backends if b in BENCH_CASES[m].backends]
-    rows, recurrent_ms = [], {}
-    for name, T, backend in tqdm(jobs, desc="bench", disable=not progress):
+    jobs = [(m, T) for m in models for T in Ts]
+    rows = []
+    for name, T in tqdm(jobs, desc="bench", disable=not progress):
         case = BENCH_CASES[name]
         shape = BenchShape(B, H, T, K, V, str(device), dtype, chunk_size)
         call = case.builder(shape, torch.Generator().manual_seed(seed))
-        fn = lambda: call(backend)  # noqa: E731
+        fns = {b: (lambda b=b: call(b)) for b in backends if b in case.backends}
         with torch.no_grad():
-            ms = time_call(fn, device, warmup=warmup, repeats=repeats)
-            mib = peak_memory_mib(fn, device)
-        if backend == "recurrent":
-            recurrent_ms[(name, T)] = ms
-        ref = recurrent_ms.get((name, T))
-        row = {"model": name, "backend": backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-               "B": B, "H": H, "T": T, "K": K, "V": V, "time_ms": ms, "peak_MiB": mib,
-               "speedup": (ref / ms) if ref else None}
-        if on_gpu:
-            # FLOPs of the chunkwise algorithm: meaningless for the token loop, so left blank there
-            row["TFLOP/s"] = case.flops(shape) / (ms * 1e-3) / 1e12 if case.flops and backend != "recurrent" else None
-            row["GB/s"] = case.bytes(shape) / (ms * 1e-3) / 1e9 if case.bytes else None
-        rows.append(row)
+            times = time_calls(fns, device, warmup=warmup, repeats=repeats)      # backends interleaved
+            peaks = {b: peak_memory_mib(fn, device) for b, fn in fns.items()}
+        ref = times.get("recurrent")
+        for backend, ms in times.items():
+            row = {"model": name, "backend": backend, "device": str(device),
+                   "dtype": str(dtype).replace("torch.", ""), "B": B, "H": H, "T": T, "K": K, "V": V,
+                   "time_ms": ms, "peak_MiB": peaks[backend], "speedup": (ref / ms) if ref else None}
+            if on_gpu:
+                # FLOPs of the chunkwise algorithm: meaningless for the token loop, so left blank there
+                row["TFLOP/s"] = (case.flops(shape) / (ms * 1e-3) / 1e12
+                                  if case.flops and backend != "recurrent" else None)
+                row["GB/s"] = case.bytes(shape) / (ms * 1e-3) / 1e9 if case.bytes else None
+            rows.append(row)
     return rows
 
 

@@ -39,6 +39,15 @@ def test_peak_memory_sees_a_known_allocation():
     assert bench.peak_memory_mib(fn, "cpu") == pytest.approx(6.0, abs=0.1)
 
 
+def test_time_calls_interleaves_the_functions():
+    """Every function is timed over the same stretch: one call of each, round after round."""
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in ("recurrent", "chunk")}
+    times = bench.time_calls(fns, "cpu", warmup=1, repeats=3)
+    assert order == ["recurrent", "chunk"] * 4 and set(times) == {"recurrent", "chunk"}
+    assert all(t >= 0 for t in times.values())
+
+
 def test_register_bench_case_and_errors():
     calls = []
     def builder(shape, g):

@@ -24,13 +24,13 @@ Stability: with scalar gates only differences g_t - g_j with j <= t are exponent
 e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided by a
 cumulative product of gates, which would overflow as soon as the gates are small (MATH.md §2
 warns about the division in the textbook form). For KDA the per-channel decay sits inside
-the k.k and q.k sums; ``atlaslib.linear.chunk.channel_scores`` factors it as e^{g_t} e^{-g_j}
-only while the chunk's decay keeps both factors within e^{+-30}, and splits the chunk where
-it does not.
+the k.k and q.k sums; chapter 1's ``decayed_scores`` factors it as e^{g_t} e^{-g_j} only
+while the chunk's decay keeps both factors within e^{+-30}, and ``channel_scores`` splits the
+chunk where it does not (scalar gates go the same way, with vector factors).
 
 Everything but the start state is solved ahead, for a group of chunks at once: with
-A = I + Diag(beta) L, the WY pair W = A^{-1} Diag(beta) (K e^g) and U0 = A^{-1} Diag(beta) V
-(one triangular solve with K + V right-hand sides) gives U = U0 - W S^T, so only four small
+A = I + Diag(beta) L and the UT transform's T = A^{-1} Diag(beta) (one triangular solve
+against I), the WY pair W = T (K e^g), U0 = T V gives U = U0 - W S^T, so only four small
 matrix products per chunk run in sequence:
 
     U = U0 - W S^T,   Y = (Q e^g) S^T + P U,   S' = S e^{g_n} + U^T (K e^{g_n - g}).
@@ -50,11 +50,10 @@ def decayed_products(q, k, g):
     accumulated from the chunk start. Returns (P, L, q_dec, k_dec, k_end, s_dec): P [..., n, n]
     the causal decayed q.k scores, L [..., n, n] the strictly lower decayed k.k products,
     q * e^g, k * e^g, k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
-    that multiplies the start state. Queries, then keys, are scored against the keys by
-    chapter 1's ``decayed_scores``.
+    that multiplies the start state. Queries and keys are scored against the keys together
+    by chapter 1's ``decayed_scores``, which computes the gate factors once for both.
     """
-    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
-    KK, k_dec, _, _ = decayed_scores(k, k, g)
+    (P, KK), (q_dec, k_dec), k_end, s_dec = decayed_scores((q, k), k, g)
     return P, KK.tril_(-1), q_dec, k_dec, k_end, s_dec
 
 
@@ -80,26 +79,30 @@ def chunk_step(S, q, k, v, beta, g):
 GROUP = 8
 
 
-def chunk_group(S, q, k, v, b, g):
-    """A run of G chunks from start state S [BH,V,K]: q, k [BH,G,C,K]; v [BH,G,C,V]; b = beta
-    [BH,G,C,1]; g None, [BH,G,C] or [BH,G,C,K]. Returns (o [BH,G,C,V], the state after them).
+def chunk_group(S, q, k, v, b, g, outputs):
+    """A run of G chunks from start state S [BH,V,K]: q, k [G,BH,C,K]; v [G,BH,C,V]; b = beta
+    [G,BH,C,1]; g None, [G,BH,C] or [G,BH,C,K] (chunk-major, as ``to_chunks`` gives them).
+    Appends each chunk's output [BH,C,V] to ``outputs`` and returns the state after the run.
 
-    P, L, the gated q and k and the WY pair (W, U0) of all G chunks come first, in one batch;
-    then only four small matrix products per chunk run in sequence.
+    P, L, the gated q and k, T = A^{-1} Diag(beta) and the WY pair W = T (K e^g), U0 = T V of all
+    G chunks come first, in one batch; then only four small matrix products per chunk run in sequence.
     """
-    C, K = q.shape[2], q.shape[3]
+    C = q.shape[2]
     P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
-    system = torch.eye(C, dtype=q.dtype, device=q.device) + b * L     # I + Diag(beta) L
-    WU = torch.linalg.solve_triangular(system, torch.cat([b * k_dec, b * v], dim=-1), upper=False,
-                                       unitriangular=True)
-    W, U0 = WU[..., :K], WU[..., K:]
-    outputs = []
-    for c in range(q.shape[1]):
+    A = torch.eye(C, dtype=q.dtype, device=q.device) + b * L           # I + Diag(beta) L
+    # A^{-1} by one triangular solve against I (fewer right-hand sides than [K e^g | V], and
+    # then two batched products): the UT transform's T matrix.
+    T = torch.linalg.solve_triangular(A, torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A),
+                                      upper=False, unitriangular=True) * b.mT
+    W, U0 = T @ k_dec, T @ v
+    for c in range(q.shape[0]):
         St = S.mT
-        U = torch.baddbmm(U0[:, c], W[:, c], St, alpha=-1)                    # U = U0 - W S^T
-        outputs.append(torch.baddbmm(P[:, c] @ U, q_dec[:, c], St))           # Y = Q_dec S^T + P U
-        S = torch.baddbmm(S if s_dec is None else S * s_dec[:, c], U.mT, k_end[:, c])
-    return torch.stack(outputs, dim=1), S
+        U = torch.baddbmm(U0[c], W[c], St, alpha=-1)                          # U = U0 - W S^T
+        outputs.append((P[c] @ U).baddbmm_(q_dec[c], St))                     # Y = P U + Q_dec S^T
+        # S' = S e^{g_n} + U^T (K e^{g_n - g}); accumulating in place into the fresh product
+        # S e^{g_n} saves a copy and is safe for autograd (the product's backward needs S, not it).
+        S = torch.baddbmm(S, U.mT, k_end[c]) if s_dec is None else (S * s_dec[c]).baddbmm_(U.mT, k_end[c])
+    return S
 
 
 def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=64):
@@ -118,12 +121,10 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
         return v.to(out_dtype), S
     C = min(chunk_size, T)                                           # padding: zero rows, beta 0, gates 1
     (q, k, v, b), g = to_chunks([q, k, v, beta[..., None]], None if alpha is None else log_gate(alpha, cd), C)
-    N = q.shape[1]
     S = S.reshape(B * H, V, K)
     outputs = []
-    for s in range(0, N, GROUP):
-        e = min(s + GROUP, N)
-        o, S = chunk_group(S, q[:, s:e], k[:, s:e], v[:, s:e], b[:, s:e], None if g is None else g[:, s:e])
-        outputs.append(o)
-    o = torch.cat(outputs, dim=1).reshape(B, H, N * C, V)[:, :, :T]
+    for s in range(0, q.shape[0], GROUP):
+        S = chunk_group(S, q[s:s + GROUP], k[s:s + GROUP], v[s:s + GROUP], b[s:s + GROUP],
+                        None if g is None else g[s:s + GROUP], outputs)
+    o = torch.stack(outputs, dim=1).reshape(B, H, -1, V)[:, :, :T]                # stacked straight into [B*H, N, C, V]
     return o.to(out_dtype), S.reshape(B, H, V, K)

@@ -17,6 +17,8 @@ factors inside [e^-SPLIT_SPAN, e^SPLIT_SPAN], so the scores are one matrix produ
 q e^g and k e^-g (each product of two factors is the exact term; nothing can overflow).
 A chunk that decays more is split in halves: the off-diagonal block takes its
 reference at the split, where both exponents are <= 0, and each half recurses.
+Scalar gates take the same route (a scalar gate is a per-channel gate with equal
+channels): the factors are then vectors, and no [n, n] matrix of exponentials is formed.
 """
 from __future__ import annotations
 
@@ -71,23 +73,29 @@ def channel_scores(x: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch.T
     return torch.cat([torch.cat([top, upper], -1), torch.cat([cross, bottom], -1)], -2)
 
 
-def decayed_scores(x, k, g):
+def decayed_scores(xs, k, g):
     """Everything the gates touch in a chunk (or in all chunks at once).
 
-    x, k: [..., n, K] (x: the queries, or any rows to score against the keys); g: None,
-    [..., n] (scalar) or [..., n, K] (per channel), log-gates accumulated from the chunk
-    start. Returns (P, x_dec, k_end, s_dec): P [..., n, n] the causal decayed scores
-    x_t . k_i e^{g_t - g_i}, x * e^g, k * e^{g_n - g}, and the factor e^{g_n} (None,
-    [..., 1, 1] or [..., 1, K]) that multiplies the start state.
+    xs: a tuple of row sets [..., n, K] scored against the keys (the queries; chapter 2 adds
+    the keys themselves); k: [..., n, K]; g: None, [..., n] (scalar) or [..., n, K] (per
+    channel), log-gates accumulated from the chunk start. Returns (Ps, x_decs, k_end, s_dec):
+    for each x the causal decayed scores P[t, i] = x_t . k_i e^{g_t - g_i} [..., n, n] and
+    x * e^g; then k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
+    that multiplies the start state.
+
+    When the chunk's decay is bounded (the usual case) the scores are ``channel_scores``'s
+    one product, with the factors e^{+-g} computed once for all row sets.
     """
     if g is None:
-        return (x @ k.mT).tril_(), x, k, None
-    if g.dim() < k.dim():                                        # scalar gates [..., n]
-        n = k.shape[-2]
-        D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=k.device).tril())
-        return (x @ k.mT) * D, x * torch.exp(g)[..., None], \
-            k * torch.exp(g[..., -1:, None] - g[..., None]), torch.exp(g[..., -1:, None])
-    return channel_scores(x, k, g), x * torch.exp(g), k * torch.exp(g[..., -1:, :] - g), torch.exp(g[..., -1:, :])
+        return tuple((x @ k.mT).tril_() for x in xs), xs, k, None
+    if g.dim() < k.dim():       # a scalar gate is a per-channel gate with equal channels: [..., n, 1]
+        g = g[..., None]        # broadcasts over K, so the decay factors are vectors, not an [n, n] tile
+    s_dec, e = torch.exp(g[..., -1:, :]), torch.exp(g)
+    x_decs = tuple(x * e for x in xs)
+    if -g[..., -1, :].min().item() <= SPLIT_SPAN:               # e^{g_t - g_i} = e^{g_t} e^{-g_i}
+        k_inv = k / e                                            # e^{-g_i} <= e^SPLIT_SPAN here
+        return tuple((x_dec @ k_inv.mT).tril_() for x_dec in x_decs), x_decs, k_inv * s_dec, s_dec
+    return tuple(channel_scores(x, k, g) for x in xs), x_decs, k * torch.exp(g[..., -1:, :] - g), s_dec
 
 
 def chunk_step(S, q, k, v, g):
@@ -95,7 +103,7 @@ def chunk_step(S, q, k, v, g):
 
     Returns (o [B,H,n,V], S at the chunk's end).
     """
-    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
+    (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     o = q_dec @ S.mT + P @ v
     return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
 
@@ -104,8 +112,9 @@ def to_chunks(rows, logs, C):
     """Rows [B, H, T, d] (q, k, v, ...) and log-gates (None, [B,H,T] or [B,H,T,K]) in chunks of C.
 
     T is padded to whole chunks with zero rows and log-gates 0 (gates 1), which write
-    nothing. Returns the rows as [B*H, N, C, d] and g, the log-gates accumulated from each
-    chunk's start ([B*H, N, C] or [B*H, N, C, K], or None).
+    nothing. Returns the rows as [N, B*H, C, d], chunk-major, so that a chunk, or a run of
+    chunks, is one contiguous block (batched matrix products then take it without a copy),
+    and g, the log-gates accumulated from each chunk's start ([N, B*H, C] or [N, B*H, C, K], or None).
     """
     B, H, T = rows[0].shape[:3]
     N, pad = -(-T // C), -T % C
@@ -113,9 +122,16 @@ def to_chunks(rows, logs, C):
         rows = [torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in rows]
         if logs is not None:
             logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
-    rows = [x.reshape(B * H, N, C, x.shape[-1]) for x in rows]
-    g = None if logs is None else logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2)
-    return rows, g
+    rows = [x.reshape(B * H, N, C, x.shape[-1]).transpose(0, 1).contiguous() for x in rows]
+    if logs is not None:
+        logs = logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2).transpose(0, 1).contiguous()
+    return rows, logs
+
+
+def from_chunks(o, B, H, T):
+    """Chunk-major outputs [N, B*H, C, V] back to [B, H, T, V] (dropping the padding)."""
+    N, _, C, V = o.shape
+    return o.transpose(0, 1).reshape(B, H, N * C, V)[:, :, :T]
 
 
 def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64):
@@ -134,12 +150,11 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
         return v.to(out_dtype), S
     C = min(chunk_size, T)
     (q, k, v), g = to_chunks([q, k, v], None if alpha is None else log_gate(alpha, cd), C)
-    N = q.shape[1]
-    P, q_dec, k_end, s_dec = decayed_scores(q, k, g)
+    (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     S = S.reshape(B * H, V, K)
     starts = []
-    for c in range(N):                                           # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
+    for c in range(q.shape[0]):                                  # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
         starts.append(S)
-        S = torch.baddbmm(S if s_dec is None else S * s_dec[:, c], v[:, c].mT, k_end[:, c])
-    o = q_dec @ torch.stack(starts, dim=1).mT + P @ v           # every chunk reads its start state
-    return o.reshape(B, H, N * C, V)[:, :, :T].to(out_dtype), S.reshape(B, H, V, K)
+        S = torch.baddbmm(S if s_dec is None else S * s_dec[c], v[c].mT, k_end[c])
+    o = q_dec @ torch.stack(starts).mT + P @ v                  # every chunk reads its start state
+    return from_chunks(o, B, H, T).to(out_dtype), S.reshape(B, H, V, K)
