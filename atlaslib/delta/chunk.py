@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.chunk import decayed_scores, log_gate, to_chunks
+from ..linear.chunk import chunk_log_gates, chunk_run, decayed_scores, to_chunks
 from ..linear.recurrent import compute_dtype
 
 
@@ -81,7 +81,7 @@ GROUP = 8
 
 def chunk_group(S, q, k, v, b, g, outputs):
     """A run of G chunks from start state S [BH,V,K]: q, k [G,BH,C,K]; v [G,BH,C,V]; b = beta
-    [G,BH,C,1]; g None, [G,BH,C] or [G,BH,C,K] (chunk-major, as ``to_chunks`` gives them).
+    [G,BH,C,1]; g None, [G,BH,C] or [G,BH,C,K] (chunk-major, as ``chunk_run`` gives them).
     Appends each chunk's output [BH,C,V] to ``outputs`` and returns the state after the run.
 
     P, L, the gated q and k, T = A^{-1} Diag(beta) and the WY pair W = T (K e^g), U0 = T V of all
@@ -119,12 +119,16 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     S = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     if T == 0:
         return v.to(out_dtype), S
-    C = min(chunk_size, T)                                           # padding: zero rows, beta 0, gates 1
-    (q, k, v, b), g = to_chunks([q, k, v, beta[..., None]], None if alpha is None else log_gate(alpha, cd), C)
+    C = min(chunk_size, T)
+    rows = [to_chunks(x, C) for x in (q, k, v, beta[..., None])]   # padding: zero rows and beta 0 write nothing,
+    gates = None if alpha is None else to_chunks(alpha, C, fill=1.0)  # and gates 1 keep everything
     S = S.reshape(B * H, V, K)
     outputs = []
-    for s in range(0, q.shape[0], GROUP):
-        S = chunk_group(S, q[s:s + GROUP], k[s:s + GROUP], v[s:s + GROUP], b[s:s + GROUP],
-                        None if g is None else g[s:s + GROUP], outputs)
+    for s in range(0, rows[0].shape[1], GROUP):
+        # Each run is copied chunk-major just before it is used: the copies are small, still in
+        # cache when read, and recycled by the allocator from run to run.
+        qg, kg, vg, bg = (chunk_run(x, s, GROUP) for x in rows)
+        g = None if gates is None else chunk_log_gates(chunk_run(gates, s, GROUP), cd)
+        S = chunk_group(S, qg, kg, vg, bg, g, outputs)
     o = torch.stack(outputs, dim=1).reshape(B, H, -1, V)[:, :, :T]                # stacked straight into [B*H, N, C, V]
     return o.to(out_dtype), S.reshape(B, H, V, K)

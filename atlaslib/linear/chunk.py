@@ -108,24 +108,29 @@ def chunk_step(S, q, k, v, g):
     return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
 
 
-def to_chunks(rows, logs, C):
-    """Rows [B, H, T, d] (q, k, v, ...) and log-gates (None, [B,H,T] or [B,H,T,K]) in chunks of C.
+def to_chunks(x, C, fill=0.0):
+    """[B, H, T, ...] -> [B*H, N, C, ...]: T cut into N chunks of C, a view unless T must be padded.
 
-    T is padded to whole chunks with zero rows and log-gates 0 (gates 1), which write
-    nothing. Returns the rows as [N, B*H, C, d], chunk-major, so that a chunk, or a run of
-    chunks, is one contiguous block (batched matrix products then take it without a copy),
-    and g, the log-gates accumulated from each chunk's start ([N, B*H, C] or [N, B*H, C, K], or None).
+    Padding rows get ``fill``: 0 for q, k, v and beta (they write nothing), 1 for gates (they keep everything).
     """
-    B, H, T = rows[0].shape[:3]
-    N, pad = -(-T // C), -T % C
-    if pad:
-        rows = [torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in rows]
-        if logs is not None:
-            logs = torch.nn.functional.pad(logs, (0, 0, 0, pad) if logs.dim() == 4 else (0, pad))
-    rows = [x.reshape(B * H, N, C, x.shape[-1]).transpose(0, 1).contiguous() for x in rows]
-    if logs is not None:
-        logs = logs.reshape(B * H, N, C, *logs.shape[3:]).cumsum(dim=2).transpose(0, 1).contiguous()
-    return rows, logs
+    B, H, T = x.shape[:3]
+    if T % C:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C), value=fill)
+    return x.reshape(B * H, -1, C, *x.shape[3:])
+
+
+def chunk_run(x, s, n):
+    """Chunks s, ..., s+n-1 of x [B*H, N, C, ...] as one contiguous chunk-major block [n, B*H, C, ...].
+
+    Batched matrix products then take a chunk, or the whole run, without copying it again; a
+    run copied just before it is used is also still in cache.
+    """
+    return x[:, s:s + n].transpose(0, 1).contiguous()
+
+
+def chunk_log_gates(alpha, cd):
+    """g, the log-gates accumulated from each chunk's start, for gates alpha [n, B*H, C] or [n, B*H, C, K]."""
+    return log_gate(alpha, cd).cumsum(dim=2)
 
 
 def from_chunks(o, B, H, T):
@@ -149,7 +154,9 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     if T == 0:
         return v.to(out_dtype), S
     C = min(chunk_size, T)
-    (q, k, v), g = to_chunks([q, k, v], None if alpha is None else log_gate(alpha, cd), C)
+    N = -(-T // C)
+    q, k, v = (chunk_run(to_chunks(x, C), 0, N) for x in (q, k, v))
+    g = None if alpha is None else chunk_log_gates(chunk_run(to_chunks(alpha, C, fill=1.0), 0, N), cd)
     (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     S = S.reshape(B * H, V, K)
     starts = []
