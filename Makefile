@@ -4,8 +4,11 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
-# idle OpenMP threads sleep instead of spinning: a busy machine otherwise stalls every torch call
-export OMP_WAIT_POLICY ?= PASSIVE
+# Idle OpenMP threads spin only briefly (libgomp, as in torch's Linux wheels) before they sleep:
+# back-to-back small ops keep their threads awake (OMP_WAIT_POLICY=PASSIVE halved the speed of
+# the chapters' training loops on 2 cores), yet a thread never spins long on a core another
+# process needs (the default, 300000 spins, stalled notebooks on a loaded machine).
+export GOMP_SPINCOUNT ?= 1000
 export PYTHONHASHSEED := 0
 export MPLBACKEND := Agg
 
