@@ -62,11 +62,15 @@ def test_chunk_matches_recurrent(gen, shape, mode, h0):
     q, k, v, alpha, state = make_inputs(gen, *shape, mode, h0=h0)
     ref, ref_state = linear_attention(q, k, v, alpha=alpha, initial_state=state,
                                       output_final_state=True, backend="recurrent")
+    # The same sums on absolute values: the scale rounding errors are bounded by, even where
+    # an output cancels to nearly zero (with T=1 it is one dot product q.k).
+    scale, scale_state = linear_attention(q.abs(), k.abs(), v.abs(), alpha=alpha, output_final_state=True,
+                                          initial_state=None if state is None else state.abs(), backend="recurrent")
     for chunk_size in (1, 7, 16, 64):
         o, s = linear_attention(q, k, v, alpha=alpha, initial_state=state, output_final_state=True,
                                 backend="chunk", chunk_size=chunk_size)
-        assert_close(o, ref, name=f"o (chunk_size={chunk_size})")
-        assert_close(s, ref_state, name=f"final state (chunk_size={chunk_size})")
+        assert_close(o, ref, name=f"o (chunk_size={chunk_size})", scale=scale)
+        assert_close(s, ref_state, name=f"final state (chunk_size={chunk_size})", scale=scale_state)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

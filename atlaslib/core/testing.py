@@ -19,8 +19,14 @@ def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def assert_close(actual, expected, tol: float | None = None, name: str = "output"):
-    """Assert ``rel_rmse(actual, expected) <= tol`` with a message that says where they differ."""
+def assert_close(actual, expected, tol: float | None = None, name: str = "output", scale=None):
+    """Assert ``rel_rmse(actual, expected) <= tol`` with a message that says where they differ.
+
+    ``scale``: measure the error against ||scale|| instead of ||expected||. Rounding errors of a
+    sum are bounded relative to the sum of the terms' magnitudes, not to the sum itself, so a
+    result that cancels (a dot product close to zero) should be judged against the same
+    computation on absolute values.
+    """
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if tol is None:
@@ -29,11 +35,13 @@ def assert_close(actual, expected, tol: float | None = None, name: str = "output
         idx = torch.nonzero(torch.isnan(actual))[0].tolist()
         raise AssertionError(f"{name}: NaN at index {idx} (an output the code never wrote?)")
     err = rel_rmse(actual, expected)
+    if scale is not None:
+        err *= expected.detach().double().norm().item() / scale.detach().double().norm().item()
     if not err <= tol:
         diff = (actual.double() - expected.double()).abs()
         idx = torch.nonzero(diff == diff.max())[0].tolist()
         raise AssertionError(
-            f"{name}: relative RMSE {err:.3g} > {tol:.3g}; largest difference {diff.max().item():.3g} "
+            f"{name}: relative RMSE {err:.3g} > {tol:.3g}{'' if scale is None else ' (against the scale)'}; largest difference {diff.max().item():.3g} "
             f"at index {idx} (got {actual[tuple(idx)].item():.6g}, expected {expected[tuple(idx)].item():.6g})")
     return err
 
