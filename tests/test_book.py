@@ -116,3 +116,40 @@ def test_config_keeps_execution_off_and_bibliography():
     assert config["execute"]["execute_notebooks"] == "off"
     for bib in config["bibtex_bibfiles"]:
         assert (ROOT / bib).exists(), f"bibliography file {bib} is missing"
+
+
+# Where a `$` may legitimately stay in the HTML: math MathJax will typeset, code, cell
+# outputs, and the page's scripts and styles.
+NOT_PROSE = ("script", "style", "pre", "code", "kbd", "samp")
+NOT_PROSE_CLASSES = {"math", "cell_output", "output", "highlight", "MathJax"}
+
+
+def stray_dollars(soup) -> list[str]:
+    """Prose text nodes that still hold a `$`: inline math Markdown failed to parse.
+
+    The usual cause is a formula wrapped onto a line that starts with `+ ` or `- `:
+    Markdown reads that line as a list item, the sign disappears and both halves of the
+    formula are printed raw.
+    """
+    main = soup.select_one("main") or soup
+    found = []
+    for text in main.find_all(string=lambda s: "$" in s):
+        if any(parent.name in NOT_PROSE or NOT_PROSE_CLASSES & set(parent.get("class") or [])
+               for parent in text.parents):
+            continue
+        found.append(" ".join(text.split())[:160])
+    return found
+
+
+def test_stray_dollars_detector_finds_a_broken_formula():
+    broken = BeautifulSoup('<main><p>the gradient is $a</p><ul><li><p>b$ here</p></li></ul>'
+                           '<p><span class="math notranslate">\\(x\\)</span> and <code>$HOME</code></p>'
+                           '</main>', "html.parser")
+    assert stray_dollars(broken) == ["the gradient is $a", "b$ here"]
+
+
+def test_no_raw_dollar_signs_in_prose(html_dir):
+    """Every inline formula was parsed as math: no `$` is left in the rendered prose."""
+    offenders = [f"{doc}: {text}" for doc in built_pages(html_dir)
+                 for text in stray_dollars(soup_of(html_dir, doc))]
+    assert not offenders, "unparsed inline math (a `$` left in the prose):\n" + "\n".join(offenders)
