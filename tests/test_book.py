@@ -124,8 +124,11 @@ NOT_PROSE = ("script", "style", "pre", "code", "kbd", "samp")
 NOT_PROSE_CLASSES = {"math", "cell_output", "output", "highlight", "MathJax"}
 
 
-def stray_dollars(soup) -> list[str]:
-    """Prose text nodes that still hold a `$`: inline math Markdown failed to parse.
+RAW_MATH = re.compile(r"\$|\\[A-Za-z]{2,}")   # a dollar, or a LaTeX command such as \alpha
+
+
+def raw_math_in_prose(soup) -> list[str]:
+    """Prose text nodes that still hold a `$` or a LaTeX command: math Markdown failed to parse.
 
     The usual cause is a formula wrapped onto a line that starts with `+ ` or `- `:
     Markdown reads that line as a list item, the sign disappears and both halves of the
@@ -133,7 +136,7 @@ def stray_dollars(soup) -> list[str]:
     """
     main = soup.select_one("main") or soup
     found = []
-    for text in main.find_all(string=lambda s: "$" in s):
+    for text in main.find_all(string=RAW_MATH):
         if any(parent.name in NOT_PROSE or NOT_PROSE_CLASSES & set(parent.get("class") or [])
                for parent in text.parents):
             continue
@@ -141,15 +144,15 @@ def stray_dollars(soup) -> list[str]:
     return found
 
 
-def test_stray_dollars_detector_finds_a_broken_formula():
+def test_raw_math_in_prose_detector_finds_a_broken_formula():
     broken = BeautifulSoup('<main><p>the gradient is $a</p><ul><li><p>b$ here</p></li></ul>'
                            '<p><span class="math notranslate">\\(x\\)</span> and <code>$HOME</code></p>'
-                           '</main>', "html.parser")
-    assert stray_dollars(broken) == ["the gradient is $a", "b$ here"]
+                           '<p>raw \\tfrac12 left</p><p>no math, 5 dollars</p></main>', "html.parser")
+    assert raw_math_in_prose(broken) == ["the gradient is $a", "b$ here", "raw \\tfrac12 left"]
 
 
-def test_no_raw_dollar_signs_in_prose(html_dir):
+def test_no_raw_math_in_prose(html_dir):
     """Every inline formula was parsed as math: no `$` is left in the rendered prose."""
     offenders = [f"{doc}: {text}" for doc in built_pages(html_dir)
-                 for text in stray_dollars(soup_of(html_dir, doc))]
-    assert not offenders, "unparsed inline math (a `$` left in the prose):\n" + "\n".join(offenders)
+                 for text in raw_math_in_prose(soup_of(html_dir, doc))]
+    assert not offenders, "unparsed inline math (a `$` or LaTeX command left in the prose):\n" + "\n".join(offenders)
