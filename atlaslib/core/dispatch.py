@@ -8,6 +8,7 @@ decides at decoration time whether it builds a GPU kernel or an interpreted one.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -58,7 +59,7 @@ class ChunkBackward(torch.autograd.Function):
         ctx.is_tensor = [isinstance(t, torch.Tensor) for t in inputs]
         ctx.others = [None if isinstance(t, torch.Tensor) else t for t in inputs]
         with torch.no_grad():
-            outs = forward_triton(*inputs)
+            outs = forward_or_fallback(forward_triton, forward_chunk, *inputs)
         return tuple(outs)
 
     @staticmethod
@@ -76,8 +77,26 @@ class ChunkBackward(torch.autograd.Function):
         return (None, None, *result)
 
 
+def forward_or_fallback(forward_triton, forward_chunk, *inputs):
+    """``forward_triton(*inputs)``, or the chunk form with a warning if the card cannot run it.
+
+    Every tile configuration is built ahead of time for sm_80 and sm_90 (``python -m
+    atlaslib.aot``) and fits there; a card with less shared memory per block (many consumer
+    GPUs allow about 100 KB) can still refuse the larger tiles at launch. Then the same
+    function is computed by the chunk form instead of failing.
+    """
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return forward_triton(*inputs)
+    except OutOfResources as exc:
+        warnings.warn(f"{getattr(forward_triton, '__name__', 'the Triton kernel')} does not fit this GPU "
+                      f"({exc}); using the chunk form instead", RuntimeWarning, stacklevel=3)
+        return forward_chunk(*inputs)
+
+
 def with_chunk_backward(forward_triton, forward_chunk, *inputs):
     """Run ``forward_triton`` and attach the chunk-form backward when gradients are needed."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
         return ChunkBackward.apply(forward_triton, forward_chunk, *inputs)
-    return forward_triton(*inputs)
+    return forward_or_fallback(forward_triton, forward_chunk, *inputs)

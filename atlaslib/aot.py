@@ -1,0 +1,327 @@
+"""Every Triton kernel built ahead of time for real GPUs, on a machine that has none.
+
+Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python on NumPy, which is how
+the tests check the kernels' numbers on CPU. It also accepts programs that a real build
+rejects or that would crawl on a card: more shared memory than the card has, ``tl.dot``
+shapes below 16, register spills. So this module builds each kernel for named targets —
+sm_80 (A100) and sm_90 (H100) — without a device:
+
+1. it calls the chapter's Triton wrapper on small CPU tensors with the kernel launch
+   intercepted, so the tile sizes, flags and argument dtypes are exactly the ones the wrapper
+   chooses (nothing here repeats the wrappers' tile logic);
+2. it specialises the captured arguments as Triton's JIT does at a launch (dtypes,
+   16-byte alignment, integers divisible by 16) and compiles with
+   ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
+3. it reads what the build used: shared memory (from the compiled metadata), registers and
+   spilled bytes (from the ``ptxas -v`` log of that same build), and whether every offset
+   added to a kernel's pointer arguments is 64-bit (from the Triton IR).
+
+``python -m atlaslib.aot`` (or ``python -m atlaslib.bench --compile``) prints the table; the
+tests assert that every configuration builds and fits. Results are cached in
+``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation and the
+target, so an unchanged kernel is not rebuilt. Needs the real kernels: run it with
+``TRITON_INTERPRET`` unset (it re-executes itself that way when asked from an interpreted
+process). Uses Triton's JIT internals (``create_function_from_signature``, ``_pack_args``),
+pinned by ``triton==3.7.1``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+# Shared memory one program may use (the opt-in maximum per block) on each target.
+TARGETS = {
+    "sm_80": {"cc": 80, "card": "A100", "shared_limit": 163 * 1024},
+    "sm_90": {"cc": 90, "card": "H100", "shared_limit": 227 * 1024},
+}
+CACHE_DIR = Path(os.environ.get("ATLAS_AOT_CACHE") or Path(__file__).resolve().parents[1] / "_build" / "aot")
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch as a wrapper makes it: the JIT function, its grid and arguments."""
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class Build:
+    """What one configuration used on one target."""
+    kernel: str
+    config: str
+    target: str
+    shared: int            # bytes of shared memory per program
+    registers: int         # per thread
+    spill_stores: int      # bytes per thread
+    spill_loads: int
+    int64_bases: bool      # every offset added to a pointer argument is 64-bit
+    error: str = ""        # the build's error message, if it failed
+    grid: tuple = ()       # the launch grid at T = 40 (B*H = 2)
+    grid_fixed_in_T: bool = True   # the same grid at T = 400: programs loop over chunks
+
+    @property
+    def fits(self) -> bool:
+        return not self.error and self.shared <= TARGETS[self.target]["shared_limit"]
+
+
+@contextlib.contextmanager
+def intercepted_launches():
+    """Record every ``kernel[grid](...)`` instead of running it (no device is touched)."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append(Launch(self, tuple(grid), args, kwargs))
+
+    original = JITFunction.run
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def captured(call) -> Launch:
+    """The one launch ``call()`` makes (a wrapper run on CPU tensors)."""
+    with intercepted_launches() as launches:
+        call()
+    if len(launches) != 1:
+        raise RuntimeError(f"expected one kernel launch, got {len(launches)}")
+    return launches[0]
+
+
+def specialised(launch: Launch, target_name: str):
+    """(ASTSource, options, key) as the JIT would build them for this launch on the target."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    backend = make_backend(GPUTarget("cuda", TARGETS[target_name]["cc"], 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    key = hashlib.sha256(repr((kernel.cache_key, sorted(signature.items()), sorted(constexprs.items(), key=str),
+                               sorted(attrs.items(), key=str), sorted(options.__dict__.items(), key=str),
+                               target_name)).encode()).hexdigest()[:24]
+    return source, options, key
+
+
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_REGS = re.compile(r"Used (\d+) registers")
+# A pointer argument (%q_ptr) or a splat of one, moved by an offset of type ...
+ADDPTR = re.compile(r"tt\.addptr (%[A-Za-z_][\w]*), %[\w]+ : [^,]+, (?:tensor<[^>]*x)?(i32|i64)>?")
+
+
+def int64_bases(ttir: str, pointer_args: list[str]) -> bool:
+    """Whether every offset added directly to a pointer argument (or a splat of it) is i64.
+
+    Offsets relative to a program's own slice (a chunk's rows within one head) stay small;
+    the offset of the slice itself, (batch*head) * T * K, exceeds 2^31 at long T and must be
+    computed in 64 bits. Splats of arguments are followed through ``tt.splat``.
+    """
+    bases = {f"%{name}" for name in pointer_args}
+    for line in ttir.splitlines():
+        m = re.search(r"(%[\w]+) = tt\.splat (%[\w]+)", line)
+        if m and m.group(2) in bases:
+            bases.add(m.group(1))
+    return all(dtype == "i64" for base, dtype in ADDPTR.findall(ttir) if base in bases)
+
+
+def build(launch: Launch, target_name: str, config: str) -> Build:
+    """Compile one captured launch for one target and measure it (cached on disk)."""
+    import triton
+    from triton import knobs
+
+    source, options, key = specialised(launch, target_name)
+    name = launch.kernel.fn.__name__
+    cache = CACHE_DIR / f"{name}-{key}.json"
+    if cache.exists():
+        return Build(**json.loads(cache.read_text()))
+    pointer_args = [p.name for p, a in zip(launch.kernel.params, launch.args) if isinstance(a, torch.Tensor)]
+    log = io.StringIO()
+    try:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(log):
+            # a private Triton cache, so that ptxas runs and prints its resource log
+            old_dir, old_dump = knobs.cache.dir, knobs.nvidia.dump_ptxas_log
+            knobs.cache.dir, knobs.nvidia.dump_ptxas_log = tmp, True
+            try:
+                compiled = triton.compile(source, target=_target(target_name), options=options.__dict__)
+            finally:
+                knobs.cache.dir, knobs.nvidia.dump_ptxas_log = old_dir, old_dump
+    except Exception as exc:   # a build that fails is a result, reported in the table
+        return Build(name, config, target_name, 0, 0, 0, 0, False, error=f"{type(exc).__name__}: {exc}"[:500])
+    text = log.getvalue()
+    spills = PTXAS_SPILLS.search(text)
+    regs = PTXAS_REGS.search(text)
+    result = Build(name, config, target_name, shared=int(compiled.metadata.shared),
+                   registers=int(regs.group(1)) if regs else -1,
+                   spill_stores=int(spills.group(1)) if spills else -1,
+                   spill_loads=int(spills.group(2)) if spills else -1,
+                   int64_bases=int64_bases(compiled.asm["ttir"], pointer_args))
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(dataclasses.asdict(result)))
+    return result
+
+
+def _target(target_name: str):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", TARGETS[target_name]["cc"], 32)
+
+
+# ---------------------------------------------------------------------------------------
+# The configurations the dispatch can launch
+# ---------------------------------------------------------------------------------------
+HEAD_SIZES = (16, 64, 128, 256)
+ODD_SIZE = 100                      # not a power of two: padded to the next tile by the wrapper
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _qkv(K, V, dtype, T):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, T, K, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(1, 2, T, V, generator=g).to(dtype)
+    return q, k, v
+
+
+def _gate(shape):
+    return torch.full(shape, 0.9)
+
+
+def sizes_and_dtypes():
+    """Head sizes x dtypes: every size in fp32 and bf16, fp16 and an odd size at 64/128."""
+    for K in HEAD_SIZES:
+        for dt in ("fp32", "bf16"):
+            yield K, dt
+    yield 64, "fp16"
+    yield ODD_SIZE, "fp32"
+
+
+def cases():
+    """(kernel family, config label, call(T)) for every configuration checked."""
+    from .delta.kernel import delta_rule_triton
+    from .linear.kernel import linear_attention_triton
+    from .miras.kernel import titans_linear_triton
+    from .omega.kernel import MAX_FEATURES, kernel_supports, omega_triton, swla_triton
+
+    for K, dt in sizes_and_dtypes():
+        for gate in ("none", "scalar", "channel"):
+            def linear(T, K=K, dt=dt, gate=gate):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                alpha = None if gate == "none" else _gate(q.shape[:3] if gate == "scalar" else q.shape)
+                linear_attention_triton(q, k, v, alpha, torch.zeros(1, 2, K, K))
+
+            def delta(T, K=K, dt=dt, gate=gate):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                alpha = None if gate == "none" else _gate(q.shape[:3] if gate == "scalar" else q.shape)
+                delta_rule_triton(q, k, v, torch.full(q.shape[:3], 0.5), alpha, torch.zeros(1, 2, K, K))
+            yield "linear", f"gate={gate} K=V={K} {dt}", linear
+            yield "delta", f"gate={gate} K=V={K} {dt}", delta
+        for b in (16, 64):
+            def titans(T, K=K, dt=dt, b=b):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                gates = [_gate(q.shape[:3]) for _ in range(3)]
+                titans_linear_triton(q, k, v, *gates, torch.zeros(1, 2, K, K), torch.zeros(1, 2, K, K), chunk_size=b)
+            yield "titans", f"b={b} K=V={K} {dt}", titans
+        for c, b in ((1, 64), (8, 64), (8, 16), (16, 16)):
+            if K > MAX_FEATURES or not kernel_supports(K, c, b):
+                continue      # the dispatch sends these to the chunk form
+            for fn, family in ((omega_triton, "omega"), (swla_triton, "swla")):
+                def windowed(T, K=K, dt=dt, c=c, b=b, fn=fn):
+                    q, k, v = _qkv(K, K, DTYPES[dt], T)
+                    fn(q, k, v, c, torch.full((1, 2, T, c), 0.9), _gate(q.shape[:3]), torch.full(q.shape[:3], 0.1),
+                       torch.zeros(1, 2, K, K), chunk_size=b)
+                yield family, f"c={c} b={b} D=V={K} {dt}", windowed
+
+
+def check_all(targets=tuple(TARGETS), progress=True) -> list[Build]:
+    """Build every configuration for every target."""
+    from tqdm.auto import tqdm
+
+    todo = [(family, label, captured(lambda: call(40)), captured(lambda: call(400))) for family, label, call in cases()]
+    results = []
+    with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
+        for family, label, launch, longer in todo:
+            for target in targets:
+                result = build(launch, target, f"{family}: {label}")
+                results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=launch.grid,
+                                                   grid_fixed_in_T=launch.grid == longer.grid))
+                bar.update()
+    return results
+
+
+def oversized_build(target_name: str = "sm_80") -> Build:
+    """Chapter 1's kernel forced to tiles no card can hold (BT = 128, BK = 256, BV = 64, fp32).
+
+    The check must be able to fail: this build has to come out as not fitting. (BV = 256 as
+    well would be bigger still, but ptxas then runs for more than ten minutes.)
+    """
+    from .linear.kernel import linear_attention_triton
+
+    q, k, v = _qkv(256, 256, torch.float32, 40)
+    launch = captured(lambda: linear_attention_triton(q, k, v, None, torch.zeros(1, 2, 256, 256)))
+    launch.kwargs.update(BT=128)
+    return build(launch, target_name, "linear: oversized BT=128 BK=256 BV=64 fp32")
+
+
+def format_table(results: list[Build]) -> str:
+    from .train import format_table as table
+    rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
+             "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
+             "regs": r.registers, "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",
+             "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
+    return table(rows, columns=list(rows[0]))
+
+
+def in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
+    """Run ``python -m atlaslib.aot ARGS`` with the interpreter off (the real kernels)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "atlaslib.aot", *args], capture_output=True, text=True, env=env)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
+    parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
+    args = parser.parse_args(argv)
+    from .core.dispatch import interpreter_on
+    if interpreter_on():
+        proc = in_subprocess(argv if argv is not None else sys.argv[1:])
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+    targets = tuple(args.target or TARGETS)
+    if args.oversized:
+        results = [oversized_build(t) for t in targets]
+    else:
+        results = check_all(targets, progress=not args.json)
+    if args.json:
+        for r in results:
+            print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits)))
+    else:
+        print(format_table(results))
+        bad = [r for r in results if not (r.fits and r.int64_bases)]
+        print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
