@@ -16,8 +16,8 @@ sm_80 (A100) and sm_90 (H100) — without a device:
    spilled bytes (from the ``ptxas -v`` log of that same build), and whether every offset
    added to a kernel's pointer arguments is 64-bit (from the Triton IR).
 
-``python -m atlaslib.aot`` (or ``python -m atlaslib.bench --compile``) prints the table; the
-tests assert that every configuration builds and fits. Results are cached in
+``python -m atlaslib.aot`` prints the table; ``make aot`` runs the tests that assert every
+configuration builds and fits (not yet part of ``make test``: the builds are slow). Results are cached in
 ``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation and the
 target, so an unchanged kernel is not rebuilt. Needs the real kernels: run it with
 ``TRITON_INTERPRET`` unset (it re-executes itself that way when asked from an interpreted
