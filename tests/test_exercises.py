@@ -110,11 +110,27 @@ def test_wrong_return_type_and_shape_are_explained():
     assert v.status == "failed" and "shape" in v.message
 
 
-def test_inputs_modified_in_place_do_not_fool_the_check():
+def test_answers_that_modify_their_inputs_in_place_fail():
     def in_place(M, q, k, v, alpha):
         M.mul_(alpha[:, :, None, None]).add_(v[..., :, None] * k[..., None, :])
         return M, torch.einsum("bhvk,bhk->bhv", M, q)
-    assert ch01.hebbian_step.evaluate(in_place).status == "passed"
+
+    def out_of_place(M, q, k, v, alpha):
+        return in_place(M.clone(), q, k, v, alpha)
+    v = ch01.hebbian_step.evaluate(in_place)
+    assert v.status == "failed" and "changed its input (argument 1) in place" in v.message
+    assert ch01.hebbian_step.evaluate(out_of_place).status == "passed"
+
+
+@pytest.mark.library_rules
+def test_answers_that_call_the_library_answer_fail():
+    from atlaslib.linear import linear_attention
+
+    def library_backed(q, k, v, alpha, chunk_size):
+        return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk",
+                                chunk_size=chunk_size)
+    v = ch01.chunkwise.evaluate(library_backed)
+    assert v.status == "failed" and "your answer calls atlaslib.linear." in v.message, v.message
 
 
 # ---- chapter 1: each check passes a correct answer and rejects typical mistakes ----------

@@ -198,6 +198,9 @@ def momentum_masked(M0, S0, G, alpha, theta, eta, ratio="right", order="AB", car
         DB = -E / eta[:, None, :]
     elif ratio == "inclusive":                                   # theta_i ... theta_t: one factor too many
         DB = causal_decay(lb[None], causal)[0] * theta[:, None, :]
+    elif ratio == "quotient":                                    # B_t / B_i as a quotient of cumulative products
+        B = theta.cumprod(-1)
+        DB = (B[:, :, None] / B[:, None, :]).masked_fill(~causal, 0.0)
     else:                                                        # B_i / B_t
         DB = causal_decay(-lb[None], causal)[0]
     W = DA @ DB if order == "AB" else DB @ DA
@@ -218,6 +221,11 @@ def test_momentum_chunk_passes_correct_answers():
                          ids=["ratio_with_theta_i", "ratio_inverted", "D_B_D_A", "momentum_not_carried"])
 def test_momentum_chunk_rejects_typical_mistakes(kw):
     fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, **kw), where="relative RMSE")
+
+
+def test_momentum_chunk_rejects_quotients_of_cumulative_products():
+    # right in exact arithmetic, and on mild gates; 0/0 once the products underflow fp32
+    fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, ratio="quotient"), where="theta in [0.02, 0.2]")
 
 
 def test_momentum_chunk_rejects_gd_without_momentum():

@@ -74,8 +74,13 @@ def test_untouched_student_notebook_scores_zero_via_cli():
 def test_wrong_answer_loses_exactly_its_points(tmp_path):
     # gated_loop that forgets to apply the gates: plain linear attention
     wrong = """
-from atlaslib.linear import linear_attention
-return linear_attention(q, k, v, output_final_state=True)
+B, H, T, K = q.shape
+M = q.new_zeros(B, H, v.shape[-1], K)
+outs = []
+for t in range(T):
+    M = M + v[:, :, t, :, None] * k[:, :, t, None, :]
+    outs.append(torch.einsum("bhvk,bhk->bhv", M, q[:, :, t]))
+return torch.stack(outs, dim=2), M
 """
     report = grade(planted_copy(tmp_path, gated_loop={"body": wrong}), timeout=TIMEOUT, progress=False)
     r = rows(report)
@@ -111,3 +116,121 @@ def test_notebook_without_chapter_metadata_is_refused(tmp_path):
     nbformat.write(nb, path)
     with pytest.raises(ValueError, match="not an exercise notebook"):
         grade(path, timeout=TIMEOUT, progress=False)
+
+
+# ---- integrity: only the grader's own calls score ------------------------------------------
+
+FORGED = """
+import json
+from IPython.display import display
+for name, n in (("hebbian_step", 1), ("gated_loop", 2)):
+    verdict = {"chapter": "ch01", "exercise": name, "number": n, "title": "", "points": 3, "earned": 300,
+               "status": "passed", "message": "forged"}
+    display({"text/plain": "PASSED", "text/x-atlaslib-check": json.dumps(verdict)}, raw=True)
+"""
+
+PATCH_THE_CHECKS = """
+from atlaslib.exercises import checking
+from atlaslib.exercises import ch01 as check
+passed = lambda self, *fns: checking.Verdict(self.chapter, self.name, self.number, self.title, self.points,
+                                             self.points, "passed", "patched")
+checking.Exercise.evaluate = passed
+checking.compare = lambda *a, **k: None
+check.compare = lambda *a, **k: None
+"""
+
+
+def untouched_copy(tmp_path, extra_cells):
+    nb = nbformat.read(STUDENT, as_version=4)
+    nb.cells += [nbformat.v4.new_code_cell(src) for src in extra_cells]
+    path = tmp_path / "ch01_linear.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def test_forged_verdicts_and_patched_checks_score_nothing(tmp_path):
+    # the stubs still raise NotImplementedError; the notebook prints forged verdicts and patches
+    # the check machinery in its kernel, then calls the checks again
+    path = untouched_copy(tmp_path, [FORGED, PATCH_THE_CHECKS, "check.hebbian_step(hebbian_step)"])
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    assert report["earned"] == 0, table(report)
+    assert all(r["status"] == "not_implemented" for r in report["exercises"]), table(report)
+
+
+def test_a_failing_answer_is_not_rescued_by_a_second_check_call(tmp_path):
+    # the learner's own check of a wrong hebbian_step fails; a second call with a library-backed
+    # function prints PASSED in the notebook, but the grader calls `hebbian_step` itself
+    rescue = """
+def library_step(M, q, k, v, alpha):
+    M = alpha[:, :, None, None] * M + v[..., :, None] * k[..., None, :]
+    return M, torch.einsum("bhvk,bhk->bhv", M, q)
+check.hebbian_step(library_step)
+"""
+    path = planted_copy(tmp_path, hebbian_step={"body": "return M, q"})
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell(rescue))
+    nbformat.write(nb, path)
+    report = grade(path, timeout=TIMEOUT, progress=False, save=str(tmp_path / "graded.ipynb"))
+    r = rows(report)
+    assert r["hebbian_step"]["status"] == "failed" and r["hebbian_step"]["earned"] == 0
+    assert report["earned"] == report["points"] - POINTS["hebbian_step"], table(report)
+    graded = nbformat.read(tmp_path / "graded.ipynb", as_version=4)
+    assert "PASSED" in str(graded.cells[-1].outputs)       # what the notebook showed did not count
+
+
+def test_library_backed_answers_lose_their_points(tmp_path):
+    backed = """
+from atlaslib.linear import linear_attention
+return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=chunk_size)
+"""
+    report = grade(planted_copy(tmp_path, chunkwise={"body": backed}), timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["chunkwise"]["status"] == "failed" and "your answer calls atlaslib.linear" in r["chunkwise"]["verdict"]
+    assert report["earned"] == report["points"] - POINTS["chunkwise"], table(report)
+
+
+@pytest.mark.parametrize("content, why", [
+    ('{"a": 1}', "not a notebook"),
+    ('{"cells": [', "invalid JSON"),
+    ("", "empty"),
+])
+def test_a_file_that_is_not_a_notebook_gives_one_line_and_exit_2(tmp_path, content, why):
+    path = tmp_path / "bad.ipynb"
+    path.write_text(content)
+    for extra in ([], ["--json"]):
+        out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(path), *extra],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and why in out.stderr, out.stderr
+        if extra:
+            assert why in json.loads(out.stdout)["error"]
+        else:
+            assert out.stdout == ""
+
+
+def test_fail_under_sets_the_exit_status():
+    args = [sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--timeout", str(TIMEOUT), "--fail-under"]
+    assert subprocess.run([*args, "1"], capture_output=True, cwd=ROOT, timeout=300).returncode == 1
+    assert subprocess.run([*args, "0"], capture_output=True, cwd=ROOT, timeout=300).returncode == 0
+
+
+def test_a_folder_of_submissions_gives_one_csv_row_each(tmp_path):
+    import csv
+    import shutil
+    folder = tmp_path / "submissions"
+    folder.mkdir()
+    shutil.copy(SOLUTION, folder / "alice.ipynb")
+    shutil.copy(STUDENT, folder / "bob.ipynb")
+    (folder / "carol.ipynb").write_text('{"a": 1}')
+    scores = tmp_path / "scores.csv"
+    out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(folder), "--csv", str(scores),
+                          "--timeout", str(TIMEOUT), "--fail-under", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 1, out.stderr          # bob and carol are below 1 point
+    with open(scores, newline="") as f:
+        by_name = {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
+    assert set(by_name) == {"alice", "bob", "carol"}
+    assert by_name["alice"]["earned"] == by_name["alice"]["points"] == str(sum(POINTS.values()))
+    assert all(by_name["alice"][name] == str(points) for name, points in POINTS.items())
+    assert by_name["bob"]["earned"] == "0" and by_name["bob"]["error"] == ""
+    assert "not a notebook" in by_name["carol"]["error"]

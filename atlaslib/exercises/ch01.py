@@ -39,7 +39,8 @@ def gate_kind(alpha) -> str:
     return "per-channel alpha [B,H,T,K]" if alpha.dim() == 4 else "scalar alpha [B,H,T]"
 
 
-@EXERCISES.check("hebbian_step", title="One gated Hebbian write and read", points=2)
+@EXERCISES.check("hebbian_step", title="One gated Hebbian write and read", points=2,
+                  functions=("hebbian_step",))
 def hebbian_step(fn, gen):
     """fn(M, q, k, v, alpha) -> (M_t, y_t) with M [B,H,V,K], q,k [B,H,K], v [B,H,V], alpha [B,H]."""
     shapes = [(2, 3, 5, 7), (1, 1, 4, 4), (2, 1, 16, 3)]   # K != V first: a transposed answer fails on shape
@@ -56,7 +57,11 @@ def hebbian_step(fn, gen):
     return f"M_t and y_t match the library on {len(shapes)} random cases"
 
 
-@EXERCISES.check("gated_loop", title="The gated per-token loop", points=2)
+@EXERCISES.check("gated_loop", title="The gated per-token loop", points=2,
+                  functions=("gated_loop",),
+                  forbidden=("atlaslib.linear.linear_attention",
+                             "atlaslib.linear.recurrent.linear_attention_recurrent",
+                             "atlaslib.linear.chunk.linear_attention_chunk"))
 def gated_loop(fn, gen):
     """fn(q, k, v, alpha) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha [B,H,T] or [B,H,T,K]."""
     cases = [  # (B, H, T, K, V, per_channel, lowest gate)
@@ -79,7 +84,11 @@ def gated_loop(fn, gen):
     return f"o and M_T match the library on {len(cases)} random cases (scalar and per-channel gates)"
 
 
-@EXERCISES.check("chunk_step", title="One chunk: intra-chunk matmul + inter-chunk state", points=3)
+@EXERCISES.check("chunk_step", title="One chunk: intra-chunk matmul + inter-chunk state", points=3,
+                  functions=("chunk_step",),
+                  forbidden=("atlaslib.linear.chunk.chunk_step",
+                             "atlaslib.linear.linear_attention",
+                             "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunk_step(fn, gen):
     """fn(S, q, k, v, g) -> (o [B,H,n,V], S_next [B,H,V,K]); g [B,H,n] = cumsum of log alpha in the chunk."""
     cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, n, K, V)
@@ -96,7 +105,11 @@ def chunk_step(fn, gen):
     return f"o and S_next match the per-token loop on {len(cases)} random chunks"
 
 
-@EXERCISES.check("chunkwise", title="The whole chunkwise forward pass", points=3)
+@EXERCISES.check("chunkwise", title="The whole chunkwise forward pass", points=3,
+                  functions=("chunkwise",),
+                  forbidden=("atlaslib.linear.linear_attention",
+                             "atlaslib.linear.recurrent.linear_attention_recurrent",
+                             "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunkwise(fn, gen):
     """fn(q, k, v, alpha, chunk_size) -> (o, M_T); scalar gates alpha [B,H,T]."""
     cases = [  # (B, H, T, K, V, chunk sizes)
@@ -117,7 +130,8 @@ def chunkwise(fn, gen):
     return f"matches the per-token loop for {n} (sequence, chunk size) pairs, T a multiple of the chunk or not"
 
 
-@EXERCISES.check("capacity", title="Capacity: the min-norm interpolant V K^+", points=2)
+@EXERCISES.check("capacity", title="Capacity: the min-norm interpolant V K^+", points=2,
+                  functions=("min_norm_memory", "largest_exact_m"))
 def capacity(memory_fn, largest_m_fn, gen):
     """memory_fn(K [d_k, m], V [d_v, m]) -> M [d_v, d_k];  largest_m_fn(d_k, d_v) -> int."""
     cases = [(8, 3, 5, "m < d_k"), (8, 3, 8, "m = d_k"), (8, 3, 13, "m > d_k"), (5, 6, 20, "m >> d_k"),
@@ -142,7 +156,9 @@ def triton_device() -> str:
     return "cuda" if torch.cuda.is_available() and not interpreter_on() else "cpu"
 
 
-@EXERCISES.check("triton_state_update", title="A Triton kernel for the chunk's state update", points=3)
+@EXERCISES.check("triton_state_update", title="A Triton kernel for the chunk's state update", points=3,
+                  functions=("state_update",),
+                  forbidden=("atlaslib.linear.chunk.chunk_step",), needs_launch=True)
 def triton_state_update(fn, gen):
     """fn(S [N,V,K], k [N,n,K], v [N,n,V], g [N,n], out [N,V,K]) -> out = e^{g_last} S + (v e^{g_last-g})^T k."""
     device = triton_device()

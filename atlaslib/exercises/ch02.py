@@ -37,7 +37,9 @@ def random_beta(B, H, T, gen, low=0.1, high=1.5):
     return low + (high - low) * torch.rand(B, H, T, generator=gen)
 
 
-@EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2)
+@EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2,
+                  functions=("loss_gradient", "delta_step"),
+                  forbidden=("atlaslib.delta.delta_rule", "atlaslib.delta.recurrent.delta_rule_recurrent"))
 def delta_step(grad_fn, step_fn, gen):
     """grad_fn(M, k, v) -> dL/dM of 1/2||M k - v||^2;  step_fn(M, k, v, beta, alpha) -> M_t.
 
@@ -76,7 +78,11 @@ def corrected_values(S0, k, v, beta, alpha):
     return beta[..., None] * (v - alpha[..., None] * previous_reads)
 
 
-@EXERCISES.check("ut_solve", title="The UT transform: one triangular solve per chunk", points=3)
+@EXERCISES.check("ut_solve", title="The UT transform: one triangular solve per chunk", points=3,
+                  functions=("ut_solve",),
+                  forbidden=("atlaslib.delta.delta_rule",
+                             "atlaslib.delta.chunk.chunk_step",
+                             "atlaslib.delta.chunk.delta_rule_chunk"))
 def ut_solve(fn, gen):
     """fn(S0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
     cases = [  # (B, H, n, K, V, lowest gate)
@@ -97,7 +103,12 @@ def ut_solve(fn, gen):
     return f"U matches the per-token corrected values on {len(cases)} random chunks"
 
 
-@EXERCISES.check("chunkwise", title="The chunkwise delta rule over a whole sequence", points=3)
+@EXERCISES.check("chunkwise", title="The chunkwise delta rule over a whole sequence", points=3,
+                  functions=("chunkwise",),
+                  forbidden=("atlaslib.delta.delta_rule",
+                             "atlaslib.delta.chunk.chunk_step",
+                             "atlaslib.delta.chunk.delta_rule_chunk",
+                             "atlaslib.delta.recurrent.delta_rule_recurrent"))
 def chunkwise(fn, gen):
     """fn(q, k, v, beta, alpha, chunk_size) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha None or [B,H,T]."""
     cases = [  # (B, H, T, K, V, gated, chunk sizes)
@@ -127,7 +138,9 @@ def keys_of_norm(B, H, K, gen, low, high):
     return k * (low + (high - low) * torch.rand(B, H, 1, generator=gen))
 
 
-@EXERCISES.check("kda_beta", title="KDA as a proximal step: the right beta", points=2)
+@EXERCISES.check("kda_beta", title="KDA as a proximal step: the right beta", points=2,
+                  functions=("prox_step", "kda_beta"),
+                  forbidden=("atlaslib.delta.longhorn_beta",))
 def kda_beta(prox_fn, beta_fn, gen):
     """prox_fn(S_prev, k, v, alpha, eta) -> S;  beta_fn(eta, k) -> beta.
 
@@ -156,7 +169,9 @@ def kda_beta(prox_fn, beta_fn, gen):
     return f"the proximal step and its beta match atlaslib.delta (Longhorn) on {len(cases)} cases, unit keys or not"
 
 
-@EXERCISES.check("triton_chunk_matrix", title="A Triton kernel for the chunk's matrix A", points=3)
+@EXERCISES.check("triton_chunk_matrix", title="A Triton kernel for the chunk's matrix A", points=3,
+                  functions=("chunk_matrix",),
+                  forbidden=("atlaslib.delta.chunk.decayed_products",), needs_launch=True)
 def triton_chunk_matrix(fn, gen):
     """fn(k [N,n,K], beta [N,n], g [N,n], out [N,n,n]) -> out = tril(beta_t e^{g_t - g_j} k_t.k_j, -1)."""
     device = triton_device()

@@ -32,7 +32,10 @@ EXERCISES = Registry("ch04")
 TOL = 1e-4
 
 
-@EXERCISES.check("monomials", title="The polynomial feature map and its dimension", points=2)
+@EXERCISES.check("monomials", title="The polynomial feature map and its dimension", points=2,
+                  functions=("monomials", "feature_dim"),
+                  forbidden=("atlaslib.core.featuremaps.monomial_features",
+                             "atlaslib.core.featuremaps.monomial_dim"))
 def monomials(features_fn, dim_fn, gen):
     """features_fn(x [..., d], p) -> [..., C(d+p, p)] (all monomials of degree <= p);  dim_fn(d, p) -> int.
 
@@ -50,8 +53,8 @@ def monomials(features_fn, dim_fn, gen):
                 if not isinstance(f, torch.Tensor):
                     raise CheckFailed(f"{name} should be a torch.Tensor, got {type(f).__name__}")
                 if tuple(f.shape[:-1]) != tuple(lead) or f.shape[-1] != D:
-                    raise CheckFailed(f"{name} has shape {list(f.shape)}, expected {list(lead) + [D]}: "
-                                      f"C(d + p, p) = C({d + p}, {p}) = {D} monomials of degree <= {p}")
+                    raise CheckFailed(f"{name} has shape {list(f.shape)}, expected {list(lead) + [D]} "
+                                      f"(one feature per monomial of degree <= {p})")
             gram = torch.einsum("...i,...i->...", fx.to(torch.float64), fy.to(torch.float64))
             ref = torch.einsum("...i,...i->...", monomial_features(x, p), monomial_features(y, p))
             compare("sum over monomials of x^b y^b", gram, ref, 1e-8)
@@ -66,7 +69,9 @@ def window_rows(B, H, c, D, V, gen):
     return k, v
 
 
-@EXERCISES.check("omega_step", title="One Omega step with gates", points=2)
+@EXERCISES.check("omega_step", title="One Omega step with gates", points=2,
+                  functions=("omega_step",),
+                  forbidden=("atlaslib.omega.omega_rule", "atlaslib.omega.recurrent.omega_recurrent"))
 def omega_step(fn, gen):
     """fn(M [B,H,V,D], k_win [B,H,c,D], v_win [B,H,c,V], gamma [B,H,c], alpha [B,H], eta [B,H]) -> M_t.
 
@@ -87,7 +92,9 @@ def omega_step(fn, gen):
     return f"M_t matches the Omega rule of atlaslib.omega on {len(cases)} random windows"
 
 
-@EXERCISES.check("band", title="The banded gate matrix of a chunk", points=2)
+@EXERCISES.check("band", title="The banded gate matrix of a chunk", points=2,
+                  functions=("band",),
+                  forbidden=("atlaslib.omega.chunk.band_gates",))
 def band(fn, gen):
     """fn(G [B,H,n,c]) -> Gamma [B,H,n,n+c-1] with Gamma[t, col] = G[t, t + c - 1 - col] inside the band, else 0."""
     cases = [(2, 2, 4, 3), (1, 1, 1, 5), (1, 2, 3, 7), (2, 1, 6, 1), (1, 3, 5, 5), (1, 1, 8, 2)]  # (B, H, n, c)
@@ -105,7 +112,13 @@ def band(fn, gen):
     return f"Gamma matches atlaslib.omega on {len(cases)} chunks, windows shorter and longer than the chunk"
 
 
-@EXERCISES.check("chunkwise", title="The chunkwise Omega rule (frozen gradients)", points=3)
+@EXERCISES.check("chunkwise", title="The chunkwise Omega rule (frozen gradients)", points=3,
+                  functions=("omega_chunkwise",),
+                  forbidden=("atlaslib.omega.omega_rule",
+                             "atlaslib.omega.chunk.omega_chunk",
+                             "atlaslib.omega.chunk.windowed_chunk",
+                             "atlaslib.omega.recurrent.omega_frozen_seq",
+                             "atlaslib.omega.recurrent.omega_recurrent"))
 def chunkwise(fn, gen):
     """fn(q, k, v, gamma [B,H,T,c], alpha None or [B,H,T], eta [B,H,T], chunk_size) -> (o [B,H,T,V], M_T [B,H,V,D]).
 
@@ -133,7 +146,9 @@ def chunkwise(fn, gen):
     return f"matches the frozen-gradient oracle for {n} (sequence, chunk size) pairs, windows longer than chunks included"
 
 
-@EXERCISES.check("triton_window_weights", title="A Triton kernel for the chunk's window weights C", points=3)
+@EXERCISES.check("triton_window_weights", title="A Triton kernel for the chunk's window weights C", points=3,
+                  functions=("window_weights",),
+                  forbidden=("atlaslib.omega.chunk.window_weights",), needs_launch=True)
 def triton_window_weights(fn, gen):
     """fn(G [N,n,c], eta [N,n], g [N,n], out [N,n,n+c-1]) -> out = (D diag(eta)) Gamma, D[t,s] = e^{g_t-g_s} (s <= t)."""
     device = triton_device()

@@ -22,9 +22,10 @@ Writing a check for a new exercise::
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -49,6 +50,10 @@ class NotImplementedYet(Exception):
     """The learner's function still raises NotImplementedError (the untouched stub)."""
 
 
+class CallAborted(Exception):
+    """The grader gave up on a call (it ran past the time limit or the kernel died): no verdict."""
+
+
 @dataclass
 class Verdict:
     chapter: str
@@ -64,7 +69,7 @@ class Verdict:
         head = f"Exercise {self.number} ({self.exercise})"
         if self.status == PASSED:
             return f"PASSED {head}: {self.message}. {self.earned}/{self.points} points."
-        label = {FAILED: "NOT YET", ERROR: "ERROR", NOT_IMPLEMENTED: "TO DO"}[self.status]
+        label = self.status.replace("_", " ").upper()     # the grader's words: FAILED, ERROR, NOT IMPLEMENTED
         return f"{label} {head}, {self.earned}/{self.points} points:\n    {self.message}"
 
     def show(self) -> None:
@@ -88,18 +93,128 @@ def short(exc: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class RemoteError(Exception):
+    """A learner's function raised in another process; only its name and message came back."""
+
+    def __init__(self, ename: str, message: str, not_implemented: bool = False):
+        super().__init__(f"{ename}: {message}" if message else ename)
+        self.ename, self.message, self.not_implemented = ename, message, not_implemented
+
+
+@dataclass
+class Rules:
+    """What an answer may not do while a check calls it (stated in each exercise)."""
+    forbidden: tuple = ()          # dotted names of library functions that compute the answer
+    needs_launch: bool = False     # the answer must launch a @triton.jit kernel
+    launches: list = field(default_factory=list)   # kernel launches seen during the calls
+
+
+RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("atlaslib_exercise_rules", default=Rules())
+
+
+def run_under_rules(fn, args, kwargs, forbidden, namespaces=()):
+    """``fn(*args, **kwargs)`` with the ``forbidden`` library functions replaced by ones that
+    raise, everywhere they are bound (atlaslib's modules and ``namespaces``); returns
+    ``(result, number of @triton.jit launches)``.
+
+    Self-contained on purpose: the grader sends this function's source into the learner's
+    kernel and runs it there, so nothing the notebook patches can change how it works.
+    """
+    import importlib
+    import sys
+
+    def forbidden_stub(dotted):
+        def stub(*a, **k):
+            raise ForbiddenCall(f"your answer calls {dotted}, the library's answer to this exercise: "
+                                "write it with your own code")
+        return stub
+
+    class ForbiddenCall(Exception):
+        pass
+
+    swaps = []
+    for dotted in forbidden:
+        module, _, attr = dotted.rpartition(".")
+        target = getattr(importlib.import_module(module), attr)
+        stub = forbidden_stub(dotted)
+        places = [vars(m) for name, m in list(sys.modules.items()) if name.startswith("atlaslib") and m is not None]
+        for space in [*places, *namespaces]:
+            for key, value in list(space.items()):
+                if value is target:
+                    swaps.append((space, key, value))
+                    space[key] = stub
+    launches = [0]
+    counted = []
+    for module, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
+        try:
+            klass = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        original = klass.run
+
+        def counting(self, *a, _original=original, **k):
+            launches[0] += 1
+            return _original(self, *a, **k)
+        klass.run = counting
+        counted.append((klass, original))
+    try:
+        return fn(*args, **kwargs), launches[0]
+    finally:
+        for klass, original in counted:
+            klass.run = original
+        for space, key, value in reversed(swaps):
+            space[key] = value
+
+
+def tensors_in(args, kwargs):
+    """(label, tensor) for every tensor argument, in order."""
+    found = [(f"argument {i + 1}", a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return found + [(f"argument {k}", a) for k, a in kwargs.items() if isinstance(a, torch.Tensor)]
+
+
 def call(fn, *args, **kwargs):
-    """Run the learner's ``fn``; its exceptions become ``LearnerError`` / ``NotImplementedYet``."""
+    """Run the learner's ``fn`` under the exercise's rules.
+
+    Its exceptions become ``LearnerError`` / ``NotImplementedYet``; calling a forbidden library
+    function or changing an input in place (any tensor argument not made by ``guarded_output``)
+    fails the check. ``fn`` may live in another process (the grader's ``Remote``).
+    """
     if not callable(fn):
         raise CheckFailed(f"expected a function, got {type(fn).__name__}")
+    rules = RULES.get()
+    inputs = [(label, t, t.clone()) for label, t in tensors_in(args, kwargs) if not getattr(t, "_is_output", False)]
     try:
-        return fn(*args, **kwargs)
+        if hasattr(fn, "remote_call"):
+            result, launches = fn.remote_call(args, kwargs, rules.forbidden)
+        else:
+            import __main__
+            result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)])
+    except RemoteError as e:
+        if e.ename == "ForbiddenCall":
+            raise CheckFailed(e.message) from None
+        if e.not_implemented:
+            raise NotImplementedYet(e.message) from None
+        raise LearnerError(f"your function raised {e}") from None
     except Exception as e:  # the learner's bug, reported without a traceback wall
         e = root_cause(e)
-        stub_kernel = type(e).__name__ == "CompilationError" and "NotImplementedError" in str(e)  # on a GPU
-        if isinstance(e, NotImplementedError) or stub_kernel:
+        if type(e).__name__ == "ForbiddenCall":
+            raise CheckFailed(str(e)) from None
+        if is_not_implemented(e):
             raise NotImplementedYet(str(e)) from None
         raise LearnerError(f"your function raised {short(e)}") from None
+    rules.launches.append(launches)
+    for label, t, before in inputs:
+        if not torch.equal(torch.nan_to_num(t, nan=0.5), torch.nan_to_num(before, nan=0.5)) \
+                or not torch.equal(t.isnan(), before.isnan()):
+            raise CheckFailed(f"your function changed its input ({label}) in place: work on a copy "
+                              "(e.g. M = M.clone()) or use out-of-place operations")
+    return result
+
+
+def is_not_implemented(e: BaseException) -> bool:
+    """The untouched stub: NotImplementedError, or a Triton kernel whose body raises it (on a GPU)."""
+    return isinstance(e, NotImplementedError) or (
+        type(e).__name__ == "CompilationError" and "NotImplementedError" in str(e))
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -170,6 +285,9 @@ class Exercise:
     title: str
     points: int
     body: object  # body(fn..., gen) -> success text, raises CheckFailed/LearnerError
+    functions: tuple = ()   # the names the learner defines, in the order the check takes them
+    forbidden: tuple = ()   # library functions an answer may not call (dotted names)
+    needs_launch: bool = False   # a Triton exercise: the answer must launch a @triton.jit kernel
 
     def evaluate(self, *fns) -> Verdict:
         """Run the check without displaying anything; returns the verdict."""
@@ -177,8 +295,15 @@ class Exercise:
             earned = self.points if status == PASSED else 0
             return Verdict(self.chapter, self.name, self.number, self.title, self.points, earned, status, message)
 
+        rules = Rules(self.forbidden, self.needs_launch)
+        token = RULES.set(rules)
         try:
             summary = self.body(*fns, gen=fresh_generator())
+            if self.needs_launch and not any(rules.launches):
+                raise CheckFailed("your function computed the result without launching a @triton.jit kernel: "
+                                  "this exercise is about writing one")
+        except CallAborted:
+            raise
         except NotImplementedYet:
             return verdict(NOT_IMPLEMENTED, "not implemented yet: replace the `raise NotImplementedError` "
                                             "line with your code and run the cell again")
@@ -188,6 +313,8 @@ class Exercise:
             return verdict(ERROR, str(e))
         except Exception as e:  # something the learner returned broke the comparison itself
             return verdict(ERROR, f"could not check what your function returned: {short(e)}")
+        finally:
+            RULES.reset(token)
         return verdict(PASSED, summary)
 
     def __call__(self, *fns) -> None:
@@ -201,9 +328,11 @@ class Registry:
         self.chapter = chapter
         self.exercises: dict[str, Exercise] = {}
 
-    def check(self, name: str, *, title: str, points: int):
+    def check(self, name: str, *, title: str, points: int, functions: tuple, forbidden: tuple = (),
+              needs_launch: bool = False):
         def register(body):
-            ex = Exercise(self.chapter, name, len(self.exercises) + 1, title, points, body)
+            ex = Exercise(self.chapter, name, len(self.exercises) + 1, title, points, body, tuple(functions),
+                          tuple(forbidden), needs_launch)
             self.exercises[name] = ex
             return ex
         return register
@@ -245,6 +374,7 @@ def guarded_output(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     view = flat[GUARD:GUARD + n].view(*shape)
     view.fill_(float("nan"))
     view._guarded_base = flat
+    view._is_output = True     # the kernel writes into it: exempt from the inputs-unchanged check
     return view
 
 
