@@ -250,6 +250,15 @@ def test_triton_check_passes_a_correct_kernel():
     assert v.status == "passed", v.message
 
 
+def test_triton_check_requires_a_kernel_launch():
+    def plain_torch(S, k, v, g, out):     # the right numbers, without a kernel
+        g_last = g[:, -1:]
+        w = torch.exp(g_last - g)
+        out.copy_(torch.exp(g_last)[:, :, None] * S + torch.einsum("nt,ntv,ntk->nvk", w, v, k))
+    v = ch01.triton_state_update.evaluate(plain_torch)
+    assert v.status == "failed" and "without launching a @triton.jit kernel" in v.message, v.message
+
+
 def test_triton_check_catches_unmasked_loads():
     v = ch01.triton_state_update.evaluate(launcher(mask_loads=False))
     assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
