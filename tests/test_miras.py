@@ -1,12 +1,12 @@
 """Chapter 3: the MIRAS engine (atlaslib.miras).
 
 The per-token engine is checked against chapters 1-2 (linear attention, the delta rule,
-Longhorn, the Omega rule) and against oracles written out here from MATH.md's formulas
+Longhorn, the Omega rule) and against oracles written out here from the formulas of book ch. 3
 (hand-derived gradients of the linear, MLP and residual memories; Titans' momentum;
 Moneta's accumulator; Memora's softmax update in its naive, non-log form; the
 soft threshold of the elastic net). The chunk form is then checked against the
 frozen-gradient oracle for every preset and several chunk sizes, against the per-token
-engine at chunk size 1, and shown to differ from it for b > 1 where MATH.md §8 says it
+engine at chunk size 1, and shown to differ from it for b > 1 where book ch. 3 §8 says it
 must. All comparisons use fresh random inputs (seed printed on failure).
 """
 import math
@@ -165,7 +165,7 @@ def test_decay_after_gradient_is_omega_with_window_one(gen):
     assert rel_rmse(o_first, ref) > 1e-3, "the two decay placements must differ"
 
 
-# ---------------------------------------------------------------------------- oracles from MATH.md
+# ---------------------------------------------------------------------------- oracles from book ch. 3
 
 def gelu_prime(u):
     """d/du of u Phi(u) (exact GELU): Phi(u) + u phi(u)."""
@@ -192,7 +192,7 @@ def oracle_memory(kind, W, x, ln=False):
 
 
 def oracle_grad(kind, W, x, psi, ln=False):
-    """grad_W of a loss whose derivative in the prediction is psi, by hand (MATH.md §3)."""
+    """grad_W of a loss whose derivative in the prediction is psi, by hand (book ch. 3 §3)."""
     if kind == "linear":
         return {"M": psi[:, :, None] * x[:, None, :]}
     if kind == "mlp":          # y = W2 h, h = gelu(u), u = W1 x
@@ -210,7 +210,7 @@ def oracle_grad(kind, W, x, psi, ln=False):
 
 
 def oracle_psi(bias, e, delta, cfg):
-    """d loss / d prediction, from MATH.md §3 (1/2 and 1/p conventions)."""
+    """d loss / d prediction, from book ch. 3 §4 (1/2 and 1/p conventions)."""
     if bias == "l2":
         return e
     if bias == "lp":        # smoothed: sign ~ tanh(a e), |e| ~ sqrt(e^2 + eps)
@@ -222,7 +222,7 @@ def oracle_psi(bias, e, delta, cfg):
 
 
 def oracle_run(name, q, k, v, gates, state, **overrides):
-    """The per-token recursion of each named model, written from MATH.md §3 with hand-derived gradients.
+    """The per-token recursion of each named model, written from book ch. 3 §4-§6 with hand-derived gradients.
 
     titans:  S_t = theta_t S_{t-1} - eta_t grad,   M_t = alpha_t M_{t-1} + S_t
     ttt_mlp: W_t = W_{t-1} - eta_t grad
@@ -301,7 +301,7 @@ def test_per_token_engine_matches_oracle(gen, name, overrides):
 
 
 def test_linear_memory_axes_against_formulas(gen):
-    """Every bias, and the elastic-net and lq retentions, with a linear memory: g = psi(e) k^T (MATH.md §3)."""
+    """Every bias, and the elastic-net and lq retentions, with a linear memory: g = psi(e) k^T (book ch. 3 §4 and §5)."""
     B, H, T, K, V = 1, 2, 9, 5, 4
     q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
     delta = random_gate(B, H, T, low=0.05, high=1.5, dtype=F64, generator=gen)
@@ -359,7 +359,7 @@ def test_bias_psi_is_the_loss_gradient(gen):
 
 
 def test_memory_gradient_by_hand(gen):
-    """The TTT-MLP gradients of MATH.md §3, grad_W2 = -r h^T and grad_W1 = -[(W2^T r) * act'(u)] k^T."""
+    """The TTT-MLP gradients of book ch. 3 §3, grad_W2 = -r h^T and grad_W1 = -[(W2^T r) * act'(u)] k^T."""
     cfg = make_config("ttt_mlp", expansion=3)
     N, K, V = 4, 5, 6
     W = {"W1": torch.randn(N, 15, K, generator=gen, dtype=F64), "W2": torch.randn(N, V, 15, generator=gen, dtype=F64)}
@@ -374,7 +374,7 @@ def test_memory_gradient_by_hand(gen):
 
 
 def test_theorem_2_2_ftrl_equals_learning_retaining(gen):
-    """[M] Thm 2.2 with linearised losses l_i(W) = <g_i, W> and R = 1/2 ||W||^2 (MATH.md §3): the
+    """[M] Thm 2.2 with linearised losses l_i(W) = <g_i, W> and R = 1/2 ||W||^2 (book ch. 3 §2): the
     learning-retaining iterates (GD from W_0 = 0, the engine) are the FTRL minimisers
     argmin_W sum_{i<=t} <g_i, W> + 1/(2 eta) ||W||^2, here found by a numerical solver."""
     B, H, T, K, V = 1, 1, 6, 4, 3
@@ -400,7 +400,7 @@ def test_theorem_2_2_ftrl_equals_learning_retaining(gen):
         assert_close(W_t, X.detach(), tol=1e-8, name=f"W_{t}: learning-retaining vs FTRL")
 
 
-# ---------------------------------------------------------------------------- chunk form (MATH.md §8)
+# ---------------------------------------------------------------------------- chunk form (book ch. 3 §8)
 
 def run_all(name, gen, T, h0, B=1, H=2, D=6, dtype=F64):
     spec = dict(CONFIGS[name])

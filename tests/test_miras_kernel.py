@@ -165,7 +165,7 @@ def test_chunk1_without_momentum_is_the_delta_rule(gen):
 
 def test_what_must_differ(gen):
     """Retention here decays after the gradient (Gated DeltaNet takes it at alpha M_{t-1}), and b > 1
-    freezes gradients: both must really change the result (MATH.md §2, §8)."""
+    freezes gradients: both must really change the result (book ch. 2 §3, book ch. 3 §8)."""
     from atlaslib.delta import delta_rule
     q, k, v, alpha, eta, theta, M0, S0 = make_inputs(gen, 1, 2, 21, 12, 10, "aetms")
     alpha = 0.5 + 0.6 * (alpha - 0.5)                # in [0.5, 0.8]: a clear decay

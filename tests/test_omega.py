@@ -3,7 +3,7 @@
 The per-token loop is checked against an independent brute-force oracle: at every step
 the windowed loss sum_i gamma_i^{(t)} 1/2 ||M phi(k_i) - v_i||^2 is differentiated by
 autograd at M_{t-1} (or, for the frozen-gradient variant, at the chunk-start state).
-Then the equalities of MATH.md §8 are asserted exactly as stated there:
+Then the equalities of book ch. 4 §8 (with §1 and §9) are asserted:
 chunk(b) == frozen_seq(b) for every b and window, chunk(1) == recurrent, triton == chunk,
 c = 1 (alpha = 1) == the delta rule; and chunk(b > 1) != recurrent, so the frozen-gradient
 approximation is real. SWLA is exact for every chunk size.

@@ -1,4 +1,4 @@
-"""MQAR structure and the capacity facts of MATH.md §1 (Proposition 1)."""
+"""MQAR structure and the capacity facts of book ch. 1 §6 (Proposition 1)."""
 import math
 
 import pytest

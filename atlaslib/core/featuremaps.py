@@ -3,7 +3,7 @@
 Chapter 1 needs the identity and elu+1 (positive features, so that the normaliser
 z_t^T phi(q_t) of normalised linear attention stays positive). Chapter 4 adds the
 polynomial maps of the ATLAS paper, which raise a linear memory's capacity from d_k
-pairs to the feature dimension D (MATH.md §4, Prop. 2). [A] uses the words
+pairs to the feature dimension D (book ch. 4 §6, Prop. 2). [A] uses the words
 "polynomial features" for three different maps; each has its own function here:
 
 ===========================  ================  ======================================
@@ -105,7 +105,7 @@ def monomial_features(x: torch.Tensor, degree: int) -> torch.Tensor:
 
     This is the map of [A] Prop. 2. Its dimension is C(d + p, p) (d = 4: 5, 15, 35 for
     p = 1, 2, 3; d = 128, p = 2: 8385), and a linear memory on these features can fit
-    exactly as many generic key-value pairs as that (MATH.md §4). The monomials are
+    exactly as many generic key-value pairs as that (book ch. 4 §6). The monomials are
     unweighted, so phi_p(x)^T phi_p(y) is *not* a function of x^T y; use
     ``TaylorFeatures(p, compressed=True)`` for the weighted version whose inner product
     is sum_i a_i (x^T y)^i. Order: by degree, then lexicographic in the variable indices.

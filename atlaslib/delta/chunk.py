@@ -22,7 +22,7 @@ solved by forward substitution (``torch.linalg.solve_triangular``). Then
 
 Stability: with scalar gates only differences g_t - g_j with j <= t are exponentiated (and
 e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided by a
-cumulative product of gates, which would overflow as soon as the gates are small (MATH.md §2
+cumulative product of gates, which would overflow as soon as the gates are small (book ch. 2 §7
 warns about the division in the textbook form). For KDA the per-channel decay sits inside
 the k.k and q.k sums; chapter 1's ``decayed_scores`` factors it as e^{g_t} e^{-g_j} only
 while the chunk's decay keeps both factors within e^{+-30}, and ``channel_scores`` splits the

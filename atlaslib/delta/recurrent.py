@@ -6,7 +6,7 @@
     y_t  = M_t q_t                                     (read out after the update)
 
 alpha = None is DeltaNet, a scalar alpha_t per token is Gated DeltaNet, a vector
-alpha_t in [0, 1]^K acting on the key side is KDA (MATH.md §2). The matrix
+alpha_t in [0, 1]^K acting on the key side is KDA (book ch. 2 §4). The matrix
 I - beta_t k_t k_t^T is never formed: M'_t (I - beta_t k_t k_t^T) = M'_t - beta_t (M'_t k_t) k_t^T
 costs O(V K) per token instead of O(V K^2).
 """

@@ -8,7 +8,7 @@ g_t = sum_{j<=t} log alpha_j accumulated from the chunk start,
 
 (per-channel gates: the exponentials act channel by channel on the key side). Only
 differences g_t - g_i with i <= t are exponentiated, so every factor lies in [0, 1]
-and nothing overflows however strong the decay (MATH.md §1).
+and nothing overflows however strong the decay (book ch. 1 §7).
 
 With per-channel gates the scores sum_c q_tc k_ic e^{g_tc - g_ic} would need an
 [n, n, K] tile of decays. ``channel_scores`` avoids it: when the chunk's total decay is

@@ -4,7 +4,7 @@
     y_t = M_t q_t                              (read out after the update)
 
 This is one gradient step with step size 1 on the dot-product attentional bias
--<M k_t, v_t>, whose gradient -v_t k_t^T does not depend on M (MATH.md §1).
+-<M k_t, v_t>, whose gradient -v_t k_t^T does not depend on M (book ch. 1 §3).
 """
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
           phi=None, initial_state=None, output_final_state=False, backend="auto", chunk_size=16, **overrides):
     """Run any MIRAS configuration: memory, attentional bias, retention, optimizer.
 
-    The per-token rule (MATH.md §0, §3), with W_{t-1} the memory's weights before token t:
+    The per-token rule (book/notation.md, book ch. 3 §1), with W_{t-1} the memory's weights before token t:
 
         g_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l(W_{t-1}; phi(k_i), v_i)      (c = window, usually 1)
         u_t = -eta_t g_t                              (optimizer="gd")
@@ -192,7 +192,7 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
         chunk_size: b for "chunk", "frozen_seq" and "triton". **It changes the model** for
             every configuration whose gradient depends on the state.
 
-    Which equalities hold (MATH.md §8; all tested):
+    Which equalities hold (book ch. 3 §8; all tested):
 
     ==========================================================  ========================
     chunk(b) vs frozen_seq(b), every configuration and b        exact

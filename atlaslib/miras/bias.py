@@ -1,7 +1,7 @@
 """Axis 2, the attentional bias: the loss l(M; k, v) the memory minimises at test time.
 
 Each bias is a function of the prediction y = M(phi(k)) and the value v, with the error
-e = y - v (MATH.md §0 and §3; 1/2 and 1/p conventions):
+e = y - v (book/notation.md and book ch. 3 §4; 1/2 and 1/p conventions):
 
     dot           -<y, v>                                  gradient in y: -v
     l2            1/2 ||e||^2                              e

@@ -2,14 +2,14 @@
 
 Split the sequence into chunks of b tokens. In a chunk that starts from the raw state
 Z_{t0} (weights W_{t0} = R(Z_{t0})) and momentum S_{t0}, every gradient is taken at
-W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, MATH.md §8). Then:
+W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, book ch. 3 §8). Then:
 
 1. **Frozen gradients, all rows at once.** The window rows r of the chunk (the b tokens,
    plus the c - 1 before it when a window reaches back) go through the memory as one
    batch at W_{t0}. Every weight W of a memory is used as x -> W x, so row r's gradient
    is rank one, g_r = a_r x_r^T with x_r the layer's input and a_r = d l_r / d (W x_r),
    which one autograd call gives for all rows at once (``row_factors``). A window row
-   before the chunk is evaluated at W_{t0} too, as MATH.md §8 prescribes; with
+   before the chunk is evaluated at W_{t0} too, as in book ch. 4 §8; with
    retention decay_first row r is evaluated at alpha_r W_{t0} (window 1 only).
 2. **Optimizer and retention as masked matmuls.** For a linear optimizer the updates are
    u_t = b_t S_{t0} + sum_r E[t, r] g_r (``optimizer.affine``: E = -diag(eta) Gamma for
@@ -32,7 +32,7 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, MATH.md §8). Then:
      the b per-token weight sets are formed (elastic net by a short elementwise scan,
      since its soft threshold is not linear), read through R, and applied token by token.
 
-Exactness (MATH.md §8, all tested): ``miras_chunk(b) == miras_frozen_seq(b)`` for every
+Exactness (book ch. 3 §8, all tested): ``miras_chunk(b) == miras_frozen_seq(b)`` for every
 b; at b = 1 both equal the per-token engine; for b > 1 they differ from it (the frozen
 gradient is an approximation), except when the gradient does not depend on the state
 (dot-product bias with a linear memory: linear attention, exact for every b). The delta

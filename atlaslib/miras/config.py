@@ -82,7 +82,7 @@ PRESETS: dict[str, MirasConfig] = {
     "ttt_linear": MirasConfig(memory="linear", bias="l2", retention="none", optimizer="gd"),
     "ttt_mlp": MirasConfig(memory="mlp", bias="l2", retention="none", optimizer="gd"),
     "titans": MirasConfig(memory="mlp", bias="l2", retention="decay", optimizer="momentum"),
-    # the three MIRAS models ([M] Table 1, MATH.md §3): residual-MLP memory with LN, expansion 4, GELU
+    # the three MIRAS models ([M] Table 1, book ch. 3 §3): residual-MLP memory with LN, expansion 4, GELU
     "moneta": MirasConfig(memory="residual", layer_norm=True, bias="lp", p=3.0, retention="lq", lq=4.0,
                           optimizer="gd"),
     "yaad": MirasConfig(memory="residual", layer_norm=True, bias="huber_switch", retention="decay", optimizer="gd"),
@@ -91,7 +91,7 @@ PRESETS: dict[str, MirasConfig] = {
 PRESETS = {name: dataclasses.replace(cfg, name=name) for name, cfg in PRESETS.items()}
 
 # Presets whose chunk form is exact for every chunk size (the gradient of the dot-product
-# bias with a linear memory does not depend on the state, MATH.md §8).
+# bias with a linear memory does not depend on the state, book ch. 3 §8).
 EXACT_CHUNK = ("linear_attention",)
 
 

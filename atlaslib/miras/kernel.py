@@ -1,6 +1,6 @@
 """The GPU kernel: the chunkwise Titans step with a linear memory (TTT-Linear as a special case), in Triton.
 
-The model (MATH.md §3 "Titans", §5 "Parallel training", §8). A linear memory M [V, K]
+The model (book ch. 3 §6, §8 and §9). A linear memory M [V, K]
 with momentum S [V, K] learns online on the l2 loss 1/2 ||M k - v||^2; in chunks of b
 tokens every gradient is frozen at the chunk-start state M_{t0} (the state after the
 previous chunk), which makes everything downstream of the gradients linear:

@@ -14,14 +14,14 @@ Two interfaces, one per engine:
   in those gradients, u_t = b_t S_{t0} + sum_r E[t, r] g_r, and (b, E) are small matrices:
   for gd, E = -diag(eta) Gamma; for momentum, with B_t = theta_{t0+1} ... theta_t,
   b_t = B_t and E = D diag(-eta) Gamma with the decay-ratio matrix D[t, i] = B_t / B_i
-  (i <= t), a masked matmul ([A] §5.1, MATH.md §5). Gamma [n, R] holds the window gates
+  (i <= t), a masked matmul ([A] §5.1, book ch. 3 §6). Gamma [n, R] holds the window gates
   (the identity for window 1).
 * ``updates(S0, G, Gamma, eta, h) -> (U, S_end)``: the same with the per-row gradients
   G materialised; the default applies ``affine``.
 
 The place for Muon (chapter 5). ATLAS orthogonalises the momentum matrix itself,
 S_t = theta_t S_{t-1} + g_t and u_t = -eta_t NS_k(S_t) (per 2-D weight; eta must sit
-outside NS because NS erases any scale inside it, MATH.md §5). That optimizer is not
+outside NS because NS normalises its input, erasing any scale inside it). That optimizer is not
 linear: it sets ``linear = False``, implements ``step`` with NS, and overrides
 ``updates`` to build all b momenta S_t = B_t S0 + (D Gamma) G as a batch (``affine``
 with eta = -1 gives exactly those coefficients) and apply NS to the batch. The chunk

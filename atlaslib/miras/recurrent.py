@@ -1,6 +1,6 @@
 """The definition: any MIRAS configuration, one token at a time.
 
-For each token t (MATH.md §0 and §3), with W_{t-1} = R(Z_{t-1}) the memory's weights
+For each token t (book/notation.md and book ch. 3 §1), with W_{t-1} = R(Z_{t-1}) the memory's weights
 read from the raw state (retention, axis 4):
 
     g_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l(W; phi(k_i), v_i) |_{W = W_{t-1}}
@@ -17,7 +17,7 @@ memories need no hand-written derivatives and outer-loop gradients flow through 
 ``miras_frozen_seq`` is the same loop with every gradient of chunk [t0, t0 + b) taken at
 the chunk-start state W_{t0} (including the window rows that reach into the previous
 chunk; at alpha_t W_{t0} for decay_first): the sequential oracle of the chunkwise form
-(MATH.md §8). At b = 1 it is the per-token engine.
+(book ch. 3 §8). At b = 1 it is the per-token engine.
 
 All tensors here are internal: q, k [N, T, D] and v [N, T, V] with N = B * H, gates
 [N, T], states {name: [N, out, in]}; ``atlaslib.miras.miras`` validates and reshapes.
@@ -113,7 +113,7 @@ def miras_recurrent(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None):
 
 
 def miras_frozen_seq(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size: int = 16):
-    """The per-token loop with gradients frozen at each chunk's start state (MATH.md §8).
+    """The per-token loop with gradients frozen at each chunk's start state (book ch. 3 §8).
 
     Equal to ``miras_chunk`` for every chunk size, and to ``miras_recurrent`` at chunk size 1.
     """

@@ -13,19 +13,19 @@ enters through ``combine``:
     lq           Z_t = alpha_t Z_{t-1} + u_t     W = Z / ||Z||_q^(q-2)         W_{t-1}          (Moneta)
     elastic      Z_t = S_gamma(alpha_t Z_{t-1} + u_t),  W = Z                  W_{t-1}          (elastic net)
 
-The two scalar-decay placements differ for the delta family (MATH.md §2): decaying
+The two scalar-decay placements differ for the delta family (book ch. 2 §3): decaying
 after the gradient gives M_{t-1}(alpha_t I - eta_t k k^T) + eta_t v k^T, decaying first
 gives alpha_t M_{t-1}(I - eta_t k k^T) + eta_t v k^T, Gated DeltaNet.
 
 kl is the KL divergence on the scaled simplex {W >= 0, sum W = c} with negative-entropy
 regularisation; its closed form W_t = c Softmax(beta_t log W_{t-1} - eta_t grad) ([M]
-eq 31, MATH.md §3, the softmax over *all* entries of each matrix) is computed in the
+eq 31, book ch. 3 §5, the softmax over *all* entries of each matrix) is computed in the
 log domain: softmax is shift-invariant, so the logits Z_t = alpha_t Z_{t-1} - eta_t g_t
 give exactly the same W_t, and the recursion on Z is linear (what the chunk form needs).
 lq is Moneta's normalisation: a linear accumulator A_t = beta_t A_{t-1} - eta_t grad, read
 as W_t = A_t / ||A_t||_q^(q-2) with the entrywise q-norm of each whole matrix ([M] eq 8;
 [M] Table 1 writes ||A||_2^2; q > 2 lies outside the range where it follows from a
-retention, so it is a heuristic, MATH.md §3). elastic is the learning-retaining closed
+retention, so it is a heuristic, book ch. 3 §5). elastic is the learning-retaining closed
 form of the elastic net, W_t = S_gamma(lambda W_{t-1} - zeta grad) ([M] eq 32) with
 alpha_t = lambda, eta_t = zeta and the soft threshold S_gamma(z) = sign(z) max(0, |z| - gamma).
 
@@ -100,7 +100,7 @@ class Proximal(DecayFirst):
 
     def effective_eta(self, eta, k):
         """Longhorn's implicit step eta / (1 + eta ||phi(k)||^2): one GD step then lands on the
-        exact minimiser of l2(M; k, v) + 1/(2 eta) ||M - alpha M_{t-1}||^2 (MATH.md §2)."""
+        exact minimiser of l2(M; k, v) + 1/(2 eta) ||M - alpha M_{t-1}||^2 (book ch. 2 §4)."""
         return eta / (1.0 + eta * k.square().sum(-1))
 
 

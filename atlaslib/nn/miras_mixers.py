@@ -1,8 +1,8 @@
 """Chapter 3 mixers: TTT-Linear, TTT-MLP, Titans, Moneta, Yaad and Memora for the tiny LM.
 
 Each is a preset of the MIRAS engine (``atlaslib.miras``) run on l2-normalised q and k
-(MATH.md §0), with every data-dependent quantity projected from the layer input x_t and
-squashed as MATH.md §0 says:
+(book ch. 3 §11), with every data-dependent quantity projected from the layer input x_t and
+squashed as book/notation.md says:
 
 * alpha_t (retention, one per head; the models whose retention takes it): chapter 1's
   gate sigmoid(w^T x_t + b)^(1/16), so memories start long-lived;

@@ -1,16 +1,16 @@
 """Chapter 4 mixers: OmegaNet (linear memory) and SWLA as token mixers for the tiny LM.
 
-Both update the memory with the last ``window`` = c pairs instead of one (MATH.md §4):
+Both update the memory with the last ``window`` = c pairs instead of one (book ch. 4 §2 and §5):
 
     OmegaNet  M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} (M_{t-1} phi(k_i) - v_i) phi(k_i)^T
     SWLA      M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T
 
-Every gate is a linear projection of the layer input x_t, squashed as MATH.md §0 says:
+Every gate is a linear projection of the layer input x_t, squashed as book ch. 4 §3 says:
 
 * alpha_t (retention, one per head): chapter 1's gate, sigmoid(w^T x_t + b)^(1/16), so
   that memories start long-lived (``retention=False`` drops it: alpha = 1);
 * gamma (window gates in [0, 1]): sigmoid of a projection, in either parametrisation of
-  MATH.md §4, ``gamma="offset"`` (c gates per token and head, gamma_i^{(t)} indexed by the
+  book ch. 4 §2, ``gamma="offset"`` (c gates per token and head, gamma_i^{(t)} indexed by the
   offset t - i, chosen by the token that updates) or ``gamma="source"`` (one gate per
   token and head, gamma_i^{(t)} = gamma_i in every window that holds token i);
   ``gamma=None``: all ones;
@@ -22,7 +22,7 @@ Every gate is a linear projection of the layer input x_t, squashed as MATH.md §
   and the step lies in (0, 1), like DeltaNet's beta at c = 1. SWLA has no such limit
   (its write does not read the state); its default eta_max is 1.
 
-Polynomial features ([A] §3, MATH.md §4): ``degree=p`` applies, per head, a fresh
+Polynomial features ([A] §3, book ch. 4 §6): ``degree=p`` applies, per head, a fresh
 ``TaylorFeatures(p, compressed=True)`` (``poly="taylor"``: learnable a_i, kernel
 sum_i a_i (q^T k)^i) or the unweighted monomials of degree <= p (``poly="monomial"``, the
 map of Proposition 2) to the *normalised* q and k, then normalises the result again. The

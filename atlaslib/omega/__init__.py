@@ -85,7 +85,7 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         q, k: [B, H, T, K] queries and keys (phi is applied here).
         v: [B, H, T, V] values.
         window: c >= 1, the number of pairs in each update (c = 1: the delta rule).
-        gamma: window gates in [0, 1], in one of two parametrisations (MATH.md §4):
+        gamma: window gates in [0, 1], in one of two parametrisations (book ch. 4 §2):
             ``[B, H, T]`` per source token, gamma_i^{(t)} = gamma_i (a token keeps its
             weight in every window it belongs to); ``[B, H, T, window]`` per offset,
             gamma_i^{(t)} = gamma[..., t, t - i] (offset 0 is token t itself; entries that
@@ -102,7 +102,7 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
             M_{t-1}), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
-            MATH.md §8), "triton" (the same chunk form as a GPU kernel; CPU under
+            book ch. 4 §8), "triton" (the same chunk form as a GPU kernel; CPU under
             TRITON_INTERPRET=1; backward by autograd through the chunk form; needs
             chunk_size <= 64 and a window tile next_pow2(chunk_size + window - 1) x
             next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
@@ -110,7 +110,7 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
         chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
             (see below); b = 1 is the exact per-token rule.
 
-    Which equalities hold (MATH.md §8; all are tested):
+    Which equalities hold (book ch. 4 §8; all are tested):
 
     ====================================================  ==============================
     comparison                                            result

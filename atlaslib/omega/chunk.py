@@ -2,7 +2,7 @@
 
 Split the sequence into chunks of b tokens. For a chunk that starts from M_{t0} (the
 state after the previous chunk), replace every gradient grad l2(M_{t-1}; .) by
-grad l2(M_{t0}; .) ([A] §3.3, MATH.md §8). Each window then contributes a *fixed*
+grad l2(M_{t0}; .) ([A] §3.3, book ch. 4 §8). Each window then contributes a *fixed*
 rank-one term e_i phi(k_i)^T with the error e_i = M_{t0} phi(k_i) - v_i, and everything
 left (retention, learning rates, window gates) is linear, so the whole chunk is a few
 masked matrix products.
@@ -12,7 +12,7 @@ of token t0 + 1 **reaches c - 1 tokens into the previous chunk**. [A] describes 
 mask as "an identity with the c - 1 positions before each diagonal entry set to 1",
 which, read as a b x b matrix, would cut every window at the chunk start (so that
 b = 1 silently became c = 1); the b x (b + c - 1) band used here is the reading under
-which b = 1 gives back the per-token rule (MATH.md §8, "Ambiguity in [A]").
+which b = 1 gives back the per-token rule (book ch. 4 §8 and book/errata.md).
 
 With, inside the chunk (t, n = 1..b local; col over the b + c - 1 window rows):
 

@@ -1,6 +1,6 @@
 """The definition: the Omega rule and SWLA with a linear memory, one token at a time.
 
-Omega rule (GD on the windowed l2 objective, MATH.md §4; [A] eqs 9-10, 15):
+Omega rule (GD on the windowed l2 objective, book ch. 4 §2; [A] eqs 9-10, 15):
 
     M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
         = alpha_t M_{t-1} - eta_t sum_i gamma_i^{(t)} (M_{t-1} phi(k_i) - v_i) phi(k_i)^T
@@ -16,17 +16,17 @@ Omega rule from momentum (momentum stores each gradient once, at the state it wa
 first seen). Tokens before the start of the sequence do not exist, so the first c - 1
 steps use shorter windows.
 
-SWLA (sliding-window linear attention, MATH.md §4) is the same window with the
+SWLA (sliding-window linear attention, book ch. 4 §5) is the same window with the
 dot-product bias -<M phi(k), v>, whose gradient -v phi(k)^T does not depend on M:
 
     M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T .
 
-``omega_frozen_seq`` is the sequential oracle of the chunkwise algorithm (MATH.md §8):
+``omega_frozen_seq`` is the sequential oracle of the chunkwise algorithm (book ch. 4 §8):
 the same loop, but every gradient of chunk [t0+1, t0+b] is taken at the chunk-start
 state M_{t0} instead of M_{t-1}.
 
 Here q, k are already features phi(q), phi(k) of dimension D, so states are [B, H, V, D].
-The window gates gamma come in two parametrisations (MATH.md §4):
+The window gates gamma come in two parametrisations (book ch. 4 §2):
 
 * per source token, ``[B, H, T]``: gamma_i^{(t)} = gamma_i, the same weight for token i
   in every window that contains it;
@@ -99,7 +99,7 @@ def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
 
 
 def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
-    """The Omega rule with every gradient frozen at its chunk-start state (MATH.md §8).
+    """The Omega rule with every gradient frozen at its chunk-start state (book ch. 4 §8).
 
     Chunks are tokens [0, b), [b, 2b), ...; for t in a chunk starting at t0 the window's
     gradients are taken at M_{t0}, the state after the previous chunk (the initial state

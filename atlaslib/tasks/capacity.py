@@ -1,4 +1,4 @@
-"""Capacity probes for a linear associative memory (MATH.md §1, Proposition 1 of ATLAS).
+"""Capacity probes for a linear associative memory (book ch. 1 §6, Proposition 1 of ATLAS).
 
 Store m pairs (k_i, v_i) in one matrix M [d_v, d_k] so that M k_i ~ v_i. Keys are the
 rows of K [m, d_k], values the rows of V [m, d_v]; in matrix form we want K M^T = V.
@@ -12,7 +12,7 @@ rows of K [m, d_k], values the rows of V [m, d_v]; in matrix form we want K M^T 
   whose size grows like sqrt((m-1)/d_k) relative to ||v_j||.
 * ``gd_memory``: plain gradient descent on the l2 loss from M = 0. Every step adds
   something of the form (.) K, so M stays in the row space of K and GD converges to the
-  min-norm interpolant V K^+, *not* to V K^T (the erratum of MATH.md §1).
+  min-norm interpolant V K^+, *not* to V K^T (see book/errata.md, Proposition 1).
 
 Computations run in float64 so that "zero" residuals really look like zero.
 """
