@@ -19,7 +19,7 @@ export PYTHONHASHSEED := 0
 # claims with bands measured across these settings and seeds (chapters 1-4, MQAR cells).
 export MPLBACKEND := Agg
 
-.PHONY: help venv book test test-lib test-notebooks lab bench aot exercises clean mathjax browser
+.PHONY: help venv book test test-lib test-notebooks lab bench aot gpu-test exercises clean mathjax browser
 
 help:
 	@echo "make book       build the HTML book into _build/html"
@@ -28,6 +28,7 @@ help:
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
 	@echo "make aot        build every Triton kernel for sm_80/sm_90 without a GPU (slow: minutes per kernel)"
+	@echo "make gpu-test   on a CUDA machine: the compiled kernels against the chunk form, then the benchmark"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
 
 venv: $(STAMP)
@@ -52,6 +53,16 @@ lab: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m atlaslib.bench
+
+# The kernels compiled for the card (the interpreter explicitly off) against the chunk form, in
+# fp32/bf16/fp16 and at long T, then the benchmark on the card. Without CUDA: says so, succeeds.
+gpu-test: $(STAMP)
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	    TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py && \
+	    TRITON_INTERPRET=0 $(PY) -m atlaslib.bench --device cuda; \
+	else \
+	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter)"; \
+	fi
 
 # Not part of `make test` yet: ptxas needs minutes per kernel on 2 cores (cached in _build/aot).
 aot: $(STAMP)

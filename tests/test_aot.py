@@ -120,3 +120,13 @@ def test_a_kernel_the_card_refuses_falls_back_to_the_chunk_form():
         warnings.simplefilter("error")
         with pytest.raises(ValueError):       # other errors are not swallowed
             forward_or_fallback(lambda x: (_ for _ in ()).throw(ValueError("bad")), chunk, x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine `make gpu-test` runs the GPU tests")
+def test_gpu_test_target_degrades_cleanly_without_cuda():
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-s", "gpu-test"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA device" in out.stdout
