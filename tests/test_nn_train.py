@@ -177,3 +177,40 @@ def test_compare_mixers_rows_and_table():
     lines = text.splitlines()
     assert len(lines) == 4 and len({len(line) for line in lines}) == 1      # aligned
     assert "grows with T" in lines[2] and lines[0].split() == ["mixer", "state_size", "accuracy"]
+
+
+# ---- gates stay in fp32 in a bf16 model -------------------------------------------------------
+
+@pytest.mark.parametrize("name, module, function", [
+    ("mamba2", "atlaslib.nn.mixers", "linear_attention"),
+    ("retnet", "atlaslib.nn.mixers", "linear_attention"),
+    ("gated_deltanet", "atlaslib.nn.delta_mixers", "delta_rule"),
+    ("omeganet", "atlaslib.nn.omega_mixers", "omega_rule"),
+])
+def test_a_bf16_mixer_forgets_like_its_fp32_self(monkeypatch, name, module, function):
+    # A gate sigmoid(6)^(1/16) = 1 - 1.5e-4 is exactly 1.0 in bf16, and RetNet's 1 - 2^-9 and
+    # beyond too: a memory meant to forget over thousands of tokens would never forget. The
+    # decay the mixer actually hands to the library, multiplied over 4096 tokens:
+    import importlib
+    mod = importlib.import_module(module)
+    real = getattr(mod, function)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw["alpha"])
+        return real(*args, **kw)
+    monkeypatch.setattr(mod, function, spy)
+    T, decay = 4096, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        m = make_mixer(name, 32, 8, backend="chunk")
+        if hasattr(m, "gate_proj"):
+            with torch.no_grad():
+                m.gate_proj.weight.zero_()
+                m.gate_proj.bias.fill_(6.0)
+        m = m.to(dtype)
+        with torch.no_grad():
+            m(torch.zeros(1, T, 32, dtype=dtype))
+        decay[dtype] = torch.log(seen[-1].double()).sum(dim=2).exp()     # prod_t alpha_t, per head
+    assert decay[torch.float32].min() < 0.99                           # the fp32 memory does forget
+    torch.testing.assert_close(decay[torch.bfloat16], decay[torch.float32], rtol=1e-3, atol=0)

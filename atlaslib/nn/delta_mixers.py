@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..delta import delta_rule
-from .mixer import TokenMixer, register_mixer
+from .mixer import TokenMixer, gate_dtype, register_mixer
 from .mixers import GatedLinear
 
 
@@ -37,7 +37,7 @@ class DeltaNet(TokenMixer):
         self.beta = BetaProjection(d_model, n_heads)
 
     def mix(self, q, k, v, x):
-        return delta_rule(q, k, v, self.beta(x).to(q.dtype), backend=self.backend)[0]
+        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), backend=self.backend)[0]
 
 
 class GatedDelta(GatedLinear):
@@ -49,7 +49,7 @@ class GatedDelta(GatedLinear):
         self.beta = BetaProjection(d_model, n_heads)
 
     def mix(self, q, k, v, x):
-        return delta_rule(q, k, v, self.beta(x).to(q.dtype), alpha=self.gate(x).to(q.dtype),
+        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), alpha=self.gate(x).to(gate_dtype(q)),
                           backend=self.backend)[0]
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..miras import MirasConfig, MirasState, build_parts, init_state, make_config, miras
-from .mixer import register_mixer
+from .mixer import gate_dtype, register_mixer
 from .mixers import GatedLinear
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}
@@ -95,7 +95,7 @@ class MirasMixer(GatedLinear):
                     delta=cast(self.delta_gate(x)) if self.delta_gate is not None else None)
 
     def mix(self, q, k, v, x):
-        gates = {n: g for n, g in self.gates(x, q.dtype).items() if g is not None}
+        gates = {n: g for n, g in self.gates(x, gate_dtype(q)).items() if g is not None}
         return miras(q, k, v, config=self.config, initial_state=self.initial_state(q.shape[0], q.dtype),
                      backend=self.backend, chunk_size=self.chunk_size, **gates)[0]
 

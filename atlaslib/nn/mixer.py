@@ -32,6 +32,17 @@ from ..core import get_feature_map
 MIXERS: dict[str, type] = {}
 
 
+def gate_dtype(q: torch.Tensor) -> torch.dtype:
+    """Gates travel in fp32 (fp64 with fp64 activations), never in the activation dtype.
+
+    Below 1, bf16 can only tell apart steps of 2^-8: a retention gate sigmoid(z)^(1/16)
+    rounds to exactly 1.0 for z >= 4 (and fp16 for z >= 7), so a bf16 model whose memory
+    should forget over ~900 tokens would never forget. The chapters' functions accept gates
+    in any float dtype and take their logs in the state's dtype.
+    """
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def register_mixer(name: str):
     """Class decorator: make a ``TokenMixer`` subclass available as ``make_mixer(name, ...)``."""
     if not isinstance(name, str) or not name:

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..core import softmax_attention
 from ..linear import linear_attention
-from .mixer import TokenMixer, register_mixer
+from .mixer import TokenMixer, gate_dtype, register_mixer
 
 
 @register_mixer("softmax")
@@ -45,14 +45,15 @@ class LinearAttention(TokenMixer):
 class RetNet(TokenMixer):
     """Linear attention with a fixed per-head decay alpha_h = 1 - 2^(-5-h) (RetNet's choice)."""
 
-    def __init__(self, d_model, n_heads, **kw):
-        super().__init__(d_model, n_heads, **kw)
-        alpha = 1.0 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float32))
-        self.register_buffer("alpha", alpha, persistent=False)
+    @property
+    def alpha(self) -> torch.Tensor:
+        """The per-head decays [H], in fp32. Not a buffer: ``model.to(torch.bfloat16)`` would
+        round them, and 1 - 2^-9 and beyond are exactly 1.0 in bf16."""
+        return 1.0 - 2.0 ** (-5.0 - torch.arange(self.n_heads, dtype=torch.float32))
 
     def mix(self, q, k, v, x):
         B, H, T, _ = q.shape
-        alpha = self.alpha[None, :, None].expand(B, H, T).to(q.dtype)
+        alpha = self.alpha.to(device=q.device, dtype=gate_dtype(q))[None, :, None].expand(B, H, T)
         return linear_attention(q, k, v, alpha=alpha, backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
 
@@ -78,11 +79,11 @@ class GatedLinear(TokenMixer):
         log_alpha = F.logsigmoid(self.gate_proj(x)) / self.gate_temperature     # [B, T, H*w]
         B, T, _ = x.shape
         log_alpha = log_alpha.view(B, T, self.n_heads, -1).transpose(1, 2)      # [B, H, T, w]
-        alpha = log_alpha.exp()
+        alpha = log_alpha.to(torch.promote_types(log_alpha.dtype, torch.float32)).exp()   # not in bf16
         return alpha if self.per_channel else alpha.squeeze(-1)
 
     def mix(self, q, k, v, x):
-        return linear_attention(q, k, v, alpha=self.gate(x).to(q.dtype), backend=self.backend,
+        return linear_attention(q, k, v, alpha=self.gate(x).to(gate_dtype(q)), backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
 
 

@@ -45,7 +45,7 @@ from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
 from ..omega import check_window, omega_rule, swla
-from .mixer import register_mixer
+from .mixer import gate_dtype, register_mixer
 from .mixers import GatedLinear
 
 GAMMA_MODES = ("offset", "source", None)
@@ -163,7 +163,7 @@ class OmegaNet(WindowedMixer):
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
-        gamma, alpha, eta = self.gate_tensors(x, q.dtype)
+        gamma, alpha, eta = self.gate_tensors(x, gate_dtype(q))
         return omega_rule(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
                           backend=self.backend, chunk_size=self.chunk_size)[0]
 
@@ -174,6 +174,6 @@ class SWLA(WindowedMixer):
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
-        gamma, alpha, eta = self.gate_tensors(x, q.dtype)
+        gamma, alpha, eta = self.gate_tensors(x, gate_dtype(q))
         return swla(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
                     backend=self.backend, chunk_size=self.chunk_size)[0]
