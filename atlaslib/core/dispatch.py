@@ -27,12 +27,25 @@ def triton_importable() -> bool:
     return True
 
 
-def resolve_backend(backend, x: torch.Tensor) -> str:
-    """Turn ``backend`` into one of ``recurrent``, ``chunk`` or ``triton`` for tensor ``x``."""
+def resolve_backend(backend, x: torch.Tensor, unsupported=None) -> str:
+    """Turn ``backend`` into one of ``recurrent``, ``chunk`` or ``triton`` for tensor ``x``.
+
+    ``unsupported``: a function of no arguments that says which of these inputs the kernel does
+    not take (a phrase such as "fp64 inputs"), or returns None. Every chapter behaves the same:
+    ``auto`` on CUDA runs the kernel where it takes the inputs and otherwise the chunk form, with a
+    warning saying why; an explicit ``"triton"`` leaves the refusal to the kernel, which raises.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if x.is_cuda and triton_importable() else "chunk"
+        if not (x.is_cuda and triton_importable()):
+            return "chunk"
+        reason = unsupported() if unsupported is not None else None
+        if reason:
+            warnings.warn(f"backend='auto': the Triton kernel does not take {reason}; using the chunk form",
+                          RuntimeWarning, stacklevel=3)
+            return "chunk"
+        return "triton"
     if backend == "triton":
         if not triton_importable():
             raise RuntimeError("backend='triton' needs the triton package (pip install -r requirements.txt)")
@@ -41,6 +54,15 @@ def resolve_backend(backend, x: torch.Tensor) -> str:
                 "backend='triton' on CPU tensors needs Triton's interpreter: set the environment "
                 "variable TRITON_INTERPRET=1 before importing atlaslib (or move the tensors to a GPU)")
     return backend
+
+
+def matrix_kernel_limits(q: torch.Tensor, max_key: int = 256):
+    """What chapters 1-2's kernels do not take: fp64 inputs, or keys wider than ``max_key``."""
+    if q.dtype == torch.float64:
+        return "fp64 inputs (it computes in fp32)"
+    if q.shape[-1] > max_key:
+        return f"head size K={q.shape[-1]} (at most {max_key})"
+    return None
 
 
 class ChunkBackward(torch.autograd.Function):

@@ -6,6 +6,7 @@ import functools
 import torch
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state, resolve_backend, with_chunk_backward
+from ..core.dispatch import matrix_kernel_limits
 from .chunk import delta_rule_chunk
 from .recurrent import delta_rule_recurrent
 
@@ -72,7 +73,7 @@ def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
     check_gate("alpha", alpha, B, H, T, K, ref=q)
     check_state("initial_state", initial_state, (B, H, V, K), q)
     check_chunk_size(chunk_size)
-    backend = resolve_backend(backend, q)
+    backend = resolve_backend(backend, q, unsupported=lambda: matrix_kernel_limits(q))
     if longhorn:
         beta = longhorn_beta(beta, k)
     if backend == "recurrent":

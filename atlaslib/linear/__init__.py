@@ -6,6 +6,7 @@ import functools
 import torch
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state, resolve_backend, with_chunk_backward
+from ..core.dispatch import matrix_kernel_limits
 from .chunk import linear_attention_chunk
 from .recurrent import linear_attention_recurrent
 
@@ -42,7 +43,7 @@ def linear_attention(q, k, v, *, alpha=None, normalize=False, initial_state=None
     Vs = V + 1 if normalize else V
     check_state("initial_state", initial_state, (B, H, Vs, K), q)
     check_chunk_size(chunk_size)
-    backend = resolve_backend(backend, q)
+    backend = resolve_backend(backend, q, unsupported=lambda: matrix_kernel_limits(q))
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     if backend == "recurrent":

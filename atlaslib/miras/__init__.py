@@ -136,12 +136,17 @@ def _resolve(backend, cfg, q, V, chunk_size):
         if not kernel_available():
             raise ValueError("backend='triton': atlaslib/miras/kernel.py is not available in this installation")
         return resolve_backend("triton", q)
-    if (q.is_cuda and q.dtype != torch.float64 and has_kernel(cfg) and kernel_available()
-            and resolve_backend("auto", q) == "triton"):
+    if not (has_kernel(cfg) and kernel_available()):
+        return "chunk"                    # no kernel for this model at all: nothing to warn about
+
+    def unsupported():
         from .kernel import kernel_supports
-        if kernel_supports(q.shape[-1], V, chunk_size):          # tile limits (chunk <= 64, K <= 256)
-            return "triton"
-    return "chunk"
+        if q.dtype == torch.float64:
+            return "fp64 inputs (it computes in fp32)"
+        if not kernel_supports(q.shape[-1], V, chunk_size):
+            return f"K={q.shape[-1]}, chunk_size={chunk_size} (it takes K <= 256, chunk_size <= 64)"
+        return None
+    return resolve_backend("auto", q, unsupported=unsupported)
 
 
 def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,

@@ -7,6 +7,8 @@ maps live in ``atlaslib.core.featuremaps`` and are re-exported here.
 """
 from __future__ import annotations
 
+import torch
+
 from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
                     monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
 from .chunk import omega_chunk, swla_chunk, window_gates
@@ -51,13 +53,16 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
 
 
 def auto_backend(backend, fq, window, chunk_size):
-    """``resolve_backend``, except that "auto" takes the chunk form where the kernel's tiles would not fit."""
-    resolved = resolve_backend(backend, fq)
-    if backend == "auto" and resolved == "triton":
+    """``resolve_backend`` with this kernel's limits: fp32 compute, and tiles that fit."""
+    def unsupported():
         from .kernel import kernel_supports
+        if fq.dtype == torch.float64:
+            return "fp64 inputs (it computes in fp32)"
         if not kernel_supports(fq.shape[-1], window, chunk_size):
-            return "chunk"
-    return resolved
+            return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
+                    "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
+        return None
+    return resolve_backend(backend, fq, unsupported=unsupported)
 
 
 def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, memory="linear",
