@@ -57,7 +57,8 @@ def resolve_backend(backend, x: torch.Tensor, unsupported=None) -> str:
 
 
 def matrix_kernel_limits(q: torch.Tensor, max_key: int = 256):
-    """What chapters 1-2's kernels do not take: fp64 inputs, or keys wider than ``max_key``."""
+    """What every chapter's kernel refuses: fp64 inputs (they compute in fp32), or keys (features)
+    wider than ``max_key``. Kernels with more limits (tile sizes) check those after this."""
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"
     if q.shape[-1] > max_key:

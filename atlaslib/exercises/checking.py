@@ -177,7 +177,7 @@ def call(fn, *args, **kwargs):
 
     Its exceptions become ``LearnerError`` / ``NotImplementedYet``; calling a forbidden library
     function or changing an input in place (any tensor argument not made by ``guarded_output``)
-    fails the check. ``fn`` may live in another process (the grader's ``Remote``).
+    fails the check. ``fn`` may live in another process (the grader's ``KernelFunction``).
     """
     if not callable(fn):
         raise CheckFailed(f"expected a function, got {type(fn).__name__}")

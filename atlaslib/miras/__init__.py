@@ -26,6 +26,7 @@ import torch
 
 from ..core import (check_chunk_size, check_gate, check_qkv, check_state, get_feature_map, resolve_backend,
                     with_chunk_backward)
+from ..core.dispatch import matrix_kernel_limits
 from ..linear.recurrent import compute_dtype
 from ..omega.chunk import window_gates
 from .bias import BIASES, Bias, build_bias
@@ -141,11 +142,9 @@ def _resolve(backend, cfg, q, V, chunk_size):
 
     def unsupported():
         from .kernel import kernel_supports
-        if q.dtype == torch.float64:
-            return "fp64 inputs (it computes in fp32)"
-        if not kernel_supports(q.shape[-1], V, chunk_size):
-            return f"K={q.shape[-1]}, chunk_size={chunk_size} (it takes K <= 256, chunk_size <= 64)"
-        return None
+        if kernel_supports(q.shape[-1], V, chunk_size):
+            return matrix_kernel_limits(q)
+        return f"K={q.shape[-1]}, chunk_size={chunk_size} (it takes K <= 256, chunk_size <= 64)"
     return resolve_backend("auto", q, unsupported=unsupported)
 
 

@@ -7,10 +7,9 @@ maps live in ``atlaslib.core.featuremaps`` and are re-exported here.
 """
 from __future__ import annotations
 
-import torch
-
 from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
                     monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
+from ..core.dispatch import matrix_kernel_limits
 from .chunk import omega_chunk, swla_chunk, window_gates
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
@@ -56,12 +55,10 @@ def auto_backend(backend, fq, window, chunk_size):
     """``resolve_backend`` with this kernel's limits: fp32 compute, and tiles that fit."""
     def unsupported():
         from .kernel import kernel_supports
-        if fq.dtype == torch.float64:
-            return "fp64 inputs (it computes in fp32)"
-        if not kernel_supports(fq.shape[-1], window, chunk_size):
-            return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
-                    "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
-        return None
+        if kernel_supports(fq.shape[-1], window, chunk_size):
+            return matrix_kernel_limits(fq)
+        return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
+                "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
     return resolve_backend(backend, fq, unsupported=unsupported)
 
 
