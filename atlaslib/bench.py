@@ -25,10 +25,11 @@ For every registered model (a *bench case*) and every backend it prints
 see memory grow linearly in T (the state is constant; what grows is the output and the
 per-chunk work).
 
-Later chapters add rows with ``register_bench_case(name, builder, flops=...)`` in a
-module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases`` imports: the
-builder takes a ``BenchShape`` and a ``torch.Generator`` and returns ``call(backend)``,
-a function that runs the model once on fixed inputs.
+Every chapter adds its rows with ``core.benchcases.register_bench_case(name, builder,
+flops=...)`` in a module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases``
+imports (the chapters never import this module): the builder takes a ``BenchShape`` and a
+``torch.Generator`` and returns ``call(backend)``, a function that runs the model once on
+fixed inputs.
 """
 from __future__ import annotations
 
@@ -37,88 +38,21 @@ import importlib
 import pkgutil
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from .core import random_gate, random_qkv
-from .linear import linear_attention
+from .core.benchcases import BENCH_CASES, BenchCase, BenchShape, register_bench_case  # noqa: F401
 from .train import format_table
 
 
-@dataclass(frozen=True)
-class BenchShape:
-    B: int
-    H: int
-    T: int
-    K: int
-    V: int
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    chunk_size: int = 64
-
-
-@dataclass
-class BenchCase:
-    name: str
-    builder: callable                 # (BenchShape, Generator) -> call(backend)
-    flops: callable = None            # BenchShape -> FLOPs of one call (chunkwise algorithm)
-    bytes: callable = None            # BenchShape -> bytes read + written by one call
-    backends: tuple = ("recurrent", "chunk", "triton")
-
-
-BENCH_CASES: dict[str, BenchCase] = {}
-
-
-def register_bench_case(name: str, builder, *, flops=None, bytes=None,
-                        backends=("recurrent", "chunk", "triton")):
-    """Add a row family to the benchmark. ``builder(shape, generator) -> call(backend)``."""
-    if name in BENCH_CASES:
-        raise ValueError(f"bench case {name!r} is already registered")
-    BENCH_CASES[name] = BenchCase(name, builder, flops, bytes, tuple(backends))
-    return builder
-
-
-# ---------------------------------------------------------------------------- chapter 1 cases
-
-def linear_flops(s: BenchShape) -> float:
-    """Chunkwise linear attention, per token and head: q k^T and scores v inside the chunk
-    (2C(K+V), C the chunk size), the inter-chunk read q S^T and the state update v^T k (4KV).
-    The Triton kernel picks its own tile (64, or 16 for per-channel gates), so for it this
-    is the work of the algorithm at C = chunk_size, not a count of its instructions."""
-    return s.B * s.H * s.T * (2 * min(s.chunk_size, s.T) * (s.K + s.V) + 4 * s.K * s.V)
-
-
-def _io_bytes(gate_width: int):
-    def count(s: BenchShape) -> float:
-        itemsize = torch.empty((), dtype=s.dtype).element_size()
-        return s.B * s.H * s.T * (2 * s.K + 2 * s.V + gate_width(s)) * itemsize   # q, k, v, gate in; o out
-    return count
-
-
-def _linear_builder(gate: str):
-    def build(s: BenchShape, g: torch.Generator):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
-        alpha = None
-        if gate != "none":
-            alpha = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9,
-                                dtype=s.dtype, device=s.device, generator=g)
-        return lambda backend: linear_attention(q, k, v, alpha=alpha, backend=backend, chunk_size=s.chunk_size)
-    return build
-
-
-register_bench_case("linear", _linear_builder("none"), flops=linear_flops, bytes=_io_bytes(lambda s: 0))
-register_bench_case("linear_scalar_gate", _linear_builder("scalar"), flops=linear_flops,
-                    bytes=_io_bytes(lambda s: 1))
-register_bench_case("linear_channel_gate", _linear_builder("channel"), flops=linear_flops,
-                    bytes=_io_bytes(lambda s: s.K))
+CHAPTER_ORDER = {"linear": 1, "delta": 2, "miras": 3, "omega": 4}   # rows print in the book's order
 
 
 def load_chapter_cases() -> None:
-    """Import ``atlaslib.<chapter>.bench_cases`` for every chapter package that has one."""
+    """Import ``atlaslib.<chapter>.bench_cases`` for every chapter package that has one, in chapter order."""
     import atlaslib
-    for pkg in pkgutil.iter_modules(atlaslib.__path__):
+    for pkg in sorted(pkgutil.iter_modules(atlaslib.__path__), key=lambda p: CHAPTER_ORDER.get(p.name, 99)):
         if pkg.ispkg and importlib.util.find_spec(f"atlaslib.{pkg.name}.bench_cases") is not None:
             importlib.import_module(f"atlaslib.{pkg.name}.bench_cases")
 

@@ -18,7 +18,7 @@ from atlaslib.exercises import ch03, registry
 from atlaslib.grade import grade, table
 from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
 from grading_helpers import planted_copy as plant
-from atlaslib.linear.chunk import causal_decay
+from atlaslib.core.chunking import causal_decay
 from atlaslib.miras import make_config, miras
 from atlaslib.miras.optimizer import build_optimizer
 

@@ -21,7 +21,7 @@ from atlaslib.grade import grade, table
 from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
 from grading_helpers import planted_copy as plant
 from atlaslib.omega import omega_chunk, omega_rule
-from atlaslib.omega.chunk import band_gates
+from atlaslib.core.windows import band_gates
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "exercises" / "solutions" / "ch04_omega.ipynb"

@@ -12,7 +12,8 @@ import torch
 from atlaslib.core import (assert_close, elu_plus_one, get_feature_map, poisoned_outputs,
                            random_gate, random_qkv, rel_rmse, softmax_attention)
 from atlaslib.linear import linear_attention
-from atlaslib.linear.chunk import channel_scores, log_gate
+from atlaslib.core.chunking import log_gate
+from atlaslib.linear.chunk import channel_scores
 
 MODES = [None, "scalar", "channel"]
 

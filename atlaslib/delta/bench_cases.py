@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bench import BenchShape, register_bench_case
+from ..core.benchcases import BenchShape, register_bench_case
 from ..core import random_gate, random_qkv
 from . import delta_rule
 

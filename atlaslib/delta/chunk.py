@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.chunk import chunk_log_gates, chunk_run, decayed_scores, to_chunks
-from ..linear.recurrent import compute_dtype
+from ..core.chunking import chunk_run, compute_dtype, gate_logs, to_chunks
+from ..linear.chunk import decayed_scores
 
 
 def decayed_products(q, k, g):
@@ -105,10 +105,12 @@ def chunk_group(S, q, k, v, b, g, outputs):
     return S
 
 
-def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=64):
+def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=64, log_alpha=None):
     """Chunkwise form; same arguments and results as ``delta_rule_recurrent``.
 
-    T is padded to whole chunks with zero rows, beta 0 and gates 1, which write nothing.
+    The gates may instead be given as ``log_alpha`` (same shape), used without rounding.
+
+    T is padded to whole chunks with zero rows, beta 0 and log-gates 0, which write nothing.
     Does what a loop of ``chunk_step`` does, with the state-independent work (P, L, the gated
     q, k and the WY pair) hoisted out of the loop and batched over GROUP chunks at a time.
     """
@@ -121,14 +123,15 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
         return v.to(out_dtype), S
     C = min(chunk_size, T)
     rows = [to_chunks(x, C) for x in (q, k, v, beta[..., None])]   # padding: zero rows and beta 0 write nothing,
-    gates = None if alpha is None else to_chunks(alpha, C, fill=1.0)  # and gates 1 keep everything
+    logs = gate_logs(alpha, log_alpha, cd)
+    gates = None if logs is None else to_chunks(logs, C)            # and log-gates 0 keep everything
     S = S.reshape(B * H, V, K)
     outputs = []
     for s in range(0, rows[0].shape[1], GROUP):
         # Each run is copied chunk-major just before it is used: the copies are small, still in
         # cache when read, and recycled by the allocator from run to run.
         qg, kg, vg, bg = (chunk_run(x, s, GROUP) for x in rows)
-        g = None if gates is None else chunk_log_gates(chunk_run(gates, s, GROUP), cd)
+        g = None if gates is None else chunk_run(gates, s, GROUP).cumsum(dim=2)
         S = chunk_group(S, qg, kg, vg, bg, g, outputs)
     o = torch.stack(outputs, dim=1).reshape(B, H, -1, V)[:, :, :T]                # stacked straight into [B*H, N, C, V]
     return o.to(out_dtype), S.reshape(B, H, V, K)

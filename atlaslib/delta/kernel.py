@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.chunking import compute_dtype, gate_logs
+from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, chunk_local_log_gate, gate_mode, precision
 from ..core.testing import empty
-from ..linear.kernel import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, chunk_local_log_gate
-from ..linear.recurrent import compute_dtype
 
 
 @triton.jit
@@ -153,13 +153,14 @@ def delta_rule_fwd_kernel(
         tl.store(ht_ptr + state_offs, S, mask=state_mask)
 
 
-def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None):
-    """Triton forward; same arguments and results as ``delta_rule_recurrent``."""
+def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
+    """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``)."""
     B, H, T, K = q.shape
     V = v.shape[-1]
     if compute_dtype(q) == torch.float64:
         raise TypeError("the Triton kernel takes fp32/fp16/bf16 inputs; use backend='chunk' for fp64")
-    gate = GATE_NONE if alpha is None else (GATE_SCALAR if alpha.dim() == 3 else GATE_CHANNEL)
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    gate = gate_mode(logs)
     BT = 16 if gate == GATE_CHANNEL else 64
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(64, triton.next_power_of_2(V)))
@@ -167,18 +168,17 @@ def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None):
         raise ValueError(f"the Triton kernel supports K <= 256, got K={K}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     beta = beta.to(torch.float32).contiguous()
-    if alpha is None:
+    if logs is None:
         g, Tp = q, T          # unused pointer
     else:
-        g, Tp = chunk_local_log_gate(alpha, T, BT, torch.float32)
+        g, Tp = chunk_local_log_gate(logs, BT)
     h0 = q if initial_state is None else initial_state.to(torch.float32).contiguous()
     o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
     ht = empty(B, H, V, K, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (B * H, triton.cdiv(V, BV))
     delta_rule_fwd_kernel[grid](
         q, k, v, beta, g, h0, o, ht, T, Tp, K, V,
         GATE=gate, HAS_H0=initial_state is not None, STORE_HT=True,
-        BT=BT, BK=BK, BV=BV, PRECISION=precision,
+        BT=BT, BK=BK, BV=BV, PRECISION=precision(q.dtype),
     )
     return o, ht

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.recurrent import compute_dtype, decay_state
+from ..core.chunking import compute_dtype
+from ..linear.recurrent import decay_state
 
 
 def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):

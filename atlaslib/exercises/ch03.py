@@ -4,7 +4,7 @@ Each check draws fresh random inputs, runs the learner's function and compares i
 ``atlaslib.miras`` (the memory gradient ``memory_gradient`` of the per-token engine, one
 token of ``miras(..., backend="recurrent")`` for Yaad's step and Memora's log-domain
 loop, the optimizer and retention parts ``Momentum.step`` / ``Decay.combine`` for the
-chunk's momentum, and the chunk decay ratios ``atlaslib.linear.chunk.causal_decay`` for
+chunk's momentum, and the chunk decay ratios ``atlaslib.core.chunking.causal_decay`` for
 the kernel), then shows a verdict. Use in a notebook as::
 
     from atlaslib.exercises import ch03 as check
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..core.dispatch import interpreter_on
 from ..core.testing import random_gate, random_qkv
-from ..linear.chunk import causal_decay
+from ..core.chunking import causal_decay
 from ..miras import make_config, memory_gradient, miras
 from ..miras.optimizer import build_optimizer
 from ..miras.retention import build_retention

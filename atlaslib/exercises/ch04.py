@@ -20,7 +20,8 @@ from ..core import monomial_features
 from ..core.dispatch import interpreter_on
 from ..core.testing import random_gate, random_qkv
 from ..omega import omega_frozen_seq
-from ..omega.chunk import band_gates, window_weights
+from ..core.windows import band_gates
+from ..omega.chunk import window_weights
 from ..omega.recurrent import window_gradient
 from .ch01 import clones, triton_device
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_number,

@@ -22,28 +22,9 @@ channels): the factors are then vectors, and no [n, n] matrix of exponentials is
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .recurrent import compute_dtype
-
-# alpha is clamped to e^LOG_FLOOR before the log so that a gate of exactly 0 (a full reset)
-# gives a finite log-gate and a zero, not NaN, gradient (clamping after the log would give 0 * inf).
-LOG_FLOOR = -60.0
-
-
-def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
-    return torch.log(alpha.to(cd).clamp_min(math.exp(LOG_FLOOR)))
-
-
-def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
-    """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
-
-    The entries above the diagonal are masked to -inf *before* the exponential, so they
-    become exact zeros instead of overflowing. (Per-channel gates: ``channel_scores``.)
-    """
-    return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+from ..core.chunking import causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate, to_chunks  # noqa: F401
 
 
 # Largest total per-channel decay (log units) of a block scored as one matrix product:
@@ -108,39 +89,10 @@ def chunk_step(S, q, k, v, g):
     return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
 
 
-def to_chunks(x, C, fill=0.0):
-    """[B, H, T, ...] -> [B*H, N, C, ...]: T cut into N chunks of C, a view unless T must be padded.
-
-    Padding rows get ``fill``: 0 for q, k, v and beta (they write nothing), 1 for gates (they keep everything).
-    """
-    B, H, T = x.shape[:3]
-    if T % C:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C), value=fill)
-    return x.reshape(B * H, -1, C, *x.shape[3:])
-
-
-def chunk_run(x, s, n):
-    """Chunks s, ..., s+n-1 of x [B*H, N, C, ...] as one contiguous chunk-major block [n, B*H, C, ...].
-
-    Batched matrix products then take a chunk, or the whole run, without copying it again; a
-    run copied just before it is used is also still in cache.
-    """
-    return x[:, s:s + n].transpose(0, 1).contiguous()
-
-
-def chunk_log_gates(alpha, cd):
-    """g, the log-gates accumulated from each chunk's start, for gates alpha [n, B*H, C] or [n, B*H, C, K]."""
-    return log_gate(alpha, cd).cumsum(dim=2)
-
-
-def from_chunks(o, B, H, T):
-    """Chunk-major outputs [N, B*H, C, V] back to [B, H, T, V] (dropping the padding)."""
-    N, _, C, V = o.shape
-    return o.transpose(0, 1).reshape(B, H, N * C, V)[:, :, :T]
-
-
-def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64):
+def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64, log_alpha=None):
     """Chunkwise form; same arguments and results as ``linear_attention_recurrent``.
+
+    The gates may instead be given as ``log_alpha`` (same shape), used without rounding.
 
     Does what a loop of ``chunk_step`` does, in three phases: the scores and gated q, k of
     all chunks at once, the chunk-to-chunk state recurrence (the only sequential part, one
@@ -156,7 +108,8 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     C = min(chunk_size, T)
     N = -(-T // C)
     q, k, v = (chunk_run(to_chunks(x, C), 0, N) for x in (q, k, v))
-    g = None if alpha is None else chunk_log_gates(chunk_run(to_chunks(alpha, C, fill=1.0), 0, N), cd)
+    logs = gate_logs(alpha, log_alpha, cd)                       # padding: log-gate 0 keeps everything
+    g = None if logs is None else chunk_run(to_chunks(logs, C), 0, N).cumsum(dim=2)
     (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     S = S.reshape(B * H, V, K)
     starts = []

@@ -21,11 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.chunking import compute_dtype, gate_logs
+from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, chunk_local_log_gate, gate_mode, precision
 from ..core.testing import empty
-from .chunk import log_gate
-from .recurrent import compute_dtype
-
-GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
 
 
 @triton.jit
@@ -92,44 +90,32 @@ def linear_attention_fwd_kernel(
         tl.store(ht_ptr + state_offs, S, mask=state_mask)
 
 
-def chunk_local_log_gate(alpha, T: int, BT: int, cd):
-    """log(alpha) accumulated within each chunk of BT tokens, padded to a multiple of BT with 0."""
-    logs = log_gate(alpha, cd)
-    Tp = triton.cdiv(T, BT) * BT
-    pad = [0, 0, 0, Tp - T] if alpha.dim() == 4 else [0, Tp - T]
-    logs = torch.nn.functional.pad(logs, pad)
-    shape = logs.shape
-    if alpha.dim() == 4:
-        return logs.view(*shape[:2], Tp // BT, BT, shape[-1]).cumsum(3).view(shape).contiguous(), Tp
-    return logs.view(*shape[:2], Tp // BT, BT).cumsum(3).view(shape).contiguous(), Tp
-
-
-def linear_attention_triton(q, k, v, alpha=None, initial_state=None):
-    """Triton forward; same arguments and results as ``linear_attention_recurrent``."""
+def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=None):
+    """Triton forward; same arguments and results as ``linear_attention_recurrent`` (and ``log_alpha``)."""
     B, H, T, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype(q)
     if cd == torch.float64:
         raise TypeError("the Triton kernel takes fp32/fp16/bf16 inputs; use backend='chunk' for fp64")
-    gate = GATE_NONE if alpha is None else (GATE_SCALAR if alpha.dim() == 3 else GATE_CHANNEL)
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    gate = gate_mode(logs)
     BT = 16 if gate == GATE_CHANNEL else 64
     BK = max(16, triton.next_power_of_2(K))
     BV = max(16, min(64, triton.next_power_of_2(V)))
     if BK > 256:
         raise ValueError(f"the Triton kernel supports K <= 256, got K={K}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if alpha is None:
+    if logs is None:
         g, Tp = q, T          # unused pointer
     else:
-        g, Tp = chunk_local_log_gate(alpha, T, BT, torch.float32)
+        g, Tp = chunk_local_log_gate(logs, BT)
     h0 = q if initial_state is None else initial_state.to(torch.float32).contiguous()
     o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
     ht = empty(B, H, V, K, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (B * H, triton.cdiv(V, BV))
     linear_attention_fwd_kernel[grid](
         q, k, v, g, h0, o, ht, T, Tp, K, V,
         GATE=gate, HAS_H0=initial_state is not None, STORE_HT=True,
-        BT=BT, BK=BK, BV=BV, PRECISION=precision,
+        BT=BT, BK=BK, BV=BV, PRECISION=precision(q.dtype),
     )
     return o, ht

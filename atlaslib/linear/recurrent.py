@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """States accumulate in fp32 (fp64 when the inputs are fp64)."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from ..core.chunking import compute_dtype
 
 
 def decay_state(M: torch.Tensor, alpha_t: torch.Tensor | None) -> torch.Tensor:

@@ -27,8 +27,8 @@ import torch
 from ..core import (check_chunk_size, check_gate, check_qkv, check_state, get_feature_map, resolve_backend,
                     with_chunk_backward)
 from ..core.dispatch import matrix_kernel_limits
-from ..linear.recurrent import compute_dtype
-from ..omega.chunk import window_gates
+from ..core.chunking import compute_dtype
+from ..core.windows import window_gates
 from .bias import BIASES, Bias, build_bias
 from .chunk import miras_chunk, row_factors
 from .config import (AXES, EXACT_CHUNK, PRESETS, MirasConfig, axes_markdown, axes_table, describe, make_config,

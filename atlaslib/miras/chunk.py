@@ -18,7 +18,7 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, book ch. 3 §8). Then:
        Z_t = A_t Z_{t0} + (D_alpha b)_t S_{t0} + sum_r (D_alpha E)[t, r] g_r,
    with A_t = alpha_{t0+1} ... alpha_t and D_alpha[t, i] = A_t / A_i (i <= t). The decay
    ratios are exp(differences of cumulative log-gates), never quotients of cumulative
-   products (``atlaslib.linear.chunk.causal_decay``). Memora's log-domain recursion and
+   products (``atlaslib.core.chunking.causal_decay``). Memora's log-domain recursion and
    Moneta's accumulator A are of this form: both are linear in Z; only the read
    W = R(Z) is not.
 3. **Readouts inside the chunk.** y_t = M_{W_t}(phi(q_t)) needs the weights after every
@@ -45,8 +45,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear.chunk import LOG_FLOOR
-from ..omega.chunk import band_gates
+from ..core.chunking import LOG_FLOOR
+from ..core.windows import band_gates
 from .memory import per_token_linear
 from .optimizer import decay_matrix
 from .recurrent import Gates, Parts

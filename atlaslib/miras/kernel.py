@@ -83,6 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.kernels import precision
 from ..core.testing import empty
 from ..core.validation import check_chunk_size, check_qkv
 
@@ -292,7 +293,6 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     M_T = empty(B, H, V, K, dtype=torch.float32, device=q.device)
     S_T = empty(B, H, V, K, dtype=torch.float32, device=q.device)
     unused = M_T                                                   # a pointer the kernel never reads
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (B * H, triton.cdiv(V, BV))
     titans_linear_fwd_kernel[grid](
         q, k, v,
@@ -301,7 +301,7 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
         o, M_T, S_T, T, K, V, chunk_size,
         HAS_ALPHA=alpha is not None, HAS_ETA=eta is not None, HAS_THETA=theta is not None,
         HAS_M0=m0 is not None, HAS_S0=s0 is not None,
-        BT=BT, BK=BK, BV=BV, PRECISION=precision, num_stages=1,
+        BT=BT, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=1,
     )
     return o, M_T, S_T
 

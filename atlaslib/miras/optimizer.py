@@ -35,7 +35,7 @@ import abc
 
 import torch
 
-from ..linear.chunk import causal_decay
+from ..core.chunking import causal_decay
 
 
 class Optimizer(abc.ABC):
@@ -76,7 +76,7 @@ class Optimizer(abc.ABC):
 def decay_matrix(g):
     """D[..., t, i] = exp(g_t - g_i) for i <= t, else 0, from log-gates g [..., n] accumulated over a chunk.
 
-    Only differences g_t - g_i <= 0 are exponentiated (``atlaslib.linear.chunk.causal_decay``),
+    Only differences g_t - g_i <= 0 are exponentiated (``atlaslib.core.chunking.causal_decay``),
     never quotients of cumulative products.
     """
     n = g.shape[-1]

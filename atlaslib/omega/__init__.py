@@ -10,7 +10,9 @@ from __future__ import annotations
 from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
                     monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
 from ..core.dispatch import matrix_kernel_limits
-from .chunk import omega_chunk, swla_chunk, window_gates
+from ..core.windows import window_gates
+from ..miras import miras
+from .chunk import omega_chunk, swla_chunk
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 # "linear": this package's own three rooms; the deep memories run on chapter 3's engine
@@ -162,7 +164,6 @@ def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, outp
     kernel for deep memories, so "triton" is a ValueError). The state is a
     ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
     """
-    from ..miras import miras                  # imported here: atlaslib.miras itself imports omega.chunk
     if backend == "triton":
         raise ValueError(f"backend='triton' has a kernel only for memory='linear'; memory={memory!r} runs on "
                          f"atlaslib.miras: use backend='chunk' (or 'recurrent')")

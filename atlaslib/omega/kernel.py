@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.chunking import compute_dtype, gate_logs
+from ..core.kernels import chunk_local_log_gate, precision
 from ..core.testing import empty
-from ..linear.chunk import log_gate
-from ..linear.recurrent import compute_dtype
-from .chunk import window_gates
+from ..core.windows import window_gates
 
 # Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
 # shared memory is 114 KB at BT=64, BW=128, BD=64; 147 KB at (64, 128, 128); 180 KB at
@@ -54,7 +54,7 @@ MAX_FEATURES = 256
 @triton.jit
 def omega_fwd_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, eta_ptr, g_ptr, h0_ptr, o_ptr, ht_ptr,
-    T, D, V, b, c,
+    T, Tp, D, V, b, c,
     HAS_ALPHA: tl.constexpr, HAS_H0: tl.constexpr, HEBBIAN: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -66,7 +66,7 @@ def omega_fwd_kernel(
     o_ptr += i_bh * T * V
     G_ptr += i_bh * T * c
     eta_ptr += i_bh * T
-    g_ptr += i_bh * T
+    g_ptr += i_bh * Tp                     # chunk-local log-gates, padded to Tp rows
 
     offs_t = tl.arange(0, BT)
     offs_w = tl.arange(0, BW)
@@ -101,7 +101,7 @@ def omega_fwd_kernel(
         # decays inside the chunk: D[t, n] = e^{g_t - g_n} (n <= t), A_t = e^{g_t}, A_b / A_n
         if HAS_ALPHA:
             gc = tl.load(g_ptr + t, mask=valid_t, other=0.0).to(tl.float32)
-            g_last = tl.load(g_ptr + start + tl.minimum(b, T - start) - 1).to(tl.float32)
+            g_last = tl.load(g_ptr + start + b - 1).to(tl.float32)       # padding rows repeat the last
             decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
             a_t = tl.exp(gc)
             a_end = tl.exp(g_last)
@@ -128,14 +128,6 @@ def omega_fwd_kernel(
     tl.store(ht_ptr + state_offs, S, mask=state_mask)
 
 
-def chunk_local_log_gate(alpha, T: int, b: int) -> torch.Tensor:
-    """log(alpha) accumulated within each chunk of b tokens (fp32, [B, H, T])."""
-    logs = log_gate(alpha, torch.float32)
-    n_chunks = triton.cdiv(T, b)
-    padded = torch.nn.functional.pad(logs, (0, n_chunks * b - T))
-    return padded.view(*logs.shape[:2], n_chunks, b).cumsum(-1).flatten(-2)[..., :T].contiguous()
-
-
 def kernel_supports(D: int, window: int, chunk_size: int) -> bool:
     """Whether the kernel's tiles fit (see the limits above); ``backend="auto"`` falls back to chunk otherwise."""
     BW = max(16, triton.next_power_of_2(chunk_size + window - 1))
@@ -144,7 +136,7 @@ def kernel_supports(D: int, window: int, chunk_size: int) -> bool:
 
 
 def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
-                    chunk_size=64, hebbian=False):
+                    chunk_size=64, hebbian=False, log_alpha=None):
     """Triton forward of the chunk form; same arguments and results as ``chunk.windowed_chunk``."""
     B, H, T, D = q.shape
     V = v.shape[-1]
@@ -169,25 +161,27 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     G = window_gates(gamma, B, H, T, c, torch.float32, q.device).contiguous()
     eta = torch.ones(B, H, T, dtype=torch.float32, device=q.device) if eta is None else eta.to(torch.float32).contiguous()
-    g = eta if alpha is None else chunk_local_log_gate(alpha, T, b)     # unused pointer without alpha
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    g, Tp = (eta, T) if logs is None else chunk_local_log_gate(logs, b)   # unused pointer without alpha
     h0 = q if initial_state is None else initial_state.to(torch.float32).contiguous()
     o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
     ht = empty(B, H, V, D, dtype=torch.float32, device=q.device)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (B * H, triton.cdiv(V, BV))
     omega_fwd_kernel[grid](
-        q, k, v, G, eta, g, h0, o, ht, T, D, V, b, c,
-        HAS_ALPHA=alpha is not None, HAS_H0=initial_state is not None, HEBBIAN=hebbian,
-        BT=BT, BW=BW, BD=BD, BV=BV, PRECISION=precision, num_stages=1,
+        q, k, v, G, eta, g, h0, o, ht, T, Tp, D, V, b, c,
+        HAS_ALPHA=logs is not None, HAS_H0=initial_state is not None, HEBBIAN=hebbian,
+        BT=BT, BW=BW, BD=BD, BV=BV, PRECISION=precision(q.dtype), num_stages=1,
     )
     return o, ht
 
 
-def omega_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
+def omega_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
+                 log_alpha=None):
     """Triton forward of the frozen-gradient Omega chunk form (matches ``chunk.omega_chunk``)."""
-    return windowed_triton(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, hebbian=False)
+    return windowed_triton(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, False, log_alpha)
 
 
-def swla_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
+def swla_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
+                log_alpha=None):
     """Triton forward of SWLA (matches ``chunk.swla_chunk`` and ``recurrent.swla_recurrent``)."""
-    return windowed_triton(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, hebbian=True)
+    return windowed_triton(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, True, log_alpha)

@@ -39,7 +39,7 @@ from collections import deque
 
 import torch
 
-from ..linear.recurrent import compute_dtype
+from ..core.chunking import compute_dtype
 
 
 def gamma_weight(gamma, t: int, i: int):

@@ -1,0 +1,43 @@
+"""The benchmark's registry of cases (``python -m atlaslib.bench`` reads it; chapters fill it).
+
+Each chapter registers its rows in ``atlaslib/<chapter>/bench_cases.py``; the benchmark
+imports those modules, so the chapters never import the benchmark.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    B: int
+    H: int
+    T: int
+    K: int
+    V: int
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    chunk_size: int = 64
+
+
+@dataclass
+class BenchCase:
+    name: str
+    builder: callable                 # (BenchShape, Generator) -> call(backend)
+    flops: callable = None            # BenchShape -> FLOPs of one call (chunkwise algorithm)
+    bytes: callable = None            # BenchShape -> bytes read + written by one call
+    backends: tuple = ("recurrent", "chunk", "triton")
+
+
+BENCH_CASES: dict[str, BenchCase] = {}
+
+
+def register_bench_case(name: str, builder, *, flops=None, bytes=None,
+                        backends=("recurrent", "chunk", "triton")):
+    """Add a row family to the benchmark. ``builder(shape, generator) -> call(backend)``."""
+    if name in BENCH_CASES:
+        raise ValueError(f"bench case {name!r} is already registered")
+    BENCH_CASES[name] = BenchCase(name, builder, flops, bytes, tuple(backends))
+    return builder

@@ -1,0 +1,77 @@
+"""Chunking machinery shared by every chapter's chunkwise form.
+
+Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
+
+* ``compute_dtype``: states accumulate in fp32 (fp64 for fp64 inputs), whatever the activations;
+* ``log_gate`` / ``gate_logs``: retention gates enter every chunk form as log-gates, accumulated
+  from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
+* ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential;
+* ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# alpha is clamped to e^LOG_FLOOR before the log so that a gate of exactly 0 (a full reset)
+# gives a finite log-gate and a zero, not NaN, gradient (clamping after the log would give 0 * inf).
+LOG_FLOOR = -60.0
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """States accumulate in fp32 (fp64 when the inputs are fp64)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """log(alpha) in dtype ``cd``, with alpha clamped to e^LOG_FLOOR (a gate of 0 is a full reset)."""
+    return torch.log(alpha.to(cd).clamp_min(math.exp(LOG_FLOOR)))
+
+
+def gate_logs(alpha, log_alpha, cd: torch.dtype):
+    """The log-gate of a retention given either as ``alpha`` or as ``log_alpha`` (None if neither).
+
+    ``log_alpha`` is used as given (clamped below at LOG_FLOOR), never exponentiated and logged
+    again: a gate close to 1 survives in its log even where the activation dtype would round
+    alpha itself to exactly 1.0 (bf16: any alpha > 1 - 2^-9).
+    """
+    if log_alpha is not None:
+        return log_alpha.to(cd).clamp_min(LOG_FLOOR)
+    return None if alpha is None else log_gate(alpha, cd)
+
+
+def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
+
+    The entries above the diagonal are masked to -inf *before* the exponential, so they
+    become exact zeros instead of overflowing. (Per-channel gates: ``linear.chunk.channel_scores``.)
+    """
+    return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+
+
+def to_chunks(x, C, fill=0.0):
+    """[B, H, T, ...] -> [B*H, N, C, ...]: T cut into N chunks of C, a view unless T must be padded.
+
+    Padding rows get ``fill``: 0 for q, k, v, beta and log-gates (they write nothing and keep
+    everything), 1 for gates given as alpha.
+    """
+    B, H, T = x.shape[:3]
+    if T % C:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C), value=fill)
+    return x.reshape(B * H, -1, C, *x.shape[3:])
+
+
+def chunk_run(x, s, n):
+    """Chunks s, ..., s+n-1 of x [B*H, N, C, ...] as one contiguous chunk-major block [n, B*H, C, ...].
+
+    Batched matrix products then take a chunk, or the whole run, without copying it again; a
+    run copied just before it is used is also still in cache.
+    """
+    return x[:, s:s + n].transpose(0, 1).contiguous()
+
+
+def from_chunks(o, B, H, T):
+    """Chunk-major outputs [N, B*H, C, V] back to [B, H, T, V] (dropping the padding)."""
+    N, _, C, V = o.shape
+    return o.transpose(0, 1).reshape(B, H, N * C, V)[:, :, :T]

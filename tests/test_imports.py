@@ -1,0 +1,89 @@
+"""Imports point down: core <- chapter 1 <- chapter 2 <- ... and nothing in the library imports the benchmark.
+
+Read from the source with ``ast`` (function-level imports included), so a cycle hidden inside
+a function body is caught as well as one at the top of a module.
+"""
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "atlaslib"
+CHAPTERS = {"core": 0, "linear": 1, "delta": 2, "miras": 3, "omega": 4}   # package -> chapter
+TOOLS = {"bench", "aot", "grade", "train"}                                  # top-level tools, never imported by chapters
+
+
+def package_of(module: str):
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "atlaslib" else None
+
+
+def imports_of(path: pathlib.Path):
+    """Absolute names of the atlaslib modules that ``path`` imports, anywhere in the file."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    here = list(rel.parts if rel.name != "__init__" else rel.parts[:-1])
+    pkg = here if path.name == "__init__.py" else here[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("atlaslib")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[:len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names = [mod] if node.module else [f"{mod}.{a.name}" for a in node.names]
+                found += names
+            elif node.module and node.module.startswith("atlaslib"):
+                found.append(node.module)
+    return found
+
+
+def library_files():
+    return sorted(p for p in ROOT.rglob("*.py"))
+
+
+def test_import_atlaslib_in_a_fresh_interpreter():
+    out = subprocess.run([sys.executable, "-c", "import atlaslib, atlaslib.nn, atlaslib.tasks; print('ok')"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_imports_point_down():
+    wrong = []
+    for path in library_files():
+        src = package_of(".".join(path.relative_to(ROOT.parent).with_suffix("").parts))
+        if src not in CHAPTERS:
+            continue
+        for target in imports_of(path):
+            dst = package_of(target)
+            if dst in TOOLS:
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports the tool {target}")
+            elif dst in CHAPTERS and CHAPTERS[dst] > CHAPTERS[src]:
+                wrong.append(f"{path.relative_to(ROOT.parent)} (chapter {CHAPTERS[src]}) imports {target} "
+                             f"(chapter {CHAPTERS[dst]})")
+            elif dst not in CHAPTERS and dst is not None:
+                wrong.append(f"{path.relative_to(ROOT.parent)} imports {target}, above the chapters")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_has_a_chapter_number():
+    """A new chapter package must be placed in the order above (and so in the check)."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages - set(CHAPTERS) <= {"nn", "tasks", "exercises"}, sorted(packages - set(CHAPTERS))
+
+
+@pytest.mark.parametrize("src, target, ok", [("omega", "atlaslib.miras", True), ("miras", "atlaslib.omega.chunk", False),
+                                             ("linear", "atlaslib.bench", False)])
+def test_the_check_can_fail(src, target, ok):
+    """The parser sees a relative import of a later chapter, or of the benchmark, for what it is."""
+    fake = ROOT / src / "_probe_import.py"
+    fake.write_text(f"def f():\n    from ..{target.split('.', 1)[1]} import something\n")
+    try:
+        names = imports_of(fake)
+        assert names == [target]
+        dst = package_of(target)
+        assert (dst in CHAPTERS and CHAPTERS[dst] <= CHAPTERS[src]) == ok
+    finally:
+        fake.unlink()
