@@ -46,13 +46,10 @@ from .core.benchcases import BENCH_CASES, BenchCase, BenchShape, register_bench_
 from .train import format_table
 
 
-CHAPTER_ORDER = {"linear": 1, "delta": 2, "miras": 3, "omega": 4}   # rows print in the book's order
-
-
 def load_chapter_cases() -> None:
     """Import ``atlaslib.<chapter>.bench_cases`` for every chapter package that has one, in chapter order."""
     import atlaslib
-    for pkg in sorted(pkgutil.iter_modules(atlaslib.__path__), key=lambda p: CHAPTER_ORDER.get(p.name, 99)):
+    for pkg in sorted(pkgutil.iter_modules(atlaslib.__path__), key=lambda p: atlaslib.CHAPTERS.get(p.name, 99)):
         if pkg.ispkg and importlib.util.find_spec(f"atlaslib.{pkg.name}.bench_cases") is not None:
             importlib.import_module(f"atlaslib.{pkg.name}.bench_cases")
 

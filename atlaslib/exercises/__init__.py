@@ -1,11 +1,11 @@
 """Graded exercises: one check module per chapter (``ch01`` ...), the notebook generator
 (``python -m atlaslib.exercises.generate``) and the channel the grader
 (``python -m atlaslib.grade``) reads the verdicts from (``checking.MIME``)."""
+from .. import CHAPTERS as _BOOK_CHAPTERS
 from .checking import MIME, Registry, Verdict
 
-# chapter tag -> module with that chapter's checks (its ``EXERCISES`` registry)
-CHAPTERS = {"ch01": "atlaslib.exercises.ch01", "ch02": "atlaslib.exercises.ch02",
-            "ch03": "atlaslib.exercises.ch03", "ch04": "atlaslib.exercises.ch04"}
+# chapter tag -> module with that chapter's checks (its ``EXERCISES`` registry), one per book chapter
+CHAPTERS = {f"ch{n:02d}": f"atlaslib.exercises.ch{n:02d}" for n in sorted(_BOOK_CHAPTERS.values())}
 
 
 def registry(chapter: str) -> Registry:
