@@ -89,3 +89,38 @@ def test_the_check_can_fail(src, target, ok):
         assert (dst in CHAPTERS and CHAPTERS[dst] <= CHAPTERS[src]) == ok
     finally:
         fake.unlink()
+
+
+# Internals a chapter teaches by name, which exercise checks may use (CONTRIBUTING.md lists them).
+STABLE_INTERNALS = {
+    "atlaslib.linear.chunk": {"chunk_step"}, "atlaslib.core.chunking": {"causal_decay"},
+    "atlaslib.delta.chunk": {"decayed_products"}, "atlaslib.miras.optimizer": {"build_optimizer"},
+    "atlaslib.miras.retention": {"build_retention"}, "atlaslib.core.windows": {"band_gates"},
+    "atlaslib.omega.chunk": {"window_weights"}, "atlaslib.omega.recurrent": {"window_gradient"},
+    "atlaslib.tasks.capacity": {"least_squares_memory"},
+}
+
+
+def imported_names(path: pathlib.Path):
+    """(module, name) for every ``from atlaslib... import name`` in ``path`` (relative ones resolved)."""
+    pkg = list(path.relative_to(ROOT.parent).with_suffix("").parts[:-1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("atlaslib")):
+            base = pkg[:len(pkg) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                yield mod, alias.name
+
+
+def test_exercise_checks_use_public_functions_or_stable_internals():
+    import importlib
+    wrong = []
+    for path in sorted((ROOT / "exercises").glob("ch[0-9][0-9].py")):
+        for mod, name in imported_names(path):
+            if mod.startswith("atlaslib.exercises") or mod == "atlaslib.core.testing" or mod == "atlaslib.core.dispatch":
+                continue                                   # the exercises' own helpers, test inputs, interpreter check
+            public = getattr(importlib.import_module(mod), "__all__", None)
+            if name in STABLE_INTERNALS.get(mod, ()) or (public is not None and name in public):
+                continue
+            wrong.append(f"{path.name}: from {mod} import {name}")
+    assert not wrong, "not public and not a listed stable internal:\n" + "\n".join(wrong)
