@@ -28,13 +28,13 @@ def _io_bytes(gate_width):
 
 
 def _delta_builder(gate: str):
-    def build(s: BenchShape, g: torch.Generator):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
-        beta = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, dtype=s.dtype, device=s.device, generator=g)
+    def build(s: BenchShape, gen: torch.Generator):
+        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
+        beta = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, dtype=s.dtype, device=s.device, generator=gen)
         alpha = None
         if gate != "none":
             alpha = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9,
-                                dtype=s.dtype, device=s.device, generator=g)
+                                dtype=s.dtype, device=s.device, generator=gen)
         return lambda backend: delta_rule(q, k, v, beta, alpha=alpha, backend=backend, chunk_size=s.chunk_size)
     return build
 

@@ -25,12 +25,12 @@ def _io_bytes(gate_width: int):
 
 
 def _linear_builder(gate: str):
-    def build(s: BenchShape, g: torch.Generator):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
+    def build(s: BenchShape, gen: torch.Generator):
+        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
         alpha = None
         if gate != "none":
             alpha = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9,
-                                dtype=s.dtype, device=s.device, generator=g)
+                                dtype=s.dtype, device=s.device, generator=gen)
         return lambda backend: linear_attention(q, k, v, alpha=alpha, backend=backend, chunk_size=s.chunk_size)
     return build
 

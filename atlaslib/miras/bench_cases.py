@@ -38,10 +38,10 @@ def _io_bytes(n_gates: int):
 def _builder(preset: str, **overrides):
     cfg = make_config(preset, **overrides)
 
-    def build(s: BenchShape, g: torch.Generator):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
+    def build(s: BenchShape, gen: torch.Generator):
+        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
         gate = lambda low, high: random_gate(s.B, s.H, s.T, low=low, high=high, dtype=s.dtype,   # noqa: E731
-                                             device=s.device, generator=g)
+                                             device=s.device, generator=gen)
         gates = {"eta": gate(0.01, 0.1)}
         if cfg.retention != "none":
             gates["alpha"] = gate(0.9, 1.0)

@@ -54,11 +54,11 @@ def window_bytes(c: int):
 
 
 def window_builder(c: int, rule):
-    def build(s: BenchShape, g: torch.Generator):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=g)
-        gamma = random_gate(s.B, s.H, s.T, c, low=0.5, dtype=s.dtype, device=s.device, generator=g)
-        alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=s.dtype, device=s.device, generator=g)
-        eta = random_gate(s.B, s.H, s.T, low=0.1, dtype=s.dtype, device=s.device, generator=g) / c
+    def build(s: BenchShape, gen: torch.Generator):
+        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
+        gamma = random_gate(s.B, s.H, s.T, c, low=0.5, dtype=s.dtype, device=s.device, generator=gen)
+        alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=s.dtype, device=s.device, generator=gen)
+        eta = random_gate(s.B, s.H, s.T, low=0.1, dtype=s.dtype, device=s.device, generator=gen) / c
         return lambda backend: rule(q, k, v, window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
                                     chunk_size=s.chunk_size)
     return build
