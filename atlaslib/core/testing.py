@@ -71,11 +71,11 @@ def empty(*shape, **kw) -> torch.Tensor:
 def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu", seed=None,
                normalize_keys=True, generator=None):
     """Fresh random q, k, v of shapes [B,H,T,K], [B,H,T,K], [B,H,T,V]; keys l2-normalised by default."""
-    g = generator if generator is not None else torch.Generator().manual_seed(
+    gen = generator if generator is not None else torch.Generator().manual_seed(
         int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
-    q = torch.randn(B, H, T, K, generator=g)
-    k = torch.randn(B, H, T, K, generator=g)
-    v = torch.randn(B, H, T, V, generator=g)
+    q = torch.randn(B, H, T, K, generator=gen)
+    k = torch.randn(B, H, T, K, generator=gen)
+    v = torch.randn(B, H, T, V, generator=gen)
     if normalize_keys:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))

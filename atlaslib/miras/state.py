@@ -40,10 +40,10 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     from .memory import build_memory
     cfg = make_config(cfg) if not hasattr(cfg, "memory") else cfg
     memory = build_memory(cfg, K, V)
-    g = generator if generator is not None else torch.Generator().manual_seed(seed)
-    params = memory.init(H, g, dtype=torch.float32, device="cpu")
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
+    params = memory.init(H, gen, dtype=torch.float32, device="cpu")
     if cfg.retention == "kl" and cfg.memory != "linear":
-        params = {n: torch.randn(w.shape, generator=g) for n, w in params.items()}
+        params = {n: torch.randn(w.shape, generator=gen) for n, w in params.items()}
     params = {n: w.to(dtype=dtype, device=device)[None].expand(B, *w.shape).contiguous() for n, w in params.items()}
     momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer == "momentum" else None
     if cfg.memory == "linear":

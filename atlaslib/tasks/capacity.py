@@ -88,14 +88,14 @@ def capacity_sweep(d_k: int, d_v: int, ms, trials: int = 20, seed: int = 0, *, p
       ``hebbian_error`` Hebbian recall error with unit-norm keys: about sqrt((m-1)/d_k);
       ``hebbian_theory`` sqrt((m - 1) / d_k), for comparison.
     """
-    g = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     rows = []
     for m in tqdm(list(ms), desc="capacity sweep", disable=not progress):
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"every m must be a positive int, got {m!r}")
         ls, hebb = 0.0, 0.0
         for _ in range(trials):
-            K, V = random_pairs(m, d_k, d_v, generator=g)
+            K, V = random_pairs(m, d_k, d_v, generator=gen)
             ls += recall_error(least_squares_memory(K, V), K, V)
             Ku = K / K.norm(dim=1, keepdim=True)
             hebb += recall_error(hebbian_memory(Ku, V), Ku, V)

@@ -33,9 +33,9 @@ def power_law_gap_probs(space: int, power_a: float) -> torch.Tensor:
     return p / p.sum()
 
 
-def _sample_distinct(n: int, low: int, high: int, count: int, g: torch.Generator) -> torch.Tensor:
+def _sample_distinct(n: int, low: int, high: int, count: int, gen: torch.Generator) -> torch.Tensor:
     """``count`` distinct integers from [low, high) for each of n rows (uniform, no replacement)."""
-    return torch.rand(n, high - low, generator=g).argsort(dim=1)[:, :count] + low
+    return torch.rand(n, high - low, generator=gen).argsort(dim=1)[:, :count] + low
 
 
 def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
@@ -73,11 +73,11 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
     if not power_a > 0:
         raise ValueError(f"power_a must be > 0, got {power_a}")
 
-    g = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     N, P = num_examples, num_kv_pairs
     context = 2 * P
-    keys = _sample_distinct(N, 1, half, P, g)
-    values = _sample_distinct(N, half, vocab_size, P, g)
+    keys = _sample_distinct(N, 1, half, P, gen)
+    values = _sample_distinct(N, half, vocab_size, P, gen)
 
     inputs = torch.zeros(N, seq_len, dtype=torch.long)
     inputs[:, 0:context:2] = keys
@@ -86,7 +86,7 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
     # Query slots are the even offsets of the query region; gap j puts key j at slot gap_j.
     space = (seq_len - context) // 2
     probs = power_law_gap_probs(space, power_a).expand(N, space)
-    gaps = torch.multinomial(probs, P, replacement=False, generator=g)   # distinct per row
+    gaps = torch.multinomial(probs, P, replacement=False, generator=gen)   # distinct per row
     query_pos = context + 2 * gaps
     inputs.scatter_(1, query_pos, keys)
     labels = torch.full((N, seq_len), -100, dtype=torch.long)
@@ -94,6 +94,6 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
 
     if random_non_queries:
         filler = inputs == 0
-        noise = torch.randint(vocab_size, (N, seq_len), generator=g)
+        noise = torch.randint(vocab_size, (N, seq_len), generator=gen)
         inputs[filler] = noise[filler]
     return inputs, labels
