@@ -173,7 +173,7 @@ def test_gradient_reaches_log_alpha(gen, case, backend):
 
 # ---- a gate that bf16 rounds to 1 -----------------------------------------------------------
 
-GATE = 1.0 - 2.0 ** -12              # bf16 steps below 1 are 2^-9: this is exactly 1.0 in bf16
+GATE = 1.0 - 2.0 ** -12              # above 1 - 2^-9: exactly 1.0 in bf16
 T_LONG = 1024                        # GATE^T = e^-0.25: the decay is a quarter of the state's log
 
 

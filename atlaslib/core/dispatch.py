@@ -109,8 +109,8 @@ def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, m
 
 
 def lazy(module: str, name: str):
-    """``module.name``, imported at the first call: kernel modules import triton, which a CPU-only
-    installation may lack, and the table that names a kernel is built on every call."""
+    """``module.name``, imported when called: kernel modules import triton, which a CPU-only
+    installation may lack, so a backend table names its kernel without importing it."""
     def call(*args):
         return getattr(importlib.import_module(module), name)(*args)
     call.__name__ = call.__qualname__ = name          # what forward_or_fallback's warning prints

@@ -107,8 +107,9 @@ def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
 
     log_alpha is turned into alpha here, at entry, in fp32 (fp64 for fp64 inputs): the engine's
     seven retentions combine with alpha itself (the KL and l_q retentions are not a decay of Z),
-    so a log-gate is not threaded through them. In fp32 a gate as close to 1 as 1 - 2^-20 still
-    differs from 1 (bf16 stops at 1 - 2^-9); for gates closer still, use fp64.
+    so a log-gate is not threaded through them. In fp32, 1 - alpha keeps a relative precision of
+    about 2^-24 / (1 - alpha): 2^-12 for the gate 1 - 2^-12 that bf16 rounds to 1. For gates much
+    closer to 1, pass fp64 inputs.
     """
     if log_alpha is None:
         return _gate("alpha", alpha, B, H, T, cd, q)

@@ -20,8 +20,8 @@ The chunk form runs with gradients frozen at each chunk's start, which **changes
 model** (chunk_size = 1 is the per-token rule); the default chunk_size is
 ``miras.DEFAULT_CHUNK_SIZE`` (16), the same as ``miras`` itself. The retention gate is handed
 over as ``log_alpha`` in fp32 (fp64 for fp64 activations); ``miras`` turns it into alpha in
-that dtype, never in the activation dtype. Keyword arguments that are ``MirasConfig`` fields (memory, expansion, bias, ...)
-move the preset's axes, e.g. ``make_mixer("titans", 64, 4, memory="linear")``.
+that dtype, never in the activation dtype. Keyword arguments that are ``MirasConfig`` fields
+(memory, expansion, bias, ...) move the preset's axes, e.g. ``make_mixer("titans", 64, 4, memory="linear")``.
 """
 from __future__ import annotations
 
