@@ -8,6 +8,9 @@ import torch
 
 import atlaslib.core.dispatch as dispatch
 from atlaslib.core import random_gate, random_qkv
+from atlaslib.linear import linear_attention
+from atlaslib.miras import miras
+from atlaslib.omega import omega_rule
 
 
 class OnCuda:
@@ -54,10 +57,12 @@ def test_every_chapter_applies_its_kernel_limits_the_same_way(monkeypatch, chapt
     mod = importlib.import_module(module)
     choices = []
 
+    real = dispatch.resolve_backend
+
     def as_if_on_cuda(backend, x, unsupported=None):
-        choices.append(dispatch.resolve_backend(backend, OnCuda(), unsupported))
+        choices.append(real(backend, OnCuda(), unsupported))
         return "chunk"                            # then compute on the CPU as usual
-    monkeypatch.setattr(mod, "resolve_backend", as_if_on_cuda)
+    monkeypatch.setattr(dispatch, "resolve_backend", as_if_on_cuda)   # every chapter reaches it via dispatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")           # inputs the kernel takes: no warning
         _call(chapter, torch.float32)
@@ -65,3 +70,76 @@ def test_every_chapter_applies_its_kernel_limits_the_same_way(monkeypatch, chapt
     with pytest.warns(RuntimeWarning, match="does not take fp64 inputs"):
         _call(chapter, torch.float64)
     assert choices[-1] == "chunk"
+
+
+# ---- the dispatcher itself: a table {backend: function} -------------------------------------
+
+def _table(log):
+    """Three stand-in forms of y = 2 x that record which one ran."""
+    def form(name):
+        def run(x, scale):
+            log.append(name)
+            return (x * scale,)
+        run.__name__ = name
+        return run
+    return {"recurrent": form("recurrent"), "chunk": form("chunk"), "triton": form("triton")}
+
+
+def test_dispatch_runs_the_named_form():
+    log = []
+    x = torch.randn(3)
+    for name in ("recurrent", "chunk"):
+        (y,) = dispatch.dispatch(name, x, _table(log), x, 2.0)
+        assert log[-1] == name and torch.equal(y, 2 * x)
+
+
+def test_auto_on_cpu_runs_the_chunk_form():
+    log = []
+    dispatch.dispatch("auto", torch.zeros(2), _table(log), torch.zeros(2), 1.0)
+    assert log == ["chunk"]
+
+
+def test_triton_runs_forward_only_and_differentiates_the_chunk_form():
+    """with_chunk_backward: the kernel's forward under no_grad, the gradient from the chunk form."""
+    log = []
+    x = torch.randn(4, requires_grad=True)
+    (y,) = dispatch.call_backend("triton", _table(log), x, 3.0)
+    assert log == ["triton"]
+    y.square().sum().backward()
+    assert log == ["triton", "chunk"]
+    torch.testing.assert_close(x.grad, 18.0 * x.detach())          # d/dx (3x)^2 = 18 x
+
+
+def test_a_backend_the_model_lacks_is_a_value_error_naming_the_ones_it_has():
+    table = {"recurrent": None, "chunk": None}
+    with pytest.raises(ValueError, match=r"deep thing has no backend 'triton': no kernel; its backends are "
+                                         r"'recurrent', 'chunk', 'auto'"):
+        dispatch.choose_backend("triton", torch.zeros(1), table, model="deep thing", missing="no kernel")
+    with pytest.raises(ValueError, match=r"backend must be one of \('recurrent', 'chunk', 'auto'\), got 'fast'"):
+        dispatch.choose_backend("fast", torch.zeros(1), table)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.choose_backend(["chunk"], torch.zeros(1), table)
+
+
+def test_auto_without_a_kernel_is_the_chunk_form_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.choose_backend("auto", OnCuda(), {"recurrent": None, "chunk": None}) == "chunk"
+
+
+def test_explicit_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        dispatch.choose_backend("triton", torch.zeros(1), _table([]))
+
+
+@pytest.mark.parametrize("call, has", [
+    (lambda q, k, v: omega_rule(q, k, v, window=2, memory="mlp", backend="triton"), "'recurrent', 'chunk', 'auto'"),
+    (lambda q, k, v: miras(q, k, v, preset="titans", backend="triton"), "'recurrent', 'frozen_seq', 'chunk', 'auto'"),
+    (lambda q, k, v: linear_attention(q, k, v, backend="frozen_seq"), "'recurrent', 'chunk', 'triton', 'auto'"),
+])
+def test_chapters_name_the_backends_a_model_has(call, has):
+    q, k, v = random_qkv(1, 1, 5, 4, 4, seed=0)
+    with pytest.raises(ValueError, match=f"has no backend .*its backends are {has}"):
+        call(q, k, v)

@@ -1,5 +1,15 @@
 """Backend choice shared by every model: ``recurrent | chunk | triton | auto``.
 
+One dispatcher serves every chapter. A public function describes its model by a table
+``{backend name: function}`` whose functions all take the same positional inputs, plus, when the
+table has a "triton" entry, a predicate ``unsupported()`` naming what its kernel refuses; then
+
+    o, state = dispatch(backend, q, table, *inputs, unsupported=..., model="delta_rule")
+
+validates the name, picks the backend (``choose_backend``) and runs it (``call_backend``): the
+"triton" entry runs forward only, with gradients by autograd through the table's "chunk" entry
+(``with_chunk_backward``), so the two must compute the same function.
+
 ``auto`` runs the Triton kernel on CUDA tensors and the chunkwise PyTorch form on CPU.
 The Triton kernels run on CPU only under Triton's interpreter, which must be switched on
 *before* ``atlaslib`` is imported (``TRITON_INTERPRET=1``), because ``triton.jit``
@@ -7,12 +17,16 @@ decides at decoration time whether it builds a GPU kernel or an interpreted one.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 
 import torch
 
 BACKENDS = ("recurrent", "chunk", "triton", "auto")
+# Every backend name some model has (chapter 3 adds its frozen-gradient oracle): asking a model
+# for one of these that it lacks is "not available here", anything else is a misspelling.
+KNOWN_BACKENDS = ("recurrent", "frozen_seq", "chunk", "triton", "auto")
 
 
 def interpreter_on() -> bool:
@@ -54,6 +68,53 @@ def resolve_backend(backend, x: torch.Tensor, unsupported=None) -> str:
                 "backend='triton' on CPU tensors needs Triton's interpreter: set the environment "
                 "variable TRITON_INTERPRET=1 before importing atlaslib (or move the tensors to a GPU)")
     return backend
+
+
+def choose_backend(backend, x: torch.Tensor, table: dict, *, unsupported=None, model: str = "this model",
+                   missing: str | None = None) -> str:
+    """The name of the backend of ``table`` that runs for ``backend`` on inputs like ``x``.
+
+    ``table``: the model's backends ``{name: function}`` ("auto" is never an entry; every model has
+    "chunk"). ``"auto"`` is the kernel where ``resolve_backend`` allows it (CUDA, and inputs the kernel
+    takes by ``unsupported``), else "chunk"; a model with no kernel at all runs "chunk" without a
+    warning, since there is nothing to fall back from. An explicit name the model lacks raises a
+    ValueError naming ``model``, the reason ``missing`` (if given) and the backends it does have.
+    """
+    available = tuple(table) + ("auto",)
+    if not isinstance(backend, str) or backend not in available:
+        if isinstance(backend, str) and backend in KNOWN_BACKENDS:
+            why = f": {missing}" if missing else ""
+            raise ValueError(f"{model} has no backend {backend!r}{why}; its backends are "
+                             f"{', '.join(map(repr, available))}")
+        raise ValueError(f"backend must be one of {available}, got {backend!r}")
+    if backend == "auto" and "triton" not in table:
+        return "chunk"
+    if backend in ("auto", "triton"):
+        return resolve_backend(backend, x, unsupported=unsupported)
+    return backend
+
+
+def call_backend(name: str, table: dict, *inputs):
+    """Run ``table[name](*inputs)``; the kernel forward-only, differentiated through ``table["chunk"]``."""
+    if name == "triton":
+        return with_chunk_backward(table["triton"], table["chunk"], *inputs)
+    return table[name](*inputs)
+
+
+def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, model: str = "this model",
+             missing: str | None = None):
+    """``choose_backend`` then ``call_backend``: every chapter's public function ends with this call."""
+    name = choose_backend(backend, x, table, unsupported=unsupported, model=model, missing=missing)
+    return call_backend(name, table, *inputs)
+
+
+def lazy(module: str, name: str):
+    """``module.name``, imported when called: kernel modules import triton, which a CPU-only
+    installation may lack, so a backend table names its kernel without importing it."""
+    def call(*args):
+        return getattr(importlib.import_module(module), name)(*args)
+    call.__name__ = call.__qualname__ = name          # what forward_or_fallback's warning prints
+    return call
 
 
 def matrix_kernel_limits(q: torch.Tensor, max_key: int = 256):

@@ -1,14 +1,17 @@
 """Chapter 2: the delta rule family (DeltaNet, Gated DeltaNet, KDA, Longhorn)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state, resolve_backend, with_chunk_backward
-from ..core.dispatch import matrix_kernel_limits
+from ..core import check_chunk_size, check_gate, check_qkv, check_state
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
 from .chunk import delta_rule_chunk
 from .recurrent import delta_rule_recurrent
+
+# The chunk form (UT transform) is exact for every chunk size: the default trades speed only.
+DEFAULT_CHUNK_SIZE = 64
 
 # Largest delta-rule step accepted. For a unit key the transition I - beta k k^T scales the
 # k direction by 1 - beta, which is a contraction (|1 - beta| <= 1) exactly for beta in [0, 2];
@@ -31,8 +34,18 @@ def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return beta / (1.0 + beta * k.to(cd).square().sum(-1))
 
 
+def backend_table(chunk_size: int) -> dict:
+    """The three forms, each taking (q, k, v, beta, alpha, initial_state, log_alpha)."""
+    def recurrent(q, k, v, beta, alpha, initial_state, log_alpha):
+        return delta_rule_recurrent(q, k, v, beta, alpha_from_log(alpha, log_alpha, compute_dtype(q)), initial_state)
+
+    def chunk(q, k, v, beta, alpha, initial_state, log_alpha):
+        return delta_rule_chunk(q, k, v, beta, alpha, initial_state, chunk_size, log_alpha)
+    return {"recurrent": recurrent, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", "delta_rule_triton")}
+
+
 def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
-               output_final_state=False, backend="auto", chunk_size=64):
+               output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """The delta rule with optional retention gates: DeltaNet, Gated DeltaNet and KDA.
 
     M_t = M_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  y_t = M_t q_t.
@@ -52,6 +65,8 @@ def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
         alpha: retention in [0, 1]. ``None``: DeltaNet. ``[B, H, T]``: Gated DeltaNet, a
             scalar decay per token. ``[B, H, T, K]``: KDA, a per-key-channel decay
             M Diag(alpha_t) applied before the update (diagonal-plus-rank-1 transition).
+        log_alpha: the same gate as its log (values <= 0, fp32 or fp64), instead of alpha;
+            never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
         longhorn: interpret ``beta`` as Longhorn's implicit step and use
             ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
             the update is then the exact minimiser of
@@ -63,28 +78,22 @@ def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
             TRITON_INTERPRET=1) or "auto" (triton on CUDA, chunk otherwise). The Triton path
             computes the forward pass in the kernel and its backward by autograd through
             the chunk form.
-        chunk_size: chunk length of the "chunk" backend (the kernel uses its own).
+        chunk_size: chunk length of the "chunk" backend (default 64; the kernel uses its own).
+            The chunk form is exact for every chunk size: it changes the speed, not the output.
 
     Returns:
         (o [B, H, T, V] in q's dtype, final state [B, H, V, K] in fp32 — or None unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
     check_gate("beta", beta, B, H, T, low=0.0, high=None if longhorn else BETA_MAX, ref=q)
-    check_gate("alpha", alpha, B, H, T, K, ref=q)
+    check_retention(alpha, log_alpha, B, H, T, K, ref=q)
     check_state("initial_state", initial_state, (B, H, V, K), q)
     check_chunk_size(chunk_size)
-    backend = resolve_backend(backend, q, unsupported=lambda: matrix_kernel_limits(q))
     if longhorn:
         beta = longhorn_beta(beta, k)
-    if backend == "recurrent":
-        o, state = delta_rule_recurrent(q, k, v, beta, alpha, initial_state)
-    elif backend == "chunk":
-        o, state = delta_rule_chunk(q, k, v, beta, alpha, initial_state, chunk_size)
-    else:
-        from .kernel import delta_rule_triton
-        chunk = functools.partial(delta_rule_chunk, chunk_size=chunk_size)
-        o, state = with_chunk_backward(delta_rule_triton, chunk, q, k, v, beta, alpha, initial_state)
+    o, state = dispatch(backend, q, backend_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
+                        unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
     return o, (state if output_final_state else None)
 
 
-__all__ = ["delta_rule", "longhorn_beta", "BETA_MAX", "delta_rule_recurrent", "delta_rule_chunk"]
+__all__ = ["delta_rule", "longhorn_beta", "BETA_MAX", "DEFAULT_CHUNK_SIZE", "delta_rule_recurrent", "delta_rule_chunk"]

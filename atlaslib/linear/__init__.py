@@ -1,18 +1,32 @@
 """Chapter 1: linear attention and the gated Hebbian family (RetNet, Mamba2, GLA)."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state, resolve_backend, with_chunk_backward
-from ..core.dispatch import matrix_kernel_limits
+from ..core import check_chunk_size, check_qkv, check_state
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
 from .chunk import linear_attention_chunk
 from .recurrent import linear_attention_recurrent
 
+# The chunk form is exact for every chunk size, so this default only trades speed, never the output.
+DEFAULT_CHUNK_SIZE = 64
+
+
+def backend_table(chunk_size: int) -> dict:
+    """The three forms, each taking (q, k, v, alpha, initial_state, log_alpha)."""
+    def recurrent(q, k, v, alpha, initial_state, log_alpha):
+        return linear_attention_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, compute_dtype(q)), initial_state)
+
+    def chunk(q, k, v, alpha, initial_state, log_alpha):
+        return linear_attention_chunk(q, k, v, alpha, initial_state, chunk_size, log_alpha)
+    return {"recurrent": recurrent, "chunk": chunk,
+            "triton": lazy(f"{__name__}.kernel", "linear_attention_triton")}
+
 
 def linear_attention(q, k, v, *, alpha=None, normalize=False, initial_state=None,
-                     output_final_state=False, backend="auto", chunk_size=64):
+                     output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """Causal linear attention with optional retention gates.
 
     M_t = M_{t-1} alpha_t + v_t k_t^T,  y_t = M_t q_t (read after the update).
@@ -27,36 +41,33 @@ def linear_attention(q, k, v, *, alpha=None, normalize=False, initial_state=None
             storing z as one extra value row (a value of constant 1), so the state then has
             shape [B, H, V+1, K] with z^T in its last row. Needs features with z^T q > 0
             (e.g. elu+1), otherwise the division is undefined.
+        log_alpha: the same gate as its log (values <= 0, fp32 or fp64, same shapes as alpha),
+            instead of alpha. It is never rounded to the activation dtype: in a bf16 model a gate
+            1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha.
         initial_state: optional [B, H, V, K] (or [B, H, V+1, K] when normalize) start state.
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch, exact
             for every chunk size), "triton" (GPU kernel; CPU under TRITON_INTERPRET=1) or
             "auto" (triton on CUDA, chunk otherwise). The Triton path computes the forward
             pass in the kernel and its backward by autograd through the chunk form.
-        chunk_size: chunk length of the "chunk" backend.
+        chunk_size: chunk length of the "chunk" backend (default 64). The chunk form is exact
+            for every chunk size: it changes the speed, not the output.
 
     Returns:
         (o [B, H, T, V] in q's dtype, final state in fp32 — or None unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_gate("alpha", alpha, B, H, T, K, ref=q)
+    check_retention(alpha, log_alpha, B, H, T, K, ref=q)
     Vs = V + 1 if normalize else V
     check_state("initial_state", initial_state, (B, H, Vs, K), q)
     check_chunk_size(chunk_size)
-    backend = resolve_backend(backend, q, unsupported=lambda: matrix_kernel_limits(q))
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    if backend == "recurrent":
-        o, state = linear_attention_recurrent(q, k, v, alpha, initial_state)
-    elif backend == "chunk":
-        o, state = linear_attention_chunk(q, k, v, alpha, initial_state, chunk_size)
-    else:
-        from .kernel import linear_attention_triton
-        chunk = functools.partial(linear_attention_chunk, chunk_size=chunk_size)
-        o, state = with_chunk_backward(linear_attention_triton, chunk, q, k, v, alpha, initial_state)
+    o, state = dispatch(backend, q, backend_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,
+                        unsupported=lambda: matrix_kernel_limits(q), model="linear_attention")
     if normalize:
         o = (o[..., :V].float() / o[..., V:].float()).to(o.dtype)
     return o, (state if output_final_state else None)
 
 
-__all__ = ["linear_attention", "linear_attention_recurrent", "linear_attention_chunk"]
+__all__ = ["linear_attention", "linear_attention_recurrent", "linear_attention_chunk", "DEFAULT_CHUNK_SIZE"]

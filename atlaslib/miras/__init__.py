@@ -18,16 +18,17 @@ execution, and ``memory_gradient`` gives grad_W l for any configuration (autogra
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import numbers
 from typing import NamedTuple
 
 import torch
 
-from ..core import (check_chunk_size, check_gate, check_qkv, check_state, get_feature_map, resolve_backend,
-                    with_chunk_backward)
-from ..core.dispatch import matrix_kernel_limits
+from ..core import check_chunk_size, check_gate, check_qkv, check_state, get_feature_map
 from ..core.chunking import compute_dtype
+from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import window_gates
 from .bias import BIASES, Bias, build_bias
 from .chunk import miras_chunk, row_factors
@@ -40,6 +41,15 @@ from .retention import RETENTIONS, Retention, build_retention, soft_threshold
 from .state import MirasState, check_initial_state, flatten_bh, init_state, public_state
 
 BACKENDS = ("recurrent", "frozen_seq", "chunk", "triton", "auto")
+
+# The chunk length b of "chunk", "frozen_seq" and "triton" for every MIRAS model, and for every
+# entry point that reaches one: the OmegaNet rule (atlaslib.omega.omega_rule, linear or deep memory,
+# which is this engine's l2 bias with a window) and the token mixers. For all but the
+# state-free linear_attention preset b changes the output (gradients are frozen at each chunk's
+# start), so one model must not get two defaults from two doors. 16 is TTT's inner mini-batch size
+# and what this chapter always used: short enough that the frozen gradient stays close to the
+# per-token one, long enough to give the chunk form matrix products to batch.
+DEFAULT_CHUNK_SIZE = 16
 
 KERNEL_CONFIGS = ("memory='linear', bias='l2', optimizer 'gd' or 'momentum', retention 'none' or 'decay' "
                   "(decay after the gradient), window=1: Titans with a linear memory and TTT-Linear")
@@ -92,8 +102,27 @@ def _unused(name, x, why):
         raise ValueError(f"{name} was given but {why}")
 
 
+def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
+    """The retention gate alpha in the compute dtype ``cd``, given as alpha or as log_alpha.
+
+    log_alpha is turned into alpha here, at entry, in fp32 (fp64 for fp64 inputs): the engine's
+    seven retentions combine with alpha itself (the KL and l_q retentions are not a decay of Z),
+    so a log-gate is not threaded through them. In fp32, 1 - alpha keeps a relative precision of
+    about 2^-24 / (1 - alpha): 2^-12 for the gate 1 - 2^-12 that bf16 rounds to 1. For gates much
+    closer to 1, pass fp64 inputs.
+    """
+    if log_alpha is None:
+        return _gate("alpha", alpha, B, H, T, cd, q)
+    if alpha is not None:
+        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
+        log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
+    check_retention(None, log_alpha, B, H, T, ref=q)
+    return alpha_from_log(None, log_alpha, cd)
+
+
 def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
-                        chunk_size=16):
+                        chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """Titans with a linear memory, chunkwise in PyTorch, with the Triton kernel's contract.
 
     q, k [B, H, T, K], v [B, H, T, V]; alpha, eta, theta [B, H, T] or None (1, 1, 0);
@@ -101,17 +130,21 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     frozen at the chunk-start state: S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,
     M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
     fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
+    ``log_alpha`` (fp32/fp64, <= 0) may replace alpha; it becomes alpha in fp32 (fp64) at entry,
+    as in ``miras``.
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_gate("alpha", alpha, B, H, T, ref=q)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
     check_gate("eta", eta, B, H, T, high=None, ref=q)
     check_gate("theta", theta, B, H, T, ref=q)
     check_state("initial_state", initial_state, (B, H, V, K), q)
     check_state("initial_momentum", initial_momentum, (B, H, V, K), q)
     check_chunk_size(chunk_size)
-    cfg = make_config("titans", memory="linear", retention="decay" if alpha is not None else "none")
+    has_alpha = alpha is not None or log_alpha is not None
+    cfg = make_config("titans", memory="linear", retention="decay" if has_alpha else "none")
     parts = build_parts(cfg, K, V)
     cd = compute_dtype(q)
+    alpha = alpha_from_log(alpha, log_alpha, cd)
     N = B * H
     flat = lambda x: None if x is None else x.to(cd).reshape(N, T)          # noqa: E731
     eta = torch.ones(N, T, dtype=cd, device=q.device) if eta is None else flat(eta)
@@ -124,32 +157,41 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     return o.reshape(B, H, T, V).to(q.dtype), Z["M"].reshape(B, H, V, K), S["M"].reshape(B, H, V, K)
 
 
-def _resolve(backend, cfg, q, V, chunk_size):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("recurrent", "frozen_seq", "chunk"):
-        return backend
-    if backend == "triton":
-        if not has_kernel(cfg):
-            raise ValueError(f"backend='triton' has a kernel only for {KERNEL_CONFIGS}; got memory={cfg.memory!r}, "
-                             f"bias={cfg.bias!r}, retention={cfg.retention!r}, optimizer={cfg.optimizer!r}, "
-                             f"window={cfg.window} (use backend='chunk' or 'auto')")
-        if not kernel_available():
-            raise ValueError("backend='triton': atlaslib/miras/kernel.py is not available in this installation")
-        return resolve_backend("triton", q)
-    if not (has_kernel(cfg) and kernel_available()):
-        return "chunk"                    # no kernel for this model at all: nothing to warn about
+def engine_table(chunk_size: int) -> dict:
+    """The engine's forms, each taking ``Problem.args`` = (parts, q, k, v, gates, Z, S) and returning (o, Z, S)."""
+    return {"recurrent": miras_recurrent,
+            "frozen_seq": functools.partial(miras_frozen_seq, chunk_size=chunk_size),
+            "chunk": functools.partial(miras_chunk, chunk_size=chunk_size)}
+
+
+# The kernel keeps its own contract, the caller's tensors in (``Problem.kernel_inputs``) and
+# (o, M_T, S_T) out, so it is paired with the chunk form of that contract for its backward.
+KERNEL_TABLE = {"triton": lazy(f"{__name__}.kernel", "titans_linear_triton"), "chunk": titans_linear_chunk}
+
+
+def choose(backend, cfg, q, V, chunk_size) -> str:
+    """``core.dispatch.choose_backend`` for this configuration: "triton" only where a kernel exists."""
+    names = ("recurrent", "frozen_seq", "chunk")
+    if has_kernel(cfg) and kernel_available():
+        names += ("triton",)
+        missing = None
+    elif has_kernel(cfg):
+        missing = "atlaslib/miras/kernel.py is not available in this installation"
+    else:
+        missing = (f"chapter 3 has a kernel only for {KERNEL_CONFIGS}; got memory={cfg.memory!r}, "
+                   f"bias={cfg.bias!r}, retention={cfg.retention!r}, optimizer={cfg.optimizer!r}, window={cfg.window}")
 
     def unsupported():
         from .kernel import kernel_supports
         if kernel_supports(q.shape[-1], V, chunk_size):
             return matrix_kernel_limits(q)
         return f"K={q.shape[-1]}, chunk_size={chunk_size} (it takes K <= 256, chunk_size <= 64)"
-    return resolve_backend("auto", q, unsupported=unsupported)
+    return choose_backend(backend, q, names, unsupported=unsupported, model="miras", missing=missing)
 
 
 def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,
-          phi=None, initial_state=None, output_final_state=False, backend="auto", chunk_size=16, **overrides):
+          phi=None, initial_state=None, output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE,
+          log_alpha=None, **overrides):
     """Run any MIRAS configuration: memory, attentional bias, retention, optimizer.
 
     The per-token rule (book/notation.md, book ch. 3 §1), with W_{t-1} the memory's weights before token t:
@@ -173,6 +215,10 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
         alpha: retention gate in [0, 1], [B, H, T] or a number (None: 1). Only for
             retentions that take it (all but "none"); it is Memora's beta_t and Moneta's
             beta_t, and the lambda of the elastic net.
+        log_alpha: the retention gate as its log (values <= 0; a tensor in fp32/fp64 or a
+            number) instead of alpha. It is turned into alpha in the compute dtype (fp32, fp64
+            for fp64 inputs) here, at entry, never in the activation dtype: the retentions
+            combine with alpha itself, so the log is not carried further.
         eta: inner learning rate >= 0, [B, H, T] or a number (None: 1). The delta rule's beta.
         theta: momentum decay in [0, 1], [B, H, T] or a number, optimizer="momentum" only
             (None: 0, no momentum carried).
@@ -193,8 +239,9 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
             ``KERNEL_CONFIGS``, chunk_size <= 64, K <= 256, fp32/fp16/bf16; CPU under
             TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
             where a kernel exists and its tiles fit, chunk otherwise).
-        chunk_size: b for "chunk", "frozen_seq" and "triton". **It changes the model** for
-            every configuration whose gradient depends on the state.
+        chunk_size: b for "chunk", "frozen_seq" and "triton" (default ``DEFAULT_CHUNK_SIZE`` =
+            16, shared with ``omega_rule`` and the mixers). **It changes the model** for every
+            configuration whose gradient depends on the state.
 
     Which equalities hold (book ch. 3 §8; all tested):
 
@@ -218,7 +265,7 @@ def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None
     """
     problem = prepare(q, k, v, preset=preset, config=config, alpha=alpha, eta=eta, theta=theta, delta=delta,
                       gamma=gamma, phi=phi, initial_state=initial_state, backend=backend, chunk_size=chunk_size,
-                      **overrides)
+                      log_alpha=log_alpha, **overrides)
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
     o, state = run(problem)
@@ -240,7 +287,8 @@ class Problem(NamedTuple):
 
 
 def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,
-            phi=None, initial_state=None, backend="auto", chunk_size=16, **overrides) -> Problem:
+            phi=None, initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
+            **overrides) -> Problem:
     """Validate every argument of ``miras`` and return the engines' inputs (see ``Problem``)."""
     if preset is not None and config is not None:
         raise ValueError("give either preset (a name) or config (a MirasConfig), not both")
@@ -257,13 +305,14 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     ret, opt, bias = parts.retention, parts.optimizer, parts.bias
     cd = compute_dtype(q)
     if not ret.uses_alpha:
-        _unused("alpha", alpha, f"retention={cfg.retention!r} has no retention gate "
-                                f"(use retention='decay', or 'decay_first' for the Gated DeltaNet placement)")
+        for name, x in (("alpha", alpha), ("log_alpha", log_alpha)):
+            _unused(name, x, f"retention={cfg.retention!r} has no retention gate "
+                             f"(use retention='decay', or 'decay_first' for the Gated DeltaNet placement)")
     if not opt.uses_theta:
         _unused("theta", theta, f"optimizer={cfg.optimizer!r} has no momentum (use optimizer='momentum')")
     if not bias.uses_delta:
         _unused("delta", delta, f"bias={cfg.bias!r} takes no threshold (delta is for the Huber and value_shift biases)")
-    alpha = _gate("alpha", alpha, B, H, T, cd, q)
+    alpha = _retention_gate(alpha, log_alpha, B, H, T, cd, q)
     eta = _gate("eta", 1.0 if eta is None else eta, B, H, T, cd, q, high=None)
     theta = _gate("theta", theta, B, H, T, cd, q)
     if bias.uses_delta:
@@ -271,7 +320,7 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     gamma = _gate("gamma", gamma, B, H, T, cd, q, width=cfg.window)
     check_chunk_size(chunk_size)
     state = check_initial_state(initial_state, cfg, parts.memory, opt, B, H, q)
-    backend = _resolve(backend, cfg, fq, V, chunk_size)
+    backend = choose(backend, cfg, fq, V, chunk_size)
     eta = ret.effective_eta(eta.to(cd), fk.to(cd))                           # proximal: the implicit step
     if state is None:
         state = check_initial_state(init_state(cfg, B, H, D, V, dtype=cd, device=q.device), cfg, parts.memory,
@@ -298,23 +347,17 @@ def run(problem: Problem, backend: str | None = None):
     backend = backend or problem.backend
     B, H, T, D, V = problem.shape
     parts = problem.parts
-    if backend == "triton":
-        from .kernel import titans_linear_triton
-        o, M_T, S_T = with_chunk_backward(titans_linear_triton, titans_linear_chunk, *problem.kernel_inputs)
+    if backend == "triton":                   # the kernel's own contract, see KERNEL_TABLE
+        o, M_T, S_T = call_backend("triton", KERNEL_TABLE, *problem.kernel_inputs)
         return o, MirasState(M_T, S_T if parts.optimizer.has_state else None)
-    if backend == "recurrent":
-        o, Z, S = miras_recurrent(*problem.args)
-    elif backend == "frozen_seq":
-        o, Z, S = miras_frozen_seq(*problem.args, chunk_size=problem.chunk_size)
-    else:
-        o, Z, S = miras_chunk(*problem.args, chunk_size=problem.chunk_size)
+    o, Z, S = call_backend(backend, engine_table(problem.chunk_size), *problem.args)
     return o.reshape(B, H, T, V), public_state(Z, S, parts.memory, B, H)
 
 
 __all__ = [
     "miras", "MirasConfig", "MirasState", "make_config", "validate_config", "PRESETS", "AXES", "EXACT_CHUNK",
     "axes_table", "axes_markdown", "describe", "init_state", "build_parts", "has_kernel", "kernel_available",
-    "KERNEL_CONFIGS", "BACKENDS", "memory_gradient", "titans_linear_chunk", "loss_gradient", "row_factors",
+    "KERNEL_CONFIGS", "BACKENDS", "DEFAULT_CHUNK_SIZE", "memory_gradient", "titans_linear_chunk", "loss_gradient", "row_factors",
     "soft_threshold",
     "miras_recurrent", "miras_frozen_seq", "miras_chunk", "Parts", "Gates", "Problem", "prepare", "run",
     "MEMORIES", "BIASES", "RETENTIONS", "OPTIMIZERS", "ACTIVATIONS", "Memory", "Bias", "Retention", "Optimizer",

@@ -37,7 +37,8 @@ class DeltaNet(TokenMixer):
         self.beta = BetaProjection(d_model, n_heads)
 
     def mix(self, q, k, v, x):
-        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), backend=self.backend)[0]
+        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), backend=self.backend,
+                          chunk_size=self.chunk_size)[0]
 
 
 class GatedDelta(GatedLinear):
@@ -49,8 +50,8 @@ class GatedDelta(GatedLinear):
         self.beta = BetaProjection(d_model, n_heads)
 
     def mix(self, q, k, v, x):
-        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), alpha=self.gate(x).to(gate_dtype(q)),
-                          backend=self.backend)[0]
+        return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), log_alpha=self.log_gate(x),
+                          backend=self.backend, chunk_size=self.chunk_size)[0]
 
 
 @register_mixer("gated_deltanet")

@@ -17,9 +17,11 @@ Memora's log-weights N(0, 1)) drawn from torch's global generator, so that
 ``torch.manual_seed`` fixes them and two layers differ. Momentum starts at zero.
 
 The chunk form runs with gradients frozen at each chunk's start, which **changes the
-model** (chunk_size = 1 is the per-token rule); the default chunk_size is 16, as in
-MIRAS. Keyword arguments that are ``MirasConfig`` fields (memory, expansion, bias, ...)
-move the preset's axes, e.g. ``make_mixer("titans", 64, 4, memory="linear")``.
+model** (chunk_size = 1 is the per-token rule); the default chunk_size is
+``miras.DEFAULT_CHUNK_SIZE`` (16), the same as ``miras`` itself. The retention gate is handed
+over as ``log_alpha`` in fp32 (fp64 for fp64 activations); ``miras`` turns it into alpha in
+that dtype, never in the activation dtype. Keyword arguments that are ``MirasConfig`` fields
+(memory, expansion, bias, ...) move the preset's axes, e.g. ``make_mixer("titans", 64, 4, memory="linear")``.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..miras import MirasConfig, MirasState, build_parts, init_state, make_config, miras
+from ..miras import DEFAULT_CHUNK_SIZE, MirasConfig, MirasState, build_parts, init_state, make_config, miras
 from .mixer import gate_dtype, register_mixer
 from .mixers import GatedLinear
 
@@ -65,7 +67,7 @@ class MirasMixer(GatedLinear):
     def __init__(self, d_model, n_heads, *, eta_init: float = 0.1, **kw):
         options = {name: kw.pop(name) for name in list(kw) if name in CONFIG_FIELDS}
         kw.setdefault("qk_norm", True)
-        kw.setdefault("chunk_size", 16)
+        kw.setdefault("chunk_size", DEFAULT_CHUNK_SIZE)
         super().__init__(d_model, n_heads, **kw)
         self.config = make_config(self.preset, **options)
         parts = build_parts(self.config, self.head_k_dim, self.head_v_dim)
@@ -87,15 +89,24 @@ class MirasMixer(GatedLinear):
         mem = {n: w.to(dtype)[None].expand(B, *w.shape) for n, w in self.initial.items()}
         return MirasState(mem["M"] if set(mem) == {"M"} else mem, None)
 
-    def gates(self, x, dtype):
+    def gates(self, x, dtype, log_alpha: bool = False):
+        """The data-dependent gates in ``dtype`` (None where the model has none): eta, theta,
+        delta and the retention, as ``alpha`` or, with ``log_alpha=True``, as ``log_alpha``
+        (computed as a log, see ``GatedLinear.log_gate``)."""
         cast = lambda g: None if g is None else g.to(dtype)             # noqa: E731
-        return dict(alpha=cast(self.gate(x)) if self.gate_proj is not None else None,
-                    eta=cast(self.eta_gate(x)),
-                    theta=cast(self.theta_gate(x)) if self.theta_gate is not None else None,
-                    delta=cast(self.delta_gate(x)) if self.delta_gate is not None else None)
+        out = dict(eta=cast(self.eta_gate(x)),
+                   theta=cast(self.theta_gate(x)) if self.theta_gate is not None else None,
+                   delta=cast(self.delta_gate(x)) if self.delta_gate is not None else None)
+        if self.gate_proj is None:
+            out["alpha"] = None
+        elif log_alpha:
+            out["log_alpha"] = cast(self.log_gate(x))
+        else:
+            out["alpha"] = cast(self.gate(x))
+        return out
 
     def mix(self, q, k, v, x):
-        gates = {n: g for n, g in self.gates(x, gate_dtype(q)).items() if g is not None}
+        gates = {n: g for n, g in self.gates(x, gate_dtype(q), log_alpha=True).items() if g is not None}
         return miras(q, k, v, config=self.config, initial_state=self.initial_state(q.shape[0], q.dtype),
                      backend=self.backend, chunk_size=self.chunk_size, **gates)[0]
 

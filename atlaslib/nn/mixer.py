@@ -37,10 +37,16 @@ def gate_dtype(q: torch.Tensor) -> torch.dtype:
 
     Below 1, bf16 can only tell apart steps of 2^-8: a retention gate sigmoid(z)^(1/16)
     rounds to exactly 1.0 for z >= 4 (and fp16 for z >= 7), so a bf16 model whose memory
-    should forget over ~900 tokens would never forget. The chapters' functions accept gates
-    in any float dtype and take their logs in the state's dtype.
+    should forget over ~900 tokens would never forget. The retention gates are therefore
+    computed as logs in this dtype and handed over as ``log_alpha``, which the chapters'
+    functions use without rounding; the other gates (beta, eta, gamma) go in this dtype too.
     """
     return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def origin(cls: type) -> str:
+    """Where a mixer class comes from, ``module.Class``: what a reader needs to find its code."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register_mixer(name: str):
@@ -52,7 +58,8 @@ def register_mixer(name: str):
         if not (isinstance(cls, type) and issubclass(cls, TokenMixer)):
             raise TypeError(f"register_mixer({name!r}) needs a TokenMixer subclass, got {cls!r}")
         if name in MIXERS and MIXERS[name] is not cls:
-            raise ValueError(f"a different mixer is already registered as {name!r}: {MIXERS[name].__name__}")
+            raise ValueError(f"mixer {name!r} is already registered by {origin(MIXERS[name])}; "
+                             f"{origin(cls)} cannot register it again (pick another name)")
         MIXERS[name] = cls
         cls.mixer_name = name
         return cls
@@ -66,8 +73,9 @@ def available_mixers() -> list[str]:
 def make_mixer(name: str, d_model: int, n_heads: int, **kw) -> "TokenMixer":
     """Build the mixer registered as ``name``; extra keywords go to its constructor."""
     if name not in MIXERS:
-        raise ValueError(f"unknown mixer {name!r}; registered mixers: {available_mixers()} "
-                         "(chapter modules register theirs on import, e.g. import atlaslib.delta)")
+        known = ", ".join(f"{n} ({MIXERS[n].__module__})" for n in available_mixers())
+        raise ValueError(f"unknown mixer {name!r}; available: {known}. Mixers are registered when their "
+                         "module is imported (import atlaslib.nn registers the chapters' mixers)")
     return MIXERS[name](d_model, n_heads, **kw)
 
 
@@ -100,7 +108,9 @@ class TokenMixer(nn.Module, abc.ABC):
             or a callable).
         qk_norm: l2-normalise q and k per head (after phi), as delta-rule models do.
         backend: passed to the library call in ``mix`` ("auto", "chunk", ...).
-        chunk_size: passed to the library call in ``mix`` (chunk length of the chunk form).
+        chunk_size: passed to the library call in ``mix`` (chunk length of the chunk form);
+            64, the default of the chapter 1 and 2 functions (subclasses whose model has
+            another default set it, e.g. the MIRAS and OmegaNet mixers: 16).
     """
 
     mixer_name = "base"

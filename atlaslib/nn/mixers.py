@@ -45,16 +45,23 @@ class LinearAttention(TokenMixer):
 class RetNet(TokenMixer):
     """Linear attention with a fixed per-head decay alpha_h = 1 - 2^(-5-h) (RetNet's choice)."""
 
+    def log_alpha(self, dtype=torch.float32, device=None) -> torch.Tensor:
+        """log alpha_h = log1p(-2^(-5-h)) [H], computed as a log in ``dtype`` (fp32 or fp64).
+
+        Not a buffer: ``model.to(torch.bfloat16)`` would round it. log1p of the exact power of
+        two keeps the decay's full precision; 1 - 2^(-5-h) formed first would lose, for the
+        last heads, the digits that carry it (and in bf16, from 1 - 2^-9 on, all of them)."""
+        return torch.log1p(-torch.exp2(-5.0 - torch.arange(self.n_heads, dtype=dtype, device=device)))
+
     @property
     def alpha(self) -> torch.Tensor:
-        """The per-head decays [H], in fp32. Not a buffer: ``model.to(torch.bfloat16)`` would
-        round them, and 1 - 2^-9 and beyond are exactly 1.0 in bf16."""
-        return 1.0 - 2.0 ** (-5.0 - torch.arange(self.n_heads, dtype=torch.float32))
+        """The per-head decays [H], in fp32 (for reading; ``mix`` hands over ``log_alpha``)."""
+        return self.log_alpha().exp()
 
     def mix(self, q, k, v, x):
         B, H, T, _ = q.shape
-        alpha = self.alpha.to(device=q.device, dtype=gate_dtype(q))[None, :, None].expand(B, H, T)
-        return linear_attention(q, k, v, alpha=alpha, backend=self.backend,
+        log_alpha = self.log_alpha(gate_dtype(q), q.device)[None, :, None].expand(B, H, T)
+        return linear_attention(q, k, v, log_alpha=log_alpha, backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
 
 
@@ -74,16 +81,23 @@ class GatedLinear(TokenMixer):
         width = self.head_k_dim if self.per_channel else 1
         self.gate_proj = nn.Linear(d_model, n_heads * width)
 
-    def gate(self, x):
-        """Retention in (0, 1): [B, H, T] (scalar) or [B, H, T, K] (per channel)."""
-        log_alpha = F.logsigmoid(self.gate_proj(x)) / self.gate_temperature     # [B, T, H*w]
+    def log_gate(self, x):
+        """log alpha_t <= 0: [B, H, T] (scalar) or [B, H, T, K] (per channel), in fp32 (fp64 for fp64 x).
+
+        The projection runs in the model's dtype; everything after it (logsigmoid, the
+        temperature) in ``gate_dtype``, so a gate near 1 keeps its distance from 1."""
+        z = self.gate_proj(x).to(gate_dtype(x))                                  # [B, T, H*w]
+        log_alpha = F.logsigmoid(z) / self.gate_temperature
         B, T, _ = x.shape
         log_alpha = log_alpha.view(B, T, self.n_heads, -1).transpose(1, 2)      # [B, H, T, w]
-        alpha = log_alpha.to(torch.promote_types(log_alpha.dtype, torch.float32)).exp()   # not in bf16
-        return alpha if self.per_channel else alpha.squeeze(-1)
+        return log_alpha if self.per_channel else log_alpha.squeeze(-1)
+
+    def gate(self, x):
+        """Retention alpha_t in (0, 1), exp of ``log_gate`` (fp32, fp64 for fp64 x); ``mix`` passes the log."""
+        return self.log_gate(x).exp()
 
     def mix(self, q, k, v, x):
-        return linear_attention(q, k, v, alpha=self.gate(x).to(gate_dtype(q)), backend=self.backend,
+        return linear_attention(q, k, v, log_alpha=self.log_gate(x), backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
 
 

@@ -30,8 +30,10 @@ memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` rep
 (``constant=False`` drops the degree-0 feature: D = C(d_k + p, p) - 1).
 
 The chunk size of the Omega chunk form **changes the model** (gradients frozen at the
-chunk start; chunk_size = 1 is the per-token rule), so OmegaNet defaults to chunk_size=16;
-SWLA's chunk form is exact for every chunk size. Deep memories (OmegaNet with an MLP
+chunk start; chunk_size = 1 is the per-token rule), so OmegaNet defaults to the rule's own
+default, ``omega.OMEGA_CHUNK_SIZE`` = 16 (that of ``omega_rule`` and ``miras``); SWLA's chunk
+form is exact for every chunk size (default 64, as ``swla``). The retention gate is handed
+over as ``log_alpha`` in fp32 (fp64 for fp64 activations). Deep memories (OmegaNet with an MLP
 memory) run on chapter 3's engine and are not mixers here.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
-from ..omega import check_window, omega_rule, swla
+from ..omega import OMEGA_CHUNK_SIZE, check_window, omega_rule, swla
 from .mixer import gate_dtype, register_mixer
 from .mixers import GatedLinear
 
@@ -118,6 +120,10 @@ class WindowedMixer(GatedLinear):
         """Retention in (0, 1), [B, H, T], or None without retention."""
         return self.gate(x) if self.retention else None
 
+    def log_alpha(self, x):
+        """log alpha_t <= 0, [B, H, T], computed as a log in fp32 (fp64 for fp64 x), or None without retention."""
+        return self.log_gate(x) if self.retention else None
+
     def features(self, q, k):
         """phi(q), phi(k): the polynomial map of the unit q, k, normalised again (identity without ``degree``)."""
         if self.poly is None:
@@ -139,9 +145,11 @@ class WindowedMixer(GatedLinear):
         """One [V, D] memory per head (D = the feature dimension); the c-pair window itself is input, not state."""
         return self.n_heads * self.feature_dim() * self.head_v_dim
 
-    def gate_tensors(self, x, dtype):
+    def gate_tensors(self, x, dtype, alpha: bool = True):
+        """(gamma, alpha, eta) in ``dtype``; ``alpha=False`` skips the retention (None), for callers
+        that pass it as ``log_alpha``."""
         cast = lambda t: None if t is None else t.to(dtype)       # noqa: E731
-        return cast(self.gammas(x)), cast(self.alpha(x)), cast(self.eta(x))
+        return cast(self.gammas(x)), cast(self.alpha(x)) if alpha else None, cast(self.eta(x))
 
     def extra_repr(self) -> str:
         poly = f", degree={self.degree} ({self.poly_kind}{'' if self.constant else ', no constant'})" \
@@ -156,15 +164,15 @@ class OmegaNet(WindowedMixer):
 
     def __init__(self, d_model, n_heads, *, window: int = 8, eta_max: float | None = None, **kw):
         kw.setdefault("qk_norm", True)                           # unit features: the step bound needs them
-        kw.setdefault("chunk_size", 16)
+        kw.setdefault("chunk_size", OMEGA_CHUNK_SIZE)
         check_window(window)
         super().__init__(d_model, n_heads, window=window, eta_max=1.0 / window if eta_max is None else eta_max,
                          **kw)
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
-        gamma, alpha, eta = self.gate_tensors(x, gate_dtype(q))
-        return omega_rule(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
+        gamma, _, eta = self.gate_tensors(x, gate_dtype(q), alpha=False)
+        return omega_rule(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                           backend=self.backend, chunk_size=self.chunk_size)[0]
 
 
@@ -174,6 +182,6 @@ class SWLA(WindowedMixer):
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
-        gamma, alpha, eta = self.gate_tensors(x, gate_dtype(q))
-        return swla(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta,
+        gamma, _, eta = self.gate_tensors(x, gate_dtype(q), alpha=False)
+        return swla(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                     backend=self.backend, chunk_size=self.chunk_size)[0]

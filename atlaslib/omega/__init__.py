@@ -8,9 +8,12 @@ maps live in ``atlaslib.core.featuremaps`` and are re-exported here.
 from __future__ import annotations
 
 from ..core import (TaylorFeatures, check_chunk_size, check_gate, check_qkv, check_state, get_feature_map,
-                    monomial_dim, monomial_features, resolve_backend, tensor_power, with_chunk_backward)
-from ..core.dispatch import matrix_kernel_limits
+                    monomial_dim, monomial_features, tensor_power)
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import window_gates
+from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
 from ..miras import miras
 from .chunk import omega_chunk, swla_chunk
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
@@ -19,6 +22,14 @@ from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 # (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
 MEMORIES = ("linear", "mlp", "residual", "gated")
 DEEP_MEMORIES = MEMORIES[1:]
+
+# Default chunk lengths. The Omega rule's chunk form freezes gradients at the chunk start, so b
+# is part of the model, and the model is a MIRAS one (l2 bias, GD, a window; with c = 1 and no
+# gate it is miras' frozen-gradient "deltanet"): it takes chapter 3's default, for every memory,
+# whichever function (omega_rule, miras, the OmegaNet mixer) reaches it. SWLA's chunk form is
+# exact for every b, so its default only sets the speed.
+OMEGA_CHUNK_SIZE = MIRAS_CHUNK_SIZE
+SWLA_CHUNK_SIZE = 64
 
 
 def check_window(window) -> int:
@@ -30,14 +41,14 @@ def check_window(window) -> int:
     return window
 
 
-def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size):
+def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
     """Validate every argument, apply phi to q and k, and return (phi(q), phi(k))."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
     check_gate("gamma", gamma, B, H, T, window, ref=q)
-    check_gate("alpha", alpha, B, H, T, ref=q)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
     check_gate("eta", eta, B, H, T, low=0.0, high=None, ref=q)
     check_chunk_size(chunk_size)
     phi = get_feature_map("identity" if phi is None else phi)
@@ -53,19 +64,31 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
     return fq, fk
 
 
-def auto_backend(backend, fq, window, chunk_size):
-    """``resolve_backend`` with this kernel's limits: fp32 compute, and tiles that fit."""
-    def unsupported():
-        from .kernel import kernel_supports
-        if kernel_supports(fq.shape[-1], window, chunk_size):
-            return matrix_kernel_limits(fq)
-        return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
-                "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
-    return resolve_backend(backend, fq, unsupported=unsupported)
+def kernel_limits(fq, window, chunk_size):
+    """What the window kernel refuses, as ``core.dispatch`` wants it: fp32 compute, and tiles that fit."""
+    from .kernel import kernel_supports
+    if kernel_supports(fq.shape[-1], window, chunk_size):
+        return matrix_kernel_limits(fq)
+    return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
+            "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
+
+
+def backend_table(recurrent, chunk, kernel: str) -> dict:
+    """One window rule's three forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
+    chunk_size, log_alpha); the per-token loop gets exp(log_alpha) and ignores chunk_size."""
+    def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
+        return recurrent(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
+                         initial_state)
+    return {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", kernel)}
+
+
+OMEGA_BACKENDS = backend_table(omega_recurrent, omega_chunk, "omega_triton")
+SWLA_BACKENDS = backend_table(swla_recurrent, swla_chunk, "swla_triton")
 
 
 def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, memory="linear",
-               initial_state=None, output_final_state=False, backend="auto", chunk_size=64):
+               initial_state=None, output_final_state=False, backend="auto", chunk_size=OMEGA_CHUNK_SIZE,
+               log_alpha=None):
     """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
@@ -95,6 +118,9 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
             gamma_i^{(t)} = gamma[..., t, t - i] (offset 0 is token t itself; entries that
             point before the sequence start are ignored). ``None``: all ones.
         alpha: [B, H, T] retention in [0, 1] (``None``: 1).
+        log_alpha: the same gate as its log, [B, H, T], values <= 0, fp32 or fp64, instead of
+            alpha; never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
+            Deep memories turn it into alpha in fp32 (fp64) at entry, as ``miras`` does.
         eta: [B, H, T] inner learning rate >= 0 (``None``: 1). The step is stable while
             eta_t * ||sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T|| <= 2: for unit features and
             gamma = 1 that is eta_t <= 2 / c, so eta = 1 with c > 2 can diverge.
@@ -112,7 +138,9 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
             next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
             fit, chunk otherwise).
         chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
-            (see below); b = 1 is the exact per-token rule.
+            (see below); b = 1 is the exact per-token rule. Default 16 (``OMEGA_CHUNK_SIZE``),
+            for every memory: the same as ``miras``, which runs the deep memories and is the
+            same model for the linear one, and as the OmegaNet mixer.
 
     Which equalities hold (book ch. 4 §8; all are tested):
 
@@ -137,24 +165,18 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
     Returns:
         (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 — or None unless requested).
     """
-    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size)
+    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha)
     if memory in DEEP_MEMORIES:
         return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
-                          backend, chunk_size)
-    backend = auto_backend(backend, fq, window, chunk_size)
-    if backend == "recurrent":
-        o, state = omega_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
-    elif backend == "chunk":
-        o, state = omega_chunk(fq, fk, v, window, gamma, alpha, eta, initial_state, chunk_size)
-    else:
-        from .kernel import omega_triton
-        o, state = with_chunk_backward(omega_triton, omega_chunk, fq, fk, v, window, gamma, alpha, eta,
-                                       initial_state, chunk_size)
+                          backend, chunk_size, log_alpha=log_alpha)
+    o, state = dispatch(backend, fq, OMEGA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
+                        chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
+                        model="omega_rule")
     return o, (state if output_final_state else None)
 
 
 def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,
-               chunk_size):
+               chunk_size, log_alpha=None):
     """OmegaNet with a deep memory: chapter 3's engine with the Omega window on the l2 bias.
 
     ``atlaslib.miras`` takes all c gradients at the same state (W_{t-1}, or the chunk-start
@@ -164,17 +186,21 @@ def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, outp
     kernel for deep memories, so "triton" is a ValueError). The state is a
     ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
     """
-    if backend == "triton":
-        raise ValueError(f"backend='triton' has a kernel only for memory='linear'; memory={memory!r} runs on "
-                         f"atlaslib.miras: use backend='chunk' (or 'recurrent')")
-    return miras(fq, fk, v, memory=memory, bias="l2", optimizer="gd",
-                 retention="none" if alpha is None else "decay", window=window, gamma=gamma, alpha=alpha,
-                 eta=eta, initial_state=initial_state, output_final_state=output_final_state, backend=backend,
-                 chunk_size=chunk_size)
+    def engine(backend_name):
+        def run(fq, fk, v):
+            return miras(fq, fk, v, memory=memory, bias="l2", optimizer="gd",
+                         retention="none" if alpha is None and log_alpha is None else "decay", window=window,
+                         gamma=gamma, alpha=alpha, log_alpha=log_alpha, eta=eta, initial_state=initial_state,
+                         output_final_state=output_final_state, backend=backend_name, chunk_size=chunk_size)
+        return run
+    table = {"recurrent": engine("recurrent"), "chunk": engine("chunk")}
+    return dispatch(backend, fq, table, fq, fk, v, model=f"omega_rule(memory={memory!r})",
+                    missing=f"there is a kernel only for memory='linear'; memory={memory!r} runs on atlaslib.miras "
+                            f"(use backend='chunk' or 'recurrent')")
 
 
 def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial_state=None,
-         output_final_state=False, backend="auto", chunk_size=64):
+         output_final_state=False, backend="auto", chunk_size=SWLA_CHUNK_SIZE, log_alpha=None):
     """Sliding-window linear attention: the Omega window with the dot-product bias -<M phi(k), v>.
 
         M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T,    y_t = M_t phi(q_t).
@@ -190,21 +216,17 @@ def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial
     window shapes the update, not the memory's contents. ([A] eq. 20 drops alpha_t and
     [A] eq. 55 flips the sign of the write.)
 
-    Arguments and results as ``omega_rule`` (no ``memory``: the state is linear).
+    Arguments and results as ``omega_rule`` (no ``memory``: the state is linear), except the
+    default chunk_size, 64 (``SWLA_CHUNK_SIZE``): exact for every b, it only sets the speed.
     """
-    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size)
-    backend = auto_backend(backend, fq, window, chunk_size)
-    if backend == "recurrent":
-        o, state = swla_recurrent(fq, fk, v, window, gamma, alpha, eta, initial_state)
-    elif backend == "chunk":
-        o, state = swla_chunk(fq, fk, v, window, gamma, alpha, eta, initial_state, chunk_size)
-    else:
-        from .kernel import swla_triton
-        o, state = with_chunk_backward(swla_triton, swla_chunk, fq, fk, v, window, gamma, alpha, eta,
-                                       initial_state, chunk_size)
+    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size, log_alpha)
+    o, state = dispatch(backend, fq, SWLA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
+                        chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
+                        model="swla")
     return o, (state if output_final_state else None)
 
 
 __all__ = ["omega_rule", "swla", "check_window", "omega_recurrent", "omega_frozen_seq", "omega_chunk",
            "swla_recurrent", "swla_chunk", "window_gates", "TaylorFeatures", "monomial_features",
-           "monomial_dim", "tensor_power", "MEMORIES", "DEEP_MEMORIES", "omega_deep"]
+           "monomial_dim", "tensor_power", "MEMORIES", "DEEP_MEMORIES", "omega_deep", "OMEGA_CHUNK_SIZE",
+           "SWLA_CHUNK_SIZE"]

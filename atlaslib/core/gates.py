@@ -1,0 +1,45 @@
+"""Retention gates given either as ``alpha`` in [0, 1] or as ``log_alpha`` <= 0.
+
+Every public function that takes ``alpha`` also takes ``log_alpha``. The log is the form that
+survives low precision: the largest bf16 number below 1 is 1 - 2^-8, so every gate above
+1 - 2^-9 (1 - 2^-12, say) is exactly 1.0 in bf16 and a memory meant to forget over thousands
+of tokens never forgets, while its log, -2.4e-4, is an ordinary number in any float format. ``log_alpha`` must therefore come
+in fp32 or fp64 and is never rounded to the activation dtype; the chunk forms and kernels use it
+as it is (``core.chunking.gate_logs``), the per-token loops get exp(log_alpha) in their compute
+dtype (fp32/fp64, which does hold 1 - 2^-12).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .validation import check_gate
+
+LOG_GATE_DTYPES = (torch.float32, torch.float64)
+
+
+def check_retention(alpha, log_alpha, B: int, H: int, T: int, K: int | None = None, *, ref: torch.Tensor):
+    """Validate a retention gate given as ``alpha`` (values in [0, 1]) or ``log_alpha`` (values <= 0).
+
+    Both go through ``check_gate`` (shape [B, H, T], or [B, H, T, K] when K is given; device; NaN;
+    range). At most one of the two may be given, and ``log_alpha`` must be fp32 or fp64.
+    """
+    if alpha is not None and log_alpha is not None:
+        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    check_gate("alpha", alpha, B, H, T, K, ref=ref)
+    check_gate("log_alpha", log_alpha, B, H, T, K, low=-math.inf, high=0.0, ref=ref)
+    if log_alpha is not None and log_alpha.dtype not in LOG_GATE_DTYPES:
+        raise TypeError(f"log_alpha must be fp32 or fp64 (a log-gate rounded to {log_alpha.dtype} loses the "
+                        f"small decays it exists to keep), got {log_alpha.dtype}")
+
+
+def alpha_from_log(alpha, log_alpha, cd: torch.dtype):
+    """The gate itself, for the forms that multiply by alpha (the per-token loops).
+
+    ``alpha`` is returned unchanged when it was given; otherwise exp(log_alpha) in the compute dtype
+    ``cd`` (fp32 or fp64, never the activation dtype), or None when neither was given.
+    """
+    if log_alpha is None:
+        return alpha
+    return torch.exp(log_alpha.to(cd))

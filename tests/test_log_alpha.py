@@ -1,0 +1,264 @@
+"""Retention gates as logs, end to end (issue 13, item 5).
+
+Every public function that takes ``alpha`` also takes ``log_alpha``:
+* on fresh random inputs it gives what alpha = exp(log_alpha) gives, in fp64, on every backend
+  the model has (the kernels under TRITON_INTERPRET=1, against the fp64 chunk form);
+* it reaches the memory unrounded: a gate 1 - 2^-12, exactly 1.0 in bf16, still decays with bf16
+  q, k, v when given as an fp32 log, and the state after T tokens matches an fp64 reference,
+  whereas the same gate given as a bf16 alpha never decays;
+* it is checked like alpha (shape, NaN, range <= 0, fp32/fp64 only, not together with alpha).
+"""
+import math
+
+import pytest
+import torch
+
+from atlaslib.core import assert_close, random_qkv, rel_rmse
+from atlaslib.delta import delta_rule
+from atlaslib.linear import linear_attention
+from atlaslib.miras import miras, titans_linear_chunk
+from atlaslib.omega import omega_rule, swla
+
+F64 = torch.float64
+B, H, T, K, V = 1, 2, 13, 8, 8          # T not a multiple of the chunk: the padded tail is exercised
+
+
+class Case:
+    """One public function with its non-gate inputs drawn once: ``run(q, k, v, backend, **gate)``
+    returns the tensors to compare (output and final state)."""
+
+    def __init__(self, name, backends, call, per_channel=False, extras=None):
+        self.name, self.backends, self.call, self.per_channel = name, backends, call, per_channel
+        self.extras = extras or (lambda g, dtype: {})
+
+    def __repr__(self):
+        return self.name
+
+
+def _state(s):
+    """The final state as a list of tensors: a tensor, or a MirasState (weights and momentum)."""
+    if isinstance(s, torch.Tensor):
+        return [s]
+    parts = []
+    for part in (s.memory, s.momentum):
+        if part is None:
+            continue
+        parts += list(part.values()) if isinstance(part, dict) else [part]
+    return parts
+
+
+def _omega_extras(g, dtype):
+    return dict(gamma=torch.rand(B, H, T, 3, generator=g).to(dtype),
+                eta=(0.1 + 0.2 * torch.rand(B, H, T, generator=g)).to(dtype))
+
+
+def _miras_extras(g, dtype):
+    return dict(eta=(0.05 + 0.2 * torch.rand(B, H, T, generator=g)).to(dtype),
+                theta=(0.5 * torch.rand(B, H, T, generator=g)).to(dtype))
+
+
+def _beta(g, dtype):
+    return dict(beta=(0.2 + 0.8 * torch.rand(B, H, T, generator=g)).to(dtype))
+
+
+def _linear(q, k, v, backend, **kw):
+    return linear_attention(q, k, v, backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _delta(q, k, v, backend, beta, **kw):
+    return delta_rule(q, k, v, beta, backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _omega(q, k, v, backend, **kw):
+    return omega_rule(q, k, v, window=3, backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _omega_mlp(q, k, v, backend, **kw):
+    return omega_rule(q, k, v, window=3, memory="mlp", backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _swla(q, k, v, backend, **kw):
+    return swla(q, k, v, window=3, backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _titans_linear(q, k, v, backend, **kw):
+    return miras(q, k, v, preset="titans", memory="linear", backend=backend, chunk_size=4, output_final_state=True,
+                 **kw)
+
+
+def _titans(q, k, v, backend, **kw):
+    return miras(q, k, v, preset="titans", backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _memora(q, k, v, backend, theta=None, **kw):      # the KL retention: alpha is not a decay of Z
+    return miras(q, k, v, preset="memora", backend=backend, chunk_size=4, output_final_state=True, **kw)
+
+
+def _titans_chunk(q, k, v, backend, **kw):
+    assert backend == "chunk"
+    o, M, S = titans_linear_chunk(q, k, v, chunk_size=4, **kw)
+    return o, M
+
+
+CASES = [
+    Case("linear_attention", ("recurrent", "chunk", "triton"), _linear),
+    Case("linear_attention (GLA)", ("recurrent", "chunk", "triton"), _linear, per_channel=True),
+    Case("delta_rule", ("recurrent", "chunk", "triton"), _delta, extras=_beta),
+    Case("delta_rule (KDA)", ("recurrent", "chunk", "triton"), _delta, per_channel=True, extras=_beta),
+    Case("omega_rule", ("recurrent", "chunk", "triton"), _omega, extras=_omega_extras),
+    Case("omega_rule (mlp)", ("recurrent", "chunk"), _omega_mlp, extras=_omega_extras),
+    Case("swla", ("recurrent", "chunk", "triton"), _swla, extras=_omega_extras),
+    Case("miras (titans, linear)", ("recurrent", "frozen_seq", "chunk", "triton"), _titans_linear,
+         extras=_miras_extras),
+    Case("miras (titans)", ("recurrent", "frozen_seq", "chunk"), _titans, extras=_miras_extras),
+    Case("miras (memora)", ("recurrent", "chunk"), _memora, extras=_miras_extras),
+    Case("titans_linear_chunk", ("chunk",), _titans_chunk, extras=_miras_extras),
+]
+BACKEND_CASES = [(c, b) for c in CASES for b in c.backends]
+
+
+def draw(gen, case, dtype):
+    """Fresh q, k, v, the case's other inputs, and log-gates in [log 0.4, 0] (one exactly 0)."""
+    q, k, v = random_qkv(B, H, T, K, V, dtype=dtype, generator=gen)
+    shape = (B, H, T, K) if case.per_channel else (B, H, T)
+    log_alpha = torch.rand(shape, generator=gen, dtype=F64) * math.log(0.4)
+    log_alpha[0, 0, 0] = 0.0                                     # alpha = 1 is allowed
+    return q, k, v, case.extras(gen, dtype), log_alpha
+
+
+def outputs(case, q, k, v, backend, extras, **gate):
+    o, s = case.call(q, k, v, backend, **extras, **gate)
+    return [o] + _state(s)
+
+
+@pytest.mark.parametrize("case, backend", BACKEND_CASES, ids=[f"{c.name}-{b}" for c, b in BACKEND_CASES])
+def test_log_alpha_gives_what_alpha_gives(gen, case, backend):
+    """log_alpha vs alpha = exp(log_alpha), both in fp64 on the PyTorch backends; the kernels take
+    fp32 inputs and a fp32 log_alpha and are held to the fp64 chunk form with alpha."""
+    q, k, v, extras, log_alpha = draw(gen, case, F64)
+    ref = outputs(case, q, k, v, "chunk" if backend == "triton" else backend, extras, alpha=log_alpha.exp())
+    if backend == "triton":
+        f32 = lambda x: x.float()                                   # noqa: E731
+        got = outputs(case, f32(q), f32(k), f32(v), backend, {n: f32(x) for n, x in extras.items()},
+                      log_alpha=f32(log_alpha))
+        tol = 1e-4
+    else:
+        got = outputs(case, q, k, v, backend, extras, log_alpha=log_alpha)
+        tol = 1e-12
+    ungated = outputs(case, q, k, v, "chunk" if backend == "triton" else backend, extras)
+    assert rel_rmse(ungated[0], ref[0]) > 1e-3, "the gates must matter for the comparison to mean anything"
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert_close(a, b, tol=tol, name=f"{case.name} {backend} {'output' if i == 0 else f'state {i}'}")
+
+
+@pytest.mark.parametrize("case, backend", [(c, b) for c, b in BACKEND_CASES if c.name in
+                                           ("linear_attention (GLA)", "delta_rule", "omega_rule", "swla",
+                                            "miras (titans, linear)")],
+                         ids=lambda x: getattr(x, "name", x))
+def test_gradient_reaches_log_alpha(gen, case, backend):
+    """Mixers train through log_alpha: d loss / d log_alpha equals the chain rule through alpha = exp(log_alpha)."""
+    dtype = torch.float32 if backend == "triton" else F64
+    q, k, v, extras, log_alpha = draw(gen, case, dtype)
+    w = torch.randn(B, H, T, V, generator=gen, dtype=dtype)
+
+    def grad(use_log, backend):
+        la = log_alpha.to(dtype).clone().requires_grad_(True)
+        gate = dict(log_alpha=la) if use_log else dict(alpha=la.exp())
+        o = outputs(case, q, k, v, backend, extras, **gate)[0]
+        (g,) = torch.autograd.grad((o * w).sum(), la)
+        return g
+    ref = grad(False, "chunk" if backend == "triton" else backend)
+    assert_close(grad(True, backend), ref, tol=1e-4 if backend == "triton" else 1e-10, name="d/d log_alpha")
+
+
+# ---- a gate that bf16 rounds to 1 -----------------------------------------------------------
+
+GATE = 1.0 - 2.0 ** -12              # above 1 - 2^-9: exactly 1.0 in bf16
+T_LONG = 1024                        # GATE^T = e^-0.25: the decay is a quarter of the state's log
+
+
+def _eta(q, x):
+    return torch.full(q.shape[:3], x, dtype=torch.float32)
+
+
+# Each returns the final state; small steps so that the decay, not the overwrite, shapes old memory.
+LONG_CALLS = {
+    "linear_attention": lambda q, k, v, backend, **g: linear_attention(
+        q, k, v, backend=backend, output_final_state=True, **g)[1],
+    "delta_rule": lambda q, k, v, backend, **g: delta_rule(
+        q, k, v, _eta(q, 0.02), backend=backend, output_final_state=True, **g)[1],
+    "omega_rule": lambda q, k, v, backend, **g: omega_rule(
+        q, k, v, window=2, eta=_eta(q, 0.02), backend=backend, chunk_size=16, output_final_state=True, **g)[1],
+    "swla": lambda q, k, v, backend, **g: swla(
+        q, k, v, window=2, eta=_eta(q, 0.5), backend=backend, chunk_size=16, output_final_state=True, **g)[1],
+    "miras": lambda q, k, v, backend, **g: miras(
+        q, k, v, preset="titans", memory="linear", eta=_eta(q, 0.02), backend=backend, chunk_size=16,
+        output_final_state=True, **g)[1].memory,
+    "titans_linear_chunk": lambda q, k, v, backend, **g: titans_linear_chunk(
+        q, k, v, eta=_eta(q, 0.02), chunk_size=16, **g)[1],
+}
+EXACT_CHUNK = ("linear_attention", "delta_rule", "swla")      # chunk(b) == recurrent for these
+
+
+LONG = [("linear_attention", b) for b in ("recurrent", "chunk", "triton")] + \
+       [("delta_rule", b) for b in ("recurrent", "chunk", "triton")] + \
+       [("omega_rule", b) for b in ("recurrent", "chunk", "triton")] + \
+       [("swla", b) for b in ("recurrent", "chunk", "triton")] + \
+       [("miras", b) for b in ("recurrent", "chunk", "triton")] + [("titans_linear_chunk", "chunk")]
+
+
+@pytest.mark.parametrize("name, backend", LONG, ids=[f"{n}-{b}" for n, b in LONG])
+def test_a_gate_bf16_rounds_to_one_still_decays_as_log_alpha(gen, name, backend):
+    """State after T tokens, bf16 q, k, v: with log_alpha in fp32 it matches an fp64 reference (the
+    same bf16 values in fp64, alpha = 1 - 2^-12 in fp64) to 1e-3; with alpha in bf16 it does not."""
+    assert torch.tensor(GATE, dtype=torch.bfloat16).item() == 1.0
+    q, k, v = random_qkv(1, 2, T_LONG, 16, 16, generator=gen, dtype=torch.bfloat16)
+    call = LONG_CALLS[name]
+    shape = (1, 2, T_LONG)
+    # the fp64 reference: the definition (recurrent) where the chunk form is exact; frozen-gradient
+    # chunk forms and their kernels against the fp64 chunk form of the same chunk size
+    ref_backend = "recurrent" if backend == "recurrent" or name in EXACT_CHUNK else "chunk"
+    ref = call(q.double(), k.double(), v.double(), ref_backend, alpha=torch.full(shape, GATE, dtype=F64))
+    log_gate = torch.full(shape, math.log1p(-2.0 ** -12), dtype=torch.float32)
+    got = call(q, k, v, backend, log_alpha=log_gate)
+    assert rel_rmse(got, ref) < 1e-3
+    rounded = call(q, k, v, backend, alpha=torch.full(shape, GATE, dtype=torch.bfloat16))
+    assert rel_rmse(rounded, ref) > 1e-3, "a bf16 alpha should have lost the decay"
+
+
+# ---- checked like alpha ---------------------------------------------------------------------
+
+CHECKED = {
+    "linear_attention": lambda q, k, v, **g: linear_attention(q, k, v, **g),
+    "delta_rule": lambda q, k, v, **g: delta_rule(q, k, v, torch.full(q.shape[:3], 0.5), **g),
+    "omega_rule": lambda q, k, v, **g: omega_rule(q, k, v, window=2, **g),
+    "omega_rule (mlp)": lambda q, k, v, **g: omega_rule(q, k, v, window=2, memory="mlp", **g),
+    "swla": lambda q, k, v, **g: swla(q, k, v, window=2, **g),
+    "miras": lambda q, k, v, **g: miras(q, k, v, preset="titans", **g),
+    "titans_linear_chunk": lambda q, k, v, **g: titans_linear_chunk(q, k, v, **g),
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_log_alpha_is_checked_like_alpha(name):
+    fn = CHECKED[name]
+    q, k, v = random_qkv(1, 2, 6, 4, 4, seed=0)
+    ok = torch.full((1, 2, 6), -0.1)
+    fn(q, k, v, log_alpha=ok)
+    with pytest.raises(ValueError, match="either as alpha or as log_alpha, not both"):
+        fn(q, k, v, alpha=ok.exp(), log_alpha=ok)
+    with pytest.raises(ValueError, match=r"log_alpha must lie in \[-inf, 0.0\]"):
+        fn(q, k, v, log_alpha=torch.full((1, 2, 6), 0.01))
+    with pytest.raises(ValueError, match="log_alpha contains NaN"):
+        fn(q, k, v, log_alpha=torch.full((1, 2, 6), float("nan")))
+    with pytest.raises(ValueError, match=r"log_alpha must have shape \[1, 2, 6\]"):
+        fn(q, k, v, log_alpha=torch.full((1, 2, 5), -0.1))
+    with pytest.raises(TypeError, match="log_alpha must be fp32 or fp64"):
+        fn(q, k, v, log_alpha=ok.to(torch.bfloat16))
+    fn(q, k, v, log_alpha=torch.full((1, 2, 6), -math.inf))      # alpha = 0: a full reset is allowed
+
+
+def test_miras_refuses_log_alpha_where_the_retention_has_no_gate():
+    q, k, v = random_qkv(1, 2, 6, 4, 4, seed=0)
+    with pytest.raises(ValueError, match="log_alpha was given but retention='none'"):
+        miras(q, k, v, preset="ttt_linear", log_alpha=torch.full((1, 2, 6), -0.1))
