@@ -24,9 +24,8 @@ Stability: with scalar gates only differences g_t - g_j with j <= t are exponent
 e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided by a
 cumulative product of gates, which would overflow as soon as the gates are small (book ch. 2 §7
 warns about the division in the textbook form). For KDA the per-channel decay sits inside
-the k.k and q.k sums; chapter 1's ``decayed_scores`` factors it as e^{g_t} e^{-g_j} only
-while the chunk's decay keeps both factors within e^{+-30}, and ``channel_scores`` splits the
-chunk where it does not (scalar gates go the same way, with vector factors).
+the k.k and q.k sums; chapter 1's ``decayed_scores`` scores them by halving the chunk, with
+every factor <= 1 whatever the gates (scalar gates go the same way, with vector factors).
 
 Everything but the start state is solved ahead, for a group of chunks at once: with
 A = I + Diag(beta) L and the UT transform's T = A^{-1} Diag(beta) (one triangular solve
