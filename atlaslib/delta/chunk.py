@@ -94,13 +94,17 @@ def chunk_group(S, q, k, v, b, g, outputs):
     T = torch.linalg.solve_triangular(A, torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A),
                                       upper=False, unitriangular=True) * b.mT
     W, U0 = T @ k_dec, T @ v
-    for c in range(q.shape[0]):
+    # Chunks taken by unbind, not by indexing: the backward stacks their gradients once instead
+    # of zero-filling a copy of the whole group per chunk and tensor.
+    decays = [None] * q.shape[0] if s_dec is None else s_dec.unbind(0)
+    for U0_c, W_c, P_c, q_c, k_c, d_c in zip(U0.unbind(0), W.unbind(0), P.unbind(0), q_dec.unbind(0),
+                                             k_end.unbind(0), decays):
         St = S.mT
-        U = torch.baddbmm(U0[c], W[c], St, alpha=-1)                          # U = U0 - W S^T
-        outputs.append((P[c] @ U).baddbmm_(q_dec[c], St))                     # Y = P U + Q_dec S^T
+        U = torch.baddbmm(U0_c, W_c, St, alpha=-1)                            # U = U0 - W S^T
+        outputs.append((P_c @ U).baddbmm_(q_c, St))                           # Y = P U + Q_dec S^T
         # S' = S e^{g_n} + U^T (K e^{g_n - g}); accumulating in place into the fresh product
         # S e^{g_n} saves a copy and is safe for autograd (the product's backward needs S, not it).
-        S = torch.baddbmm(S, U.mT, k_end[c]) if s_dec is None else (S * s_dec[c]).baddbmm_(U.mT, k_end[c])
+        S = torch.baddbmm(S, U.mT, k_c) if d_c is None else (S * d_c).baddbmm_(U.mT, k_c)
     return S
 
 

@@ -140,8 +140,11 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     S = S.reshape(B * H, V, K)
     starts = []
-    for c in range(q.shape[0]):                                  # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
+    # The chunks are taken by unbind, not by indexing: in the backward, one stack of their
+    # gradients instead of a zero-filled copy of the whole tensor per chunk.
+    decays = [None] * N if s_dec is None else s_dec.unbind(0)
+    for v_c, k_c, d_c in zip(v.unbind(0), k_end.unbind(0), decays):   # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
         starts.append(S)
-        S = torch.baddbmm(S if s_dec is None else S * s_dec[c], v[c].mT, k_end[c])
+        S = torch.baddbmm(S if d_c is None else S * d_c, v_c.mT, k_c)
     o = q_dec @ torch.stack(starts).mT + P @ v                  # every chunk reads its start state
     return from_chunks(o, B, H, T).to(out_dtype), S.reshape(B, H, V, K)
