@@ -296,10 +296,11 @@ def tile_reference(xs, k, g):
 @pytest.mark.parametrize("gates", ["mild", "mixed", "zero", "steep"])
 @pytest.mark.parametrize("mode", ["scalar", "channel"])
 def test_decayed_scores_equal_the_decay_tile(gen, n, gates, mode):
-    """decayed_scores (the chunk's halving scheme) against the sum over channels of
-    x_tc k_ic e^{g_tc - g_ic} formed with the [n, n, K] tile, for two row sets (queries and keys,
-    as chapter 2 calls it), with any gate strength: finite, and entry by entry exact up to
-    rounding (relative to the sum of the terms' magnitudes; values that fp32 cannot hold may be 0)."""
+    """decayed_scores (halving for per-channel gates, the masked decay matrix for scalar ones)
+    against the sum over channels of x_tc k_ic e^{g_tc - g_ic} formed with the [n, n, K] tile, for
+    two row sets (queries and keys, as chapter 2 calls it), with any gate strength: finite, and
+    entry by entry exact up to rounding (relative to the sum of the terms' magnitudes; values
+    that fp32 cannot hold may be 0)."""
     K = 8
     q, k = (torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64) for _ in range(2))
     g = block_log_gates(gen, gates, n, K)

@@ -25,7 +25,7 @@ e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided b
 cumulative product of gates, which would overflow as soon as the gates are small (book ch. 2 §7
 warns about the division in the textbook form). For KDA the per-channel decay sits inside
 the k.k and q.k sums; chapter 1's ``decayed_scores`` scores them by halving the chunk, with
-every factor <= 1 whatever the gates (scalar gates go the same way, with vector factors).
+every factor <= 1 whatever the gates (scalar gates: the masked [n, n] matrix of e^{g_t - g_j}).
 
 Everything but the start state is solved ahead, for a group of chunks at once: with
 A = I + Diag(beta) L and the UT transform's T = A^{-1} Diag(beta) (one triangular solve

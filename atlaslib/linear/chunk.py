@@ -21,8 +21,8 @@ so no factor exceeds 1 and a factor that underflows stands for a term that is sm
 still. The two halves are scored the same way, down to single tokens (e^0: a plain dot
 product). The factors of each level are products of the previous level's (one exponential
 per entry in all), and the structure depends only on n, never on the gates' values: nothing
-waits for the device to report them, and torch.compile sees one graph. Scalar gates take
-the same route (a per-channel gate with equal channels), with vector factors.
+waits for the device to report them, and torch.compile sees one graph. Scalar gates need no
+tile: their scores are x k^T times the masked [n, n] matrix of e^{g_t - g_i} (``causal_decay``).
 """
 from __future__ import annotations
 
@@ -81,6 +81,17 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
     return outs, w, v
 
 
+def scalar_gate_terms(xs, k, g):
+    """``decayed_scores`` for scalar log-gates g [..., n]: the scores are (x k^T) * D with
+    D = ``causal_decay(g)``, e^{g_t - g_i} masked to i <= t before the exponential, so every
+    exponent is <= 0 and the [n, n] matrix costs one exponential per entry and one product."""
+    n = g.shape[-1]
+    D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=g.device).tril())
+    e = torch.exp(g)[..., None]                                   # [..., n, 1]
+    return (tuple((x @ k.mT) * D for x in xs), tuple(x * e for x in xs),
+            k * torch.exp(g[..., -1:] - g)[..., None], e[..., -1:, :])
+
+
 def decayed_scores(xs, k, g):
     """Everything the gates touch in a chunk (or in all chunks at once).
 
@@ -91,13 +102,13 @@ def decayed_scores(xs, k, g):
     x * e^g; then k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
     that multiplies the start state.
 
-    ``halving_scores`` does the work, on n padded to a power of two with zero rows (they score
-    0) and log-gate 0 (they decay nothing).
+    Per-channel gates: ``halving_scores`` does the work, on n padded to a power of two with zero
+    rows (they score 0) and log-gate 0 (they decay nothing). Scalar gates: ``scalar_gate_terms``.
     """
     if g is None:
         return tuple((x @ k.mT).tril_() for x in xs), xs, k, None
-    if g.dim() < k.dim():       # a scalar gate is a per-channel gate with equal channels: [..., n, 1]
-        g = g[..., None]        # broadcasts over K, so the decay factors are vectors, not an [n, n] tile
+    if g.dim() < k.dim():
+        return scalar_gate_terms(xs, k, g)
     n = g.shape[-2]
     pad = (1 << (n - 1).bit_length()) - n                          # up to a power of two
     Ps, e, e_end = halving_scores(tuple(_pad_rows(x, pad) for x in xs), _pad_rows(k, pad),
