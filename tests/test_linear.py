@@ -13,7 +13,7 @@ from atlaslib.core import (assert_close, elu_plus_one, get_feature_map, poisoned
                            random_gate, random_qkv, rel_rmse, softmax_attention)
 from atlaslib.linear import linear_attention
 from atlaslib.core.chunking import log_gate
-from atlaslib.linear.chunk import channel_scores
+from atlaslib.linear.chunk import decayed_scores
 
 MODES = [None, "scalar", "channel"]
 
@@ -259,7 +259,7 @@ def test_rel_rmse_and_poison():
 
 def mixed_channel_gates(gen, B, H, T, K, reset=0.0):
     """Per-channel gates that are mild in most places and at or near 0 in a few: some chunks
-    decay far beyond SPLIT_SPAN (the split path), others not (the one-product path)."""
+    decay by far more than fp32's exponent range (e^-88), others by little."""
     alpha = random_gate(B, H, T, K, low=0.6, generator=gen, dtype=torch.float64)
     strong = torch.rand(B, H, T, K, generator=gen, dtype=torch.float64) < 0.05
     alpha = torch.where(strong, 1e-3 * torch.rand(B, H, T, K, generator=gen, dtype=torch.float64), alpha)
@@ -267,30 +267,60 @@ def mixed_channel_gates(gen, B, H, T, K, reset=0.0):
     return alpha
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 16, 33, 64])
-@pytest.mark.parametrize("gates", ["mild", "mixed", "zero"])
-def test_channel_scores_equal_the_decay_tile(gen, n, gates):
-    """channel_scores (one product where the decay is bounded, split in halves where not) equals
-    the sum over channels of q_tc k_ic e^{g_tc - g_ic} formed with the full [n, n, K] tile."""
-    K = 8
-    x = torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64)
-    k = torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64)
-    alpha = {"mild": random_gate(3, 2, n, K, low=0.5, generator=gen, dtype=torch.float64),
-             "mixed": mixed_channel_gates(gen, 3, 2, n, K),
-             "zero": torch.zeros(3, 2, n, K, dtype=torch.float64)}[gates]
-    g = log_gate(alpha, torch.float64).cumsum(2)
-    diff = g[..., :, None, :] - g[..., None, :, :]                 # [.., t, i, K]
+def block_log_gates(gen, kind, n, K):
+    """Log-gates [3, 2, n, K] accumulated from a block start, in fp64. "steep": log-gates of up to
+    -400 per token, below the library's floor of -60, as a caller of decayed_scores may pass them."""
+    if kind == "steep":
+        return (-400 * torch.rand(3, 2, n, K, generator=gen, dtype=torch.float64)).cumsum(2)
+    alpha = {"mild": lambda: random_gate(3, 2, n, K, low=0.5, generator=gen, dtype=torch.float64),
+             "mixed": lambda: mixed_channel_gates(gen, 3, 2, n, K),
+             "zero": lambda: torch.zeros(3, 2, n, K, dtype=torch.float64)}[kind]()
+    return log_gate(alpha, torch.float64).cumsum(2)
+
+
+def tile_reference(xs, k, g):
+    """decayed_scores written with the full [n, n, K] tile of e^{g_t - g_i} (masked to i <= t),
+    in fp64: the scores of each row set, x e^g, k e^{g_n - g} and e^{g_n}."""
+    xs, k, g = tuple(x.double() for x in xs), k.double(), g.double()
+    if g.dim() < k.dim():
+        g = g[..., None]
+    n = g.shape[-2]
     causal = torch.ones(n, n, dtype=torch.bool).tril()
+    diff = g[..., :, None, :] - g[..., None, :, :]               # [.., t, i, K or 1]
     tile = torch.where(causal[..., None], torch.exp(diff.clamp(max=0.0)), 0.0)
-    ref = (x[..., :, None, :] * k[..., None, :, :] * tile).sum(-1)
-    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        out = channel_scores(x.to(dtype), k.to(dtype), g.to(dtype))
-        assert torch.isfinite(out).all()
-        assert_close(out.double(), ref, tol=tol, name=f"scores ({dtype})")
+    scores = tuple((x[..., :, None, :] * k[..., None, :, :] * tile).sum(-1) for x in xs)
+    return scores, tuple(x * torch.exp(g) for x in xs), k * torch.exp(g[..., -1:, :] - g), torch.exp(g[..., -1:, :])
 
 
-def test_gradients_through_split_channel_scores(gen):
-    """The split path (chunks decaying beyond SPLIT_SPAN) differentiates like the loop."""
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 33, 64])
+@pytest.mark.parametrize("gates", ["mild", "mixed", "zero", "steep"])
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_decayed_scores_equal_the_decay_tile(gen, n, gates, mode):
+    """decayed_scores (halving for per-channel gates, the masked decay matrix for scalar ones)
+    against the sum over channels of x_tc k_ic e^{g_tc - g_ic} formed with the [n, n, K] tile, for
+    two row sets (queries and keys, as chapter 2 calls it), with any gate strength: finite, and
+    entry by entry exact up to rounding (relative to the sum of the terms' magnitudes; values
+    that fp32 cannot hold may be 0)."""
+    K = 8
+    q, k = (torch.randn(3, 2, n, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    g = block_log_gates(gen, gates, n, K)
+    if mode == "scalar":
+        g = g[..., 0]
+    for dtype, tol, tiny in ((torch.float64, 1e-12, 1e-300), (torch.float32, 1e-5, 1e-30)):
+        g_d = g.to(dtype)                                        # the reference sees the same rounded g
+        (P, KK), x_decs, k_end, s_dec = decayed_scores((q.to(dtype), k.to(dtype)), k.to(dtype), g_d)
+        ref = tile_reference((q, k), k, g_d)
+        magnitude = tile_reference((q.abs(), k.abs()), k.abs(), g_d)
+        got = (P, KK, *x_decs, k_end, s_dec)
+        want, bound = ((*r[0], *r[1], r[2], r[3]) for r in (ref, magnitude))
+        for name, out, exp, size in zip(["P", "KK", "q e^g", "k e^g", "k_end", "s_dec"], got, want, bound):
+            assert out.dtype == dtype and out.shape == exp.shape and torch.isfinite(out).all(), name
+            excess = (out.double() - exp).abs() - (tol * size + tiny)
+            assert excess.max() <= 0, f"{name} ({dtype}): off by {excess.max():.3g} beyond the bound"
+
+
+def test_gradients_through_resets(gen):
+    """Chunks that decay far beyond fp32's exponent range differentiate like the loop."""
     q, k, v, _, h0 = make_inputs(gen, 1, 2, 40, 6, 5, None, dtype=torch.float64)
     alpha = mixed_channel_gates(gen, 1, 2, 40, 6, reset=1e-6)   # 3 x log(1e-6) < -SPLIT_SPAN
     grads = []

@@ -45,7 +45,7 @@ def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
     """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
 
     The entries above the diagonal are masked to -inf *before* the exponential, so they
-    become exact zeros instead of overflowing. (Per-channel gates: ``linear.chunk.channel_scores``.)
+    become exact zeros instead of overflowing. (Per-channel gates: ``linear.chunk.decayed_scores``.)
     """
     return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
 

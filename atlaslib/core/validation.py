@@ -2,6 +2,7 @@
 
 Each check raises ``ValueError`` or ``TypeError`` that names the argument and the
 shape it should have, so a reader never meets an IndexError from deep inside a loop.
+Shapes, dtypes and devices are always checked; values (ranges, NaN) never by a host sync.
 """
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _value_check(x: torch.Tensor):
+    """How to check x's values without a host sync: "host" (a CPU tensor in eager mode: reading
+    it waits for nothing), "device" (an accelerator: a device-side assert, so the host goes on
+    and a bad value stops the program at the next sync, with the message), or None (while
+    torch.compile traces, where either would break the graph; or a meta tensor, without values)."""
+    if torch.compiler.is_compiling() or x.device.type == "meta":
+        return None
+    return "host" if x.device.type == "cpu" else "device"
 
 
 def check_tensor(name: str, x, ndim: int, layout: str) -> torch.Tensor:
@@ -50,8 +61,8 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
                low: float = 0.0, high: float | None = 1.0, ref: torch.Tensor | None = None):
     """A gate is ``[B, H, T]`` (scalar per token) or, when ``K`` is given, also ``[B, H, T, K]``.
 
-    Values must lie in ``[low, high]`` (``high=None`` means no upper bound).
-    Returns the gate, or ``None`` if ``g`` is ``None``.
+    Values must lie in ``[low, high]`` (``high=None`` means no upper bound); ``_value_check`` says
+    how that is checked. Returns the gate, or ``None`` if ``g`` is ``None``.
     """
     if g is None:
         return None
@@ -67,18 +78,25 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
         raise ValueError(f"{name} must be on {ref.device} like q, got {g.device}")
     if g.numel() == 0:
         return g
-    with torch.no_grad():                                        # one pass: NaN propagates to min and max
-        g_min, g_max = (x.item() for x in torch.aminmax(g))
-    if math.isnan(g_min) or math.isnan(g_max):
-        raise ValueError(f"{name} contains NaN")
     rng = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
-    if g_min < low or (high is not None and g_max > high):
-        raise ValueError(f"{name} must lie in {rng}, got values in [{g_min:.4g}, {g_max:.4g}]")
+    how = _value_check(g)
+    if how == "host":
+        with torch.no_grad():                                    # one pass: NaN propagates to min and max
+            g_min, g_max = (x.item() for x in torch.aminmax(g))
+        if math.isnan(g_min) or math.isnan(g_max):
+            raise ValueError(f"{name} contains NaN")
+        if g_min < low or (high is not None and g_max > high):
+            raise ValueError(f"{name} must lie in {rng}, got values in [{g_min:.4g}, {g_max:.4g}]")
+    elif how == "device":
+        with torch.no_grad():                                    # NaN fails the comparisons too
+            inside = (g >= low) if high is None else (g >= low) & (g <= high)
+            torch._assert_async(inside.all(), f"{name} must lie in {rng} and contain no NaN")
     return g
 
 
 def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
-    """An optional state tensor of an exact shape, on ``ref``'s device, without NaN."""
+    """An optional state tensor of an exact shape, on ``ref``'s device, without NaN (checked as
+    ``_value_check`` says)."""
     if s is None:
         return None
     want = "[" + ", ".join(str(d) for d in shape) + "]"
@@ -90,8 +108,13 @@ def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
         raise ValueError(f"{name} must have shape {want}, got {_shape(s)}")
     if s.device != ref.device:
         raise ValueError(f"{name} must be on {ref.device} like q, got {s.device}")
-    if torch.isnan(s).any():
-        raise ValueError(f"{name} contains NaN")
+    how = _value_check(s)
+    if how == "host":
+        if torch.isnan(s).any():
+            raise ValueError(f"{name} contains NaN")
+    elif how == "device":
+        with torch.no_grad():
+            torch._assert_async(~torch.isnan(s).any(), f"{name} contains NaN")
     return s
 
 

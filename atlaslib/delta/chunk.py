@@ -24,9 +24,8 @@ Stability: with scalar gates only differences g_t - g_j with j <= t are exponent
 e^{g_t} itself), so every decay factor lies in [0, 1]; nothing is ever divided by a
 cumulative product of gates, which would overflow as soon as the gates are small (book ch. 2 §7
 warns about the division in the textbook form). For KDA the per-channel decay sits inside
-the k.k and q.k sums; chapter 1's ``decayed_scores`` factors it as e^{g_t} e^{-g_j} only
-while the chunk's decay keeps both factors within e^{+-30}, and ``channel_scores`` splits the
-chunk where it does not (scalar gates go the same way, with vector factors).
+the k.k and q.k sums; chapter 1's ``decayed_scores`` scores them by halving the chunk, with
+every factor <= 1 whatever the gates (scalar gates: the masked [n, n] matrix of e^{g_t - g_j}).
 
 Everything but the start state is solved ahead, for a group of chunks at once: with
 A = I + Diag(beta) L and the UT transform's T = A^{-1} Diag(beta) (one triangular solve
@@ -95,13 +94,17 @@ def chunk_group(S, q, k, v, b, g, outputs):
     T = torch.linalg.solve_triangular(A, torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A),
                                       upper=False, unitriangular=True) * b.mT
     W, U0 = T @ k_dec, T @ v
-    for c in range(q.shape[0]):
+    # Chunks taken by unbind, not by indexing: the backward stacks their gradients once instead
+    # of zero-filling a copy of the whole group per chunk and tensor.
+    decays = [None] * q.shape[0] if s_dec is None else s_dec.unbind(0)
+    for U0_c, W_c, P_c, q_c, k_c, d_c in zip(U0.unbind(0), W.unbind(0), P.unbind(0), q_dec.unbind(0),
+                                             k_end.unbind(0), decays):
         St = S.mT
-        U = torch.baddbmm(U0[c], W[c], St, alpha=-1)                          # U = U0 - W S^T
-        outputs.append((P[c] @ U).baddbmm_(q_dec[c], St))                     # Y = P U + Q_dec S^T
+        U = torch.baddbmm(U0_c, W_c, St, alpha=-1)                            # U = U0 - W S^T
+        outputs.append((P_c @ U).baddbmm_(q_c, St))                           # Y = P U + Q_dec S^T
         # S' = S e^{g_n} + U^T (K e^{g_n - g}); accumulating in place into the fresh product
         # S e^{g_n} saves a copy and is safe for autograd (the product's backward needs S, not it).
-        S = torch.baddbmm(S, U.mT, k_end[c]) if s_dec is None else (S * s_dec[c]).baddbmm_(U.mT, k_end[c])
+        S = torch.baddbmm(S, U.mT, k_c) if d_c is None else (S * d_c).baddbmm_(U.mT, k_c)
     return S
 
 

@@ -11,14 +11,18 @@ differences g_t - g_i with i <= t are exponentiated, so every factor lies in [0,
 and nothing overflows however strong the decay (book ch. 1 §7).
 
 With per-channel gates the scores sum_c q_tc k_ic e^{g_tc - g_ic} would need an
-[n, n, K] tile of decays. ``channel_scores`` avoids it: when the chunk's total decay is
-at most SPLIT_SPAN (in log units), e^{g_tc - g_ic} = e^{g_tc} e^{-g_ic} with both
-factors inside [e^-SPLIT_SPAN, e^SPLIT_SPAN], so the scores are one matrix product of
-q e^g and k e^-g (each product of two factors is the exact term; nothing can overflow).
-A chunk that decays more is split in halves: the off-diagonal block takes its
-reference at the split, where both exponents are <= 0, and each half recurses.
-Scalar gates take the same route (a scalar gate is a per-channel gate with equal
-channels): the factors are then vectors, and no [n, n] matrix of exponentials is formed.
+[n, n, K] tile of decays. ``halving_scores`` avoids it by halving the chunk, level by
+level: the block of the second half's rows against the first half's keys is one matrix
+product, with the reference point r taken at the end of the first half,
+
+    (x_t e^{g_t - r}) . (k_i e^{r - g_i}),   both exponents <= 0 (g is non-increasing),
+
+so no factor exceeds 1 and a factor that underflows stands for a term that is smaller
+still. The two halves are scored the same way, down to single tokens (e^0: a plain dot
+product). The factors of each level are products of the previous level's (one exponential
+per entry in all), and the structure depends only on n, never on the gates' values: nothing
+waits for the device to report them, and torch.compile sees one graph. Scalar gates need no
+tile: their scores are x k^T times the masked [n, n] matrix of e^{g_t - g_i} (``causal_decay``).
 """
 from __future__ import annotations
 
@@ -27,31 +31,65 @@ import torch
 from ..core.chunking import causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate, to_chunks  # noqa: F401
 
 
-# Largest total per-channel decay (log units) of a block scored as one matrix product:
-# factors e^{+-g} stay within e^30 ~ 1e13, far from fp32 overflow.
-SPLIT_SPAN = 30.0
+def _pad_rows(x: torch.Tensor, rows: int, last: bool = False) -> torch.Tensor:
+    """x [..., n, K] with ``rows`` more rows: zeros, or copies of the last row (``last``)."""
+    if rows == 0:
+        return x
+    fill = x[..., -1:, :] if last else torch.zeros_like(x[..., :1, :])
+    return torch.cat([x, fill.expand(*x.shape[:-2], rows, x.shape[-1])], -2)
 
 
-def channel_scores(x: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Causal per-channel decayed scores, [..., n, n]:
+def _lower_left_blocks(out: torch.Tensor, b: int) -> torch.Tensor:
+    """A view [..., b, b, pairs] of out [..., m, m]: for each pair of neighbouring size-b blocks
+    on the diagonal, the rows of the second block against the columns of the first."""
+    m = out.shape[-1]
+    grid = out.unflatten(-1, (m // (2 * b), 2, b)).unflatten(-4, (m // (2 * b), 2, b))
+    return torch.diagonal(grid, 0, -6, -3)[..., 1, :, 0, :, :]
 
-        out[t, i] = sum_c x_tc k_ic e^{g_tc - g_ic}   for i <= t, 0 above the diagonal,
 
-    for x [..., n, K] (queries, or keys), k [..., n, K] and g [..., n, K] the log-gates
-    accumulated from the block start (non-increasing, <= 0; leading dims broadcast).
+def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
+    """Causal decayed scores of each row set x in ``xs`` (module docstring), and the gate factors.
+
+    xs: a tuple of [..., m, K]; k: [..., m, K]; g: [..., m, K] or [..., m, 1], log-gates
+    accumulated from the block start (non-increasing, <= 0); m a power of two. Returns
+    (Ps, e^g, e^{g_m - g}) with P[t, i] = sum_c x_tc k_ic e^{g_tc - g_ic} for i <= t, else 0.
+
+    While blocks of size b are paired, w[t] = e^{g_t - g_s} (s: the row before t's block) is the
+    factor of a second-half row and v[i] = e^{g_e - g_i} (e: the end of i's block) that of a
+    first-half key. Merging a pair multiplies the second half's w by the first half's last w,
+    and the first half's v by the second half's last w: products of factors <= 1, so one
+    exponential per entry (e^{log alpha}) serves every level.
     """
-    n = g.shape[-2]
-    if n == 1:                                                   # e^0: a plain dot product
-        return (x * k).sum(-1, keepdim=True)
-    if -g[..., -1, :].min().item() <= SPLIT_SPAN:               # bounded factors: one product
-        return ((x * torch.exp(g)) @ (k * torch.exp(-g)).mT).tril_()
-    h = n // 2
-    r = g[..., h - 1:h, :]                                       # log-gate at the split
-    top = channel_scores(x[..., :h, :], k[..., :h, :], g[..., :h, :])
-    bottom = channel_scores(x[..., h:, :], k[..., h:, :], g[..., h:, :] - r)
-    cross = (x[..., h:, :] * torch.exp(g[..., h:, :] - r)) @ (k[..., :h, :] * torch.exp(r - g[..., :h, :])).mT
-    upper = torch.zeros(*cross.shape[:-2], h, n - h, dtype=cross.dtype, device=cross.device)
-    return torch.cat([torch.cat([top, upper], -1), torch.cat([cross, bottom], -1)], -2)
+    m = g.shape[-2]
+    outs = tuple(torch.zeros(*x.shape[:-2], m, m, dtype=x.dtype, device=x.device) for x in xs)
+    for x, out in zip(xs, outs):
+        out.diagonal(0, -2, -1).copy_((x * k).sum(-1))            # a token against itself: e^0
+    w = torch.exp(torch.diff(g, dim=-2, prepend=torch.zeros_like(g[..., :1, :])))   # alpha_t
+    v = torch.ones_like(w)
+    b = 1
+    while b < m:                                                 # log2(m) levels, fixed by m alone
+        halves = (m // (2 * b), 2, b)                             # [pairs, first/second half, b]
+        (w1, w2), (v1, v2) = w.unflatten(-2, halves).unbind(-3), v.unflatten(-2, halves).unbind(-3)
+        cols = k.unflatten(-2, halves)[..., 0, :, :] * v1        # first-half keys: e^{r - g_i}
+        for x, out in zip(xs, outs):                             # second-half rows: e^{g_t - r}
+            cross = (x.unflatten(-2, halves)[..., 1, :, :] * w2) @ cols.mT   # [..., pairs, b, b]
+            _lower_left_blocks(out, b).copy_(cross.movedim(-3, -1))
+        one = torch.ones_like(w1[..., -1:, :])                   # [..., pairs, 1, K]
+        w = (w.unflatten(-2, halves) * torch.stack([one, w1[..., -1:, :]], -3)).flatten(-4, -2)
+        v = (v.unflatten(-2, halves) * torch.stack([w2[..., -1:, :], one], -3)).flatten(-4, -2)
+        b *= 2
+    return outs, w, v
+
+
+def scalar_gate_terms(xs, k, g):
+    """``decayed_scores`` for scalar log-gates g [..., n]: the scores are (x k^T) * D with
+    D = ``causal_decay(g)``, e^{g_t - g_i} masked to i <= t before the exponential, so every
+    exponent is <= 0 and the [n, n] matrix costs one exponential per entry and one product."""
+    n = g.shape[-1]
+    D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=g.device).tril())
+    e = torch.exp(g)[..., None]                                   # [..., n, 1]
+    return (tuple((x @ k.mT) * D for x in xs), tuple(x * e for x in xs),
+            k * torch.exp(g[..., -1:] - g)[..., None], e[..., -1:, :])
 
 
 def decayed_scores(xs, k, g):
@@ -64,19 +102,19 @@ def decayed_scores(xs, k, g):
     x * e^g; then k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
     that multiplies the start state.
 
-    When the chunk's decay is bounded (the usual case) the scores are ``channel_scores``'s
-    one product, with the factors e^{+-g} computed once for all row sets.
+    Per-channel gates: ``halving_scores`` does the work, on n padded to a power of two with zero
+    rows (they score 0) and log-gate 0 (they decay nothing). Scalar gates: ``scalar_gate_terms``.
     """
     if g is None:
         return tuple((x @ k.mT).tril_() for x in xs), xs, k, None
-    if g.dim() < k.dim():       # a scalar gate is a per-channel gate with equal channels: [..., n, 1]
-        g = g[..., None]        # broadcasts over K, so the decay factors are vectors, not an [n, n] tile
-    s_dec, e = torch.exp(g[..., -1:, :]), torch.exp(g)
-    x_decs = tuple(x * e for x in xs)
-    if -g[..., -1, :].min().item() <= SPLIT_SPAN:               # e^{g_t - g_i} = e^{g_t} e^{-g_i}
-        k_inv = k / e                                            # e^{-g_i} <= e^SPLIT_SPAN here
-        return tuple((x_dec @ k_inv.mT).tril_() for x_dec in x_decs), x_decs, k_inv * s_dec, s_dec
-    return tuple(channel_scores(x, k, g) for x in xs), x_decs, k * torch.exp(g[..., -1:, :] - g), s_dec
+    if g.dim() < k.dim():
+        return scalar_gate_terms(xs, k, g)
+    n = g.shape[-2]
+    pad = (1 << (n - 1).bit_length()) - n                          # up to a power of two
+    Ps, e, e_end = halving_scores(tuple(_pad_rows(x, pad) for x in xs), _pad_rows(k, pad),
+                                  _pad_rows(g, pad, last=True))
+    e, e_end = e[..., :n, :], e_end[..., :n, :]
+    return tuple(P[..., :n, :n] for P in Ps), tuple(x * e for x in xs), k * e_end, e[..., -1:, :]
 
 
 def chunk_step(S, q, k, v, g):
@@ -113,8 +151,11 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
     S = S.reshape(B * H, V, K)
     starts = []
-    for c in range(q.shape[0]):                                  # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
+    # The chunks are taken by unbind, not by indexing: in the backward, one stack of their
+    # gradients instead of a zero-filled copy of the whole tensor per chunk.
+    decays = [None] * N if s_dec is None else s_dec.unbind(0)
+    for v_c, k_c, d_c in zip(v.unbind(0), k_end.unbind(0), decays):   # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
         starts.append(S)
-        S = torch.baddbmm(S if s_dec is None else S * s_dec[c], v[c].mT, k_end[c])
+        S = torch.baddbmm(S if d_c is None else S * d_c, v_c.mT, k_c)
     o = q_dec @ torch.stack(starts).mT + P @ v                  # every chunk reads its start state
     return from_chunks(o, B, H, T).to(out_dtype), S.reshape(B, H, V, K)

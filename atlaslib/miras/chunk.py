@@ -61,14 +61,15 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
 
     All rows share the weights, so they go through the memory as one batch (what a vmap
     over the chunk would do); a zero "tap" added to each layer's output W x has gradient
-    a = d l / d (W x), which one autograd call gives for every row. The result stays
-    differentiable for the outer loop (create_graph) when gradients are being recorded.
+    a = d l / d (W x), which one vector-Jacobian product gives for every row. It is taken
+    with ``torch.func.vjp``, not ``torch.autograd.grad``: the result is the same and stays
+    differentiable for the outer loop, but torch.compile traces it into one graph, and it
+    also runs under ``torch.inference_mode``.
     """
     N, R, _ = k_rows.shape
-    outer = torch.is_grad_enabled()
-    inputs = {}
-    with torch.enable_grad():
-        taps = {name: k_rows.new_zeros(N, R, out).requires_grad_() for name, (out, _) in parts.memory.shapes.items()}
+
+    def predict(taps):                              # taps -> (prediction, each layer's input x)
+        inputs = {}
 
         def linear(name, x):
             inputs[name] = x
@@ -76,13 +77,10 @@ def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
             if scale is not None:
                 out = out * scale[..., None]
             return out + taps[name]                 # d l / d taps = d l / d (W x): the factor a
-        y = parts.memory.forward(linear, k_rows)
-        psi = parts.bias.psi(y, v_rows, delta_rows)
-        grads = torch.autograd.grad(y, list(taps.values()), psi, create_graph=outer)
-    a = dict(zip(taps, grads))
-    if not outer:
-        a = {name: g.detach() for name, g in a.items()}
-        inputs = {name: x.detach() for name, x in inputs.items()}
+        return parts.memory.forward(linear, k_rows), inputs
+    taps = {name: k_rows.new_zeros(N, R, out) for name, (out, _) in parts.memory.shapes.items()}
+    y, pullback, inputs = torch.func.vjp(predict, taps, has_aux=True)
+    (a,) = pullback(parts.bias.psi(y, v_rows, delta_rows))
     return a, inputs
 
 

@@ -1,0 +1,115 @@
+"""Every chapter's chunk form compiles into one graph (issue 13, item 6: no host syncs).
+
+``torch.compile(..., fullgraph=True)`` turns any graph break into an error, so a ``.item()``,
+a branch on a tensor's value or an untraceable call on the hot path fails these tests. Each
+compiled function must also count exactly one graph and give what eager mode gives, on fresh
+random inputs (T leaves a partial chunk). aot_eager traces forward and backward like inductor
+does, without generating code, so the tests run on a CPU in seconds.
+"""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from atlaslib.core import assert_close, random_gate, random_qkv
+from atlaslib.core import validation
+from atlaslib.delta import delta_rule
+from atlaslib.delta.chunk import delta_rule_chunk
+from atlaslib.linear import linear_attention
+from atlaslib.linear.chunk import linear_attention_chunk
+from atlaslib.miras import miras_chunk, prepare
+from atlaslib.omega.chunk import omega_chunk, swla_chunk
+
+B, H, T, K, V, CHUNK = 1, 2, 70, 8, 6, 32          # 70 = 2 chunks of 32 and a partial one
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test traces from scratch (no cached graph, no recompile limit carried over)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_equals_eager(fn, *args, tol=1e-6):
+    """fn(*args) compiled with fullgraph=True (one graph, no breaks) equals fn(*args) in eager mode."""
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(fn, fullgraph=True, backend=counter)(*args)
+    want = fn(*args)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+    got, want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.isfinite(a).all()
+        assert_close(a, b, tol=tol, name=f"output {i}")
+
+
+def inputs(gen, gate=None):
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    alpha = None if gate is None else random_gate(B, H, T, K if gate == "channel" else None, low=0.5, generator=gen)
+    return q, k, v, alpha, torch.randn(B, H, V, K, generator=gen)
+
+
+@pytest.mark.parametrize("gate", [None, "scalar", "channel"])
+def test_linear_attention_chunk(gen, gate):
+    q, k, v, alpha, h0 = inputs(gen, gate)
+    compiled_equals_eager(lambda *a: linear_attention_chunk(*a, chunk_size=CHUNK), q, k, v, alpha, h0)
+
+
+@pytest.mark.parametrize("gate", ["scalar", "channel"])
+def test_delta_rule_chunk(gen, gate):
+    q, k, v, alpha, h0 = inputs(gen, gate)
+    beta = torch.rand(B, H, T, generator=gen)
+    compiled_equals_eager(lambda *a: delta_rule_chunk(*a, chunk_size=CHUNK), q, k, v, beta, alpha, h0)
+
+
+def test_linear_attention_chunk_with_resets(gen):
+    """Gates of 0 in some channels (a chunk decays by far more than fp32's range): still one graph."""
+    q, k, v, alpha, h0 = inputs(gen, "channel")
+    alpha[..., 20:23, : K // 2] = 0.0
+    compiled_equals_eager(lambda *a: linear_attention_chunk(*a, chunk_size=CHUNK), q, k, v, alpha, h0)
+
+
+@pytest.mark.parametrize("form", [omega_chunk, swla_chunk], ids=["omega", "swla"])
+def test_omega_chunk(gen, form):
+    q, k, v, alpha, _ = inputs(gen, "scalar")
+    eta = torch.rand(B, H, T, generator=gen)
+    compiled_equals_eager(lambda q, k, v, *gates: form(q, k, v, 3, *gates, chunk_size=CHUNK), q, k, v, None, alpha, eta)
+
+
+@pytest.mark.parametrize("memory", ["linear", "mlp"])
+def test_miras_chunk(gen, memory):
+    """Titans (momentum, decay) through the MIRAS chunk engine, inputs prepared by ``miras.prepare``."""
+    q, k, v, alpha, _ = inputs(gen, "scalar")
+    theta = random_gate(B, H, T, low=0.0, generator=gen)
+    problem = prepare(q, k, v, preset="titans", memory=memory, alpha=alpha, eta=0.1, theta=theta,
+                      backend="chunk", chunk_size=CHUNK)
+    parts, *args = problem.args
+    compiled_equals_eager(lambda *a: miras_chunk(parts, *a, chunk_size=CHUNK), *args)
+
+
+def test_public_functions_compile_with_their_checks(gen):
+    """linear_attention and delta_rule, input checks included, under fullgraph compilation."""
+    q, k, v, alpha, h0 = inputs(gen, "channel")
+    beta = torch.rand(B, H, T, generator=gen)
+    compiled_equals_eager(lambda q, k, v, a, h: linear_attention(q, k, v, alpha=a, initial_state=h, backend="chunk",
+                                                                 chunk_size=CHUNK, output_final_state=True),
+                          q, k, v, alpha, h0)
+    torch._dynamo.reset()
+    compiled_equals_eager(lambda q, k, v, b, a, h: delta_rule(q, k, v, b, alpha=a, initial_state=h, backend="chunk",
+                                                              chunk_size=CHUNK, output_final_state=True),
+                          q, k, v, beta, alpha, h0)
+
+
+def test_value_checks_on_an_accelerator_assert_on_the_device(monkeypatch):
+    """The branch CUDA tensors take: a device-side assert with the argument's name. Here it runs on
+    CPU tensors (where torch._assert_async raises at once) by declaring them accelerator tensors."""
+    monkeypatch.setattr(validation, "_value_check", lambda x: "device")
+    good = torch.full((1, 2, 5), 0.5)
+    assert validation.check_gate("alpha", good, 1, 2, 5) is good
+    assert validation.check_state("initial_state", torch.zeros(2, 3), (2, 3), good) is not None
+    for bad in (1.5, -0.1, float("nan")):
+        with pytest.raises(RuntimeError, match=r"alpha must lie in \[0.0, 1.0\]"):
+            validation.check_gate("alpha", torch.full((1, 2, 5), bad), 1, 2, 5)
+    validation.check_gate("eta", torch.full((1, 2, 5), 7.0), 1, 2, 5, high=None)    # no upper bound
+    with pytest.raises(RuntimeError, match="initial_state contains NaN"):
+        validation.check_state("initial_state", torch.tensor([[0.0, float("nan")]]), (1, 2), good)
