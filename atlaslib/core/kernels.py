@@ -19,9 +19,21 @@ holds it once:
   the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
 * ``chunk_local_log_gate``: log-gates accumulated within each chunk of the kernel's tile,
   padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end);
+  ``chunk_gates`` turns alpha or log_alpha into (gate mode, BT, g, Tp) for the kernels of
+  chapters 1 and 2;
 * ``as_fp32``: optional inputs (gates, start states) as contiguous fp32, ``None`` left as
   ``None``. Kernels take an absent input as a ``None`` pointer: Triton specialises it as a
   constexpr, so ``if h0_ptr is not None:`` is decided when the kernel is compiled.
+
+And, inside the kernels (``@triton.jit`` functions, inlined where they are called):
+``at_head`` moves a pointer to the program's head through the batch and head strides,
+``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that head through
+the token and channel strides (loads in fp32), ``state_slice``/``load_state`` give the
+program's [BV, BK] slice of a contiguous fp32 state (zeros when none is given).
+
+Names inside the kernels follow fla and the Triton tutorials: ``b_`` a block of values held by
+the program (b_q, b_S), ``p_`` a block of pointers, ``o_`` offsets (o_t: token indices,
+o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunking import gate_logs
 from .testing import empty
 
 GATE_NONE = tl.constexpr(0)       # no retention: S <- S + v k^T
@@ -42,6 +55,48 @@ GATE_CHANNEL = tl.constexpr(2)    # log-gates [B, H, T, K]: one decay per token 
 MAX_HEAD_SPAN = 2**31
 
 
+# ---------------------------------------------------------------------------------------
+# Inside the kernels: one program's head, its tiles and its state slice
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def at_head(ptr, strides, i_b, i_h):
+    """``ptr`` moved to head (i_b, i_h) of a [B, H, T, C] tensor with these (batch, head, token,
+    channel) strides; with i_b, i_h int64 the offset is 64-bit, as later heads need."""
+    return ptr + i_b * strides[0] + i_h * strides[1]
+
+
+@triton.jit
+def load_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols):
+    """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in fp32; 0 where masked."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols, b_x):
+    """Write block b_x (rows o_rows, channels o_cols) of the head ``ptr`` points at, in its dtype."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    tl.store(p_x, b_x.to(ptr.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+
+
+@triton.jit
+def state_slice(i_bh, o_v, o_k, V, K):
+    """Offsets and mask of one program's [BV, BK] slice of a contiguous [B, H, V, K] state."""
+    return i_bh * V * K + o_v[:, None] * K + o_k[None, :], (o_v < V)[:, None] & (o_k < K)[None, :]
+
+
+@triton.jit
+def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
+    """A program's fp32 state slice from ``ptr``, or zeros when there is none (``ptr`` None)."""
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    if ptr is not None:
+        b_S += tl.load(ptr + o_s, mask=m_s, other=0.0)
+    return b_S
+
+
+# ---------------------------------------------------------------------------------------
+# On the host
+# ---------------------------------------------------------------------------------------
 def gate_mode(logs) -> int:
     """GATE_NONE for no gate, GATE_SCALAR for [B, H, T] log-gates, GATE_CHANNEL for [B, H, T, K] (as an int)."""
     if logs is None:
@@ -62,6 +117,22 @@ def chunk_local_log_gate(logs: torch.Tensor, BT: int):
     logs = torch.nn.functional.pad(logs, pad)
     shape = logs.shape
     return logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape).contiguous(), Tp
+
+
+def chunk_gates(alpha, log_alpha, T: int, BT: int, BT_channel: int):
+    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with [BT, BT] chunk tiles take it.
+
+    Returns (GATE, BT, g, Tp): the gate mode; the chunk length, ``BT`` or, for per-channel
+    gates (whose decays need [BT, BT, BK] tiles), ``BT_channel``; the chunk-local log-gates
+    g [B, H, Tp(, K)] in fp32 (``chunk_local_log_gate``), or None without a gate (Tp = T).
+    """
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    gate = gate_mode(logs)
+    if gate == GATE_CHANNEL:
+        BT = BT_channel
+    if logs is None:
+        return gate, BT, None, T
+    return (gate, BT, *chunk_local_log_gate(logs, BT))
 
 
 def precision(dtype: torch.dtype) -> str:

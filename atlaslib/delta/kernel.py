@@ -39,13 +39,15 @@ inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..core.chunking import gate_logs
-from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, as_fp32, chunk_local_log_gate, feature_tile,
-                            forward_launch, gate_mode, value_tile)
+from ..core.kernels import (GATE_NONE, GATE_SCALAR, as_fp32, at_head, chunk_gates, feature_tile, forward_launch,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
+
+
+# Every program holds all K key channels of its state slice in registers: K <= 256.
+MAX_KEY = 256
 
 
 @triton.jit
@@ -83,15 +85,9 @@ def delta_rule_fwd_kernel(
 ):
     i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
     i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # strides (batch, head, token, channel): q, k, v may be views, read where they lie
-    s_qb, s_qh, s_qt, s_qk = s_q
-    s_kb, s_kh, s_kt, s_kk = s_k
-    s_vb, s_vh, s_vt, s_vv = s_v
-    s_ob, s_oh, s_ot, s_ov = s_o
-    q_ptr += i_b * s_qb + i_h * s_qh
-    k_ptr += i_b * s_kb + i_h * s_kh
-    v_ptr += i_b * s_vb + i_h * s_vh
-    o_ptr += i_b * s_ob + i_h * s_oh
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
     beta_ptr += i_bh * T                    # fp32 [B, H, T], contiguous
 
     o_i = tl.arange(0, BT)                  # rows of a chunk
@@ -102,22 +98,16 @@ def delta_rule_fwd_kernel(
     m_causal = o_i[:, None] >= o_i[None, :]
     m_strict = o_i[:, None] > o_i[None, :]
 
-    # this program's slice of the state, [BV, BK] of a contiguous fp32 [B, H, V, K]
-    o_s = i_bh * V * K + o_v[:, None] * K + o_k[None, :]
-    m_s = m_v[:, None] & m_k[None, :]
-    b_S = tl.zeros([BV, BK], dtype=tl.float32)
-    if h0_ptr is not None:
-        b_S += tl.load(h0_ptr + o_s, mask=m_s, other=0.0)
+    # this program's slice S [BV, BK] of the state, in fp32 (zeros without h0)
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_S = load_state(h0_ptr, o_s, m_s, BV, BK)
 
     for start in range(0, T, BT):
         o_t = start + o_i                   # the chunk's tokens
         m_t = o_t < T
-        p_q = q_ptr + o_t[:, None] * s_qt + o_k[None, :] * s_qk
-        p_k = k_ptr + o_t[:, None] * s_kt + o_k[None, :] * s_kk
-        p_v = v_ptr + o_t[:, None] * s_vt + o_v[None, :] * s_vv
-        b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         b_beta = tl.load(beta_ptr + o_t, mask=m_t, other=0.0)
 
         # P (causal q.k scores), L (strictly lower k.k), and the start state read by q and k
@@ -146,8 +136,7 @@ def delta_rule_fwd_kernel(
         b_Tinv = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
         b_U = tl.dot(b_Tinv, b_beta[:, None] * (b_v - b_kS), input_precision=PRECISION)
         b_o = b_qS + tl.dot(b_P, b_U, input_precision=PRECISION)
-        p_o = o_ptr + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
         # S <- S Diag(e^{g_n}) + U^T (K e^{g_n - g}); rows padded up to Tp keep g constant
         if GATE == GATE_NONE:
@@ -164,18 +153,12 @@ def delta_rule_fwd_kernel(
     tl.store(ht_ptr + o_s, b_S, mask=m_s)
 
 
-# Every program holds all K key channels of its state slice: K <= 256 (BK = 256).
-MAX_KEY = 256
-
-
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
     """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``)."""
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64))
     BK = feature_tile(run.K, MAX_KEY)
-    logs = gate_logs(alpha, log_alpha, torch.float32)
-    gate = gate_mode(logs)
-    BT = 16 if gate == GATE_CHANNEL else 64          # per-channel gates build [BT, BT, BK] tiles
-    g, Tp = (None, run.T) if logs is None else chunk_local_log_gate(logs, BT)
+    # chunks of 64 tokens; 16 for per-channel gates, whose decays make [BT, BT, BK] tiles
+    gate, BT, g, Tp = chunk_gates(alpha, log_alpha, run.T, BT=64, BT_channel=16)
     ht = run.state()
     delta_rule_fwd_kernel[run.grid](
         run.q, run.k, run.v, as_fp32(beta), g, as_fp32(initial_state), run.o, ht, *run.strides,

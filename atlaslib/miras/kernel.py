@@ -86,7 +86,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.kernels import as_fp32, dot_tile, feature_tile, forward_launch, value_tile
+from ..core.kernels import (as_fp32, at_head, dot_tile, feature_tile, forward_launch, load_state, load_tile,
+                            state_slice, store_tile, value_tile)
 from ..core.validation import check_chunk_size, check_qkv, check_state
 
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
@@ -129,15 +130,9 @@ def titans_linear_fwd_kernel(
 ):
     i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
     i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # strides (batch, head, token, channel): q, k, v may be views, read where they lie
-    s_qb, s_qh, s_qt, s_qk = s_q
-    s_kb, s_kh, s_kt, s_kk = s_k
-    s_vb, s_vh, s_vt, s_vv = s_v
-    s_ob, s_oh, s_ot, s_ov = s_o
-    q_ptr += i_b * s_qb + i_h * s_qh
-    k_ptr += i_b * s_kb + i_h * s_kh
-    v_ptr += i_b * s_vb + i_h * s_vh
-    o_ptr += i_b * s_ob + i_h * s_oh
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
 
     o_i = tl.arange(0, BT)                  # rows of a chunk
     o_k = tl.arange(0, BK)
@@ -146,26 +141,18 @@ def titans_linear_fwd_kernel(
     m_v = o_v < V
     m_causal = o_i[:, None] >= o_i[None, :]
 
-    # this program's slices of M and S, [BV, BK] of contiguous fp32 [B, H, V, K]
-    o_s = i_bh * V * K + o_v[:, None] * K + o_k[None, :]
-    m_s = m_v[:, None] & m_k[None, :]
-    b_M = tl.zeros([BV, BK], dtype=tl.float32)
-    b_S = tl.zeros([BV, BK], dtype=tl.float32)
-    if m0_ptr is not None:
-        b_M += tl.load(m0_ptr + o_s, mask=m_s, other=0.0)
-    if s0_ptr is not None:
-        b_S += tl.load(s0_ptr + o_s, mask=m_s, other=0.0)
+    # this program's slices of the memory M and the momentum S, [BV, BK] each, in fp32
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_M = load_state(m0_ptr, o_s, m_s, BV, BK)            # zeros without M_0
+    b_S = load_state(s0_ptr, o_s, m_s, BV, BK)            # zeros without S_0
 
     for start in range(0, T, b):
         o_t = start + o_i                                          # the chunk's tokens
         m_t = (o_i < b) & (o_t < T)
-        last = tl.minimum(b, T - start) - 1                        # its last row
-        p_q = q_ptr + o_t[:, None] * s_qt + o_k[None, :] * s_qk
-        p_k = k_ptr + o_t[:, None] * s_kt + o_k[None, :] * s_kk
-        p_v = v_ptr + o_t[:, None] * s_vt + o_v[None, :] * s_vv
-        b_q = tl.load(p_q, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        o_last = tl.minimum(b, T - start) - 1                      # its last row
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
@@ -176,51 +163,50 @@ def titans_linear_fwd_kernel(
             b_alpha = tl.load(alpha_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
             b_lA, b_zA, b_lA_end, b_zA_end = chunk_log_cumsum(b_alpha, m_causal)
             b_DA = decay_ratios(b_lA, b_zA, m_causal)
-            b_a = tl.where(b_zA == 0.0, tl.exp(b_lA), 0.0)
-            b_a_end = tl.where(b_zA_end == 0.0, tl.exp(b_lA_end), 0.0)
+            b_A = tl.where(b_zA == 0.0, tl.exp(b_lA), 0.0)
+            b_A_end = tl.where(b_zA_end == 0.0, tl.exp(b_lA_end), 0.0)
             b_to_end = tl.where(m_t & (b_zA == b_zA_end), tl.exp(tl.minimum(b_lA_end - b_lA, 0.0)), 0.0)
         else:
             b_DA = tl.where(m_causal, 1.0, 0.0)
-            b_a = tl.full([BT], 1.0, tl.float32)
-            b_a_end = 1.0
+            b_A = tl.full([BT], 1.0, tl.float32)
+            b_A_end = 1.0
             b_to_end = tl.where(m_t, 1.0, 0.0)
 
         # errors at the chunk-start state and the scaled steps U = Diag(eta) E
         b_E = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION) - b_v
         b_U = b_E * b_eta[:, None]
         b_scores = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_a[:, None]
+        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None]
 
         if theta_ptr is not None:
             # momentum: D_B[n, i] = B_n / B_i, B_n, mom_end[i] = B_last / B_i
             b_theta = tl.load(theta_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
             b_lB, b_zB, b_lB_end, b_zB_end = chunk_log_cumsum(b_theta, m_causal)
             b_DB = decay_ratios(b_lB, b_zB, m_causal)
-            b_b = tl.where(m_t & (b_zB == 0.0), tl.exp(b_lB), 0.0)
-            b_b_end = tl.where(b_zB_end == 0.0, tl.exp(b_lB_end), 0.0)
+            b_B = tl.where(m_t & (b_zB == 0.0), tl.exp(b_lB), 0.0)
+            b_B_end = tl.where(b_zB_end == 0.0, tl.exp(b_lB_end), 0.0)
             b_mom_end = tl.where(m_t & (b_zB == b_zB_end), tl.exp(tl.minimum(b_lB_end - b_lB, 0.0)), 0.0)
             b_W = tl.dot(b_DA, b_DB, input_precision="ieee")            # W[t, i] = sum_n A_t/A_n B_n/B_i
-            b_c = tl.sum(b_DA * b_b[None, :], axis=1)                   # c_t = sum_n A_t/A_n B_n
+            b_c = tl.sum(b_DA * b_B[None, :], axis=1)                   # c_t = sum_n A_t/A_n B_n
             b_w_end = tl.sum(b_to_end[:, None] * b_DB, axis=0)          # the last row W[last, :]
-            b_c_end = tl.sum(b_to_end * b_b, axis=0)
+            b_c_end = tl.sum(b_to_end * b_B, axis=0)
             b_o += tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_c[:, None]
         else:
             # theta = 0: B_n = 0 for n >= 1, D_B = I, so W = D_A and S is the last token's step
             b_W = b_DA
             b_w_end = b_to_end
-            b_mom_end = tl.where(o_i == last, 1.0, 0.0)
+            b_mom_end = tl.where(o_i == o_last, 1.0, 0.0)
 
         b_o -= tl.dot(b_scores * b_W, b_U, input_precision=PRECISION)
-        p_o = o_ptr + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
         b_M_step = tl.dot(tl.trans(b_U * b_w_end[:, None]), b_k, input_precision=PRECISION)
         b_S_step = tl.dot(tl.trans(b_U * b_mom_end[:, None]), b_k, input_precision=PRECISION)
         if theta_ptr is not None:
-            b_M = b_M * b_a_end + b_S * b_c_end - b_M_step
-            b_S = b_S * b_b_end - b_S_step
+            b_M = b_M * b_A_end + b_S * b_c_end - b_M_step
+            b_S = b_S * b_B_end - b_S_step
         else:
-            b_M = b_M * b_a_end - b_M_step
+            b_M = b_M * b_A_end - b_M_step
             b_S = -b_S_step
 
     tl.store(mt_ptr + o_s, b_M, mask=m_s)
@@ -266,8 +252,8 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     if chunk_size > MAX_CHUNK:
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "
                          f"tile), got {chunk_size}; use a smaller chunk_size or backend='chunk'")
-    feature_tile(K, MAX_KEY)
-    # shapes and devices here; value ranges are the entry point's job
+    feature_tile(K, MAX_KEY)                  # refuses K > MAX_KEY
+    # shapes, devices and NaN here; value ranges are the entry point's job
     alpha, eta, theta = (as_fp32(check_state(name, x, (B, H, T), q))
                          for name, x in (("alpha", alpha), ("eta", eta), ("theta", theta)))
     m0 = as_fp32(check_state("initial_state", initial_state, (B, H, V, K), q))

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
-from ..core.kernels import as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch, value_tile
+from ..core.kernels import (as_fp32, at_head, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.windows import window_gates
 
 # Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
@@ -63,15 +64,9 @@ def omega_fwd_kernel(
 ):
     i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
     i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # strides (batch, head, token, channel): q, k, v may be views, read where they lie
-    s_qb, s_qh, s_qt, s_qd = s_q
-    s_kb, s_kh, s_kt, s_kd = s_k
-    s_vb, s_vh, s_vt, s_vv = s_v
-    s_ob, s_oh, s_ot, s_ov = s_o
-    q_ptr += i_b * s_qb + i_h * s_qh
-    k_ptr += i_b * s_kb + i_h * s_kh
-    v_ptr += i_b * s_vb + i_h * s_vh
-    o_ptr += i_b * s_ob + i_h * s_oh
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
     G_ptr += i_bh * T * c                   # the host's gates, fp32 and contiguous
 
     o_i = tl.arange(0, BT)                  # rows of a chunk
@@ -82,12 +77,9 @@ def omega_fwd_kernel(
     m_v = o_v < V
     m_causal = o_i[:, None] >= o_i[None, :]
 
-    # this program's slice of the state, [BV, BD] of a contiguous fp32 [B, H, V, D]
-    o_s = i_bh * V * D + o_v[:, None] * D + o_d[None, :]
-    m_s = m_v[:, None] & m_d[None, :]
-    b_S = tl.zeros([BV, BD], dtype=tl.float32)
-    if h0_ptr is not None:
-        b_S += tl.load(h0_ptr + o_s, mask=m_s, other=0.0)
+    # this program's slice S [BV, BD] of the state, in fp32 (zeros without h0)
+    o_s, m_s = state_slice(i_bh, o_v, o_d, V, D)
+    b_S = load_state(h0_ptr, o_s, m_s, BV, BD)
 
     for start in range(0, T, b):
         o_t = start + o_i                                       # the chunk's tokens
@@ -95,12 +87,9 @@ def omega_fwd_kernel(
         o_w = start - (c - 1) + o_j                             # its window's tokens, may be < 0
         m_w = (o_j < b + c - 1) & (o_w >= 0) & (o_w < T)
 
-        p_q = q_ptr + o_t[:, None] * s_qt + o_d[None, :] * s_qd
-        p_k = k_ptr + o_w[:, None] * s_kt + o_d[None, :] * s_kd
-        p_v = v_ptr + o_w[:, None] * s_vt + o_v[None, :] * s_vv
-        b_q = tl.load(p_q, mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_kw = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        b_vw = tl.load(p_v, mask=m_w[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_q = load_tile(q_ptr, s_q, o_t, o_d, m_t, m_d)
+        b_kw = load_tile(k_ptr, s_k, o_w, o_d, m_w, m_d)        # keys and values of the window
+        b_vw = load_tile(v_ptr, s_v, o_w, o_v, m_w, m_v)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
@@ -116,13 +105,13 @@ def omega_fwd_kernel(
             b_g = tl.load(g_ptr + i_bh * Tp + o_t, mask=m_t, other=0.0)
             b_g_last = tl.load(g_ptr + i_bh * Tp + start + b - 1)       # padding rows repeat the last
             b_decay = tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
-            b_a = tl.exp(b_g)
-            b_a_end = tl.exp(b_g_last)
+            b_A = tl.exp(b_g)
+            b_A_end = tl.exp(b_g_last)
             b_to_end = tl.exp(b_g_last - b_g)
         else:
             b_decay = tl.where(m_causal, 1.0, 0.0)
-            b_a = tl.full([BT], 1.0, tl.float32)
-            b_a_end = 1.0
+            b_A = tl.full([BT], 1.0, tl.float32)
+            b_A_end = 1.0
             b_to_end = tl.full([BT], 1.0, tl.float32)
 
         b_C = tl.dot(b_decay * b_eta[None, :], b_gam, input_precision=PRECISION)       # D diag(eta) Gamma
@@ -132,11 +121,10 @@ def omega_fwd_kernel(
         else:
             b_E = tl.dot(b_kw, tl.trans(b_S), input_precision=PRECISION) - b_vw      # errors at M_{t0}
         b_scores = tl.dot(b_q, tl.trans(b_kw), input_precision=PRECISION) * b_C
-        b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_a[:, None] \
+        b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_A[:, None] \
             - tl.dot(b_scores, b_E, input_precision=PRECISION)
-        p_o = o_ptr + o_t[:, None] * s_ot + o_v[None, :] * s_ov
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_S = b_S * b_a_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
+        b_S = b_S * b_A_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
 
     tl.store(ht_ptr + o_s, b_S, mask=m_s)
 
@@ -163,7 +151,7 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
         raise ValueError(f"the Triton kernel holds a [{BW}, {BD}] window tile (chunk_size + window - 1 = "
                          f"{b + c - 1} rows, D = {D}), more than {MAX_WINDOW_TILE} elements; use a smaller "
                          f"chunk_size (or window), or backend='chunk'")
-    feature_tile(D, MAX_FEATURES, "D")
+    feature_tile(D, MAX_FEATURES, "D")        # refuses D > MAX_FEATURES
     G = window_gates(gamma, B, H, T, c, torch.float32, q.device).contiguous()
     logs = gate_logs(alpha, log_alpha, torch.float32)
     g, Tp = (None, T) if logs is None else chunk_local_log_gate(logs, b)
