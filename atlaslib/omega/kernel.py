@@ -45,10 +45,11 @@ from ..core.kernels import (as_fp32, at_head, chunk_local_log_gate, dot_tile, fe
 from ..core.windows import window_gates
 
 # Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
-# shared memory is 114 KB at BT=64, BW=128, BD=64; 147 KB at (64, 128, 128); 180 KB at
-# (64, 256, 64); but 262 KB, over the 227 KB an H100 block may use, at (64, 256, 128) and
-# at BT = BD = 128. So: chunks of at most 64 tokens and a window tile of at most
-# 128 x 128 elements (BW * BD), e.g. D = 128 with chunk_size + window - 1 <= 128.
+# shared memory is 114 KB at BT=64, BW=128, BD=64 with BV = 64 (98 KB with the BV = 32 the
+# wrapper picks for BW > 64); 147 KB at (64, 128, 128); 180 KB at (64, 256, 64); but
+# 262 KB, over the 227 KB an H100 block may use, at (64, 256, 128) and at BT = BD = 128.
+# So: chunks of at most 64 tokens and a window tile of at most 128 x 128 elements
+# (BW * BD), e.g. D = 128 with chunk_size + window - 1 <= 128.
 MAX_CHUNK = 64
 MAX_WINDOW_TILE = 128 * 128
 MAX_FEATURES = 256
