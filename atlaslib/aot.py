@@ -81,7 +81,12 @@ class Build:
 
 @contextlib.contextmanager
 def intercepted_launches():
-    """Record every ``kernel[grid](...)`` instead of running it (no device is touched)."""
+    """Record every ``kernel[grid](...)`` instead of running it (no device is touched).
+
+    Works on compiled kernels and, under ``TRITON_INTERPRET=1``, on interpreted ones, so
+    tests can see what a wrapper hands its kernel (only compiled ones can be built here).
+    """
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     launches: list[Launch] = []
@@ -89,12 +94,14 @@ def intercepted_launches():
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, tuple(grid), args, kwargs))
 
-    original = JITFunction.run
-    JITFunction.run = record
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+    for cls in originals:
+        cls.run = record
     try:
         yield launches
     finally:
-        JITFunction.run = original
+        for cls, run in originals.items():
+            cls.run = run
 
 
 def captured(call) -> Launch:
@@ -194,8 +201,12 @@ ODD_SIZE = 100                      # not a power of two: padded to the next til
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _qkv(K, V, dtype, T):
+def _qkv(K, V, dtype, T, views=False):
+    """q, k [1, 2, T, K], v [1, 2, T, V]; with ``views``, [1, T, 2, K] tensors transposed (as the mixers pass them)."""
     g = torch.Generator().manual_seed(0)
+    if views:
+        q, k = (torch.randn(1, T, 2, K, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+        return q, k, torch.randn(1, T, 2, V, generator=g).to(dtype).transpose(1, 2)
     q, k = (torch.randn(1, 2, T, K, generator=g).to(dtype) for _ in range(2))
     v = torch.randn(1, 2, T, V, generator=g).to(dtype)
     return q, k, v
@@ -249,6 +260,26 @@ def cases():
                     fn(q, k, v, c, torch.full((1, 2, T, c), 0.9), _gate(q.shape[:3]), torch.full(q.shape[:3], 0.1),
                        torch.zeros(1, 2, K, K), chunk_size=b)
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
+    yield from bare_cases()
+
+
+def bare_cases(K=64, dt="bf16"):
+    """Every kernel with its optional inputs absent (None pointers, compiled away) and q, k, v
+    given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
+    from .delta.kernel import delta_rule_triton
+    from .linear.kernel import linear_attention_triton
+    from .miras.kernel import titans_linear_triton
+    from .omega.kernel import omega_triton, swla_triton
+
+    def qkv(T):
+        return _qkv(K, K, DTYPES[dt], T, views=True)
+
+    label = f"bare views K=V={K} {dt}"
+    yield "linear", label, lambda T: linear_attention_triton(*qkv(T))
+    yield "delta", label, lambda T: delta_rule_triton(*qkv(T), torch.full((1, 2, T), 0.5))
+    yield "titans", f"b=64 {label}", lambda T: titans_linear_triton(*qkv(T), chunk_size=64)
+    yield "omega", f"c=8 b=16 {label}", lambda T: omega_triton(*qkv(T), 8, chunk_size=16)
+    yield "swla", f"c=8 b=16 {label}", lambda T: swla_triton(*qkv(T), 8, chunk_size=16)
 
 
 def check_all(targets=tuple(TARGETS), progress=True) -> list[Build]:

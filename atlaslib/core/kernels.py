@@ -1,24 +1,107 @@
-"""Host-side helpers shared by the Triton kernels of every chapter (imported by the ``kernel.py`` rooms only).
+"""What the Triton kernels of every chapter share (imported by the ``kernel.py`` modules only).
 
+Every forward kernel here has the same shape: one program per (batch*head, block of BV value
+channels), walking the chunks of its sequence in order with its slice of the state in
+registers. So every host wrapper does the same set-up around its own inputs, and this module
+holds it once:
+
+* ``forward_launch``: refuses fp64, allocates the output o [B, H, T, V] (and, through
+  ``ForwardLaunch.state``, fp32 final states [B, H, V, K]) with ``core.testing.empty`` so the
+  tests can poison them, and gives the grid (B*H, cdiv(V, BV)), the strides of q, k, v, o and
+  the ``tl.dot`` precision. The kernels index q, k, v through their strides, so views (the
+  mixers hand in [B, T, H, K] tensors transposed to [B, H, T, K]) are read in place;
+* tiles: ``dot_tile`` (the smallest power-of-two tile tl.dot takes), ``feature_tile`` (every
+  program holds all K key channels: refuse K past the kernel's limit), ``value_tile`` (BV,
+  capped per kernel; wider V is split across programs). Each kernel keeps its own limits, with
+  the measurements behind them, in its module;
 * gate modes: how a kernel is told what kind of retention it gets (a constexpr, so each kind
-  is compiled separately and the others cost nothing);
+  is compiled separately and the others cost nothing). The names are ``tl.constexpr`` values,
+  the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
 * ``chunk_local_log_gate``: log-gates accumulated within each chunk of the kernel's tile,
   padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end);
-* ``precision``: IEEE fp32 products for fp32 inputs, TF32 for half-precision inputs.
+  ``chunk_gates`` turns alpha or log_alpha into (gate mode, BT, g, Tp) for the kernels of
+  chapters 1 and 2;
+* ``as_fp32``: optional inputs (gates, start states) as contiguous fp32, ``None`` left as
+  ``None``. Kernels take an absent input as a ``None`` pointer: Triton specialises it as a
+  constexpr, so ``if h0_ptr is not None:`` is decided when the kernel is compiled.
+
+And, inside the kernels (``@triton.jit`` functions, inlined where they are called):
+``at_head`` moves a pointer to the program's head through the batch and head strides,
+``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that head through
+the token and channel strides (loads in fp32), ``state_slice``/``load_state`` give the
+program's [BV, BK] slice of a contiguous fp32 state (zeros when none is given).
+
+Names inside the kernels follow fla and the Triton tutorials: ``b_`` a block of values held by
+the program (b_q, b_S), ``p_`` a block of pointers, ``o_`` offsets (o_t: token indices,
+o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
+import triton.language as tl
 
-GATE_NONE, GATE_SCALAR, GATE_CHANNEL = 0, 1, 2
+from .chunking import gate_logs
+from .testing import empty
+
+GATE_NONE = tl.constexpr(0)       # no retention: S <- S + v k^T
+GATE_SCALAR = tl.constexpr(1)     # log-gates [B, H, T]: one decay per token
+GATE_CHANNEL = tl.constexpr(2)    # log-gates [B, H, T, K]: one decay per token and key channel
+
+# Offsets inside one head are 32-bit in the kernels (the head's own base is 64-bit): a head's
+# tokens and channels must span fewer elements than this.
+MAX_HEAD_SPAN = 2**31
 
 
+# ---------------------------------------------------------------------------------------
+# Inside the kernels: one program's head, its tiles and its state slice
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def at_head(ptr, strides, i_b, i_h):
+    """``ptr`` moved to head (i_b, i_h) of a [B, H, T, C] tensor with these (batch, head, token,
+    channel) strides; with i_b, i_h int64 the offset is 64-bit, as later heads need."""
+    return ptr + i_b * strides[0] + i_h * strides[1]
+
+
+@triton.jit
+def load_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols):
+    """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in fp32; 0 where masked."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols, b_x):
+    """Write block b_x (rows o_rows, channels o_cols) of the head ``ptr`` points at, in its dtype."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    tl.store(p_x, b_x.to(ptr.dtype.element_ty), mask=m_rows[:, None] & m_cols[None, :])
+
+
+@triton.jit
+def state_slice(i_bh, o_v, o_k, V, K):
+    """Offsets and mask of one program's [BV, BK] slice of a contiguous [B, H, V, K] state."""
+    return i_bh * V * K + o_v[:, None] * K + o_k[None, :], (o_v < V)[:, None] & (o_k < K)[None, :]
+
+
+@triton.jit
+def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
+    """A program's fp32 state slice from ``ptr``, or zeros when there is none (``ptr`` None)."""
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    if ptr is not None:
+        b_S += tl.load(ptr + o_s, mask=m_s, other=0.0)
+    return b_S
+
+
+# ---------------------------------------------------------------------------------------
+# On the host
+# ---------------------------------------------------------------------------------------
 def gate_mode(logs) -> int:
-    """GATE_NONE for no gate, GATE_SCALAR for [B, H, T] log-gates, GATE_CHANNEL for [B, H, T, K]."""
+    """GATE_NONE for no gate, GATE_SCALAR for [B, H, T] log-gates, GATE_CHANNEL for [B, H, T, K] (as an int)."""
     if logs is None:
-        return GATE_NONE
-    return GATE_SCALAR if logs.dim() == 3 else GATE_CHANNEL
+        return GATE_NONE.value
+    return (GATE_SCALAR if logs.dim() == 3 else GATE_CHANNEL).value
 
 
 def chunk_local_log_gate(logs: torch.Tensor, BT: int):
@@ -36,6 +119,99 @@ def chunk_local_log_gate(logs: torch.Tensor, BT: int):
     return logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape).contiguous(), Tp
 
 
+def chunk_gates(alpha, log_alpha, T: int, BT: int, BT_channel: int):
+    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with [BT, BT] chunk tiles take it.
+
+    Returns (GATE, BT, g, Tp): the gate mode; the chunk length, ``BT`` or, for per-channel
+    gates (whose decays need [BT, BT, BK] tiles), ``BT_channel``; the chunk-local log-gates
+    g [B, H, Tp(, K)] in fp32 (``chunk_local_log_gate``), or None without a gate (Tp = T).
+    """
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    gate = gate_mode(logs)
+    if gate == GATE_CHANNEL:
+        BT = BT_channel
+    if logs is None:
+        return gate, BT, None, T
+    return (gate, BT, *chunk_local_log_gate(logs, BT))
+
+
 def precision(dtype: torch.dtype) -> str:
     """``input_precision`` of tl.dot: exact fp32 products for fp32 inputs, TF32 for fp16/bf16."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def as_fp32(x):
+    """An optional gate or state as a contiguous fp32 tensor (the kernels index it densely), or None."""
+    return None if x is None else x.to(torch.float32).contiguous()
+
+
+def dot_tile(n: int) -> int:
+    """A tile covering n rows or channels: a power of two, and at least 16, the least tl.dot takes."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def feature_tile(K: int, limit: int, what: str = "K") -> int:
+    """BK = dot_tile(K), after refusing K > limit (every program holds all K channels of its state)."""
+    if K > limit:
+        raise ValueError(f"the Triton kernel supports {what} <= {limit}, got {what}={K}; use backend='chunk'")
+    return dot_tile(K)
+
+
+def value_tile(V: int, widest: int) -> int:
+    """BV: value channels per program, dot_tile(V) but at most ``widest``; more programs share a wider V."""
+    return max(16, min(widest, triton.next_power_of_2(V)))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    """What a forward kernel's launch needs besides its own inputs (see ``forward_launch``).
+
+    ``q, k, v``: the inputs as the kernel reads them (views kept as they are); ``o``: the output
+    [B, H, T, V] in q's dtype; ``strides``: four (batch, head, token, channel) tuples, for
+    q, k, v and o, each passed as one kernel argument; ``grid``: (B*H, cdiv(V, BV)); ``B, H, T, K, V``:
+    the sizes (K is q's feature width, D in chapter 4).
+    """
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    strides: tuple
+    grid: tuple
+    BV: int
+    precision: str
+    B: int
+    H: int
+    T: int
+    K: int
+    V: int
+
+    def state(self) -> torch.Tensor:
+        """A new final state [B, H, V, K] in fp32, for the kernel to write."""
+        return empty(self.B, self.H, self.V, self.K, dtype=torch.float32, device=self.q.device)
+
+
+def forward_launch(q, k, v, BV: int, name: str = "the Triton kernel") -> ForwardLaunch:
+    """The set-up every forward wrapper shares, for q, k [B, H, T, K] and v [B, H, T, V].
+
+    Refuses fp64 (the kernels accumulate in fp32), allocates o, and takes the strides of q, k,
+    v, o: any layout is read in place. Only a view whose one head spans 2^31 elements or more
+    (e.g. a [B, T, H, K] tensor with T * H * K >= 2^31) is copied to a contiguous one first,
+    since offsets inside a head are 32-bit.
+    """
+    if q.dtype == torch.float64:
+        raise TypeError(f"{name} takes fp32/fp16/bf16 inputs (it accumulates in fp32), got float64: "
+                        f"use backend='chunk' for fp64")
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    q, k, v = (x if _head_span(x) < MAX_HEAD_SPAN else x.contiguous() for x in (q, k, v))
+    if max(T * K, T * V) >= MAX_HEAD_SPAN:
+        raise ValueError(f"{name} indexes a head with 32-bit offsets: T * K and T * V must be below 2^31, "
+                         f"got T={T}, K={K}, V={V}")
+    o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
+    return ForwardLaunch(q, k, v, o, tuple(tuple(x.stride()) for x in (q, k, v, o)),
+                         (B * H, triton.cdiv(V, BV)), BV, precision(q.dtype), B, H, T, K, V)
+
+
+def _head_span(x: torch.Tensor) -> int:
+    """How many elements one head of x [B, H, T, C] spans in memory (its last element's offset + 1)."""
+    return 1 + sum((n - 1) * s for n, s in zip(x.shape[2:], x.stride()[2:]))

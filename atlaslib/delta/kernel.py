@@ -29,23 +29,29 @@ per-channel (KDA) gates need the decay inside the k.k and q.k sums, which builds
 BT x BT x BK tiles, so that case uses BT = 16. Gates of exactly 1 give g = 0 and gates of
 0 are clamped to log = -60 on the host, so every exponent is a non-positive difference.
 
+q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
+needs no copy); absent inputs (no gate, no initial state) are ``None`` pointers, which
+Triton compiles away. ``core.kernels`` holds the set-up all four chapters' kernels share.
+
 The kernel is forward only. ``delta_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward``: autograd through the chunk form, recomputed from the saved
 inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..core.chunking import compute_dtype, gate_logs
-from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, chunk_local_log_gate, gate_mode, precision
-from ..core.testing import empty
+from ..core.kernels import (GATE_NONE, GATE_SCALAR, as_fp32, at_head, chunk_gates, feature_tile, forward_launch,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
+
+
+# Every program holds all K key channels of its state slice in registers: K <= 256.
+MAX_KEY = 256
 
 
 @triton.jit
-def unit_lower_inverse(A, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+def unit_lower_inverse(b_A, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
     """(I + A)^{-1} for a strictly lower-triangular [BT, BT] tile A (BT a multiple of SUB).
 
     Blocked forward substitution. Phase 1 inverts the SUB x SUB diagonal blocks, all of
@@ -53,132 +59,110 @@ def unit_lower_inverse(A, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.con
     which reads only rows finished in earlier steps. Phase 2 fills the block rows in order,
     T_b = T_bb (E_b - A_{b,<b} T_{<b}) with T_bb the inverted diagonal block.
     """
-    rows = tl.arange(0, BT)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    block = rows // SUB
-    same_block = block[:, None] == block[None, :]
-    T_diag = eye
-    A_diag = tl.where(same_block, A, 0.0)
+    o_i = tl.arange(0, BT)
+    o_blk = o_i // SUB                                  # the diagonal block of each row
+    b_I = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    m_diag = o_blk[:, None] == o_blk[None, :]
+    b_T_diag = b_I
+    b_A_diag = tl.where(m_diag, b_A, 0.0)
     for i in range(1, SUB):
-        step = eye - tl.dot(A_diag, T_diag, input_precision=PRECISION)
-        T_diag = tl.where((rows % SUB == i)[:, None], step, T_diag)
-    Tinv = T_diag
-    A_off = tl.where(same_block, 0.0, A)
-    for b in range(1, BT // SUB):
-        rhs = eye - tl.dot(A_off, Tinv, input_precision=PRECISION)
-        Tinv = tl.where((block == b)[:, None], tl.dot(T_diag, rhs, input_precision=PRECISION), Tinv)
-    return Tinv
+        b_step = b_I - tl.dot(b_A_diag, b_T_diag, input_precision=PRECISION)
+        b_T_diag = tl.where((o_i % SUB == i)[:, None], b_step, b_T_diag)
+    b_T = b_T_diag
+    b_A_off = tl.where(m_diag, 0.0, b_A)
+    for blk in range(1, BT // SUB):
+        b_rhs = b_I - tl.dot(b_A_off, b_T, input_precision=PRECISION)
+        b_T = tl.where((o_blk == blk)[:, None], tl.dot(b_T_diag, b_rhs, input_precision=PRECISION), b_T)
+    return b_T
 
 
 @triton.jit
 def delta_rule_fwd_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, h0_ptr, o_ptr, ht_ptr,
-    T, Tp, K, V,
-    GATE: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    s_q, s_k, s_v, s_o,
+    T, H, Tp, K, V,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: B*H*T*K can exceed 2^31
-    i_v = tl.program_id(1)
-    q_ptr += i_bh * T * K
-    k_ptr += i_bh * T * K
-    v_ptr += i_bh * T * V
-    o_ptr += i_bh * T * V
-    beta_ptr += i_bh * T
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    beta_ptr += i_bh * T                    # fp32 [B, H, T], contiguous
 
-    offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    causal = offs_t[:, None] >= offs_t[None, :]
-    strict = offs_t[:, None] > offs_t[None, :]
+    o_i = tl.arange(0, BT)                  # rows of a chunk
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
 
-    S = tl.zeros([BV, BK], dtype=tl.float32)
-    state_offs = i_bh * V * K + offs_v[:, None] * K + offs_k[None, :]
-    state_mask = mask_v[:, None] & mask_k[None, :]
-    if HAS_H0:
-        S += tl.load(h0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    # this program's slice S [BV, BK] of the state, in fp32 (zeros without h0)
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_S = load_state(h0_ptr, o_s, m_s, BV, BK)
 
     for start in range(0, T, BT):
-        t = start + offs_t
-        mask_t = t < T
-        qk_mask = mask_t[:, None] & mask_k[None, :]
-        qc = tl.load(q_ptr + t[:, None] * K + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        kc = tl.load(k_ptr + t[:, None] * K + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        vc = tl.load(v_ptr + t[:, None] * V + offs_v[None, :], mask=mask_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        bc = tl.load(beta_ptr + t, mask=mask_t, other=0.0).to(tl.float32)
+        o_t = start + o_i                   # the chunk's tokens
+        m_t = o_t < T
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        b_beta = tl.load(beta_ptr + o_t, mask=m_t, other=0.0)
 
         # P (causal q.k scores), L (strictly lower k.k), and the start state read by q and k
-        if GATE == 0:
-            P = tl.where(causal, tl.dot(qc, tl.trans(kc), input_precision=PRECISION), 0.0)
-            L = tl.where(strict, tl.dot(kc, tl.trans(kc), input_precision=PRECISION), 0.0)
-            qS = tl.dot(qc, tl.trans(S), input_precision=PRECISION)
-            kS = tl.dot(kc, tl.trans(S), input_precision=PRECISION)
-        elif GATE == 1:
-            gc = tl.load(g_ptr + i_bh * Tp + t).to(tl.float32)
-            decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-            P = tl.dot(qc, tl.trans(kc), input_precision=PRECISION) * decay
-            L = tl.where(strict, tl.dot(kc, tl.trans(kc), input_precision=PRECISION) * decay, 0.0)
-            qS = tl.dot(qc, tl.trans(S), input_precision=PRECISION) * tl.exp(gc)[:, None]
-            kS = tl.dot(kc, tl.trans(S), input_precision=PRECISION) * tl.exp(gc)[:, None]
+        if GATE == GATE_NONE:
+            b_P = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION), 0.0)
+            b_L = tl.where(m_strict, tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION), 0.0)
+            b_qS = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION)
+            b_kS = tl.dot(b_k, tl.trans(b_S), input_precision=PRECISION)
+        elif GATE == GATE_SCALAR:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_decay = tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_P = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_decay
+            b_L = tl.where(m_strict, tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION) * b_decay, 0.0)
+            b_qS = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * tl.exp(b_g)[:, None]
+            b_kS = tl.dot(b_k, tl.trans(b_S), input_precision=PRECISION) * tl.exp(b_g)[:, None]
         else:
-            g_rows = g_ptr + i_bh * Tp * K + t[:, None] * K + offs_k[None, :]
-            gc = tl.load(g_rows, mask=mask_k[None, :], other=0.0).to(tl.float32)
-            D = tl.exp(tl.where(causal[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))
-            P = tl.sum(qc[:, None, :] * kc[None, :, :] * D, axis=2)
-            L = tl.where(strict, tl.sum(kc[:, None, :] * kc[None, :, :] * D, axis=2), 0.0)
-            qS = tl.dot(qc * tl.exp(gc), tl.trans(S), input_precision=PRECISION)
-            kS = tl.dot(kc * tl.exp(gc), tl.trans(S), input_precision=PRECISION)
+            p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
+            b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
+            b_D = tl.exp(tl.where(m_causal[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf")))
+            b_P = tl.sum(b_q[:, None, :] * b_k[None, :, :] * b_D, axis=2)
+            b_L = tl.where(m_strict, tl.sum(b_k[:, None, :] * b_k[None, :, :] * b_D, axis=2), 0.0)
+            b_qS = tl.dot(b_q * tl.exp(b_g), tl.trans(b_S), input_precision=PRECISION)
+            b_kS = tl.dot(b_k * tl.exp(b_g), tl.trans(b_S), input_precision=PRECISION)
 
         # U = (I + Diag(beta) L)^{-1} Diag(beta) (V - (K e^g) S^T): the values the chunk writes
-        Tinv = unit_lower_inverse(bc[:, None] * L, BT, 16, PRECISION)
-        U = tl.dot(Tinv, bc[:, None] * (vc - kS), input_precision=PRECISION)
-        oc = qS + tl.dot(P, U, input_precision=PRECISION)
-        tl.store(o_ptr + t[:, None] * V + offs_v[None, :], oc.to(o_ptr.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_v[None, :])
+        b_Tinv = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
+        b_U = tl.dot(b_Tinv, b_beta[:, None] * (b_v - b_kS), input_precision=PRECISION)
+        b_o = b_qS + tl.dot(b_P, b_U, input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
         # S <- S Diag(e^{g_n}) + U^T (K e^{g_n - g}); rows padded up to Tp keep g constant
-        if GATE == 0:
-            S += tl.dot(tl.trans(U), kc, input_precision=PRECISION)
-        elif GATE == 1:
-            g_last = tl.load(g_ptr + i_bh * Tp + start + BT - 1).to(tl.float32)
-            U_end = U * tl.exp(g_last - gc)[:, None]
-            S = S * tl.exp(g_last) + tl.dot(tl.trans(U_end), kc, input_precision=PRECISION)
+        if GATE == GATE_NONE:
+            b_S += tl.dot(tl.trans(b_U), b_k, input_precision=PRECISION)
+        elif GATE == GATE_SCALAR:
+            b_g_last = tl.load(g_ptr + i_bh * Tp + start + BT - 1)
+            b_U_end = b_U * tl.exp(b_g_last - b_g)[:, None]
+            b_S = b_S * tl.exp(b_g_last) + tl.dot(tl.trans(b_U_end), b_k, input_precision=PRECISION)
         else:
-            g_last = tl.load(g_ptr + i_bh * Tp * K + (start + BT - 1) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            k_end = kc * tl.exp(g_last[None, :] - gc)
-            S = S * tl.exp(g_last)[None, :] + tl.dot(tl.trans(U), k_end, input_precision=PRECISION)
+            b_g_last = tl.load(g_ptr + i_bh * Tp * K + (start + BT - 1) * K + o_k, mask=m_k, other=0.0)
+            b_k_end = b_k * tl.exp(b_g_last[None, :] - b_g)
+            b_S = b_S * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_U), b_k_end, input_precision=PRECISION)
 
-    if STORE_HT:
-        tl.store(ht_ptr + state_offs, S, mask=state_mask)
+    tl.store(ht_ptr + o_s, b_S, mask=m_s)
 
 
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
     """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``)."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    if compute_dtype(q) == torch.float64:
-        raise TypeError("the Triton kernel takes fp32/fp16/bf16 inputs; use backend='chunk' for fp64")
-    logs = gate_logs(alpha, log_alpha, torch.float32)
-    gate = gate_mode(logs)
-    BT = 16 if gate == GATE_CHANNEL else 64
-    BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(64, triton.next_power_of_2(V)))
-    if BK > 256:
-        raise ValueError(f"the Triton kernel supports K <= 256, got K={K}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    beta = beta.to(torch.float32).contiguous()
-    if logs is None:
-        g, Tp = q, T          # unused pointer
-    else:
-        g, Tp = chunk_local_log_gate(logs, BT)
-    h0 = q if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
-    ht = empty(B, H, V, K, dtype=torch.float32, device=q.device)
-    grid = (B * H, triton.cdiv(V, BV))
-    delta_rule_fwd_kernel[grid](
-        q, k, v, beta, g, h0, o, ht, T, Tp, K, V,
-        GATE=gate, HAS_H0=initial_state is not None, STORE_HT=True,
-        BT=BT, BK=BK, BV=BV, PRECISION=precision(q.dtype),
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64))
+    BK = feature_tile(run.K, MAX_KEY)
+    # chunks of 64 tokens; 16 for per-channel gates, whose decays make [BT, BT, BK] tiles
+    gate, BT, g, Tp = chunk_gates(alpha, log_alpha, run.T, BT=64, BT_channel=16)
+    ht = run.state()
+    delta_rule_fwd_kernel[run.grid](
+        run.q, run.k, run.v, as_fp32(beta), g, as_fp32(initial_state), run.o, ht, *run.strides,
+        run.T, run.H, Tp, run.K, run.V,
+        GATE=gate, BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision,
     )
-    return o, ht
+    return run.o, ht

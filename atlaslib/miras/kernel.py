@@ -71,6 +71,10 @@ write nothing. The chunk size is a runtime argument (any 1 <= b <= 64; b = 1 was
 of 16 rows). fp32/fp16/bf16 inputs, fp32 accumulation (tl.dot in IEEE fp32 for fp32
 inputs, TF32 for half-precision inputs, and always IEEE for the decay product D_A D_B).
 
+q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
+needs no copy); absent gates and start states are ``None`` pointers, which Triton compiles
+away. ``core.kernels`` holds the set-up all four chapters' kernels share.
+
 Forward only: ``miras(..., backend="triton")`` gets gradients by
 ``core.with_chunk_backward`` (autograd through the chunk form). Runs under
 ``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets. Launched with
@@ -79,13 +83,12 @@ num_stages=1: software pipelining of the chunk loop would multiply the shared me
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import precision
-from ..core.testing import empty
-from ..core.validation import check_chunk_size, check_qkv
+from ..core.kernels import (as_fp32, at_head, dot_tile, feature_tile, forward_launch, load_state, load_tile,
+                            state_slice, store_tile, value_tile)
+from ..core.validation import check_chunk_size, check_qkv, check_state
 
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
 # (triton.compile with GPUTarget("cuda", 90, 32), num_stages=1, BT = 64, all gates and
@@ -101,131 +104,119 @@ MAX_KEY = 256
 
 
 @triton.jit
-def chunk_log_cumsum(x, causal):
+def chunk_log_cumsum(b_x, m_causal):
     """For gates x [BT] (padding rows hold 1): l_t = sum_{j<=t, x_j>0} log x_j and z_t = #{j <= t: x_j = 0}."""
-    zero = x <= 0.0
-    logs = tl.where(zero, 0.0, tl.log(tl.where(zero, 1.0, x)))
-    flags = tl.where(zero, 1.0, 0.0)
-    l_cum = tl.sum(tl.where(causal, logs[None, :], 0.0), axis=1)
-    z_cum = tl.sum(tl.where(causal, flags[None, :], 0.0), axis=1)
-    return l_cum, z_cum, tl.sum(logs, axis=0), tl.sum(flags, axis=0)
+    m_zero = b_x <= 0.0
+    b_log = tl.where(m_zero, 0.0, tl.log(tl.where(m_zero, 1.0, b_x)))
+    b_flag = tl.where(m_zero, 1.0, 0.0)
+    b_l = tl.sum(tl.where(m_causal, b_log[None, :], 0.0), axis=1)
+    b_z = tl.sum(tl.where(m_causal, b_flag[None, :], 0.0), axis=1)
+    return b_l, b_z, tl.sum(b_log, axis=0), tl.sum(b_flag, axis=0)
 
 
 @triton.jit
-def decay_ratios(l_cum, z_cum, causal):
+def decay_ratios(b_l, b_z, m_causal):
     """D[t, n] = prod_{n < j <= t} x_j for n <= t, else 0: e^{l_t - l_n} when no zero gate lies in (n, t]."""
-    keep = causal & (z_cum[:, None] == z_cum[None, :])
-    return tl.exp(tl.where(keep, l_cum[:, None] - l_cum[None, :], float("-inf")))
+    m_keep = m_causal & (b_z[:, None] == b_z[None, :])
+    return tl.exp(tl.where(m_keep, b_l[:, None] - b_l[None, :], float("-inf")))
 
 
 @triton.jit
 def titans_linear_fwd_kernel(
     q_ptr, k_ptr, v_ptr, alpha_ptr, eta_ptr, theta_ptr, m0_ptr, s0_ptr, o_ptr, mt_ptr, st_ptr,
-    T, K, V, b,
-    HAS_ALPHA: tl.constexpr, HAS_ETA: tl.constexpr, HAS_THETA: tl.constexpr,
-    HAS_M0: tl.constexpr, HAS_S0: tl.constexpr,
+    s_q, s_k, s_v, s_o,
+    T, H, K, V, b,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: B*H*T*K can exceed 2^31
-    i_v = tl.program_id(1)
-    q_ptr += i_bh * T * K
-    k_ptr += i_bh * T * K
-    v_ptr += i_bh * T * V
-    o_ptr += i_bh * T * V
-    alpha_ptr += i_bh * T
-    eta_ptr += i_bh * T
-    theta_ptr += i_bh * T
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
 
-    offs_t = tl.arange(0, BT)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    causal = offs_t[:, None] >= offs_t[None, :]
+    o_i = tl.arange(0, BT)                  # rows of a chunk
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
 
-    state_offs = i_bh * V * K + offs_v[:, None] * K + offs_k[None, :]
-    state_mask = mask_v[:, None] & mask_k[None, :]
-    M = tl.zeros([BV, BK], dtype=tl.float32)
-    S = tl.zeros([BV, BK], dtype=tl.float32)
-    if HAS_M0:
-        M += tl.load(m0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
-    if HAS_S0:
-        S += tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    # this program's slices of the memory M and the momentum S, [BV, BK] each, in fp32
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_M = load_state(m0_ptr, o_s, m_s, BV, BK)            # zeros without M_0
+    b_S = load_state(s0_ptr, o_s, m_s, BV, BK)            # zeros without S_0
 
     for start in range(0, T, b):
-        t = start + offs_t
-        valid_t = (offs_t < b) & (t < T)                          # token rows of this chunk
-        last = tl.minimum(b, T - start) - 1                        # its last row
-        qc = tl.load(q_ptr + t[:, None] * K + offs_k[None, :], mask=valid_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        kc = tl.load(k_ptr + t[:, None] * K + offs_k[None, :], mask=valid_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        vc = tl.load(v_ptr + t[:, None] * V + offs_v[None, :], mask=valid_t[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        if HAS_ETA:
-            etac = tl.load(eta_ptr + t, mask=valid_t, other=0.0).to(tl.float32)
+        o_t = start + o_i                                          # the chunk's tokens
+        m_t = (o_i < b) & (o_t < T)
+        o_last = tl.minimum(b, T - start) - 1                      # its last row
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        if eta_ptr is not None:
+            b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
-            etac = tl.where(valid_t, 1.0, 0.0)
+            b_eta = tl.where(m_t, 1.0, 0.0)
 
         # retention: D_A[t, n] = A_t / A_n, A_t (from the chunk start), to_end[n] = A_last / A_n
-        if HAS_ALPHA:
-            ac = tl.load(alpha_ptr + t, mask=valid_t, other=1.0).to(tl.float32)
-            lA, zA, lA_end, zA_end = chunk_log_cumsum(ac, causal)
-            DA = decay_ratios(lA, zA, causal)
-            a_t = tl.where(zA == 0.0, tl.exp(lA), 0.0)
-            a_end = tl.where(zA_end == 0.0, tl.exp(lA_end), 0.0)
-            to_end = tl.where(valid_t & (zA == zA_end), tl.exp(tl.minimum(lA_end - lA, 0.0)), 0.0)
+        if alpha_ptr is not None:
+            b_alpha = tl.load(alpha_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
+            b_lA, b_zA, b_lA_end, b_zA_end = chunk_log_cumsum(b_alpha, m_causal)
+            b_DA = decay_ratios(b_lA, b_zA, m_causal)
+            b_A = tl.where(b_zA == 0.0, tl.exp(b_lA), 0.0)
+            b_A_end = tl.where(b_zA_end == 0.0, tl.exp(b_lA_end), 0.0)
+            b_to_end = tl.where(m_t & (b_zA == b_zA_end), tl.exp(tl.minimum(b_lA_end - b_lA, 0.0)), 0.0)
         else:
-            DA = tl.where(causal, 1.0, 0.0)
-            a_t = tl.full([BT], 1.0, tl.float32)
-            a_end = 1.0
-            to_end = tl.where(valid_t, 1.0, 0.0)
+            b_DA = tl.where(m_causal, 1.0, 0.0)
+            b_A = tl.full([BT], 1.0, tl.float32)
+            b_A_end = 1.0
+            b_to_end = tl.where(m_t, 1.0, 0.0)
 
         # errors at the chunk-start state and the scaled steps U = Diag(eta) E
-        E = tl.dot(kc, tl.trans(M), input_precision=PRECISION) - vc
-        U = E * etac[:, None]
-        scores = tl.dot(qc, tl.trans(kc), input_precision=PRECISION)
-        oc = tl.dot(qc, tl.trans(M), input_precision=PRECISION) * a_t[:, None]
+        b_E = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION) - b_v
+        b_U = b_E * b_eta[:, None]
+        b_scores = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None]
 
-        if HAS_THETA:
+        if theta_ptr is not None:
             # momentum: D_B[n, i] = B_n / B_i, B_n, mom_end[i] = B_last / B_i
-            th = tl.load(theta_ptr + t, mask=valid_t, other=1.0).to(tl.float32)
-            lB, zB, lB_end, zB_end = chunk_log_cumsum(th, causal)
-            DB = decay_ratios(lB, zB, causal)
-            b_n = tl.where(valid_t & (zB == 0.0), tl.exp(lB), 0.0)
-            b_end = tl.where(zB_end == 0.0, tl.exp(lB_end), 0.0)
-            mom_end = tl.where(valid_t & (zB == zB_end), tl.exp(tl.minimum(lB_end - lB, 0.0)), 0.0)
-            W = tl.dot(DA, DB, input_precision="ieee")                  # W[t, i] = sum_n A_t/A_n B_n/B_i
-            c_t = tl.sum(DA * b_n[None, :], axis=1)                     # c_t = sum_n A_t/A_n B_n
-            w_end = tl.sum(to_end[:, None] * DB, axis=0)                # the last row W[last, :]
-            c_end = tl.sum(to_end * b_n, axis=0)
-            oc += tl.dot(qc, tl.trans(S), input_precision=PRECISION) * c_t[:, None]
+            b_theta = tl.load(theta_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
+            b_lB, b_zB, b_lB_end, b_zB_end = chunk_log_cumsum(b_theta, m_causal)
+            b_DB = decay_ratios(b_lB, b_zB, m_causal)
+            b_B = tl.where(m_t & (b_zB == 0.0), tl.exp(b_lB), 0.0)
+            b_B_end = tl.where(b_zB_end == 0.0, tl.exp(b_lB_end), 0.0)
+            b_mom_end = tl.where(m_t & (b_zB == b_zB_end), tl.exp(tl.minimum(b_lB_end - b_lB, 0.0)), 0.0)
+            b_W = tl.dot(b_DA, b_DB, input_precision="ieee")            # W[t, i] = sum_n A_t/A_n B_n/B_i
+            b_c = tl.sum(b_DA * b_B[None, :], axis=1)                   # c_t = sum_n A_t/A_n B_n
+            b_w_end = tl.sum(b_to_end[:, None] * b_DB, axis=0)          # the last row W[last, :]
+            b_c_end = tl.sum(b_to_end * b_B, axis=0)
+            b_o += tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_c[:, None]
         else:
             # theta = 0: B_n = 0 for n >= 1, D_B = I, so W = D_A and S is the last token's step
-            W = DA
-            w_end = to_end
-            mom_end = tl.where(offs_t == last, 1.0, 0.0)
+            b_W = b_DA
+            b_w_end = b_to_end
+            b_mom_end = tl.where(o_i == o_last, 1.0, 0.0)
 
-        oc -= tl.dot(scores * W, U, input_precision=PRECISION)
-        tl.store(o_ptr + t[:, None] * V + offs_v[None, :], oc.to(o_ptr.dtype.element_ty),
-                 mask=valid_t[:, None] & mask_v[None, :])
+        b_o -= tl.dot(b_scores * b_W, b_U, input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
-        M_step = tl.dot(tl.trans(U * w_end[:, None]), kc, input_precision=PRECISION)
-        S_step = tl.dot(tl.trans(U * mom_end[:, None]), kc, input_precision=PRECISION)
-        if HAS_THETA:
-            M = M * a_end + S * c_end - M_step
-            S = S * b_end - S_step
+        b_M_step = tl.dot(tl.trans(b_U * b_w_end[:, None]), b_k, input_precision=PRECISION)
+        b_S_step = tl.dot(tl.trans(b_U * b_mom_end[:, None]), b_k, input_precision=PRECISION)
+        if theta_ptr is not None:
+            b_M = b_M * b_A_end + b_S * b_c_end - b_M_step
+            b_S = b_S * b_B_end - b_S_step
         else:
-            M = M * a_end - M_step
-            S = -S_step
+            b_M = b_M * b_A_end - b_M_step
+            b_S = -b_S_step
 
-    tl.store(mt_ptr + state_offs, M, mask=state_mask)
-    tl.store(st_ptr + state_offs, S, mask=state_mask)
+    tl.store(mt_ptr + o_s, b_M, mask=m_s)
+    tl.store(st_ptr + o_s, b_S, mask=m_s)
 
 
 def tile_sizes(K: int, V: int, chunk_size: int) -> tuple[int, int, int]:
     """(BT, BK, BV): token rows, key channels and value channels of one program's tiles."""
-    BT = max(16, triton.next_power_of_2(chunk_size))
-    BK = max(16, triton.next_power_of_2(K))
-    BV = max(16, min(64 if BK <= 64 else 32, triton.next_power_of_2(V)))   # see the tile limits above
-    return BT, BK, BV
+    BK = dot_tile(K)
+    return dot_tile(chunk_size), BK, value_tile(V, 64 if BK <= 64 else 32)   # see the tile limits above
 
 
 def kernel_supports(K: int, V: int, chunk_size: int) -> bool:
@@ -236,28 +227,12 @@ def kernel_supports(K: int, V: int, chunk_size: int) -> bool:
     return 1 <= chunk_size <= MAX_CHUNK and 1 <= K <= MAX_KEY and V >= 1
 
 
-def _check_optional(name: str, x, shape: tuple, ref: torch.Tensor):
-    """Shape and device of an optional gate or state (value ranges are the entry point's job)."""
-    if x is None:
-        return None
-    want = "[" + ", ".join(str(s) for s in shape) + "]"
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {want} or None, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {want}, got [{', '.join(str(s) for s in x.shape)}]")
-    if x.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} like q, got {x.device}")
-    return x.to(torch.float32).contiguous()
-
-
 def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
                          chunk_size=64):
     """Triton forward of the chunkwise Titans step with a linear memory (gradients frozen per chunk).
 
     Args:
-        q, k: [B, H, T, K]; v: [B, H, T, V] (fp32, fp16 or bf16, one dtype).
+        q, k: [B, H, T, K]; v: [B, H, T, V] (fp32, fp16 or bf16, one dtype; views are read in place).
         alpha: [B, H, T] retention in [0, 1], or None (alpha = 1: keep everything).
         eta: [B, H, T] inner learning rate >= 0, or None (eta = 1).
         theta: [B, H, T] momentum decay in [0, 1], or None (theta = 0: no momentum, TTT-Linear).
@@ -271,39 +246,25 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
         Titans (momentum + decay, l2 loss 1/2 ||M k - v||^2) at chunk_size = 1.
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    if q.dtype == torch.float64:
-        raise TypeError("titans_linear_triton takes fp32/fp16/bf16 inputs (it accumulates in fp32); "
-                        "got float64: use the chunk form (backend='chunk') for fp64")
     chunk_size = check_chunk_size(chunk_size)
+    BT, BK, BV = tile_sizes(K, V, chunk_size)
+    run = forward_launch(q, k, v, BV, name="titans_linear_triton")
     if chunk_size > MAX_CHUNK:
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "
                          f"tile), got {chunk_size}; use a smaller chunk_size or backend='chunk'")
-    if K > MAX_KEY:
-        raise ValueError(f"titans_linear_triton supports key dimensions K <= {MAX_KEY} (every program holds "
-                         f"all K channels of M and S), got K={K}; use backend='chunk'")
-    alpha = _check_optional("alpha", alpha, (B, H, T), q)
-    eta = _check_optional("eta", eta, (B, H, T), q)
-    theta = _check_optional("theta", theta, (B, H, T), q)
-    m0 = _check_optional("initial_state", initial_state, (B, H, V, K), q)
-    s0 = _check_optional("initial_momentum", initial_momentum, (B, H, V, K), q)
-
-    BT, BK, BV = tile_sizes(K, V, chunk_size)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
-    M_T = empty(B, H, V, K, dtype=torch.float32, device=q.device)
-    S_T = empty(B, H, V, K, dtype=torch.float32, device=q.device)
-    unused = M_T                                                   # a pointer the kernel never reads
-    grid = (B * H, triton.cdiv(V, BV))
-    titans_linear_fwd_kernel[grid](
-        q, k, v,
-        unused if alpha is None else alpha, unused if eta is None else eta, unused if theta is None else theta,
-        unused if m0 is None else m0, unused if s0 is None else s0,
-        o, M_T, S_T, T, K, V, chunk_size,
-        HAS_ALPHA=alpha is not None, HAS_ETA=eta is not None, HAS_THETA=theta is not None,
-        HAS_M0=m0 is not None, HAS_S0=s0 is not None,
-        BT=BT, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=1,
+    feature_tile(K, MAX_KEY)                  # refuses K > MAX_KEY
+    # shapes, devices and NaN here; value ranges are the entry point's job
+    alpha, eta, theta = (as_fp32(check_state(name, x, (B, H, T), q))
+                         for name, x in (("alpha", alpha), ("eta", eta), ("theta", theta)))
+    m0 = as_fp32(check_state("initial_state", initial_state, (B, H, V, K), q))
+    s0 = as_fp32(check_state("initial_momentum", initial_momentum, (B, H, V, K), q))
+    M_T, S_T = run.state(), run.state()
+    titans_linear_fwd_kernel[run.grid](
+        run.q, run.k, run.v, alpha, eta, theta, m0, s0, run.o, M_T, S_T, *run.strides,
+        T, H, K, V, chunk_size,
+        BT=BT, BK=BK, BV=BV, PRECISION=run.precision, num_stages=1,
     )
-    return o, M_T, S_T
+    return run.o, M_T, S_T
 
 
 __all__ = ["titans_linear_triton", "kernel_supports", "tile_sizes", "MAX_CHUNK", "MAX_KEY"]

@@ -22,7 +22,10 @@ rows, so every tl.dot has sizes >= 16; rows past the chunk or the sequence are m
 to zero (zero gates, eta = 0), so they write nothing. The chunk size is a runtime
 argument: any b >= 1 works (b = 1 wastes 15 of 16 rows). The host prepares the
 per-offset gates G [B, H, T, c] (both gamma parametrisations, zeros for tokens before
-the start), eta, and the chunk-local cumulative log-gates g.
+the start), eta, and the chunk-local cumulative log-gates g. q, k, v are read through
+their strides (a [B, T, H, D] tensor transposed to [B, H, T, D] needs no copy); absent
+inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton compiles
+away. ``core.kernels`` holds the set-up all four chapters' kernels share.
 
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
@@ -36,16 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunking import compute_dtype, gate_logs
-from ..core.kernels import chunk_local_log_gate, precision
-from ..core.testing import empty
+from ..core.chunking import gate_logs
+from ..core.kernels import (as_fp32, at_head, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.windows import window_gates
 
 # Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
-# shared memory is 114 KB at BT=64, BW=128, BD=64; 147 KB at (64, 128, 128); 180 KB at
-# (64, 256, 64); but 262 KB, over the 227 KB an H100 block may use, at (64, 256, 128) and
-# at BT = BD = 128. So: chunks of at most 64 tokens and a window tile of at most
-# 128 x 128 elements (BW * BD), e.g. D = 128 with chunk_size + window - 1 <= 128.
+# shared memory is 114 KB at BT=64, BW=128, BD=64 with BV = 64 (98 KB with the BV = 32 the
+# wrapper picks for BW > 64); 147 KB at (64, 128, 128); 180 KB at (64, 256, 64); but
+# 262 KB, over the 227 KB an H100 block may use, at (64, 256, 128) and at BT = BD = 128.
+# So: chunks of at most 64 tokens and a window tile of at most 128 x 128 elements
+# (BW * BD), e.g. D = 128 with chunk_size + window - 1 <= 128.
 MAX_CHUNK = 64
 MAX_WINDOW_TILE = 128 * 128
 MAX_FEATURES = 256
@@ -54,125 +58,111 @@ MAX_FEATURES = 256
 @triton.jit
 def omega_fwd_kernel(
     q_ptr, k_ptr, v_ptr, G_ptr, eta_ptr, g_ptr, h0_ptr, o_ptr, ht_ptr,
-    T, Tp, D, V, b, c,
-    HAS_ALPHA: tl.constexpr, HAS_H0: tl.constexpr, HEBBIAN: tl.constexpr,
+    s_q, s_k, s_v, s_o,
+    T, H, Tp, D, V, b, c,
+    HEBBIAN: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: B*H*T*D can exceed 2^31
-    i_v = tl.program_id(1)
-    q_ptr += i_bh * T * D
-    k_ptr += i_bh * T * D
-    v_ptr += i_bh * T * V
-    o_ptr += i_bh * T * V
-    G_ptr += i_bh * T * c
-    eta_ptr += i_bh * T
-    g_ptr += i_bh * Tp                     # chunk-local log-gates, padded to Tp rows
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    G_ptr += i_bh * T * c                   # the host's gates, fp32 and contiguous
 
-    offs_t = tl.arange(0, BT)
-    offs_w = tl.arange(0, BW)
-    offs_d = tl.arange(0, BD)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_d = offs_d < D
-    mask_v = offs_v < V
-    causal = offs_t[:, None] >= offs_t[None, :]
+    o_i = tl.arange(0, BT)                  # rows of a chunk
+    o_j = tl.arange(0, BW)                  # rows of its window
+    o_d = tl.arange(0, BD)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_d = o_d < D
+    m_v = o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
 
-    S = tl.zeros([BV, BD], dtype=tl.float32)
-    state_offs = i_bh * V * D + offs_v[:, None] * D + offs_d[None, :]
-    state_mask = mask_v[:, None] & mask_d[None, :]
-    if HAS_H0:
-        S += tl.load(h0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    # this program's slice S [BV, BD] of the state, in fp32 (zeros without h0)
+    o_s, m_s = state_slice(i_bh, o_v, o_d, V, D)
+    b_S = load_state(h0_ptr, o_s, m_s, BV, BD)
 
     for start in range(0, T, b):
-        t = start + offs_t
-        valid_t = (offs_t < b) & (t < T)                       # token rows of this chunk
-        w = start - (c - 1) + offs_w                            # window rows, may be < 0
-        valid_w = (offs_w < b + c - 1) & (w >= 0) & (w < T)
+        o_t = start + o_i                                       # the chunk's tokens
+        m_t = (o_i < b) & (o_t < T)
+        o_w = start - (c - 1) + o_j                             # its window's tokens, may be < 0
+        m_w = (o_j < b + c - 1) & (o_w >= 0) & (o_w < T)
 
-        qc = tl.load(q_ptr + t[:, None] * D + offs_d[None, :], mask=valid_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        kw = tl.load(k_ptr + w[:, None] * D + offs_d[None, :], mask=valid_w[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        vw = tl.load(v_ptr + w[:, None] * V + offs_v[None, :], mask=valid_w[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-        etac = tl.load(eta_ptr + t, mask=valid_t, other=0.0).to(tl.float32)
+        b_q = load_tile(q_ptr, s_q, o_t, o_d, m_t, m_d)
+        b_kw = load_tile(k_ptr, s_k, o_w, o_d, m_w, m_d)        # keys and values of the window
+        b_vw = load_tile(v_ptr, s_v, o_w, o_v, m_w, m_v)
+        if eta_ptr is not None:
+            b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+        else:
+            b_eta = tl.where(m_t, 1.0, 0.0)
 
         # the band Gamma[t, w] = gamma^{(t0+t)} at offset j = t + c - 1 - w
-        j = offs_t[:, None] + (c - 1) - offs_w[None, :]
-        band = valid_t[:, None] & valid_w[None, :] & (j >= 0) & (j < c)
-        gam = tl.load(G_ptr + t[:, None] * c + j, mask=band, other=0.0).to(tl.float32)
+        o_off = o_i[:, None] + (c - 1) - o_j[None, :]
+        m_band = m_t[:, None] & m_w[None, :] & (o_off >= 0) & (o_off < c)
+        b_gam = tl.load(G_ptr + o_t[:, None] * c + o_off, mask=m_band, other=0.0)
 
         # decays inside the chunk: D[t, n] = e^{g_t - g_n} (n <= t), A_t = e^{g_t}, A_b / A_n
-        if HAS_ALPHA:
-            gc = tl.load(g_ptr + t, mask=valid_t, other=0.0).to(tl.float32)
-            g_last = tl.load(g_ptr + start + b - 1).to(tl.float32)       # padding rows repeat the last
-            decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-            a_t = tl.exp(gc)
-            a_end = tl.exp(g_last)
-            to_end = tl.exp(g_last - gc)
+        if g_ptr is not None:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t, mask=m_t, other=0.0)
+            b_g_last = tl.load(g_ptr + i_bh * Tp + start + b - 1)       # padding rows repeat the last
+            b_decay = tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_A = tl.exp(b_g)
+            b_A_end = tl.exp(b_g_last)
+            b_to_end = tl.exp(b_g_last - b_g)
         else:
-            decay = tl.where(causal, 1.0, 0.0)
-            a_t = tl.full([BT], 1.0, tl.float32)
-            a_end = 1.0
-            to_end = tl.full([BT], 1.0, tl.float32)
+            b_decay = tl.where(m_causal, 1.0, 0.0)
+            b_A = tl.full([BT], 1.0, tl.float32)
+            b_A_end = 1.0
+            b_to_end = tl.full([BT], 1.0, tl.float32)
 
-        C = tl.dot(decay * etac[None, :], gam, input_precision=PRECISION)           # D diag(eta) Gamma
-        c_end = tl.sum((to_end * etac)[:, None] * gam, axis=0)                      # its last row C[b, :]
+        b_C = tl.dot(b_decay * b_eta[None, :], b_gam, input_precision=PRECISION)       # D diag(eta) Gamma
+        b_c_end = tl.sum((b_to_end * b_eta)[:, None] * b_gam, axis=0)                  # its last row C[b, :]
         if HEBBIAN:
-            E = -vw
+            b_E = -b_vw
         else:
-            E = tl.dot(kw, tl.trans(S), input_precision=PRECISION) - vw              # errors at M_{t0}
-        scores = tl.dot(qc, tl.trans(kw), input_precision=PRECISION) * C
-        oc = tl.dot(qc, tl.trans(S), input_precision=PRECISION) * a_t[:, None] \
-            - tl.dot(scores, E, input_precision=PRECISION)
-        tl.store(o_ptr + t[:, None] * V + offs_v[None, :], oc.to(o_ptr.dtype.element_ty),
-                 mask=valid_t[:, None] & mask_v[None, :])
-        S = S * a_end - tl.dot(tl.trans(E * c_end[:, None]), kw, input_precision=PRECISION)
+            b_E = tl.dot(b_kw, tl.trans(b_S), input_precision=PRECISION) - b_vw      # errors at M_{t0}
+        b_scores = tl.dot(b_q, tl.trans(b_kw), input_precision=PRECISION) * b_C
+        b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_A[:, None] \
+            - tl.dot(b_scores, b_E, input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
+        b_S = b_S * b_A_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
 
-    tl.store(ht_ptr + state_offs, S, mask=state_mask)
+    tl.store(ht_ptr + o_s, b_S, mask=m_s)
 
 
 def kernel_supports(D: int, window: int, chunk_size: int) -> bool:
     """Whether the kernel's tiles fit (see the limits above); ``backend="auto"`` falls back to chunk otherwise."""
-    BW = max(16, triton.next_power_of_2(chunk_size + window - 1))
-    BD = max(16, triton.next_power_of_2(D))
+    BW, BD = dot_tile(chunk_size + window - 1), dot_tile(D)
     return chunk_size <= MAX_CHUNK and D <= MAX_FEATURES and BW * BD <= MAX_WINDOW_TILE
 
 
 def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
                     chunk_size=64, hebbian=False, log_alpha=None):
     """Triton forward of the chunk form; same arguments and results as ``chunk.windowed_chunk``."""
-    B, H, T, D = q.shape
-    V = v.shape[-1]
-    if compute_dtype(q) == torch.float64:
-        raise TypeError("the Triton kernel takes fp32/fp16/bf16 inputs; use backend='chunk' for fp64")
     b, c = chunk_size, window
-    BT = max(16, triton.next_power_of_2(b))
-    BW = max(16, triton.next_power_of_2(b + c - 1))
-    BD = max(16, triton.next_power_of_2(D))
+    BW = dot_tile(b + c - 1)
     # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk: narrower value blocks
     # (more programs) keep them within shared memory on the GPU
-    BV = max(16, min(64 if BW <= 64 else 32, triton.next_power_of_2(V)))
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64 if BW <= 64 else 32))
+    B, H, T, D = run.B, run.H, run.T, run.K
     if b > MAX_CHUNK:
         raise ValueError(f"the Triton kernel supports chunk_size <= {MAX_CHUNK}, got {b}; use backend='chunk'")
+    BD = dot_tile(D)
     if D <= MAX_FEATURES and BW * BD > MAX_WINDOW_TILE:
         raise ValueError(f"the Triton kernel holds a [{BW}, {BD}] window tile (chunk_size + window - 1 = "
                          f"{b + c - 1} rows, D = {D}), more than {MAX_WINDOW_TILE} elements; use a smaller "
                          f"chunk_size (or window), or backend='chunk'")
-    if D > MAX_FEATURES:
-        raise ValueError(f"the Triton kernel supports feature dimensions D <= {MAX_FEATURES}, got D={D}; "
-                         f"use backend='chunk'")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    feature_tile(D, MAX_FEATURES, "D")        # refuses D > MAX_FEATURES
     G = window_gates(gamma, B, H, T, c, torch.float32, q.device).contiguous()
-    eta = torch.ones(B, H, T, dtype=torch.float32, device=q.device) if eta is None else eta.to(torch.float32).contiguous()
     logs = gate_logs(alpha, log_alpha, torch.float32)
-    g, Tp = (eta, T) if logs is None else chunk_local_log_gate(logs, b)   # unused pointer without alpha
-    h0 = q if initial_state is None else initial_state.to(torch.float32).contiguous()
-    o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
-    ht = empty(B, H, V, D, dtype=torch.float32, device=q.device)
-    grid = (B * H, triton.cdiv(V, BV))
-    omega_fwd_kernel[grid](
-        q, k, v, G, eta, g, h0, o, ht, T, Tp, D, V, b, c,
-        HAS_ALPHA=logs is not None, HAS_H0=initial_state is not None, HEBBIAN=hebbian,
-        BT=BT, BW=BW, BD=BD, BV=BV, PRECISION=precision(q.dtype), num_stages=1,
+    g, Tp = (None, T) if logs is None else chunk_local_log_gate(logs, b)
+    ht = run.state()
+    omega_fwd_kernel[run.grid](
+        run.q, run.k, run.v, G, as_fp32(eta), g, as_fp32(initial_state), run.o, ht, *run.strides,
+        T, H, Tp, D, run.V, b, c,
+        HEBBIAN=hebbian, BT=dot_tile(b), BW=BW, BD=BD, BV=run.BV, PRECISION=run.precision, num_stages=1,
     )
-    return o, ht
+    return run.o, ht
 
 
 def omega_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
