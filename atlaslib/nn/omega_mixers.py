@@ -137,7 +137,8 @@ class WindowedMixer(GatedLinear):
 
     @property
     def state_size(self) -> int:
-        """One [V, D] memory per head (D = the feature dimension); the c-pair window itself is input, not state."""
+        """One [V, D] memory per head (D = the feature dimension). Not counted: the last c - 1 pairs that
+        ``step`` also carries (``WindowState``), a size fixed by c, like the convolution's buffer."""
         return self.n_heads * self.feature_dim() * self.head_v_dim
 
     def gate_tensors(self, x, dtype):
