@@ -9,6 +9,8 @@ alpha = None is DeltaNet, a scalar alpha_t per token is Gated DeltaNet, a vector
 alpha_t in [0, 1]^K acting on the key side is KDA (book ch. 2 §4). The matrix
 I - beta_t k_t k_t^T is never formed: M'_t (I - beta_t k_t k_t^T) = M'_t - beta_t (M'_t k_t) k_t^T
 costs O(V K) per token instead of O(V K^2).
+
+``delta_rule_step`` is one token, the body of the loop; generation calls it directly.
 """
 from __future__ import annotations
 
@@ -16,6 +18,19 @@ import torch
 
 from ..core.chunking import compute_dtype
 from ..linear.recurrent import decay_state
+
+
+def delta_rule_step(M, q_t, k_t, v_t, beta_t, alpha_t=None):
+    """One token: M [B,H,V,K]; q_t, k_t [B,H,K]; v_t [B,H,V]; beta_t [B,H]; alpha_t None, [B,H] or [B,H,K].
+
+    Returns (M_t, y_t [B,H,V]) in M's dtype (the token is cast to the state's precision).
+    """
+    q_t, k_t, v_t = q_t.to(M.dtype), k_t.to(M.dtype), v_t.to(M.dtype)
+    b_t = beta_t.to(M.dtype)[:, :, None, None]
+    M = decay_state(M, alpha_t)                                   # M'_t = M_{t-1} Diag(alpha_t)
+    Mk = torch.einsum("bhvk,bhk->bhv", M, k_t)                    # M'_t k_t
+    M = M - b_t * (Mk - v_t)[:, :, :, None] * k_t[:, :, None, :]  # M'_t - beta_t (M'_t k_t - v_t) k_t^T
+    return M, torch.einsum("bhvk,bhk->bhv", M, q_t)               # y_t = M_t q_t
 
 
 def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):
@@ -26,15 +41,10 @@ def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):
     B, H, T, K = q.shape
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
-    q, k, v, beta = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
     M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     outputs = []
     for t in range(T):
-        k_t, v_t, b_t = k[:, :, t], v[:, :, t], beta[:, :, t, None, None]
-        M = decay_state(M, None if alpha is None else alpha[:, :, t].to(cd))   # M'_t = M_{t-1} Diag(alpha_t)
-        Mk = torch.einsum("bhvk,bhk->bhv", M, k_t)                              # M'_t k_t
-        M = M - b_t * Mk[..., :, None] * k_t[..., None, :] \
-            + b_t * v_t[..., :, None] * k_t[..., None, :]                       # M'_t (I - b k k^T) + b v k^T
-        outputs.append(torch.einsum("bhvk,bhk->bhv", M, q[:, :, t]))            # y_t = M_t q_t
-    o = torch.stack(outputs, dim=2)
-    return o.to(out_dtype), M
+        alpha_t = None if alpha is None else alpha[:, :, t]
+        M, y_t = delta_rule_step(M, q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], alpha_t)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(out_dtype), M

@@ -40,7 +40,8 @@ def gate_kind(alpha) -> str:
 
 
 @EXERCISES.check("hebbian_step", title="One gated Hebbian write and read", points=2,
-                  functions=("hebbian_step",))
+                  functions=("hebbian_step",),
+                  forbidden=("atlaslib.linear.recurrent.linear_attention_step",))
 def hebbian_step(fn, gen):
     """fn(M, q, k, v, alpha) -> (M_t, y_t) with M [B,H,V,K], q,k [B,H,K], v [B,H,V], alpha [B,H]."""
     shapes = [(2, 3, 5, 7), (1, 1, 4, 4), (2, 1, 16, 3)]   # K != V first: a transposed answer fails on shape
@@ -61,6 +62,7 @@ def hebbian_step(fn, gen):
                   functions=("gated_loop",),
                   forbidden=("atlaslib.linear.linear_attention",
                              "atlaslib.linear.recurrent.linear_attention_recurrent",
+                             "atlaslib.linear.recurrent.linear_attention_step",
                              "atlaslib.linear.chunk.linear_attention_chunk"))
 def gated_loop(fn, gen):
     """fn(q, k, v, alpha) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha [B,H,T] or [B,H,T,K]."""
@@ -109,6 +111,7 @@ def chunk_step(fn, gen):
                   functions=("chunkwise",),
                   forbidden=("atlaslib.linear.linear_attention",
                              "atlaslib.linear.recurrent.linear_attention_recurrent",
+                             "atlaslib.linear.recurrent.linear_attention_step",
                              "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunkwise(fn, gen):
     """fn(q, k, v, alpha, chunk_size) -> (o, M_T); scalar gates alpha [B,H,T]."""

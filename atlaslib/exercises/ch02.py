@@ -39,7 +39,8 @@ def random_beta(B, H, T, gen, low=0.1, high=1.5):
 
 @EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2,
                   functions=("loss_gradient", "delta_step"),
-                  forbidden=("atlaslib.delta.delta_rule", "atlaslib.delta.recurrent.delta_rule_recurrent"))
+                  forbidden=("atlaslib.delta.delta_rule", "atlaslib.delta.recurrent.delta_rule_recurrent",
+                             "atlaslib.delta.recurrent.delta_rule_step"))
 def delta_step(grad_fn, step_fn, gen):
     """grad_fn(M, k, v) -> dL/dM of 1/2||M k - v||^2;  step_fn(M, k, v, beta, alpha) -> M_t.
 
@@ -108,7 +109,8 @@ def ut_solve(fn, gen):
                   forbidden=("atlaslib.delta.delta_rule",
                              "atlaslib.delta.chunk.chunk_step",
                              "atlaslib.delta.chunk.delta_rule_chunk",
-                             "atlaslib.delta.recurrent.delta_rule_recurrent"))
+                             "atlaslib.delta.recurrent.delta_rule_recurrent",
+                             "atlaslib.delta.recurrent.delta_rule_step"))
 def chunkwise(fn, gen):
     """fn(q, k, v, beta, alpha, chunk_size) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha None or [B,H,T]."""
     cases = [  # (B, H, T, K, V, gated, chunk sizes)

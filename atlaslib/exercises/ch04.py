@@ -72,7 +72,8 @@ def window_rows(B, H, c, D, V, gen):
 
 @EXERCISES.check("omega_step", title="One Omega step with gates", points=2,
                   functions=("omega_step",),
-                  forbidden=("atlaslib.omega.omega_rule", "atlaslib.omega.recurrent.omega_recurrent"))
+                  forbidden=("atlaslib.omega.omega_rule", "atlaslib.omega.recurrent.omega_recurrent",
+                             "atlaslib.omega.recurrent.omega_step"))
 def omega_step(fn, gen):
     """fn(M [B,H,V,D], k_win [B,H,c,D], v_win [B,H,c,V], gamma [B,H,c], alpha [B,H], eta [B,H]) -> M_t.
 
@@ -86,8 +87,7 @@ def omega_step(fn, gen):
         alpha = random_gate(B, H, 1, low=0.3, generator=gen)[:, :, 0]
         eta = (0.1 + 0.9 * torch.rand(B, H, generator=gen)) / c
         # the library's definition: every gradient of the window at the current state M
-        pairs = [(i, k[:, :, i], v[:, :, i]) for i in range(c)]
-        M_ref = alpha[..., None, None] * M - eta[..., None, None] * window_gradient(M, pairs, gamma, c - 1)
+        M_ref = alpha[..., None, None] * M - eta[..., None, None] * window_gradient(M, k, v, gamma)
         with case(f"B={B}, H={H}, window c={c}, D={D}, V={V}"):
             compare("M_t", call(fn, *clones(M, k, v, gamma, alpha, eta)), M_ref, TOL)
     return f"M_t matches the Omega rule of atlaslib.omega on {len(cases)} random windows"
@@ -119,7 +119,8 @@ def band(fn, gen):
                              "atlaslib.omega.chunk.omega_chunk",
                              "atlaslib.omega.chunk.windowed_chunk",
                              "atlaslib.omega.recurrent.omega_frozen_seq",
-                             "atlaslib.omega.recurrent.omega_recurrent"))
+                             "atlaslib.omega.recurrent.omega_recurrent",
+                             "atlaslib.omega.recurrent.omega_step"))
 def chunkwise(fn, gen):
     """fn(q, k, v, gamma [B,H,T,c], alpha None or [B,H,T], eta [B,H,T], chunk_size) -> (o [B,H,T,V], M_T [B,H,V,D]).
 

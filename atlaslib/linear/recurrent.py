@@ -5,6 +5,9 @@
 
 This is one gradient step with step size 1 on the dot-product attentional bias
 -<M k_t, v_t>, whose gradient -v_t k_t^T does not depend on M (book ch. 1 §3).
+
+``linear_attention_step`` is one token of it, the body of the loop below; a decoder
+generating text calls it directly with the state M as all it keeps between tokens.
 """
 from __future__ import annotations
 
@@ -17,9 +20,22 @@ def decay_state(M: torch.Tensor, alpha_t: torch.Tensor | None) -> torch.Tensor:
     """M * alpha_t: a scalar per (batch, head), or Diag(alpha_t) acting on the key side."""
     if alpha_t is None:
         return M
+    alpha_t = alpha_t.to(M.dtype)
     if alpha_t.dim() == 2:                      # [B, H]: RetNet / Mamba2-style scalar decay
         return M * alpha_t[:, :, None, None]
     return M * alpha_t[:, :, None, :]           # [B, H, K]: GLA-style M Diag(alpha_t)
+
+
+def linear_attention_step(M, q_t, k_t, v_t, alpha_t=None):
+    """One token: M [B,H,V,K]; q_t, k_t [B,H,K]; v_t [B,H,V]; alpha_t None, [B,H] or [B,H,K].
+
+    Returns (M_t, y_t [B,H,V]), both in M's dtype: the token is cast to the state's
+    precision (fp32/fp64) so that a bf16 model's step accumulates like the loop does.
+    """
+    q_t, k_t, v_t = q_t.to(M.dtype), k_t.to(M.dtype), v_t.to(M.dtype)
+    M = decay_state(M, alpha_t)                                  # M_{t-1} alpha_t
+    M = M + v_t[:, :, :, None] * k_t[:, :, None, :]              # + v_t k_t^T
+    return M, torch.einsum("bhvk,bhk->bhv", M, q_t)              # y_t = M_t q_t
 
 
 def linear_attention_recurrent(q, k, v, alpha=None, initial_state=None):
@@ -30,12 +46,10 @@ def linear_attention_recurrent(q, k, v, alpha=None, initial_state=None):
     B, H, T, K = q.shape
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
-    q, k, v = q.to(cd), k.to(cd), v.to(cd)
     M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     outputs = []
     for t in range(T):
-        M = decay_state(M, None if alpha is None else alpha[:, :, t].to(cd))
-        M = M + v[:, :, t, :, None] * k[:, :, t, None, :]          # + v_t k_t^T
-        outputs.append(torch.einsum("bhvk,bhk->bhv", M, q[:, :, t]))  # y_t = M_t q_t
-    o = torch.stack(outputs, dim=2)
-    return o.to(out_dtype), M
+        alpha_t = None if alpha is None else alpha[:, :, t]
+        M, y_t = linear_attention_step(M, q[:, :, t], k[:, :, t], v[:, :, t], alpha_t)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(out_dtype), M

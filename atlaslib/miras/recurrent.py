@@ -19,6 +19,10 @@ the chunk-start state W_{t0} (including the window rows that reach into the prev
 chunk; at alpha_t W_{t0} for decay_first): the sequential oracle of the chunkwise form
 (book ch. 3 §8). At b = 1 it is the per-token engine.
 
+``miras_step`` is one token of the loop (the loop calls it): what a token needs from the
+past is the raw state Z, the optimizer's S and the last c - 1 (k, v, delta) rows of the
+window, carried in a ``TokenState`` whose size does not grow with the number of tokens.
+
 All tensors here are internal: q, k [N, T, D] and v [N, T, V] with N = B * H, gates
 [N, T], states {name: [N, out, in]}; ``atlaslib.miras.miras`` validates and reshapes.
 """
@@ -62,6 +66,25 @@ class Gates:
         cut = lambda x: None if x is None else x[:, s:e]          # noqa: E731
         return Gates(cut(self.eta), cut(self.G), cut(self.alpha), cut(self.theta), cut(self.delta))
 
+    def at(self, t: int) -> "Gates":
+        """The gates of token t alone: [N] each, G [N, c] (its per-offset window gates)."""
+        pick = lambda x: None if x is None else x[:, t]           # noqa: E731
+        return Gates(pick(self.eta), pick(self.G), pick(self.alpha), pick(self.theta), pick(self.delta))
+
+
+class TokenState(NamedTuple):
+    """What the engine carries from one token to the next (internal layout, N = B * H rows).
+
+    Z, S: the raw memory state and the optimizer's state ({name: [N, out, in]}, S None
+    without momentum). keys [N, n, D], values [N, n, V], deltas [N, n] or None: the last
+    n <= c - 1 rows of the window, oldest first (n = 0 for c = 1).
+    """
+    Z: dict
+    S: object
+    keys: torch.Tensor
+    values: torch.Tensor
+    deltas: torch.Tensor | None = None
+
 
 def loss_gradient(parts: Parts, W: dict, k_rows, v_rows, delta_rows, weights, scale=None) -> dict:
     """sum_r weights_r grad_W l(W'; k_r, v_r) at W' = W (or scale * W), for each (batch, head).
@@ -78,33 +101,42 @@ def loss_gradient(parts: Parts, W: dict, k_rows, v_rows, delta_rows, weights, sc
     return grad
 
 
-def window_rows(gates: Gates, t: int, window: int):
-    """(slice of the window's rows, their gates gamma_i^{(t)} [N, rows]) for token t."""
-    lo = max(0, t - window + 1)
-    return slice(lo, t + 1), gates.G[:, t, : t - lo + 1].flip(-1)     # offsets t - i for i = lo .. t
+def miras_step(parts: Parts, state: TokenState, q_t, k_t, v_t, gates_t: Gates, grad_at: dict | None = None):
+    """One token of the engine. Returns (the state after token t, y_t [N, V]).
 
-
-def _at(x, t):
-    return None if x is None else x[:, t]
+    q_t, k_t [N, D]; v_t [N, V]; gates_t: this token's gates (``Gates.at(t)``; eta is the
+    engine's step, after ``Retention.effective_eta``). ``grad_at``: take the gradient at
+    this raw state instead of Z_{t-1} (``miras_frozen_seq`` passes the chunk-start state).
+    """
+    ret, opt, mem = parts.retention, parts.optimizer, parts.memory
+    keys = torch.cat([state.keys, k_t[:, None]], dim=1)                   # the window: last c rows, t's last
+    values = torch.cat([state.values, v_t[:, None]], dim=1)
+    deltas = None if gates_t.delta is None else torch.cat([state.deltas, gates_t.delta[:, None]], dim=1)
+    n = keys.shape[1]
+    weights = gates_t.G[:, :n].flip(-1)                                   # gamma_i^{(t)}: row j is offset n-1-j
+    W = ret.read(state.Z if grad_at is None else grad_at)                 # W_{t-1} (or W_{t0})
+    scale = gates_t.alpha if ret.grad_at_decayed else None
+    g = loss_gradient(parts, W, keys, values, deltas, weights, scale)
+    u, S = opt.step(state.S, g, gates_t.eta, gates_t.theta)               # optimizer (axis 3)
+    Z = ret.combine(state.Z, u, gates_t.alpha)                            # retention (axis 4)
+    y_t = mem(ret.read(Z), q_t[:, None])[:, 0]                            # y_t = M_{W_t}(phi(q_t))
+    drop = max(n - (parts.cfg.window - 1), 0)                             # the oldest row leaves a full window
+    keep = lambda x: None if x is None else x[:, drop:]                   # noqa: E731
+    return TokenState(Z, S, keep(keys), keep(values), keep(deltas)), y_t
 
 
 def token_loop(parts: Parts, q, k, v, gates: Gates, Z: dict, S, chunk_size: int | None = None):
     """The loop shared by the two per-token engines (``chunk_size=None``: gradients at W_{t-1})."""
-    ret, opt, mem = parts.retention, parts.optimizer, parts.memory
-    T = q.shape[1]
+    deltas = None if gates.delta is None else gates.delta[:, :0]
+    state = TokenState(Z, S, k[:, :0], v[:, :0], deltas)                  # no tokens yet: an empty window
     outputs = []
-    for t in range(T):
+    for t in range(q.shape[1]):
         if chunk_size is not None and t % chunk_size == 0:
-            Z_start = Z                                                    # frozen for this chunk
-        W = ret.read(Z if chunk_size is None else Z_start)                 # W_{t-1} (or W_{t0})
-        rows, weights = window_rows(gates, t, parts.cfg.window)
-        delta = None if gates.delta is None else gates.delta[:, rows]
-        scale = _at(gates.alpha, t) if ret.grad_at_decayed else None
-        g = loss_gradient(parts, W, k[:, rows], v[:, rows], delta, weights, scale)
-        u, S = opt.step(S, g, gates.eta[:, t], _at(gates.theta, t))       # optimizer (axis 3)
-        Z = ret.combine(Z, u, _at(gates.alpha, t))                         # retention (axis 4)
-        outputs.append(mem(ret.read(Z), q[:, t:t + 1])[:, 0])              # y_t = M_{W_t}(phi(q_t))
-    return torch.stack(outputs, dim=1), Z, S
+            Z_start = state.Z                                              # frozen for this chunk
+        state, y_t = miras_step(parts, state, q[:, t], k[:, t], v[:, t], gates.at(t),
+                                grad_at=None if chunk_size is None else Z_start)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=1), state.Z, state.S
 
 
 def miras_recurrent(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None):

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 from ..delta import delta_rule
+from ..delta.recurrent import delta_rule_step
 from .mixer import TokenMixer, gate_dtype, register_mixer
-from .mixers import GatedLinear
+from .mixers import GatedLinear, empty_memory
 
 
 class BetaProjection(nn.Module):
@@ -25,6 +26,14 @@ class BetaProjection(nn.Module):
 
     def forward(self, x):
         return torch.sigmoid(self.proj(x)).transpose(1, 2)          # [B, T, H] -> [B, H, T]
+
+
+def delta_step(M, q, k, v, beta_t, alpha_t):
+    """The mixers' call of ``delta_rule_step``: q, k [B,H,1,K], v [B,H,1,V] (M None: start at 0)
+    -> (o [B,H,1,V] in q's dtype, M_t)."""
+    M = empty_memory(q, v) if M is None else M
+    M, y_t = delta_rule_step(M, q[:, :, 0], k[:, :, 0], v[:, :, 0], beta_t, alpha_t)
+    return y_t[:, :, None].to(q.dtype), M
 
 
 @register_mixer("deltanet")
@@ -40,6 +49,9 @@ class DeltaNet(TokenMixer):
         return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), backend=self.backend,
                           chunk_size=self.chunk_size)[0]
 
+    def mix_step(self, q, k, v, x, state):
+        return delta_step(state, q, k, v, self.beta(x).to(gate_dtype(q))[:, :, 0], None)
+
 
 class GatedDelta(GatedLinear):
     """The delta rule with chapter 1's data-dependent retention gate in front of each step."""
@@ -52,6 +64,10 @@ class GatedDelta(GatedLinear):
     def mix(self, q, k, v, x):
         return delta_rule(q, k, v, self.beta(x).to(gate_dtype(q)), log_alpha=self.log_gate(x),
                           backend=self.backend, chunk_size=self.chunk_size)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        beta_t, alpha_t = self.beta(x).to(gate_dtype(q))[:, :, 0], self.gate(x).to(gate_dtype(q))[:, :, 0]
+        return delta_step(state, q, k, v, beta_t, alpha_t)
 
 
 @register_mixer("gated_deltanet")

@@ -1,9 +1,24 @@
-"""A tiny decoder-only language model whose sequence layer is any registered token mixer."""
+"""A tiny decoder-only language model whose sequence layer is any registered token mixer.
+
+``TinyLM.generate`` decodes one token at a time through the mixers' ``step``: per layer it
+keeps only the mixer's cache (the memory state and the short convolution's last inputs),
+whose size does not depend on how many tokens came before -- except for softmax
+attention, whose cache is the growing list of past keys and values.
+"""
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 from torch import nn
 
 from .mixer import make_mixer
+
+
+class DecodeState(NamedTuple):
+    """The decoder's state between tokens: the next position and one mixer cache per layer."""
+    position: int
+    layers: tuple
 
 
 class MLP(nn.Module):
@@ -29,6 +44,12 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.mixer(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+    def step(self, x_t, cache=None):
+        """``forward`` for one token x_t [B, D], with the mixer's cache."""
+        h, cache = self.mixer.step(self.norm1(x_t), cache)
+        x_t = x_t + h
+        return x_t + self.mlp(self.norm2(x_t)), cache
 
 
 class TinyLM(nn.Module):
@@ -60,6 +81,63 @@ class TinyLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+    def step(self, ids_t: torch.Tensor, state: DecodeState | None = None):
+        """One token of ``forward``: ids_t [B] and the state after the tokens before (None at the
+        start) -> (logits [B, vocab] for the next token, the state after ids_t)."""
+        if ids_t.dim() != 1:
+            raise ValueError(f"ids_t must be [B] token ids (one per sequence), got shape {list(ids_t.shape)}")
+        position, caches = (0, (None,) * len(self.blocks)) if state is None else state
+        x = self.embed(ids_t)
+        if self.pos is not None:
+            if position >= self.pos.num_embeddings:
+                raise ValueError(f"position {position} is past max_len={self.pos.num_embeddings}")
+            x = x + self.pos.weight[position]
+        new_caches = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.step(x, cache)
+            new_caches.append(cache)
+        return self.head(self.norm(x)), DecodeState(position + 1, tuple(new_caches))
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,
+                 temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None,
+                 return_state: bool = False):
+        """Continue ``prompt_ids`` [B, T0] (T0 >= 1) by ``max_new_tokens`` tokens; returns [B, T0 + n].
+
+        The prompt is read token by token through ``step`` (the same state a decoder keeps),
+        then each new token is chosen from the last logits: the argmax (``greedy=True``), or
+        a sample from softmax(logits / temperature) restricted to the ``top_k`` most likely
+        tokens (None: all), drawn with ``generator``. ``return_state``: also return the final
+        ``DecodeState``.
+        """
+        if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
+            raise ValueError(f"prompt_ids must be [B, T0] with T0 >= 1, got shape {list(prompt_ids.shape)}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if not greedy and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        state, ids = None, prompt_ids
+        for t in range(prompt_ids.shape[1]):
+            logits, state = self.step(prompt_ids[:, t], state)
+        for _ in range(max_new_tokens):
+            next_id = self.choose(logits, greedy, temperature, top_k, generator)
+            ids = torch.cat([ids, next_id[:, None]], dim=1)
+            logits, state = self.step(next_id, state)
+        return (ids, state) if return_state else ids
+
+    @staticmethod
+    def choose(logits, greedy=True, temperature=1.0, top_k=None, generator=None):
+        """The next token [B] from logits [B, vocab]: argmax, or a (top-k) sample at ``temperature``."""
+        if greedy:
+            return logits.argmax(-1)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))    # only the k most likely remain
+        return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]   # generator: on logits' device
 
     @property
     def state_size(self) -> int | None:

@@ -32,7 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..miras import DEFAULT_CHUNK_SIZE, MirasConfig, MirasState, build_parts, init_state, make_config, miras
+from ..core.chunking import compute_dtype
+from ..miras import DEFAULT_CHUNK_SIZE, Gates, MirasConfig, MirasState, build_parts, init_state, make_config, miras
+from ..miras.recurrent import TokenState, miras_step
+from ..miras.state import flatten_bh
 from .mixer import gate_dtype, register_mixer
 from .mixers import GatedLinear
 
@@ -109,6 +112,31 @@ class MirasMixer(GatedLinear):
         gates = {n: g for n, g in self.gates(x, gate_dtype(q), log_alpha=True).items() if g is not None}
         return miras(q, k, v, config=self.config, initial_state=self.initial_state(q.shape[0], q.dtype),
                      backend=self.backend, chunk_size=self.chunk_size, **gates)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        """One token of the per-token engine (the model of ``chunk_size=1`` / ``backend="recurrent"``).
+
+        The state is the engine's ``TokenState`` in its internal layout (B * H rows): the raw memory
+        state, the momentum and the window's last c - 1 rows; it starts from W_0 (``initial``) and
+        zero momentum, as ``forward`` does.
+        """
+        B, H, _, D = q.shape
+        N, V, cd = B * H, v.shape[-1], compute_dtype(q)
+        parts = build_parts(self.config, D, V)
+        if state is None:
+            start = self.initial_state(B, q.dtype).memory
+            Z = flatten_bh(start if isinstance(start, dict) else {"M": start}, B, H, cd)
+            S = {n: torch.zeros_like(w) for n, w in Z.items()} if self.has_momentum else None
+            rows = lambda *width: torch.zeros(N, 0, *width, dtype=cd, device=q.device)   # noqa: E731
+            state = TokenState(Z, S, rows(D), rows(V), rows() if self.delta_gate is not None else None)
+        g = self.gates(x, gate_dtype(q))
+        flat = lambda t: None if t is None else t.to(cd).reshape(N)        # noqa: E731  [B, H, 1] -> [N]
+        q_t, k_t, v_t = (t.to(cd).reshape(N, -1) for t in (q, k, v))
+        eta = parts.retention.effective_eta(flat(g["eta"]), k_t)          # proximal: the implicit step, as in miras
+        gates_t = Gates(eta=eta, G=torch.ones(N, self.config.window, dtype=cd, device=q.device),
+                        alpha=flat(g["alpha"]), theta=flat(g["theta"]), delta=flat(g["delta"]))
+        state, y_t = miras_step(parts, state, q_t, k_t, v_t, gates_t)
+        return y_t.reshape(B, H, 1, V).to(q.dtype), state
 
     @property
     def state_size(self) -> int:

@@ -18,10 +18,21 @@ registered from any module with
             ...
 
 and built with ``make_mixer("deltanet", d_model, n_heads, **kw)``.
+
+Generation runs one token at a time: ``y_t, cache = mixer.step(x_t, cache)`` (cache None
+before the first token) applies the same projections, convolution and gates as
+``forward`` to one token and hands the memory to the chapter's own step function
+(``linear_attention_step``, ``delta_rule_step``, ``omega_step``, ``miras_step``), the
+body of its per-token loop. A subclass opts in by defining
+
+    mix_step(q, k, v, x, state) -> (o, state)    ``mix`` for T = 1, plus the memory state
+
+and the cache holds that state and the convolution's last inputs, never the whole past.
 """
 from __future__ import annotations
 
 import abc
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +106,24 @@ class ShortConv(nn.Module):
         T = x.shape[1]
         return F.silu(self.conv(x.transpose(1, 2))[..., :T].transpose(1, 2))
 
+    def start(self, x_t: torch.Tensor) -> torch.Tensor:
+        """The buffer before the first token: size - 1 zero inputs [B, size - 1, C], the same zeros
+        that ``forward``'s left padding puts before the sequence."""
+        return x_t.new_zeros(x_t.shape[0], self.size - 1, x_t.shape[-1])
+
+    def step(self, x_t: torch.Tensor, buffer: torch.Tensor):
+        """One token: x_t [B, C] and the last size - 1 inputs [B, size - 1, C] -> (y_t [B, C], new buffer)."""
+        window = torch.cat([buffer, x_t[:, None]], dim=1)                      # [B, size, C], oldest first
+        y_t = torch.einsum("bsc,cs->bc", window, self.conv.weight[:, 0])      # the conv's taps, in order
+        return F.silu(y_t), window[:, 1:]
+
+
+class MixerCache(NamedTuple):
+    """What a mixer keeps between generated tokens: the short convolutions' buffers (q, k, v;
+    None without convolution) and the memory's own state (the mixer's ``mix_step`` decides)."""
+    conv: tuple | None
+    memory: object
+
 
 class TokenMixer(nn.Module, abc.ABC):
     """Shared front and back end of a sequence-mixing layer.
@@ -165,6 +194,49 @@ class TokenMixer(nn.Module, abc.ABC):
     @abc.abstractmethod
     def mix(self, q, k, v, x):
         """The sequence mixing itself: q, k [B,H,T,K], v [B,H,T,V], x the layer input -> o [B,H,T,V]."""
+
+    def step(self, x_t: torch.Tensor, cache: MixerCache | None = None):
+        """One token of ``forward``: x_t [B, D] and the cache of the tokens before (None at the
+        start) -> (y_t [B, D], the cache after x_t).
+
+        The token goes through the same projections, feature map and normalisation as in
+        ``forward`` (as a sequence of length 1), the convolution through its rolling buffer.
+        """
+        if x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
+            raise ValueError(f"x_t must have shape [B, {self.d_model}] (one token), got {list(x_t.shape)}")
+        if not self.steps_like_mix():
+            self.no_step()
+        conv, memory = (None, None) if cache is None else cache
+        q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)
+        if self.q_conv is not None:
+            convs = (self.q_conv, self.k_conv, self.v_conv)
+            buffers = [c.start(x) for c, x in zip(convs, (q, k, v))] if conv is None else conv
+            (q, bq), (k, bk), (v, bv) = (c.step(x, b) for c, x, b in zip(convs, (q, k, v), buffers))
+            conv = (bq, bk, bv)
+        x = x_t[:, None]                                           # [B, 1, D]: gates see a sequence of one
+        q, k, v = self.heads(q[:, None]), self.heads(k[:, None]), self.heads(v[:, None])
+        q, k = self.phi(q), self.phi(k)
+        if self.qk_norm:
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        o, memory = self.mix_step(q, k, v, x, memory)              # [B, H, 1, V]
+        B, H, _, V = o.shape
+        return self.o_proj(o.reshape(B, H * V)), MixerCache(conv, memory)
+
+    def mix_step(self, q, k, v, x, state):
+        """``mix`` for one token, with the memory carried: q, k [B,H,1,K], v [B,H,1,V], x [B,1,D] and
+        the state after the previous token (None at the start) -> (o [B,H,1,V], new state)."""
+        self.no_step()
+
+    @classmethod
+    def steps_like_mix(cls) -> bool:
+        """Whether ``mix_step`` was written for this class's ``mix``: defined by the class that defines
+        ``mix`` or below it. A subclass that overrides ``mix`` alone must not inherit its parent's step."""
+        owner = lambda name: next(c for c in cls.__mro__ if name in vars(c))      # noqa: E731
+        return issubclass(owner("mix_step"), owner("mix"))
+
+    def no_step(self):
+        raise NotImplementedError(f"{type(self).__name__} (mixer {self.mixer_name!r}) has no one-token step "
+                                  "for its mix: define mix_step(q, k, v, x, state) to generate with it")
 
     @property
     def state_size(self) -> int | None:

@@ -1,13 +1,31 @@
 """Chapter 1 mixers: softmax attention, linear attention and its gated (Hebbian) family."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..core import softmax_attention
+from ..core.chunking import compute_dtype
 from ..linear import linear_attention
+from ..linear.recurrent import linear_attention_step
 from .mixer import TokenMixer, gate_dtype, register_mixer
+
+
+def empty_memory(q, v) -> torch.Tensor:
+    """M_0 = 0 [B, H, V, K] in the state's precision (fp32, fp64 for fp64 activations)."""
+    B, H, _, K = q.shape
+    return torch.zeros(B, H, v.shape[-1], K, dtype=compute_dtype(q), device=q.device)
+
+
+def hebbian_step(M, q, k, v, alpha_t):
+    """The mixers' call of ``linear_attention_step``: q, k [B,H,1,K], v [B,H,1,V] (M None: start at 0)
+    -> (o [B,H,1,V] in q's dtype, M_t)."""
+    M = empty_memory(q, v) if M is None else M
+    M, y_t = linear_attention_step(M, q[:, :, 0], k[:, :, 0], v[:, :, 0], alpha_t)
+    return y_t[:, :, None].to(q.dtype), M
 
 
 @register_mixer("softmax")
@@ -16,6 +34,14 @@ class SoftmaxAttention(TokenMixer):
 
     def mix(self, q, k, v, x):
         return softmax_attention(q, k, v)
+
+    def mix_step(self, q, k, v, x, state):
+        """One token against a KV cache (keys [B,H,t,K], values [B,H,t,V]): softmax attention has no
+        fixed-size state, so this cache grows by one key and one value per token."""
+        keys, values = (k, v) if state is None else (torch.cat([state[0], k], 2), torch.cat([state[1], v], 2))
+        scores = torch.einsum("bhqk,bhjk->bhqj", q.float(), keys.float()) / math.sqrt(q.shape[-1])
+        o = torch.einsum("bhqj,bhjv->bhqv", scores.softmax(-1), values.float())   # every cached token is past
+        return o.to(q.dtype), (keys, values)
 
     @property
     def state_size(self):
@@ -35,6 +61,15 @@ class LinearAttention(TokenMixer):
     def mix(self, q, k, v, x):
         return linear_attention(q, k, v, normalize=self.normalize, backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        V = v.shape[-1]
+        if self.normalize:                      # z_t rides along as one more value row (constant value 1)
+            v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+        o, M = hebbian_step(state, q, k, v, None)
+        if self.normalize:
+            o = (o[..., :V].float() / o[..., V:].float()).to(o.dtype)          # M_t q_t / z_t^T q_t
+        return o, M
 
     @property
     def state_size(self):
@@ -63,6 +98,10 @@ class RetNet(TokenMixer):
         log_alpha = self.log_alpha(gate_dtype(q), q.device)[None, :, None].expand(B, H, T)
         return linear_attention(q, k, v, log_alpha=log_alpha, backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        alpha_t = self.alpha.to(device=q.device, dtype=gate_dtype(q))[None, :].expand(q.shape[0], -1)
+        return hebbian_step(state, q, k, v, alpha_t)
 
 
 class GatedLinear(TokenMixer):
@@ -99,6 +138,9 @@ class GatedLinear(TokenMixer):
     def mix(self, q, k, v, x):
         return linear_attention(q, k, v, log_alpha=self.log_gate(x), backend=self.backend,
                                  chunk_size=self.chunk_size)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        return hebbian_step(state, q, k, v, self.gate(x).to(gate_dtype(q))[:, :, 0])
 
 
 @register_mixer("mamba2")

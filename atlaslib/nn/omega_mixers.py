@@ -47,8 +47,9 @@ from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
 from ..omega import OMEGA_CHUNK_SIZE, check_window, omega_rule, swla
+from ..omega.recurrent import omega_step, start_window, swla_step
 from .mixer import gate_dtype, register_mixer
-from .mixers import GatedLinear
+from .mixers import GatedLinear, empty_memory
 
 GAMMA_MODES = ("offset", "source", None)
 POLY_MAPS = ("taylor", "monomial")
@@ -142,7 +143,8 @@ class WindowedMixer(GatedLinear):
 
     @property
     def state_size(self) -> int:
-        """One [V, D] memory per head (D = the feature dimension); the c-pair window itself is input, not state."""
+        """One [V, D] memory per head (D = the feature dimension). Not counted: the last c - 1 pairs that
+        ``step`` also carries (``WindowState``), a size fixed by c, like the convolution's buffer."""
         return self.n_heads * self.feature_dim() * self.head_v_dim
 
     def gate_tensors(self, x, dtype, alpha: bool = True):
@@ -150,6 +152,18 @@ class WindowedMixer(GatedLinear):
         that pass it as ``log_alpha``."""
         cast = lambda t: None if t is None else t.to(dtype)       # noqa: E731
         return cast(self.gammas(x)), cast(self.alpha(x)) if alpha else None, cast(self.eta(x))
+
+    def window_step(self, rule, q, k, v, x, state):
+        """One token of ``rule`` (``omega_step`` or ``swla_step``) with this layer's features and gates.
+
+        The state is a ``WindowState``: the memory and the last c - 1 pairs (and their gates), since the
+        next c - 1 updates still read them; its size depends on c, not on the tokens seen.
+        """
+        q, k = self.features(q, k)
+        gamma, alpha, eta = (None if g is None else g[:, :, 0] for g in self.gate_tensors(x, gate_dtype(q)))
+        state = start_window(empty_memory(q, v)) if state is None else state
+        state, y_t = rule(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], self.window, gamma, alpha, eta)
+        return y_t[:, :, None].to(q.dtype), state
 
     def extra_repr(self) -> str:
         poly = f", degree={self.degree} ({self.poly_kind}{'' if self.constant else ', no constant'})" \
@@ -175,6 +189,10 @@ class OmegaNet(WindowedMixer):
         return omega_rule(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                           backend=self.backend, chunk_size=self.chunk_size)[0]
 
+    def mix_step(self, q, k, v, x, state):
+        """The per-token Omega rule (the model of ``chunk_size=1``; larger chunks freeze gradients)."""
+        return self.window_step(omega_step, q, k, v, x, state)
+
 
 @register_mixer("swla")
 class SWLA(WindowedMixer):
@@ -185,3 +203,6 @@ class SWLA(WindowedMixer):
         gamma, _, eta = self.gate_tensors(x, gate_dtype(q), alpha=False)
         return swla(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                     backend=self.backend, chunk_size=self.chunk_size)[0]
+
+    def mix_step(self, q, k, v, x, state):
+        return self.window_step(swla_step, q, k, v, x, state)

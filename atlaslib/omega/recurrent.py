@@ -9,12 +9,18 @@ Omega rule (GD on the windowed l2 objective, book ch. 4 §2; [A] eqs 9-10, 15):
     y_t = M_t phi(q_t)                                   (read out after the update)
 
 with l2(M; k, v) = 1/2 ||M k - v||^2. [A] eq 11 writes the last term with a minus sign;
-that is gradient *ascent* on the values (see the errata). A ring buffer holds the last
-c pairs, and every step re-evaluates all c gradients at the *current* state M_{t-1}:
+that is gradient *ascent* on the values (see the errata). Each step sees the last
+c pairs (the window), and every step re-evaluates all c gradients at the *current* state M_{t-1}:
 token i's error is recomputed at c successive states, which is what separates the
 Omega rule from momentum (momentum stores each gradient once, at the state it was
 first seen). Tokens before the start of the sequence do not exist, so the first c - 1
 steps use shorter windows.
+
+``omega_step`` and ``swla_step`` are one token of each rule, the bodies of the loops
+below. What a token needs from the past is the memory M and the last c - 1 pairs, so
+the state between tokens is a ``WindowState`` of both: its size depends on c, never on
+the number of tokens seen, which is what a decoder generating text one token at a
+time keeps per layer.
 
 SWLA (sliding-window linear attention, book ch. 4 §5) is the same window with the
 dot-product bias -<M phi(k), v>, whose gradient -v phi(k)^T does not depend on M:
@@ -29,55 +35,121 @@ Here q, k are already features phi(q), phi(k) of dimension D, so states are [B, 
 The window gates gamma come in two parametrisations (book ch. 4 §2):
 
 * per source token, ``[B, H, T]``: gamma_i^{(t)} = gamma_i, the same weight for token i
-  in every window that contains it;
+  in every window that contains it (so the state keeps the gates of its buffered tokens);
 * per offset, ``[B, H, T, c]``: gamma_i^{(t)} = gamma[t, t - i], a fresh set of c
   weights chosen by the token that updates (offset 0 is token t itself).
 """
 from __future__ import annotations
 
-from collections import deque
+from typing import NamedTuple
 
 import torch
 
 from ..core.chunking import compute_dtype
 
 
-def gamma_weight(gamma, t: int, i: int):
-    """gamma_i^{(t)} as a [B, H] tensor (or the number 1 when ``gamma`` is None)."""
-    if gamma is None:
-        return 1.0
-    if gamma.dim() == 3:                       # per source token: gamma_i
-        return gamma[:, :, i]
-    return gamma[:, :, t, t - i]               # per offset: gamma^{(t)}[t - i]
+class WindowState(NamedTuple):
+    """What the Omega rule and SWLA carry from one token to the next.
+
+    M: the memory [B, H, V, D]. keys [B, H, n, D], values [B, H, n, V]: the last
+    n <= c - 1 pairs, oldest first (fewer than c - 1 only near the start, where earlier
+    tokens do not exist). gammas [B, H, n]: their per-source gates (ones when the gates
+    are per offset or absent, which do not need them).
+    """
+    M: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    gammas: torch.Tensor
 
 
-def _per_bh(x):
-    """A [B, H] weight broadcast against a [B, H, V, D] state (numbers pass through)."""
-    return x[..., None, None] if isinstance(x, torch.Tensor) else x
+def start_window(M: torch.Tensor) -> WindowState:
+    """The state before the first token: memory M [B, H, V, D] and an empty window."""
+    B, H, V, D = M.shape
+    return WindowState(M, M.new_zeros(B, H, 0, D), M.new_zeros(B, H, 0, V), M.new_zeros(B, H, 0))
 
 
-def window_gradient(M, window, gamma, t):
-    """sum_{i in window} gamma_i^{(t)} (M phi(k_i) - v_i) phi(k_i)^T, with the window a list of (i, k_i, v_i)."""
-    grad = torch.zeros_like(M)
-    for i, k_i, v_i in window:
-        error = torch.einsum("bhvd,bhd->bhv", M, k_i) - v_i               # M phi(k_i) - v_i
-        grad = grad + _per_bh(gamma_weight(gamma, t, i)) * error[..., :, None] * k_i[..., None, :]
-    return grad
+def window_rows(state: WindowState, k_t, v_t, gamma_t):
+    """The window of token t: (keys [B,H,n,D], values [B,H,n,V], gates gamma_i^{(t)} [B,H,n]), oldest
+    first and token t's own pair last; n = min(t + 1, c)."""
+    keys = torch.cat([state.keys, k_t[:, :, None]], dim=2)
+    values = torch.cat([state.values, v_t[:, :, None]], dim=2)
+    n = keys.shape[2]
+    if gamma_t is None:
+        weights = torch.ones_like(keys[..., 0])
+    elif gamma_t.dim() == 2:                                   # per source: each token brings its own gate
+        weights = torch.cat([state.gammas, gamma_t[:, :, None]], dim=2)
+    else:                                                      # per offset: row j is offset n - 1 - j
+        weights = gamma_t[:, :, :n].flip(-1)
+    return keys, values, weights
 
 
-def _setup(q, k, v, gamma, alpha, eta, initial_state):
+def slide(M, keys, values, weights, gamma_t, window: int) -> WindowState:
+    """The state after token t: M_t and the newest c - 1 window rows (the oldest one leaves)."""
+    drop = max(keys.shape[2] - (window - 1), 0)                # rows to drop: 1 once the window is full
+    per_source = gamma_t is not None and gamma_t.dim() == 2
+    gammas = weights if per_source else torch.ones_like(weights)
+    return WindowState(M, keys[:, :, drop:], values[:, :, drop:], gammas[:, :, drop:])
+
+
+def window_gradient(M, keys, values, weights):
+    """sum_i gamma_i^{(t)} (M phi(k_i) - v_i) phi(k_i)^T over the window rows.
+
+    M [B,H,V,D]; keys [B,H,n,D]; values [B,H,n,V]; weights [B,H,n] (row j weighs pair j).
+    """
+    errors = torch.einsum("bhvd,bhnd->bhnv", M, keys) - values           # M phi(k_i) - v_i, every row
+    return torch.einsum("bhn,bhnv,bhnd->bhvd", weights, errors, keys)   # weighted sum of e_i phi(k_i)^T
+
+
+def _per_bh(x_t, M):
+    """A per-token gate [B, H] as a factor of the state [B, H, V, D] (None: 1)."""
+    return 1.0 if x_t is None else x_t.to(M.dtype)[:, :, None, None]
+
+
+def _as_state_dtype(state: WindowState, *xs):
+    return tuple(None if x is None else x.to(state.M.dtype) for x in xs)
+
+
+def omega_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alpha_t=None, eta_t=None,
+               grad_at=None):
+    """One token of the Omega rule. Returns (the state after token t, y_t = M_t phi(q_t) [B, H, V]).
+
+    q_t, k_t [B,H,D] features; v_t [B,H,V]; gamma_t None, [B,H] (per source) or [B,H,c]
+    (per offset); alpha_t, eta_t None or [B,H]. ``grad_at``: take the gradients at this
+    state instead of M_{t-1} (``omega_frozen_seq`` passes the chunk-start state). Inputs
+    are cast to the state's dtype.
+    """
+    q_t, k_t, v_t, gamma_t = _as_state_dtype(state, q_t, k_t, v_t, gamma_t)
+    keys, values, weights = window_rows(state, k_t, v_t, gamma_t)        # the last c pairs, t's own last
+    M_grad = state.M if grad_at is None else grad_at                      # M_{t-1} (frozen: M_{t0})
+    a_t, e_t = _per_bh(alpha_t, state.M), _per_bh(eta_t, state.M)
+    M = a_t * state.M - e_t * window_gradient(M_grad, keys, values, weights)   # all c gradients at M_grad
+    y_t = torch.einsum("bhvd,bhd->bhv", M, q_t)                           # y_t = M_t phi(q_t)
+    return slide(M, keys, values, weights, gamma_t, window), y_t
+
+
+def swla_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alpha_t=None, eta_t=None):
+    """One token of SWLA: M_t = alpha_t M_{t-1} + eta_t sum_i gamma_i^{(t)} v_i phi(k_i)^T. Arguments and
+    results as ``omega_step``."""
+    q_t, k_t, v_t, gamma_t = _as_state_dtype(state, q_t, k_t, v_t, gamma_t)
+    keys, values, weights = window_rows(state, k_t, v_t, gamma_t)
+    write = torch.einsum("bhn,bhnv,bhnd->bhvd", weights, values, keys)    # sum_i gamma_i v_i phi(k_i)^T
+    a_t, e_t = _per_bh(alpha_t, state.M), _per_bh(eta_t, state.M)
+    M = a_t * state.M + e_t * write                                       # no state in the write
+    y_t = torch.einsum("bhvd,bhd->bhv", M, q_t)
+    return slide(M, keys, values, weights, gamma_t, window), y_t
+
+
+def _start(q, v, initial_state):
+    """The loops' start state: M_0 (zeros unless given) in the compute dtype, an empty window."""
     B, H, T, D = q.shape
-    V = v.shape[-1]
     cd = compute_dtype(q)
-    cast = lambda x: None if x is None else x.to(cd)          # noqa: E731
-    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
-    return (cast(q), cast(k), cast(v), cast(gamma), cast(alpha), cast(eta), M, T)
+    M = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device) if initial_state is None \
+        else initial_state.to(cd)
+    return start_window(M)
 
 
-def _step_gates(alpha, eta, t):
-    a = 1.0 if alpha is None else alpha[:, :, t, None, None]
-    e = 1.0 if eta is None else eta[:, :, t, None, None]
-    return a, e
+def _at(x, t):
+    return None if x is None else x[:, :, t]
 
 
 def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None):
@@ -86,16 +158,13 @@ def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     q, k: [B,H,T,D] features; v: [B,H,T,V]; window: c >= 1; gamma: None, [B,H,T] or
     [B,H,T,c]; alpha, eta: None or [B,H,T]. Returns (o [B,H,T,V] in q's dtype, M_T [B,H,V,D]).
     """
-    out_dtype = q.dtype
-    q, k, v, gamma, alpha, eta, M, T = _setup(q, k, v, gamma, alpha, eta, initial_state)
-    pairs = deque(maxlen=window)                                          # ring buffer of the last c pairs
+    state = _start(q, v, initial_state)                       # M_0 and an empty window
     outputs = []
-    for t in range(T):
-        pairs.append((t, k[:, :, t], v[:, :, t]))
-        a_t, eta_t = _step_gates(alpha, eta, t)
-        M = a_t * M - eta_t * window_gradient(M, pairs, gamma, t)           # every gradient at M_{t-1}
-        outputs.append(torch.einsum("bhvd,bhd->bhv", M, q[:, :, t]))      # y_t = M_t phi(q_t)
-    return torch.stack(outputs, dim=2).to(out_dtype), M
+    for t in range(q.shape[2]):
+        state, y_t = omega_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window,
+                                _at(gamma, t), _at(alpha, t), _at(eta, t))
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(q.dtype), state.M
 
 
 def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
@@ -107,18 +176,15 @@ def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_
     Sequential, so it is the oracle that the chunkwise form must match for every b.
     At b = 1 it is ``omega_recurrent``. Same arguments and results as ``omega_recurrent``.
     """
-    out_dtype = q.dtype
-    q, k, v, gamma, alpha, eta, M, T = _setup(q, k, v, gamma, alpha, eta, initial_state)
-    pairs = deque(maxlen=window)
+    state = _start(q, v, initial_state)
     outputs = []
-    for t in range(T):
+    for t in range(q.shape[2]):
         if t % chunk_size == 0:
-            M_start = M                                                   # M_{t0}: frozen for this chunk
-        pairs.append((t, k[:, :, t], v[:, :, t]))
-        a_t, eta_t = _step_gates(alpha, eta, t)
-        M = a_t * M - eta_t * window_gradient(M_start, pairs, gamma, t)   # gradients at M_{t0}
-        outputs.append(torch.einsum("bhvd,bhd->bhv", M, q[:, :, t]))
-    return torch.stack(outputs, dim=2).to(out_dtype), M
+            M_start = state.M                                 # M_{t0}: frozen for this chunk
+        state, y_t = omega_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window,
+                                _at(gamma, t), _at(alpha, t), _at(eta, t), grad_at=M_start)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(q.dtype), state.M
 
 
 def swla_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None):
@@ -126,15 +192,10 @@ def swla_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
 
     Same arguments and results as ``omega_recurrent``.
     """
-    out_dtype = q.dtype
-    q, k, v, gamma, alpha, eta, M, T = _setup(q, k, v, gamma, alpha, eta, initial_state)
-    pairs = deque(maxlen=window)
+    state = _start(q, v, initial_state)
     outputs = []
-    for t in range(T):
-        pairs.append((t, k[:, :, t], v[:, :, t]))
-        a_t, eta_t = _step_gates(alpha, eta, t)
-        write = sum(_per_bh(gamma_weight(gamma, t, i)) * v_i[..., :, None] * k_i[..., None, :]
-                    for i, k_i, v_i in pairs)
-        M = a_t * M + eta_t * write
-        outputs.append(torch.einsum("bhvd,bhd->bhv", M, q[:, :, t]))
-    return torch.stack(outputs, dim=2).to(out_dtype), M
+    for t in range(q.shape[2]):
+        state, y_t = swla_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window,
+                               _at(gamma, t), _at(alpha, t), _at(eta, t))
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(q.dtype), state.M
