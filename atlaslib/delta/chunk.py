@@ -28,8 +28,8 @@ the k.k and q.k sums; chapter 1's ``decayed_scores`` scores them by halving the 
 every factor <= 1 whatever the gates (scalar gates: the masked [n, n] matrix of e^{g_t - g_j}).
 
 Everything but the start state is solved ahead, for a group of chunks at once: with
-A = I + Diag(beta) L and the UT transform's T = A^{-1} Diag(beta) (one triangular solve
-against I), the WY pair W = T (K e^g), U0 = T V gives U = U0 - W S^T, so only four small
+A = I + Diag(beta) L and the UT transform's R = A^{-1} Diag(beta) (one triangular solve
+against I), the WY pair W = R (K e^g), U0 = R V gives U = U0 - W S^T, so only four small
 matrix products per chunk run in sequence:
 
     U = U0 - W S^T,   Y = (Q e^g) S^T + P U,   S' = S e^{g_n} + U^T (K e^{g_n - g}).
@@ -83,17 +83,17 @@ def chunk_group(S, q, k, v, b, g, outputs):
     [G,BH,C,1]; g None, [G,BH,C] or [G,BH,C,K] (chunk-major, as ``chunk_run`` gives them).
     Appends each chunk's output [BH,C,V] to ``outputs`` and returns the state after the run.
 
-    P, L, the gated q and k, T = A^{-1} Diag(beta) and the WY pair W = T (K e^g), U0 = T V of all
+    P, L, the gated q and k, R = A^{-1} Diag(beta) and the WY pair W = R (K e^g), U0 = R V of all
     G chunks come first, in one batch; then only four small matrix products per chunk run in sequence.
     """
     C = q.shape[2]
     P, L, q_dec, k_dec, k_end, s_dec = decayed_products(q, k, g)
     A = torch.eye(C, dtype=q.dtype, device=q.device) + b * L           # I + Diag(beta) L
     # A^{-1} by one triangular solve against I (fewer right-hand sides than [K e^g | V], and
-    # then two batched products): the UT transform's T matrix.
-    T = torch.linalg.solve_triangular(A, torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A),
+    # then two batched products): the UT transform's R matrix (T is the sequence length).
+    R = torch.linalg.solve_triangular(A, torch.eye(C, dtype=q.dtype, device=q.device).expand_as(A),
                                       upper=False, unitriangular=True) * b.mT
-    W, U0 = T @ k_dec, T @ v
+    W, U0 = R @ k_dec, R @ v
     # Chunks taken by unbind, not by indexing: the backward stacks their gradients once instead
     # of zero-filling a copy of the whole group per chunk and tensor.
     decays = [None] * q.shape[0] if s_dec is None else s_dec.unbind(0)

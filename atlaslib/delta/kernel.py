@@ -133,8 +133,8 @@ def delta_rule_fwd_kernel(
             b_kS = tl.dot(b_k * tl.exp(b_g), tl.trans(b_S), input_precision=PRECISION)
 
         # U = (I + Diag(beta) L)^{-1} Diag(beta) (V - (K e^g) S^T): the values the chunk writes
-        b_Tinv = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
-        b_U = tl.dot(b_Tinv, b_beta[:, None] * (b_v - b_kS), input_precision=PRECISION)
+        b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
+        b_U = tl.dot(b_R, b_beta[:, None] * (b_v - b_kS), input_precision=PRECISION)
         b_o = b_qS + tl.dot(b_P, b_U, input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
