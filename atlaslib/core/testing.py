@@ -34,6 +34,9 @@ def assert_close(actual, expected, tol: float | None = None, name: str = "output
     if torch.isnan(actual).any() and not torch.isnan(expected).any():
         idx = torch.nonzero(torch.isnan(actual))[0].tolist()
         raise AssertionError(f"{name}: NaN at index {idx} (an output the code never wrote?)")
+    if not torch.isfinite(expected).all():
+        idx = torch.nonzero(~torch.isfinite(expected))[0].tolist()
+        raise AssertionError(f"{name}: the reference is not finite at index {idx} (inputs outside the stable regime?)")
     err = rel_rmse(actual, expected)
     if scale is not None:
         err *= expected.detach().double().norm().item() / scale.detach().double().norm().item()
