@@ -308,12 +308,12 @@ def test_decayed_scores_equal_the_decay_tile(gen, n, gates, mode):
         g = g[..., 0]
     for dtype, tol, tiny in ((torch.float64, 1e-12, 1e-300), (torch.float32, 1e-5, 1e-30)):
         g_d = g.to(dtype)                                        # the reference sees the same rounded g
-        (P, KK), x_decs, k_end, s_dec = decayed_scores((q.to(dtype), k.to(dtype)), k.to(dtype), g_d)
+        (P, KK), x_decs, k_end, m_dec = decayed_scores((q.to(dtype), k.to(dtype)), k.to(dtype), g_d)
         ref = tile_reference((q, k), k, g_d)
         magnitude = tile_reference((q.abs(), k.abs()), k.abs(), g_d)
-        got = (P, KK, *x_decs, k_end, s_dec)
+        got = (P, KK, *x_decs, k_end, m_dec)
         want, bound = ((*r[0], *r[1], r[2], r[3]) for r in (ref, magnitude))
-        for name, out, exp, size in zip(["P", "KK", "q e^g", "k e^g", "k_end", "s_dec"], got, want, bound):
+        for name, out, exp, size in zip(["P", "KK", "q e^g", "k e^g", "k_end", "m_dec"], got, want, bound):
             assert out.dtype == dtype and out.shape == exp.shape and torch.isfinite(out).all(), name
             excess = (out.double() - exp).abs() - (tol * size + tiny)
             assert excess.max() <= 0, f"{name} ({dtype}): off by {excess.max():.3g} beyond the bound"

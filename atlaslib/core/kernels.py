@@ -32,7 +32,7 @@ the token and channel strides (loads in fp32), ``state_slice``/``load_state`` gi
 program's [BV, BK] slice of a contiguous fp32 state (zeros when none is given).
 
 Names inside the kernels follow fla and the Triton tutorials: ``b_`` a block of values held by
-the program (b_q, b_S), ``p_`` a block of pointers, ``o_`` offsets (o_t: token indices,
+the program (b_q, b_M), ``p_`` a block of pointers, ``o_`` offsets (o_t: token indices,
 o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ import triton.language as tl
 from .chunking import gate_logs
 from .testing import empty
 
-GATE_NONE = tl.constexpr(0)       # no retention: S <- S + v k^T
+GATE_NONE = tl.constexpr(0)       # no retention: M <- M + v k^T
 GATE_SCALAR = tl.constexpr(1)     # log-gates [B, H, T]: one decay per token
 GATE_CHANNEL = tl.constexpr(2)    # log-gates [B, H, T, K]: one decay per token and key channel
 
@@ -88,10 +88,10 @@ def state_slice(i_bh, o_v, o_k, V, K):
 @triton.jit
 def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
     """A program's fp32 state slice from ``ptr``, or zeros when there is none (``ptr`` None)."""
-    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    b_M = tl.zeros([BV, BK], dtype=tl.float32)
     if ptr is not None:
-        b_S += tl.load(ptr + o_s, mask=m_s, other=0.0)
-    return b_S
+        b_M += tl.load(ptr + o_s, mask=m_s, other=0.0)
+    return b_M
 
 
 # ---------------------------------------------------------------------------------------

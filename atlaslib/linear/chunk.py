@@ -1,10 +1,10 @@
 """The algorithm: chunkwise-parallel linear attention, exact for every chunk size.
 
-Inside a chunk that starts from state S (the state after the previous chunk), with
-g_t = sum_{j<=t} log alpha_j accumulated from the chunk start,
+Inside a chunk of b tokens that starts from the memory M = M_{t0} (the state after the
+previous chunk), with g_t = sum_{j<=t} log alpha_j accumulated from the chunk start,
 
-    y_t = e^{g_t} S q_t + sum_{i<=t in chunk} e^{g_t - g_i} (k_i . q_t) v_i
-    S'  = e^{g_b} S + sum_i e^{g_b - g_i} v_i k_i^T
+    y_t    = e^{g_t} M q_t + sum_{i<=t in chunk} e^{g_t - g_i} (k_i . q_t) v_i
+    M_next = e^{g_b} M + sum_i e^{g_b - g_i} v_i k_i^T
 
 (per-channel gates: the exponentials act channel by channel on the key side). Only
 differences g_t - g_i with i <= t are exponentiated, so every factor lies in [0, 1]
@@ -97,10 +97,10 @@ def decayed_scores(xs, k, g):
 
     xs: a tuple of row sets [..., n, K] scored against the keys (the queries; chapter 2 adds
     the keys themselves); k: [..., n, K]; g: None, [..., n] (scalar) or [..., n, K] (per
-    channel), log-gates accumulated from the chunk start. Returns (Ps, x_decs, k_end, s_dec):
+    channel), log-gates accumulated from the chunk start. Returns (Ps, x_decs, k_end, m_dec):
     for each x the causal decayed scores P[t, i] = x_t . k_i e^{g_t - g_i} [..., n, n] and
     x * e^g; then k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
-    that multiplies the start state.
+    that multiplies the start memory.
 
     Per-channel gates: ``halving_scores`` does the work, on n padded to a power of two with zero
     rows (they score 0) and log-gate 0 (they decay nothing). Scalar gates: ``scalar_gate_terms``.
@@ -117,14 +117,15 @@ def decayed_scores(xs, k, g):
     return tuple(P[..., :n, :n] for P in Ps), tuple(x * e for x in xs), k * e_end, e[..., -1:, :]
 
 
-def chunk_step(S, q, k, v, g):
-    """One chunk. S: [B,H,V,K]; q,k: [B,H,n,K]; v: [B,H,n,V]; g: None, [B,H,n] or [B,H,n,K].
+def chunk_step(M, q, k, v, g):
+    """One chunk. M: [B,H,V,K], the memory at the chunk's start; q,k: [B,H,n,K]; v: [B,H,n,V];
+    g: None, [B,H,n] or [B,H,n,K].
 
-    Returns (o [B,H,n,V], S at the chunk's end).
+    Returns (o [B,H,n,V], the memory at the chunk's end).
     """
-    (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
-    o = q_dec @ S.mT + P @ v
-    return o, (S if s_dec is None else S * s_dec) + v.mT @ k_end
+    (P,), (q_dec,), k_end, m_dec = decayed_scores((q,), k, g)
+    o = q_dec @ M.mT + P @ v
+    return o, (M if m_dec is None else M * m_dec) + v.mT @ k_end
 
 
 def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=64, log_alpha=None):
@@ -140,22 +141,22 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    S = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     if T == 0:
-        return v.to(out_dtype), S
-    C = min(chunk_size, T)
-    N = -(-T // C)
-    q, k, v = (chunk_run(to_chunks(x, C), 0, N) for x in (q, k, v))
+        return v.to(out_dtype), M
+    b = min(chunk_size, T)
+    N = -(-T // b)
+    q, k, v = (chunk_run(to_chunks(x, b), 0, N) for x in (q, k, v))
     logs = gate_logs(alpha, log_alpha, cd)                       # padding: log-gate 0 keeps everything
-    g = None if logs is None else chunk_run(to_chunks(logs, C), 0, N).cumsum(dim=2)
-    (P,), (q_dec,), k_end, s_dec = decayed_scores((q,), k, g)
-    S = S.reshape(B * H, V, K)
+    g = None if logs is None else chunk_run(to_chunks(logs, b), 0, N).cumsum(dim=2)
+    (P,), (q_dec,), k_end, m_dec = decayed_scores((q,), k, g)
+    M = M.reshape(B * H, V, K)
     starts = []
     # The chunks are taken by unbind, not by indexing: in the backward, one stack of their
     # gradients instead of a zero-filled copy of the whole tensor per chunk.
-    decays = [None] * N if s_dec is None else s_dec.unbind(0)
-    for v_c, k_c, d_c in zip(v.unbind(0), k_end.unbind(0), decays):   # S_{c+1} = S_c e^{g_n} + V^T (K e^{g_n - g})
-        starts.append(S)
-        S = torch.baddbmm(S if d_c is None else S * d_c, v_c.mT, k_c)
-    o = q_dec @ torch.stack(starts).mT + P @ v                  # every chunk reads its start state
-    return from_chunks(o, B, H, T).to(out_dtype), S.reshape(B, H, V, K)
+    decays = [None] * N if m_dec is None else m_dec.unbind(0)
+    for v_c, k_c, d_c in zip(v.unbind(0), k_end.unbind(0), decays):   # M_next = M e^{g_b} + V^T (K e^{g_b - g})
+        starts.append(M)
+        M = torch.baddbmm(M if d_c is None else M * d_c, v_c.mT, k_c)
+    o = q_dec @ torch.stack(starts).mT + P @ v                  # every chunk reads its start memory
+    return from_chunks(o, B, H, T).to(out_dtype), M.reshape(B, H, V, K)

@@ -1,11 +1,11 @@
 """The GPU kernel: chunkwise linear attention (plain, scalar-gated, per-channel-gated) in Triton.
 
 One program owns one (batch*head, value-block) pair and walks the chunks in order,
-keeping its slice of the state S [BV, BK] in registers (fp32). For each chunk of BT
+keeping its slice of the memory M [BV, BK] in registers (fp32). For each chunk of BT
 tokens it does exactly what ``chunk.chunk_step`` does:
 
-    o   = (q * e^g) S^T + (scores * D) v        D[t,i] = e^{g_t - g_i} for i <= t
-    S  <- S * e^{g_last} + (v * e^{g_last - g})^T k
+    o   = (q * e^g) M^T + (scores * D) v        D[t,i] = e^{g_t - g_i} for i <= t
+    M  <- M * e^{g_last} + (v * e^{g_last - g})^T k
 
 where g is the log-gate accumulated from the chunk start (computed on the host).
 Scalar gates give a BT x BT decay matrix; per-channel gates need the decay inside the
@@ -52,9 +52,9 @@ def linear_attention_fwd_kernel(
     m_v = o_v < V
     m_causal = o_i[:, None] >= o_i[None, :]
 
-    # this program's slice S [BV, BK] of the state, in fp32 (zeros without h0)
+    # this program's slice M [BV, BK] of the state, in fp32 (zeros without h0)
     o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
-    b_S = load_state(h0_ptr, o_s, m_s, BV, BK)
+    b_M = load_state(h0_ptr, o_s, m_s, BV, BK)
 
     for start in range(0, T, BT):
         o_t = start + o_i                   # the chunk's tokens
@@ -64,9 +64,9 @@ def linear_attention_fwd_kernel(
         b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         if GATE == GATE_NONE:
             b_scores = tl.where(m_causal, tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION), 0.0)
-            b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) \
+            b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) \
                 + tl.dot(b_scores, b_v, input_precision=PRECISION)
-            b_S += tl.dot(tl.trans(b_v), b_k, input_precision=PRECISION)
+            b_M += tl.dot(tl.trans(b_v), b_k, input_precision=PRECISION)
         elif GATE == GATE_SCALAR:
             # g is padded to Tp (a multiple of BT) with log-gate 0, so row start+BT-1 exists
             p_g = g_ptr + i_bh * Tp + o_t
@@ -74,23 +74,23 @@ def linear_attention_fwd_kernel(
             b_g_last = tl.load(g_ptr + i_bh * Tp + start + BT - 1)
             b_decay = tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
             b_scores = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * b_decay
-            b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * tl.exp(b_g)[:, None] \
+            b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * tl.exp(b_g)[:, None] \
                 + tl.dot(b_scores, b_v, input_precision=PRECISION)
             b_v_decayed = b_v * tl.exp(b_g_last - b_g)[:, None]
-            b_S = b_S * tl.exp(b_g_last) + tl.dot(tl.trans(b_v_decayed), b_k, input_precision=PRECISION)
+            b_M = b_M * tl.exp(b_g_last) + tl.dot(tl.trans(b_v_decayed), b_k, input_precision=PRECISION)
         else:
             p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
             b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
             b_g_last = tl.load(g_ptr + i_bh * Tp * K + (start + BT - 1) * K + o_k, mask=m_k, other=0.0)
             b_diff = tl.where(m_causal[:, :, None], b_g[:, None, :] - b_g[None, :, :], float("-inf"))
             b_scores = tl.sum(b_q[:, None, :] * b_k[None, :, :] * tl.exp(b_diff), axis=2)
-            b_o = tl.dot(b_q * tl.exp(b_g), tl.trans(b_S), input_precision=PRECISION) \
+            b_o = tl.dot(b_q * tl.exp(b_g), tl.trans(b_M), input_precision=PRECISION) \
                 + tl.dot(b_scores, b_v, input_precision=PRECISION)
             b_k_decayed = b_k * tl.exp(b_g_last[None, :] - b_g)
-            b_S = b_S * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_v), b_k_decayed, input_precision=PRECISION)
+            b_M = b_M * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_v), b_k_decayed, input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
-    tl.store(ht_ptr + o_s, b_S, mask=m_s)
+    tl.store(ht_ptr + o_s, b_M, mask=m_s)
 
 
 def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=None):

@@ -57,20 +57,21 @@ def window_weights(G, eta, g, window):
     return (D * eta[..., None, :]) @ band_gates(G, window)
 
 
-def chunk_step(S, q, k_win, v_win, C, g, hebbian=False):
-    """One chunk. S: [B,H,V,D]; q: [B,H,n,D]; k_win, v_win: the n + c - 1 window rows;
-    C: [B,H,n,n+c-1]; g: None or [B,H,n]. Returns (o [B,H,n,V], S at the chunk's end).
+def chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
+    """One chunk. M: [B,H,V,D], the memory M_{t0} at the chunk's start; q: [B,H,n,D]; k_win, v_win:
+    the n + c - 1 window rows; C: [B,H,n,n+c-1]; g: None or [B,H,n].
+    Returns (o [B,H,n,V], the memory at the chunk's end).
     """
-    E = -v_win if hebbian else k_win @ S.transpose(-1, -2) - v_win   # errors at M_{t0} (SWLA: -v)
+    E = -v_win if hebbian else k_win @ M.transpose(-1, -2) - v_win   # errors at M_{t0} (SWLA: -v)
     scores = (q @ k_win.transpose(-1, -2)) * C
-    qS = q @ S.transpose(-1, -2)
+    qM = q @ M.transpose(-1, -2)
     if g is None:
-        o, S_start = qS - scores @ E, S
+        o, M_decayed = qM - scores @ E, M
     else:
-        o = torch.exp(g)[..., None] * qS - scores @ E
-        S_start = torch.exp(g[..., -1:, None]) * S                  # A_b M_{t0}
+        o = torch.exp(g)[..., None] * qM - scores @ E
+        M_decayed = torch.exp(g[..., -1:, None]) * M                # A_b M_{t0}
     c_end = C[..., -1, :, None]                                      # C[b, :]
-    return o, S_start - (E * c_end).transpose(-1, -2) @ k_win
+    return o, M_decayed - (E * c_end).transpose(-1, -2) @ k_win
 
 
 def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
@@ -81,21 +82,22 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     c = window
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    S = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     G = window_gates(gamma, B, H, T, c, cd, q.device)
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     logs = gate_logs(alpha, log_alpha, cd)
     k_pad = F.pad(k, (0, 0, c - 1, 0))                               # c - 1 zero rows before token 0
     v_pad = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
+    b = chunk_size
+    for s in range(0, T, b):
+        e = min(s + b, T)
         g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
         # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
-        o, S = chunk_step(S, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g, hebbian)
+        o, M = chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g, hebbian)
         outputs.append(o)
-    return torch.cat(outputs, dim=2).to(out_dtype), S
+    return torch.cat(outputs, dim=2).to(out_dtype), M
 
 
 def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,

@@ -1,8 +1,8 @@
 """The GPU kernel: the chunkwise Omega rule (and SWLA) with a linear memory, in Triton.
 
 One program owns one (batch*head, value-block) pair and walks the chunks in order,
-keeping its slice of the state S [BV, BD] in registers (fp32). Value columns never mix
-(the error of value channel r, (S phi(k))_r - v_r, reads only row r of S), so splitting
+keeping its slice of the memory M [BV, BD] in registers (fp32). Value columns never mix
+(the error of value channel r, (M phi(k))_r - v_r, reads only row r of M), so splitting
 V across programs is exact; every program needs all D feature channels.
 
 For each chunk of b tokens starting at t0 it computes exactly what ``chunk.chunk_step``
@@ -13,9 +13,9 @@ computes, the *frozen-gradient* chunk form (so it matches ``omega_chunk`` and
     Gamma[t, w]  = G[t0 + t, t + c - 1 - w]           the band, gathered from per-offset gates G
     D[t, n]      = e^{g_t - g_n} (n <= t)             g: log-retention accumulated in the chunk
     C            = (D * eta[None, :]) Gamma           [BT, BW]: one tl.dot
-    E            = K_idx S^T - V_idx                  errors at the chunk-start state (SWLA: -V_idx)
-    o            = e^{g} * (Q S^T) - ((Q K_idx^T) * C) E
-    S           <- e^{g_b} S - (E * C[b, :])^T K_idx
+    E            = K_idx M^T - V_idx                  errors at the chunk-start memory (SWLA: -V_idx)
+    o            = e^{g} * (Q M^T) - ((Q K_idx^T) * C) E
+    M           <- e^{g_b} M - (E * C[b, :])^T K_idx
 
 Tiles: BT = max(16, next_pow2(b)) token rows, BW = max(16, next_pow2(b + c - 1)) window
 rows, so every tl.dot has sizes >= 16; rows past the chunk or the sequence are masked
@@ -78,9 +78,9 @@ def omega_fwd_kernel(
     m_v = o_v < V
     m_causal = o_i[:, None] >= o_i[None, :]
 
-    # this program's slice S [BV, BD] of the state, in fp32 (zeros without h0)
+    # this program's slice M [BV, BD] of the state, in fp32 (zeros without h0)
     o_s, m_s = state_slice(i_bh, o_v, o_d, V, D)
-    b_S = load_state(h0_ptr, o_s, m_s, BV, BD)
+    b_M = load_state(h0_ptr, o_s, m_s, BV, BD)
 
     for start in range(0, T, b):
         o_t = start + o_i                                       # the chunk's tokens
@@ -120,14 +120,14 @@ def omega_fwd_kernel(
         if HEBBIAN:
             b_E = -b_vw
         else:
-            b_E = tl.dot(b_kw, tl.trans(b_S), input_precision=PRECISION) - b_vw      # errors at M_{t0}
+            b_E = tl.dot(b_kw, tl.trans(b_M), input_precision=PRECISION) - b_vw      # errors at M_{t0}
         b_scores = tl.dot(b_q, tl.trans(b_kw), input_precision=PRECISION) * b_C
-        b_o = tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_A[:, None] \
+        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None] \
             - tl.dot(b_scores, b_E, input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
-        b_S = b_S * b_A_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
+        b_M = b_M * b_A_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
 
-    tl.store(ht_ptr + o_s, b_S, mask=m_s)
+    tl.store(ht_ptr + o_s, b_M, mask=m_s)
 
 
 def kernel_supports(D: int, window: int, chunk_size: int) -> bool:
