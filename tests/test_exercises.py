@@ -167,9 +167,9 @@ def test_gated_loop_passes_and_rejects_left_multiplied_channel_gates():
 def test_chunk_step_passes_and_rejects_missing_inter_chunk_decay():
     assert ch01.chunk_step.evaluate(library_chunk_step).status == "passed"
 
-    def no_decay_on_past(S, q, k, v, g):
-        o, S_next = library_chunk_step(S, q, k, v, g)
-        return o - (torch.exp(g)[..., None] - 1) * (q @ S.transpose(-1, -2)), S_next
+    def no_decay_on_past(M, q, k, v, g):
+        o, M_next = library_chunk_step(M, q, k, v, g)
+        return o - (torch.exp(g)[..., None] - 1) * (q @ M.transpose(-1, -2)), M_next
     v = ch01.chunk_step.evaluate(no_decay_on_past)
     assert v.status == "failed" and "o:" in v.message
 
@@ -181,13 +181,13 @@ def test_chunkwise_passes_and_rejects_a_gate_that_is_not_restarted():
 
     def global_cumsum(q, k, v, alpha, chunk_size):
         g_all = torch.log(alpha).cumsum(-1)
-        S = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
+        M = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
         outs = []
         for s in range(0, q.shape[2], chunk_size):
             e = min(s + chunk_size, q.shape[2])
-            o, S = library_chunk_step(S, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g_all[:, :, s:e])
+            o, M = library_chunk_step(M, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g_all[:, :, s:e])
             outs.append(o)
-        return torch.cat(outs, 2), S
+        return torch.cat(outs, 2), M
     v = ch01.chunkwise.evaluate(global_cumsum)
     assert v.status == "failed" and "chunk_size=" in v.message
 
@@ -209,7 +209,7 @@ def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
 # ---- the Triton exercise: a correct kernel, and the masking mistakes it must catch --------
 
 @triton.jit
-def state_update_variants(S_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
+def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -226,20 +226,20 @@ def state_update_variants(S_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
     else:
         g_last = tl.load(g_ptr + i * n + n - 1)
     state = i * V * K + r[:, None] * K + c[None, :]
-    S = tl.load(S_ptr + state, mask=(r < V)[:, None] & (c < K)[None, :], other=0.0)
-    S_next = S * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision="ieee")
+    M = tl.load(M_ptr + state, mask=(r < V)[:, None] & (c < K)[None, :], other=0.0)
+    M_next = M * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision="ieee")
     if MASK_STORE:
-        tl.store(out_ptr + state, S_next, mask=(r < V)[:, None] & (c < K)[None, :])
+        tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < K)[None, :])
     else:
-        tl.store(out_ptr + state, S_next, mask=(r < V)[:, None] & (c < BK)[None, :])
+        tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < BK)[None, :])
 
 
 def launcher(mask_loads=True, mask_store=True, last_of_block=False):
-    def state_update(S, k, v, g, out):
+    def state_update(M, k, v, g, out):
         N, n, K = k.shape
         V = v.shape[-1]
         BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (n, K, V))
-        state_update_variants[(N,)](S, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
+        state_update_variants[(N,)](M, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
                                     MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block)
         return out
     return state_update
@@ -251,10 +251,10 @@ def test_triton_check_passes_a_correct_kernel():
 
 
 def test_triton_check_requires_a_kernel_launch():
-    def plain_torch(S, k, v, g, out):     # the right numbers, without a kernel
+    def plain_torch(M, k, v, g, out):     # the right numbers, without a kernel
         g_last = g[:, -1:]
         w = torch.exp(g_last - g)
-        out.copy_(torch.exp(g_last)[:, :, None] * S + torch.einsum("nt,ntv,ntk->nvk", w, v, k))
+        out.copy_(torch.exp(g_last)[:, :, None] * M + torch.einsum("nt,ntv,ntk->nvk", w, v, k))
     v = ch01.triton_state_update.evaluate(plain_torch)
     assert v.status == "failed" and "without launching a @triton.jit kernel" in v.message, v.message
 

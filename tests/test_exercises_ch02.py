@@ -99,12 +99,12 @@ def test_delta_step_left_multiplication_fails_on_shape_when_k_differs_from_v():
 
 # ---- exercise 2: the UT transform -----------------------------------------------------------
 
-def ut_forward_substitution(S0, k, v, beta, alpha):
-    """Row by row: u_t = beta_t (v_t - A_t S0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j)."""
+def ut_forward_substitution(M0, k, v, beta, alpha):
+    """Row by row: u_t = beta_t (v_t - A_t M0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j)."""
     A = torch.cumprod(alpha, dim=-1)
     U = []
     for t in range(k.shape[2]):
-        r = v[:, :, t] - A[:, :, t, None] * mv(S0, k[:, :, t])
+        r = v[:, :, t] - A[:, :, t, None] * mv(M0, k[:, :, t])
         for j in range(t):
             w = (A[:, :, t] / A[:, :, j]) * (k[:, :, j] * k[:, :, t]).sum(-1)
             r = r - w[..., None] * U[j]
@@ -113,14 +113,14 @@ def ut_forward_substitution(S0, k, v, beta, alpha):
 
 
 def ut_variant(diagonal=False, gates=True, transposed=False, rhs_decay=True, rhs_beta=True):
-    def solve(S0, k, v, beta, alpha):
+    def solve(M0, k, v, beta, alpha):
         n = k.shape[2]
         g = torch.log(alpha).cumsum(-1) if gates else torch.zeros_like(alpha)
         diff = g[..., :, None] - g[..., None, :]
         Gamma = torch.exp((-diff if transposed else diff).tril(0 if diagonal else -1)).tril(0 if diagonal else -1)
         system = torch.eye(n) + beta[..., None] * Gamma * (k @ k.transpose(-1, -2))
         decay = torch.exp(torch.log(alpha).cumsum(-1)) if rhs_decay else torch.ones_like(alpha)
-        rhs = v - decay[..., None] * (k @ S0.transpose(-1, -2))
+        rhs = v - decay[..., None] * (k @ M0.transpose(-1, -2))
         rhs = beta[..., None] * rhs if rhs_beta else rhs
         return torch.linalg.solve(system, rhs)
     return solve
@@ -134,7 +134,7 @@ def test_ut_solve_passes_correct_answers():
 
 @pytest.mark.parametrize("kw", [dict(diagonal=True), dict(gates=False), dict(transposed=True),
                                 dict(rhs_decay=False), dict(rhs_beta=False)],
-                         ids=["diagonal_kept", "no_gates_in_Gamma", "Gamma_transposed", "no_A_on_S0", "no_beta_on_rhs"])
+                         ids=["diagonal_kept", "no_gates_in_Gamma", "Gamma_transposed", "no_A_on_M0", "no_beta_on_rhs"])
 def test_ut_solve_rejects_typical_mistakes(kw):
     v = ch02.ut_solve.evaluate(ut_variant(**kw))
     assert v.status == "failed" and "U: relative RMSE" in v.message and "chunk length n=" in v.message
@@ -150,16 +150,16 @@ def chunkwise_by_steps(global_gate=False, reset_state=False):
     """A chunk loop over the library's chunk_step, optionally with a planted mistake."""
     def run(q, k, v, beta, alpha, chunk_size):
         B, H, T, K = q.shape
-        S = q.new_zeros(B, H, v.shape[-1], K)
+        M = q.new_zeros(B, H, v.shape[-1], K)
         logs = None if alpha is None else torch.log(alpha)
         outs = []
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)
             g = None if logs is None else (logs.cumsum(-1)[:, :, s:e] if global_gate else logs[:, :, s:e].cumsum(-1))
-            o, S_next = library_chunk_step(S, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e], g)
-            S = torch.zeros_like(S_next) if reset_state else S_next
+            o, M_next = library_chunk_step(M, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e], g)
+            M = torch.zeros_like(M_next) if reset_state else M_next
             outs.append(o)
-        return torch.cat(outs, 2), S_next
+        return torch.cat(outs, 2), M_next
     return run
 
 
@@ -191,13 +191,13 @@ def test_chunkwise_rejects_hebbian_writes_and_missing_none_case():
 
 # ---- exercise 4: KDA as a proximal step ------------------------------------------------------
 
-def prox_least_squares(S_prev, k, v, alpha, eta):
-    """The objective is 1/2 || S [k, I/sqrt(eta)] - [v, S'/sqrt(eta)] ||_F^2: a least-squares problem."""
-    S_faded = S_prev * alpha[:, :, None, :]
+def prox_least_squares(M_prev, k, v, alpha, eta):
+    """The objective is 1/2 || M [k, I/sqrt(eta)] - [v, M'/sqrt(eta)] ||_F^2: a least-squares problem."""
+    M_faded = M_prev * alpha[:, :, None, :]
     r = eta.rsqrt()[:, :, None, None]
     X = torch.cat([k[..., :, None], r * torch.eye(k.shape[-1]).expand(*k.shape[:2], -1, -1)], dim=-1)   # [B,H,K,K+1]
-    Y = torch.cat([v[..., :, None], r * S_faded], dim=-1)                                            # [B,H,V,K+1]
-    # S X = Y in the least-squares sense  <=>  X^T S^T = Y^T
+    Y = torch.cat([v[..., :, None], r * M_faded], dim=-1)                                            # [B,H,V,K+1]
+    # M X = Y in the least-squares sense  <=>  X^T M^T = Y^T
     return torch.linalg.lstsq(X.transpose(-1, -2), Y.transpose(-1, -2)).solution.transpose(-1, -2)
 
 
@@ -210,10 +210,10 @@ def blog_beta(eta, k):
 
 
 def kda_step_with(beta_fn):
-    def step(S_prev, k, v, alpha, eta):
-        S_faded = S_prev * alpha[:, :, None, :]
+    def step(M_prev, k, v, alpha, eta):
+        M_faded = M_prev * alpha[:, :, None, :]
         b = beta_fn(eta, k)[:, :, None, None]
-        return S_faded - b * outer(mv(S_faded, k) - v, k)
+        return M_faded - b * outer(mv(M_faded, k) - v, k)
     return step
 
 
@@ -227,13 +227,13 @@ def test_kda_beta_rejects_the_unit_key_formula():
     v = ch02.kda_beta.evaluate(prox_least_squares, blog_beta)
     assert v.status == "failed" and "kda_beta, " in v.message and "key norms in [0.5, 3.0]" in v.message
     v = ch02.kda_beta.evaluate(kda_step_with(blog_beta), beta_ok)
-    assert v.status == "failed" and "prox_step, " in v.message and "S: relative RMSE" in v.message
+    assert v.status == "failed" and "prox_step, " in v.message and "M: relative RMSE" in v.message
 
 
 @pytest.mark.parametrize("wrong", [
-    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, torch.ones_like(alpha), eta),     # no decay
-    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, alpha, 1 / eta),                  # eta inverted
-    lambda S_prev, k, v, alpha, eta: prox_least_squares(S_prev, k, v, alpha.mean(-1, keepdim=True).expand_as(alpha),
+    lambda M_prev, k, v, alpha, eta: prox_least_squares(M_prev, k, v, torch.ones_like(alpha), eta),     # no decay
+    lambda M_prev, k, v, alpha, eta: prox_least_squares(M_prev, k, v, alpha, 1 / eta),                  # eta inverted
+    lambda M_prev, k, v, alpha, eta: prox_least_squares(M_prev, k, v, alpha.mean(-1, keepdim=True).expand_as(alpha),
                                                         eta),                                           # a scalar gate
 ], ids=["no_decay", "eta_inverted", "scalar_gate"])
 def test_kda_beta_rejects_wrong_proximal_steps(wrong):

@@ -90,13 +90,13 @@ def step_closed_form(M, k_win, v_win, gamma, alpha, eta, sign=1.0, decay_first=F
     """M (alpha I - eta sum gamma k k^T) + sign * eta sum gamma v k^T, with switchable slips."""
     D = k_win.shape[-1]
     a, e = alpha[..., None, None], eta[..., None, None]
-    S = (gamma[..., None] * k_win).transpose(-1, -2) @ k_win                     # sum gamma k k^T [D, D]
+    KK = (gamma[..., None] * k_win).transpose(-1, -2) @ k_win                    # sum gamma k k^T [D, D]
     W = (gamma[..., None] * v_win).transpose(-1, -2) @ k_win                     # sum gamma v k^T [V, D]
     if decay_first:                                                              # gradient at alpha M
-        return a * M @ (torch.eye(D) - e * S) + e * W
-    if left:                                                                     # (alpha I - eta S) M
-        return (a * torch.eye(D) - e * S) @ M + e * W
-    return M @ (a * torch.eye(D) - e * S) + sign * e * W
+        return a * M @ (torch.eye(D) - e * KK) + e * W
+    if left:                                                                     # (alpha I - eta KK) M
+        return (a * torch.eye(D) - e * KK) @ M + e * W
+    return M @ (a * torch.eye(D) - e * KK) + sign * e * W
 
 
 def omega_rule_last_step(M, k_win, v_win, gamma, alpha, eta):

@@ -86,25 +86,25 @@ def gated_loop(fn, gen):
     return f"o and M_T match the library on {len(cases)} random cases (scalar and per-channel gates)"
 
 
-@EXERCISES.check("chunk_step", title="One chunk: intra-chunk matmul + inter-chunk state", points=3,
+@EXERCISES.check("chunk_step", title="One chunk: intra-chunk matmul + inter-chunk memory", points=3,
                   functions=("chunk_step",),
                   forbidden=("atlaslib.linear.chunk.chunk_step",
                              "atlaslib.linear.linear_attention",
                              "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunk_step(fn, gen):
-    """fn(S, q, k, v, g) -> (o [B,H,n,V], S_next [B,H,V,K]); g [B,H,n] = cumsum of log alpha in the chunk."""
+    """fn(M, q, k, v, g) -> (o [B,H,n,V], M_next [B,H,V,K]); g [B,H,n] = cumsum of log alpha in the chunk."""
     cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, n, K, V)
     for B, H, n, K, V in cases:
         q, k, v = random_qkv(B, H, n, K, V, generator=gen)
         alpha = random_gate(B, H, n, low=0.5, generator=gen)
-        S = torch.randn(B, H, V, K, generator=gen)
+        M = torch.randn(B, H, V, K, generator=gen)
         g = torch.log(alpha).cumsum(dim=-1)
-        o_ref, S_ref = reference(q, k, v, alpha, S)
+        o_ref, M_ref = reference(q, k, v, alpha, M)
         with case(f"B={B}, H={H}, chunk length n={n}, K={K}, V={V}"):
-            o, S_next = unpack(call(fn, *clones(S, q, k, v, g)), ("o", "S_next"))
+            o, M_next = unpack(call(fn, *clones(M, q, k, v, g)), ("o", "M_next"))
             compare("o", o, o_ref, TOL)
-            compare("S_next", S_next, S_ref, TOL)
-    return f"o and S_next match the per-token loop on {len(cases)} random chunks"
+            compare("M_next", M_next, M_ref, TOL)
+    return f"o and M_next match the per-token loop on {len(cases)} random chunks"
 
 
 @EXERCISES.check("chunkwise", title="The whole chunkwise forward pass", points=3,
@@ -163,7 +163,7 @@ def triton_device() -> str:
                   functions=("state_update",),
                   forbidden=("atlaslib.linear.chunk.chunk_step",), needs_launch=True)
 def triton_state_update(fn, gen):
-    """fn(S [N,V,K], k [N,n,K], v [N,n,V], g [N,n], out [N,V,K]) -> out = e^{g_last} S + (v e^{g_last-g})^T k."""
+    """fn(M [N,V,K], k [N,n,K], v [N,n,V], g [N,n], out [N,V,K]) -> out = e^{g_last} M + (v e^{g_last-g})^T k."""
     device = triton_device()
     if device == "cpu" and not interpreter_on():
         raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
@@ -173,10 +173,10 @@ def triton_state_update(fn, gen):
     for N, n, K, V in cases:
         q, k, v = random_qkv(N, 1, n, K, V, generator=gen)
         alpha = random_gate(N, 1, n, low=0.5, generator=gen)
-        S = torch.randn(N, 1, V, K, generator=gen)
-        _, S_ref = reference(q, k, v, alpha, S)
+        M = torch.randn(N, 1, V, K, generator=gen)
+        _, M_ref = reference(q, k, v, alpha, M)
         g = torch.log(alpha).cumsum(dim=-1)
-        ins = [guarded(x[:, 0].to(device)) for x in (S, k, v, g)]
+        ins = [guarded(x[:, 0].to(device)) for x in (M, k, v, g)]
         out = guarded_output((N, V, K), device=device)
         with case(f"N={N}, n={n}, K={K}, V={V}"):
             call(fn, *ins, out)
@@ -184,7 +184,7 @@ def triton_state_update(fn, gen):
                 torch.cuda.synchronize()
             check_guards("out", out)
             try:
-                compare("out", out, S_ref[:, 0].to(device), tol)
+                compare("out", out, M_ref[:, 0].to(device), tol)
             except CheckFailed as e:
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both

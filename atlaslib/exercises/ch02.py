@@ -66,15 +66,15 @@ def delta_step(grad_fn, step_fn, gen):
     return f"the gradient matches autograd and M_t matches atlaslib.delta on {len(cases)} random cases"
 
 
-def corrected_values(S0, k, v, beta, alpha):
+def corrected_values(M0, k, v, beta, alpha):
     """u_t = beta_t (v_t - alpha_t M_{t-1} k_t) from the library's per-token loop.
 
     The loop is run with the queries shifted by one token (query t = key t+1), so that its
-    read y_t = M_t k_{t+1} is exactly what token t+1 needs; token 1 reads S0 directly.
+    read y_t = M_t k_{t+1} is exactly what token t+1 needs; token 1 reads M0 directly.
     """
     q_next = torch.cat([k[:, :, 1:], k[:, :, :1]], dim=2)
-    y, _ = recurrent(q_next, k, v, beta, alpha, initial_state=S0)
-    first = torch.einsum("bhvk,bhk->bhv", S0, k[:, :, 0])[:, :, None]
+    y, _ = recurrent(q_next, k, v, beta, alpha, initial_state=M0)
+    first = torch.einsum("bhvk,bhk->bhv", M0, k[:, :, 0])[:, :, None]
     previous_reads = torch.cat([first, y[:, :, :-1]], dim=2)          # M_{t-1} k_t, t = 1..n
     return beta[..., None] * (v - alpha[..., None] * previous_reads)
 
@@ -85,7 +85,7 @@ def corrected_values(S0, k, v, beta, alpha):
                              "atlaslib.delta.chunk.chunk_step",
                              "atlaslib.delta.chunk.delta_rule_chunk"))
 def ut_solve(fn, gen):
-    """fn(S0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
+    """fn(M0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
     cases = [  # (B, H, n, K, V, lowest gate)
         (2, 2, 1, 5, 3, 0.5),
         (1, 2, 6, 6, 4, 0.5),
@@ -97,10 +97,10 @@ def ut_solve(fn, gen):
         _, k, v = random_qkv(B, H, n, K, V, generator=gen)
         beta = random_beta(B, H, n, gen)
         alpha = random_gate(B, H, n, low=low, generator=gen)
-        S0 = torch.randn(B, H, V, K, generator=gen)
-        U_ref = corrected_values(S0, k, v, beta, alpha)
+        M0 = torch.randn(B, H, V, K, generator=gen)
+        U_ref = corrected_values(M0, k, v, beta, alpha)
         with case(f"B={B}, H={H}, chunk length n={n}, K={K}, V={V}, gates in [{low}, 1]"):
-            compare("U", call(fn, *clones(S0, k, v, beta, alpha)), U_ref, TOL)
+            compare("U", call(fn, *clones(M0, k, v, beta, alpha)), U_ref, TOL)
     return f"U matches the per-token corrected values on {len(cases)} random chunks"
 
 
@@ -144,9 +144,9 @@ def keys_of_norm(B, H, K, gen, low, high):
                   functions=("prox_step", "kda_beta"),
                   forbidden=("atlaslib.delta.longhorn_beta",))
 def kda_beta(prox_fn, beta_fn, gen):
-    """prox_fn(S_prev, k, v, alpha, eta) -> S;  beta_fn(eta, k) -> beta.
+    """prox_fn(M_prev, k, v, alpha, eta) -> M;  beta_fn(eta, k) -> beta.
 
-    S_prev [B,H,V,K], k [B,H,K], v [B,H,V], alpha [B,H,K] (per key channel), eta [B,H].
+    M_prev [B,H,V,K], k [B,H,K], v [B,H,V], alpha [B,H,K] (per key channel), eta [B,H].
     """
     cases = [  # (B, H, K, V, key norms)
         (2, 2, 5, 3, (1.0, 1.0)),       # unit keys: the blog's beta is right here
@@ -157,14 +157,14 @@ def kda_beta(prox_fn, beta_fn, gen):
     for B, H, K, V, (low, high) in cases:
         k = keys_of_norm(B, H, K, gen, low, high)
         v = torch.randn(B, H, V, generator=gen)
-        S_prev = torch.randn(B, H, V, K, generator=gen)
+        M_prev = torch.randn(B, H, V, K, generator=gen)
         alpha = random_gate(B, H, 1, K, low=0.5, generator=gen)[:, :, 0]
         eta = 0.1 + 4.9 * torch.rand(B, H, generator=gen)
         label = f"B={B}, H={H}, K={K}, V={V}, key norms in [{low}, {high}]"
         with case(f"prox_step, {label}"):
-            _, S_ref = recurrent(k[:, :, None], k[:, :, None], v[:, :, None], eta[:, :, None],
-                                 alpha[:, :, None], initial_state=S_prev, longhorn=True)
-            compare("S", call(prox_fn, *clones(S_prev, k, v, alpha, eta)), S_ref, TOL)
+            _, M_ref = recurrent(k[:, :, None], k[:, :, None], v[:, :, None], eta[:, :, None],
+                                 alpha[:, :, None], initial_state=M_prev, longhorn=True)
+            compare("M", call(prox_fn, *clones(M_prev, k, v, alpha, eta)), M_ref, TOL)
         with case(f"kda_beta, {label}"):
             beta_ref = longhorn_beta(eta[:, :, None], k[:, :, None])[:, :, 0]
             compare("beta", call(beta_fn, *clones(eta, k)), beta_ref, TOL)

@@ -86,7 +86,7 @@ def omega_step(fn, gen):
         gamma = random_gate(B, H, c, low=0.0, generator=gen)
         alpha = random_gate(B, H, 1, low=0.3, generator=gen)[:, :, 0]
         eta = (0.1 + 0.9 * torch.rand(B, H, generator=gen)) / c
-        # the library's definition: every gradient of the window at the current state M
+        # the library's definition: every gradient of the window at the current memory M
         M_ref = alpha[..., None, None] * M - eta[..., None, None] * window_gradient(M, k, v, gamma)
         with case(f"B={B}, H={H}, window c={c}, D={D}, V={V}"):
             compare("M_t", call(fn, *clones(M, k, v, gamma, alpha, eta)), M_ref, TOL)
