@@ -33,16 +33,16 @@ KNOWN_BACKENDS = ("recurrent", "frozen_seq", "chunk", "triton", "auto")
 # Frames in these folders are the library's own: a warning about the user's call points past them.
 # torch is among them because the library calls back into itself through it (an autograd
 # Function's apply, nn.Module.__call__ around a mixer).
-LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
-                     for path in (os.path.dirname(os.path.abspath(__file__)), torch.__file__))
+LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,        # atlaslib/
+                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)                  # torch/
 
 
 def warn_at_caller(message: str, category=RuntimeWarning):
     """``warnings.warn`` attributed to the user's line: the first frame outside atlaslib (and torch).
 
-    A fixed ``stacklevel`` cannot do it: ``linear_attention`` reaches the warning in two calls,
-    ``miras`` in four, a mixer through ``nn.Module.__call__``, the kernel's fallback through
-    ``ChunkBackward.apply``.
+    A fixed ``stacklevel`` cannot do it: ``linear_attention`` and ``miras`` reach the warning
+    through different numbers of calls, a mixer through ``nn.Module.__call__`` as well, and the
+    kernel's fallback through ``ChunkBackward.apply``.
     """
     frame, level = sys._getframe(1), 2                       # stacklevel 2: our caller's frame
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(LIBRARY_DIRS):
