@@ -1,6 +1,7 @@
 """backend="auto" behaves the same in every chapter: the kernel on CUDA where it takes the inputs,
 otherwise the chunk form with a warning saying why. CI has no GPU, so the CUDA side of the choice
 is exercised with a stand-in tensor that reports being on CUDA."""
+import linecache
 import warnings
 
 import pytest
@@ -143,3 +144,50 @@ def test_chapters_name_the_backends_a_model_has(call, has):
     q, k, v = random_qkv(1, 1, 5, 4, 4, seed=0)
     with pytest.raises(ValueError, match=f"has no backend .*its backends are {has}"):
         call(q, k, v)
+
+
+# ---- the fallback warnings name the user's line, not the library's ----------------------------
+
+def _warned_line(run):
+    """(file, source line) of the one RuntimeWarning that ``run()`` raises."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    caught = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    return caught[0].filename, linecache.getline(caught[0].filename, caught[0].lineno)
+
+
+@pytest.mark.parametrize("chapter", ["linear", "miras", "mixer"])
+def test_the_auto_fallback_warning_points_at_the_users_call(monkeypatch, chapter):
+    """Every chapter reaches the warning through a different number of library frames (and a mixer
+    through nn.Module.__call__); the warning must name the line that called the library."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))   # "auto" asks the kernel
+    q, k, v = (x.double() for x in random_qkv(1, 2, 12, 8, 8, seed=0))          # which refuses fp64
+
+    def run():
+        if chapter == "linear":
+            linear_attention(q, k, v)                                            # the user's call
+        elif chapter == "miras":
+            miras(q, k, v, preset="ttt_linear")                                  # the user's call
+        else:
+            mixer(x)                                                             # the user's call
+    if chapter == "mixer":
+        from atlaslib.nn import make_mixer
+        mixer = make_mixer("gla", 16, 2).double()
+        x = torch.randn(1, 12, 16, dtype=torch.float64)
+    filename, line = _warned_line(run)
+    assert filename == __file__ and line.rstrip().endswith("# the user's call"), (filename, line)
+
+
+def test_the_kernels_fallback_warning_points_at_the_users_call():
+    """A kernel that does not fit the card falls back to the chunk form, also inside autograd's apply."""
+    errors = pytest.importorskip("triton.runtime.errors")
+
+    def too_big(x):
+        raise errors.OutOfResources(1 << 20, 1 << 16, "shared memory")
+    table = {"triton": too_big, "chunk": lambda x: (2 * x,)}
+    x = torch.randn(3, requires_grad=True)
+    filename, line = _warned_line(lambda: dispatch.call_backend("triton", table, x))     # the user's call
+    assert filename == __file__ and line.rstrip().endswith("# the user's call"), (filename, line)

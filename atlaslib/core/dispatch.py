@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import warnings
 
 import torch
@@ -27,6 +28,26 @@ BACKENDS = ("recurrent", "chunk", "triton", "auto")
 # Every backend name some model has (chapter 3 adds its frozen-gradient oracle): asking a model
 # for one of these that it lacks is "not available here", anything else is a misspelling.
 KNOWN_BACKENDS = ("recurrent", "frozen_seq", "chunk", "triton", "auto")
+
+
+# Frames in these folders are the library's own: a warning about the user's call points past them.
+# torch is among them because the library calls back into itself through it (an autograd
+# Function's apply, nn.Module.__call__ around a mixer).
+LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,        # atlaslib/
+                os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)                  # torch/
+
+
+def warn_at_caller(message: str, category=RuntimeWarning):
+    """``warnings.warn`` attributed to the user's line: the first frame outside atlaslib (and torch).
+
+    A fixed ``stacklevel`` cannot do it: ``linear_attention`` and ``miras`` reach the warning
+    through different numbers of calls, a mixer through ``nn.Module.__call__`` as well, and the
+    kernel's fallback through ``ChunkBackward.apply``.
+    """
+    frame, level = sys._getframe(1), 2                       # stacklevel 2: our caller's frame
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 def interpreter_on() -> bool:
@@ -56,8 +77,7 @@ def resolve_backend(backend, x: torch.Tensor, unsupported=None) -> str:
             return "chunk"
         reason = unsupported() if unsupported is not None else None
         if reason:
-            warnings.warn(f"backend='auto': the Triton kernel does not take {reason}; using the chunk form",
-                          RuntimeWarning, stacklevel=3)
+            warn_at_caller(f"backend='auto': the Triton kernel does not take {reason}; using the chunk form")
             return "chunk"
         return "triton"
     if backend == "triton":
@@ -174,8 +194,8 @@ def forward_or_fallback(forward_triton, forward_chunk, *inputs):
     try:
         return forward_triton(*inputs)
     except OutOfResources as exc:
-        warnings.warn(f"{getattr(forward_triton, '__name__', 'the Triton kernel')} does not fit this GPU "
-                      f"({exc}); using the chunk form instead", RuntimeWarning, stacklevel=3)
+        warn_at_caller(f"{getattr(forward_triton, '__name__', 'the Triton kernel')} does not fit this GPU "
+                       f"({exc}); using the chunk form instead")
         return forward_chunk(*inputs)
 
 

@@ -7,15 +7,15 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, book ch. 3 §8). Then:
 1. **Frozen gradients, all rows at once.** The window rows r of the chunk (the b tokens,
    plus the c - 1 before it when a window reaches back) go through the memory as one
    batch at W_{t0}. Every weight W of a memory is used as x -> W x, so row r's gradient
-   is rank one, g_r = a_r x_r^T with x_r the layer's input and a_r = d l_r / d (W x_r),
+   is rank one, grad_r = a_r x_r^T with x_r the layer's input and a_r = d l_r / d (W x_r),
    which one autograd call gives for all rows at once (``row_factors``). A window row
    before the chunk is evaluated at W_{t0} too, as in book ch. 4 §8; with
    retention decay_first row r is evaluated at alpha_r W_{t0} (window 1 only).
 2. **Optimizer and retention as masked matmuls.** For a linear optimizer the updates are
-   u_t = b_t S_{t0} + sum_r E[t, r] g_r (``optimizer.affine``: E = -diag(eta) Gamma for
+   u_t = b_t S_{t0} + sum_r E[t, r] grad_r (``optimizer.affine``: E = -diag(eta) Gamma for
    GD; E = D_theta diag(-eta) Gamma with D_theta[t, i] = theta_{i+1} ... theta_t for
    momentum), and a linear retention gives
-       Z_t = A_t Z_{t0} + (D_alpha b)_t S_{t0} + sum_r (D_alpha E)[t, r] g_r,
+       Z_t = A_t Z_{t0} + (D_alpha b)_t S_{t0} + sum_r (D_alpha E)[t, r] grad_r,
    with A_t = alpha_{t0+1} ... alpha_t and D_alpha[t, i] = A_t / A_i (i <= t). The decay
    ratios are exp(differences of cumulative log-gates), never quotients of cumulative
    products (``atlaslib.core.chunking.causal_decay``). Memora's log-domain recursion and
@@ -39,17 +39,24 @@ gradient is an approximation), except when the gradient does not depend on the s
 family (deltanet, gated_deltanet presets) run through this engine is therefore the
 *approximate* frozen-gradient variant for b > 1; ``atlaslib.delta`` has its exact
 chunkwise form.
+
+``titans_linear_chunk`` is this engine with the Triton kernel's contract (Titans or TTT with
+a linear memory, the caller's [B, H, T, .] tensors in, (o, M_T, S_T) out): the reference of
+``kernel.py`` and the backward of ``backend="triton"``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import LOG_FLOOR
+from ..core import check_chunk_size, check_gate, check_qkv, check_state
+from ..core.chunking import LOG_FLOOR, compute_dtype
+from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
+from .config import DEFAULT_CHUNK_SIZE, make_config
 from .memory import per_token_linear
 from .optimizer import decay_matrix
-from .recurrent import Gates, Parts
+from .recurrent import Gates, Parts, build_parts
 
 
 def row_factors(parts: Parts, W: dict, k_rows, v_rows, delta_rows, scale=None):
@@ -225,9 +232,9 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
         a, x_rows = row_factors(parts, ret.read(Z), k_rows, v_rows, delta_rows, scale)
         D, A = cf["D"], cf["A"]
         if opt.linear:
-            b, E, C, s_vec = cf["b"], cf["E"], cf["C"], cf["s"]      # u_t = b_t S + E g;  Z_t = A_t Z + s_t S + C g
+            b, E, C, s_vec = cf["b"], cf["E"], cf["C"], cf["s"]    # u_t = b_t S + E grad;  Z_t = A_t Z + s_t S + C grad
             S_end = None
-            if opt.has_state:                                         # S_b = B_b S_{t0} + sum_r E[b, r] g_r
+            if opt.has_state:                                         # S_b = B_b S_{t0} + sum_r E[b, r] grad_r
                 S_end = end_state(None, None, S, None if b is None else b[:, -1], a, x_rows, E[:, -1])
         if dual or scaled:
             nu = None
@@ -243,9 +250,45 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
             Z_all = states_from_factors(Z, S, a, x_rows, C, A, s_vec)
             S = S_end
         else:                                                         # per-row gradients -> updates -> states
-            G = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
-            U, S = opt.updates(S, G, cf["Gamma"], cf["eta"], cf["h"])
+            grad = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
+            U, S = opt.updates(S, grad, cf["Gamma"], cf["eta"], cf["h"])
             Z_all = retained_states(parts, Z, U, None if alpha is None else alpha[:, s:e], D, A)
         outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
         Z = {name: z[:, -1] for name, z in Z_all.items()}
     return torch.cat(outputs, dim=1), Z, S
+
+
+def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
+                        chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+    """Titans with a linear memory, chunkwise in PyTorch, with the Triton kernel's contract.
+
+    q, k [B, H, T, K], v [B, H, T, V]; alpha, eta, theta [B, H, T] or None (1, 1, 0);
+    initial_state / initial_momentum [B, H, V, K] or None (zeros). In each chunk, with errors
+    frozen at the chunk-start state: S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,
+    M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
+    fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
+    ``log_alpha`` (fp32/fp64, <= 0) may replace alpha; it becomes alpha in fp32 (fp64) at entry,
+    as in ``miras``.
+    """
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
+    check_gate("eta", eta, B, H, T, high=None, ref=q)
+    check_gate("theta", theta, B, H, T, ref=q)
+    check_state("initial_state", initial_state, (B, H, V, K), q)
+    check_state("initial_momentum", initial_momentum, (B, H, V, K), q)
+    check_chunk_size(chunk_size)
+    has_alpha = alpha is not None or log_alpha is not None
+    cfg = make_config("titans", memory="linear", retention="decay" if has_alpha else "none")
+    parts = build_parts(cfg, K, V)
+    cd = compute_dtype(q)
+    alpha = alpha_from_log(alpha, log_alpha, cd)
+    N = B * H
+    flat = lambda x: None if x is None else x.to(cd).reshape(N, T)          # noqa: E731
+    eta = torch.ones(N, T, dtype=cd, device=q.device) if eta is None else flat(eta)
+    gates = Gates(eta=eta, G=torch.ones(N, T, 1, dtype=cd, device=q.device), alpha=flat(alpha), theta=flat(theta))
+    zeros = torch.zeros(N, V, K, dtype=cd, device=q.device)
+    Z = {"M": zeros if initial_state is None else initial_state.to(cd).reshape(N, V, K)}
+    S = {"M": zeros if initial_momentum is None else initial_momentum.to(cd).reshape(N, V, K)}
+    o, Z, S = miras_chunk(parts, q.to(cd).reshape(N, T, K), k.to(cd).reshape(N, T, K),
+                          v.to(cd).reshape(N, T, V), gates, Z, S, chunk_size)
+    return o.reshape(B, H, T, V).to(q.dtype), Z["M"].reshape(B, H, V, K), S["M"].reshape(B, H, V, K)

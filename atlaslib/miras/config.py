@@ -8,7 +8,8 @@
 ``MirasConfig`` holds the four axes and the few static hyper-parameters they need;
 data-dependent quantities (alpha, eta, theta, delta, gamma) are tensors passed to
 ``miras`` at call time. ``make_config`` checks names, values, and axis combinations
-that cannot work, and raises ValueError saying what to change.
+that cannot work, and raises ValueError saying what to change. ``DEFAULT_CHUNK_SIZE`` is
+the chapter's one chunk length b (a static choice that is part of the model, see below).
 """
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from .optimizer import OPTIMIZERS
 from .retention import RETENTIONS
 
 AXES = ("memory", "bias", "retention", "optimizer")
+
+# The chunk length b of "chunk", "frozen_seq" and "triton" for every MIRAS model, and for every
+# entry point that reaches one: the OmegaNet rule (atlaslib.omega.omega_rule, linear or deep memory,
+# which is this engine's l2 bias with a window) and the token mixers. For all but the
+# state-free linear_attention preset b changes the output (gradients are frozen at each chunk's
+# start), so one model must not get two defaults from two doors. 16 is TTT's inner mini-batch size
+# and what this chapter always used: short enough that the frozen gradient stays close to the
+# per-token one, long enough to give the chunk form matrix products to batch.
+DEFAULT_CHUNK_SIZE = 16
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ import triton.language as tl
 from ..core.kernels import (as_fp32, at_head, dot_tile, feature_tile, forward_launch, load_state, load_tile,
                             state_slice, store_tile, value_tile)
 from ..core.validation import check_chunk_size, check_qkv, check_state
+from .config import DEFAULT_CHUNK_SIZE
 
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
 # (triton.compile with GPUTarget("cuda", 90, 32), num_stages=1, BT = 64, all gates and
@@ -228,7 +229,7 @@ def kernel_supports(K: int, V: int, chunk_size: int) -> bool:
 
 
 def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
-                         chunk_size=64):
+                         chunk_size=DEFAULT_CHUNK_SIZE):
     """Triton forward of the chunkwise Titans step with a linear memory (gradients frozen per chunk).
 
     Args:
@@ -238,7 +239,8 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
         theta: [B, H, T] momentum decay in [0, 1], or None (theta = 0: no momentum, TTT-Linear).
         initial_state: M_0 [B, H, V, K] or None (zeros).
         initial_momentum: S_0 [B, H, V, K] or None (zeros).
-        chunk_size: b, 1 <= b <= 64; every gradient of a chunk is taken at the chunk-start state.
+        chunk_size: b, 1 <= b <= 64; every gradient of a chunk is taken at the chunk-start state
+            (default: the chapter's ``DEFAULT_CHUNK_SIZE``, as ``titans_linear_chunk`` and ``miras``).
 
     Returns:
         (o [B, H, T, V] in q's dtype, M_T [B, H, V, K] fp32, S_T [B, H, V, K] fp32).

@@ -3,9 +3,9 @@
 For each token t (book/notation.md and book ch. 3 §1), with W_{t-1} = R(Z_{t-1}) the memory's weights
 read from the raw state (retention, axis 4):
 
-    g_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l(W; phi(k_i), v_i) |_{W = W_{t-1}}
+    grad_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l(W; phi(k_i), v_i) |_{W = W_{t-1}}
                                           (at alpha_t W_{t-1} for retention decay_first)
-    u_t, S_t = optimizer(S_{t-1}, g_t, eta_t, theta_t)       e.g. S_t = theta_t S_{t-1} - eta_t g_t
+    u_t, S_t = optimizer(S_{t-1}, grad_t, eta_t, theta_t)    e.g. S_t = theta_t S_{t-1} - eta_t grad_t
     Z_t = combine(Z_{t-1}, u_t, alpha_t)                       e.g. alpha_t Z_{t-1} + u_t
     y_t = M_{W_t}(phi(q_t)),   W_t = R(Z_t)                    (read out after the update)
 
@@ -33,10 +33,11 @@ from typing import NamedTuple
 
 import torch
 
-from .bias import Bias
-from .memory import Memory
-from .optimizer import Optimizer
-from .retention import Retention
+from .bias import Bias, build_bias
+from .config import MirasConfig, make_config, validate_config
+from .memory import Memory, build_memory
+from .optimizer import Optimizer, build_optimizer
+from .retention import Retention, build_retention
 
 
 class Parts(NamedTuple):
@@ -46,6 +47,12 @@ class Parts(NamedTuple):
     bias: Bias
     retention: Retention
     optimizer: Optimizer
+
+
+def build_parts(cfg: MirasConfig, K: int, V: int) -> Parts:
+    """The four axis objects of ``cfg`` for memory input width K and value width V."""
+    cfg = validate_config(cfg)
+    return Parts(cfg, build_memory(cfg, K, V), build_bias(cfg), build_retention(cfg), build_optimizer(cfg))
 
 
 @dataclass
@@ -101,6 +108,20 @@ def loss_gradient(parts: Parts, W: dict, k_rows, v_rows, delta_rows, weights, sc
     return grad
 
 
+def memory_gradient(cfg, W: dict, k, v, delta=None):
+    """grad_W sum_r l(W; k_r, v_r) for config ``cfg`` (a preset name or MirasConfig), by autograd.
+
+    W: {name: [N, out, in]} (the linear memory's weight is named "M"); k [N, R, K];
+    v [N, R, V]; delta [N, R] for biases that take it (default: the config's constant).
+    The public face of ``loss_gradient``: it builds the parts and gives every row weight 1.
+    """
+    cfg = make_config(cfg) if not isinstance(cfg, MirasConfig) else cfg
+    parts = build_parts(cfg, k.shape[-1], v.shape[-1])
+    if parts.bias.uses_delta and delta is None:
+        delta = torch.full(k.shape[:-1], float(cfg.delta), dtype=k.dtype, device=k.device)
+    return loss_gradient(parts, W, k, v, delta, torch.ones(k.shape[:-1], dtype=k.dtype, device=k.device))
+
+
 def miras_step(parts: Parts, state: TokenState, q_t, k_t, v_t, gates_t: Gates, grad_at: dict | None = None):
     """One token of the engine. Returns (the state after token t, y_t [N, V]).
 
@@ -116,8 +137,8 @@ def miras_step(parts: Parts, state: TokenState, q_t, k_t, v_t, gates_t: Gates, g
     weights = gates_t.G[:, :n].flip(-1)                                   # gamma_i^{(t)}: row j is offset n-1-j
     W = ret.read(state.Z if grad_at is None else grad_at)                 # W_{t-1} (or W_{t0})
     scale = gates_t.alpha if ret.grad_at_decayed else None
-    g = loss_gradient(parts, W, keys, values, deltas, weights, scale)
-    u, S = opt.step(state.S, g, gates_t.eta, gates_t.theta)               # optimizer (axis 3)
+    grad = loss_gradient(parts, W, keys, values, deltas, weights, scale)
+    u, S = opt.step(state.S, grad, gates_t.eta, gates_t.theta)            # optimizer (axis 3)
     Z = ret.combine(state.Z, u, gates_t.alpha)                            # retention (axis 4)
     y_t = mem(ret.read(Z), q_t[:, None])[:, 0]                            # y_t = M_{W_t}(phi(q_t))
     drop = max(n - (parts.cfg.window - 1), 0)                             # the oldest row leaves a full window

@@ -1,0 +1,201 @@
+"""Validate a call of ``miras``, choose the backend, run it.
+
+``prepare`` checks every argument (shapes, gate ranges, which gates the configuration takes,
+the initial state), builds the four axis objects and chooses the backend; it returns a
+``Problem`` whose ``args`` = (parts, q, k, v, gates, Z, S) are the engines' inputs in their
+internal layout (N = B * H rows, compute dtype). ``run`` executes a prepared problem:
+
+    problem = prepare(q, k, v, preset="titans", eta=lr, chunk_size=8)
+    o, Z, S = miras_chunk(*problem.args, chunk_size=8)        # one engine, directly
+    o, state = run(problem)                                   # the chosen backend, public layout
+
+The forms the backends name: ``engine_table`` (recurrent, frozen_seq, chunk, each taking
+``Problem.args``) and ``KERNEL_TABLE`` (the Triton kernel with its own contract, paired with
+its chunk form ``titans_linear_chunk`` for the backward).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import numbers
+from typing import NamedTuple
+
+import torch
+
+from ..core import check_chunk_size, check_gate, check_qkv, get_feature_map
+from ..core.chunking import compute_dtype
+from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
+from ..core.windows import window_gates
+from .chunk import miras_chunk, titans_linear_chunk
+from .config import DEFAULT_CHUNK_SIZE, MirasConfig, make_config
+from .recurrent import Gates, Parts, build_parts, miras_frozen_seq, miras_recurrent
+from .state import MirasState, check_initial_state, flatten_bh, init_state, public_state
+
+BACKENDS = ("recurrent", "frozen_seq", "chunk", "triton", "auto")
+
+KERNEL_CONFIGS = ("memory='linear', bias='l2', optimizer 'gd' or 'momentum', retention 'none' or 'decay' "
+                  "(decay after the gradient), window=1: Titans with a linear memory and TTT-Linear")
+
+KERNEL_MODULE = f"{__package__}.kernel"
+
+
+def has_kernel(cfg: MirasConfig) -> bool:
+    """Whether ``backend="triton"`` has a kernel for this configuration (see KERNEL_CONFIGS)."""
+    return (cfg.memory == "linear" and cfg.bias == "l2" and cfg.optimizer in ("gd", "momentum")
+            and cfg.retention in ("none", "decay") and cfg.window == 1)
+
+
+def kernel_available() -> bool:
+    return importlib.util.find_spec(KERNEL_MODULE) is not None
+
+
+def _gate(name, x, B, H, T, cd, q, *, low=0.0, high=1.0, width=None):
+    """A gate given as a tensor [B, H, T] (or [B, H, T, width]) or a number; returns a tensor or None."""
+    if x is None:
+        return None
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        x = float(x)
+        if x != x or x < low or (high is not None and x > high):
+            raise ValueError(f"{name} must lie in [{low}, {'inf)' if high is None else f'{high}]'}, got {x}")
+        return torch.full((B, H, T), x, dtype=cd, device=q.device)
+    check_gate(name, x, B, H, T, width, low=low, high=high, ref=q)
+    return x
+
+
+def _unused(name, x, why):
+    if x is not None:
+        raise ValueError(f"{name} was given but {why}")
+
+
+def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
+    """The retention gate alpha in the compute dtype ``cd``, given as alpha or as log_alpha.
+
+    log_alpha is turned into alpha here, at entry, in fp32 (fp64 for fp64 inputs): the engine's
+    seven retentions combine with alpha itself (the KL and l_q retentions are not a decay of Z),
+    so a log-gate is not threaded through them. In fp32, 1 - alpha keeps a relative precision of
+    about 2^-24 / (1 - alpha): 2^-12 for the gate 1 - 2^-12 that bf16 rounds to 1. For gates much
+    closer to 1, pass fp64 inputs.
+    """
+    if log_alpha is None:
+        return _gate("alpha", alpha, B, H, T, cd, q)
+    if alpha is not None:
+        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
+        log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
+    check_retention(None, log_alpha, B, H, T, ref=q)
+    return alpha_from_log(None, log_alpha, cd)
+
+
+def engine_table(chunk_size: int) -> dict:
+    """The engine's forms, each taking ``Problem.args`` = (parts, q, k, v, gates, Z, S) and returning (o, Z, S)."""
+    return {"recurrent": miras_recurrent,
+            "frozen_seq": functools.partial(miras_frozen_seq, chunk_size=chunk_size),
+            "chunk": functools.partial(miras_chunk, chunk_size=chunk_size)}
+
+
+# The kernel keeps its own contract, the caller's tensors in (``Problem.kernel_inputs``) and
+# (o, M_T, S_T) out, so it is paired with the chunk form of that contract for its backward.
+KERNEL_TABLE = {"triton": lazy(KERNEL_MODULE, "titans_linear_triton"), "chunk": titans_linear_chunk}
+
+
+def choose(backend, cfg, q, V, chunk_size) -> str:
+    """``core.dispatch.choose_backend`` for this configuration: "triton" only where a kernel exists."""
+    names = ("recurrent", "frozen_seq", "chunk")
+    if has_kernel(cfg) and kernel_available():
+        names += ("triton",)
+        missing = None
+    elif has_kernel(cfg):
+        missing = "atlaslib/miras/kernel.py is not available in this installation"
+    else:
+        missing = (f"chapter 3 has a kernel only for {KERNEL_CONFIGS}; got memory={cfg.memory!r}, "
+                   f"bias={cfg.bias!r}, retention={cfg.retention!r}, optimizer={cfg.optimizer!r}, window={cfg.window}")
+
+    def unsupported():
+        from .kernel import kernel_supports
+        if kernel_supports(q.shape[-1], V, chunk_size):
+            return matrix_kernel_limits(q)
+        return f"K={q.shape[-1]}, chunk_size={chunk_size} (it takes K <= 256, chunk_size <= 64)"
+    return choose_backend(backend, q, names, unsupported=unsupported, model="miras", missing=missing)
+
+
+class Problem(NamedTuple):
+    """A validated call of ``miras``: the axis objects, the engine inputs and the chosen backend.
+
+    ``args`` = (parts, q, k, v, gates, Z, S) in the engines' internal layout (N = B * H rows,
+    compute dtype), so ``miras_chunk(*problem.args, chunk_size=b)`` runs one engine directly.
+    """
+    parts: Parts
+    args: tuple
+    backend: str
+    chunk_size: int
+    shape: tuple          # (B, H, T, D, V)
+    kernel_inputs: tuple  # the kernel's arguments (backend "triton" only)
+
+
+def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,
+            phi=None, initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
+            **overrides) -> Problem:
+    """Validate every argument of ``miras`` and return the engines' inputs (see ``Problem``)."""
+    if preset is not None and config is not None:
+        raise ValueError("give either preset (a name) or config (a MirasConfig), not both")
+    cfg = make_config(config if config is not None else preset, **overrides)
+    B, H, T, K, V = check_qkv(q, k, v)
+    phi_fn = get_feature_map("identity" if phi is None else phi)
+    fq, fk = phi_fn(q), phi_fn(k)
+    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
+        if not isinstance(f, torch.Tensor) or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
+            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
+                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
+    D = fk.shape[-1]
+    parts = build_parts(cfg, D, V)
+    ret, opt, bias = parts.retention, parts.optimizer, parts.bias
+    cd = compute_dtype(q)
+    if not ret.uses_alpha:
+        for name, x in (("alpha", alpha), ("log_alpha", log_alpha)):
+            _unused(name, x, f"retention={cfg.retention!r} has no retention gate "
+                             f"(use retention='decay', or 'decay_first' for the Gated DeltaNet placement)")
+    if not opt.uses_theta:
+        _unused("theta", theta, f"optimizer={cfg.optimizer!r} has no momentum (use optimizer='momentum')")
+    if not bias.uses_delta:
+        _unused("delta", delta, f"bias={cfg.bias!r} takes no threshold (delta is for the Huber and value_shift biases)")
+    alpha = _retention_gate(alpha, log_alpha, B, H, T, cd, q)
+    eta = _gate("eta", 1.0 if eta is None else eta, B, H, T, cd, q, high=None)
+    theta = _gate("theta", theta, B, H, T, cd, q)
+    if bias.uses_delta:
+        delta = _gate("delta", cfg.delta if delta is None else delta, B, H, T, cd, q, high=None)
+    gamma = _gate("gamma", gamma, B, H, T, cd, q, width=cfg.window)
+    check_chunk_size(chunk_size)
+    state = check_initial_state(initial_state, cfg, parts.memory, opt, B, H, q)
+    backend = choose(backend, cfg, fq, V, chunk_size)
+    eta = ret.effective_eta(eta.to(cd), fk.to(cd))                           # proximal: the implicit step
+    if state is None:
+        state = check_initial_state(init_state(cfg, B, H, D, V, dtype=cd, device=q.device), cfg, parts.memory,
+                                    opt, B, H, q)
+    if opt.has_state and state.momentum is None:
+        state = MirasState(state.memory, {n: torch.zeros_like(w) for n, w in state.memory.items()})
+
+    kernel_inputs = ()
+    if backend == "triton":
+        S0 = state.momentum["M"] if opt.has_state else None
+        kernel_inputs = (fq, fk, v, alpha, eta, theta if opt.has_state else None, state.memory["M"], S0, chunk_size)
+    N = B * H
+    flat = lambda x: None if x is None else x.to(cd).reshape(N, T)        # noqa: E731
+    G = window_gates(gamma, B, H, T, cfg.window, cd, q.device).reshape(N, T, cfg.window)
+    gates = Gates(eta=flat(eta), G=G, alpha=flat(alpha), theta=flat(theta), delta=flat(delta))
+    Z = flatten_bh(state.memory, B, H, cd)
+    S = None if state.momentum is None else flatten_bh(state.momentum, B, H, cd)
+    args = (parts, fq.to(cd).reshape(N, T, D), fk.to(cd).reshape(N, T, D), v.to(cd).reshape(N, T, V), gates, Z, S)
+    return Problem(parts, args, backend, chunk_size, (B, H, T, D, V), kernel_inputs)
+
+
+def run(problem: Problem, backend: str | None = None):
+    """Run a prepared problem; returns (o [B, H, T, V] in the compute dtype, final MirasState)."""
+    backend = backend or problem.backend
+    B, H, T, D, V = problem.shape
+    parts = problem.parts
+    if backend == "triton":                   # the kernel's own contract, see KERNEL_TABLE
+        o, M_T, S_T = call_backend("triton", KERNEL_TABLE, *problem.kernel_inputs)
+        return o, MirasState(M_T, S_T if parts.optimizer.has_state else None)
+    o, Z, S = call_backend(backend, engine_table(problem.chunk_size), *problem.args)
+    return o.reshape(B, H, T, V), public_state(Z, S, parts.memory, B, H)

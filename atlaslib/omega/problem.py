@@ -1,0 +1,99 @@
+"""Validate a call of ``omega_rule`` or ``swla``, choose the backend, run it.
+
+``prepare`` checks every argument and applies the feature map; ``OMEGA_BACKENDS`` and
+``SWLA_BACKENDS`` are the two window rules' backend tables for ``core.dispatch`` (with
+``kernel_limits``, what the window kernel refuses); ``omega_deep`` runs the deep memories on
+chapter 3's engine.
+"""
+from __future__ import annotations
+
+from ..core import check_chunk_size, check_gate, check_qkv, check_state, get_feature_map
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.gates import alpha_from_log, check_retention
+from ..miras import miras
+from .chunk import omega_chunk, swla_chunk
+from .recurrent import omega_recurrent, swla_recurrent
+
+# "linear": this package's own three rooms; the deep memories run on chapter 3's engine
+# (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
+MEMORIES = ("linear", "mlp", "residual", "gated")
+DEEP_MEMORIES = MEMORIES[1:]
+
+
+def check_window(window) -> int:
+    """The window length c must be an int >= 1."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window
+
+
+def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
+    """Validate every argument, apply phi to q and k, and return (phi(q), phi(k))."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_window(window)
+    check_gate("gamma", gamma, B, H, T, window, ref=q)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
+    check_gate("eta", eta, B, H, T, low=0.0, high=None, ref=q)
+    check_chunk_size(chunk_size)
+    phi = get_feature_map("identity" if phi is None else phi)
+    fq, fk = phi(q), phi(k)
+    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
+        if not hasattr(f, "shape") or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
+            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
+                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
+    if fq.shape != fk.shape:
+        raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
+    if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
+        check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
+    return fq, fk
+
+
+def kernel_limits(fq, window, chunk_size):
+    """What the window kernel refuses, as ``core.dispatch`` wants it: fp32 compute, and tiles that fit."""
+    from .kernel import kernel_supports
+    if kernel_supports(fq.shape[-1], window, chunk_size):
+        return matrix_kernel_limits(fq)
+    return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
+            "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
+
+
+def backend_table(recurrent, chunk, kernel: str) -> dict:
+    """One window rule's three forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
+    chunk_size, log_alpha); the per-token loop gets exp(log_alpha) and ignores chunk_size."""
+    def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
+        return recurrent(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
+                         initial_state)
+    return {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
+
+
+OMEGA_BACKENDS = backend_table(omega_recurrent, omega_chunk, "omega_triton")
+SWLA_BACKENDS = backend_table(swla_recurrent, swla_chunk, "swla_triton")
+
+
+def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,
+               chunk_size, log_alpha=None):
+    """OmegaNet with a deep memory: chapter 3's engine with the Omega window on the l2 bias.
+
+    ``atlaslib.miras`` takes all c gradients at the same state (W_{t-1}, or the chunk-start
+    state in its chunk form), decays with alpha after the gradient step, and reads out
+    after the update, so this is the same rule as the linear case with M(x) = M x replaced
+    by the MLP. Its backends are "recurrent", "chunk" and "auto" (= chunk; there is no
+    kernel for deep memories, so "triton" is a ValueError). The state is a
+    ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
+    """
+    def engine(backend_name):
+        def run(fq, fk, v):
+            return miras(fq, fk, v, memory=memory, bias="l2", optimizer="gd",
+                         retention="none" if alpha is None and log_alpha is None else "decay", window=window,
+                         gamma=gamma, alpha=alpha, log_alpha=log_alpha, eta=eta, initial_state=initial_state,
+                         output_final_state=output_final_state, backend=backend_name, chunk_size=chunk_size)
+        return run
+    table = {"recurrent": engine("recurrent"), "chunk": engine("chunk")}
+    return dispatch(backend, fq, table, fq, fk, v, model=f"omega_rule(memory={memory!r})",
+                    missing=f"there is a kernel only for memory='linear'; memory={memory!r} runs on atlaslib.miras "
+                            f"(use backend='chunk' or 'recurrent')")
