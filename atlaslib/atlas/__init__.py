@@ -5,7 +5,8 @@ orthogonalisation and its exact SVD reference; they live in ``atlaslib.core.newt
 because chapter 3's optimizer axis uses them too, and are re-exported here). The three
 rooms: ``recurrent.py`` (the per-token definition ``atlas_recurrent`` and the frozen-gradient
 oracle ``atlas_frozen_seq``, linear memory), ``chunk.py`` (``atlas_chunk``, the chunkwise
-algorithm of [A] §5.1 for the linear memory) and, to come, ``kernel.py``. Deep memories run
+algorithm of [A] §5.1 for the linear memory) and ``kernel.py`` (Triton: Newton–Schulz on a
+chunk's batch of momenta, one program per matrix, inside the chunk form). Deep memories run
 on chapter 3's engine, whose optimizer axis has Muon (``optimizer="muon"``): one engine, the
 same rule.
 """
@@ -17,7 +18,7 @@ import torch
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state, get_feature_map
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_schulz, ns_coefficients, polar
 from ..core.windows import window_gates
@@ -36,7 +37,8 @@ DEEP_MEMORIES = MEMORIES[1:]
 # MIRAS model (optimizer "muon"): it takes chapter 3's default, whichever door reaches it.
 ATLAS_CHUNK_SIZE = DEFAULT_CHUNK_SIZE
 
-NO_KERNEL = "ATLAS has no Triton kernel yet; use backend='chunk' (the default on CPU) or 'recurrent'"
+NO_KERNEL = ("the Triton kernel (Newton-Schulz on the momenta) serves memory='linear' only; deep memories run on "
+             "atlaslib.miras: use backend='chunk' or 'recurrent'")
 
 
 def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5, coeffs="muon") -> MirasConfig:
@@ -91,7 +93,15 @@ def _per_token(loop):
 
 
 LINEAR_BACKENDS = {"recurrent": _per_token(atlas_recurrent), "frozen_seq": _per_token(atlas_frozen_seq),
-                   "chunk": atlas_chunk}
+                   "chunk": atlas_chunk, "triton": lazy(f"{__name__}.kernel", "atlas_triton")}
+
+
+def kernel_limits(fq, V, coeffs):
+    """What the Newton-Schulz kernel refuses, as ``core.dispatch`` wants it (None: it takes the inputs)."""
+    from .kernel import MAX_SIDE, kernel_supports
+    if kernel_supports(fq.shape[-1], V, coeffs):
+        return matrix_kernel_limits(fq)
+    return f"momenta of {V} x {fq.shape[-1]} (it takes both sides <= {MAX_SIDE}) or more than 3 coefficients"
 
 
 def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
@@ -130,7 +140,10 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
         output_final_state: also return the final ``MirasState(memory, momentum)``.
         backend: "recurrent" (per token, gradients at M_{t-1}), "frozen_seq" (per token,
             gradients frozen at each chunk start: the chunk form's oracle), "chunk" (chunkwise
-            PyTorch) or "auto" (= chunk; there is no Triton kernel yet).
+            PyTorch), "triton" (the chunk form with Newton–Schulz on a Triton kernel, linear
+            memory, V, D <= 128, at most 3 coefficients, fp32/fp16/bf16; CPU under
+            TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
+            where the kernel takes the inputs, chunk otherwise).
         chunk_size: b of "chunk" and "frozen_seq", default 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
             ``DEFAULT_CHUNK_SIZE``). **It changes the model**: b = 1 is the per-token rule.
 
@@ -141,6 +154,7 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
     chunk(1) vs recurrent                                              exact
     chunk(b > 1) vs recurrent                                          differ (frozen
                                                                        gradients)
+    triton(b) vs chunk(b), linear memory                               exact (fp32 rounding)
     linear memory vs ``miras(config=atlas_config("linear"))``           exact, every backend
     ns_steps=0, window=1 vs Titans (``miras(preset="titans")``) with    exact
     theta'_t = theta_t eta_t / eta_{t-1}, eta'_t = eta_t, S'_0 = -eta_0 S_0
@@ -191,7 +205,8 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
     M0, S0 = _linear_state(initial_state, B, H, V, D, q)
     G = window_gates(gamma, B, H, T, window, cd, q.device)
     o, M, S = dispatch(backend, fq, LINEAR_BACKENDS, fq, fk, v, window, G, alpha, eta, theta, ns_steps, coeffs,
-                       M0, S0, chunk_size, log_alpha, model="atlas", missing=NO_KERNEL)
+                       M0, S0, chunk_size, log_alpha, model="atlas",
+                       unsupported=lambda: kernel_limits(fq, V, coeffs))
     return o.to(q.dtype), (MirasState(M, S) if output_final_state else None)
 
 

@@ -47,12 +47,15 @@ def decay_ratios(log_gates, n: int, like: torch.Tensor):
 
 
 def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
-                initial_state=None, initial_momentum=None, chunk_size=16, log_alpha=None):
+                initial_state=None, initial_momentum=None, chunk_size=16, log_alpha=None, orthogonalise=None):
     """Chunkwise ATLAS with a linear memory (see the module docstring).
 
     Arguments as ``atlas_recurrent`` plus ``chunk_size`` (b) and ``log_alpha`` (the retention as
-    its log, instead of alpha). Returns (o [B, H, T, V] in q's dtype, M_T, S_T [B, H, V, D]).
+    its log, instead of alpha). ``orthogonalise(S, steps, coeffs)`` replaces ``newton_schulz`` in
+    step 3 (the Triton kernel's, ``kernel.atlas_triton``). Returns (o [B, H, T, V] in q's dtype,
+    M_T, S_T [B, H, V, D]).
     """
+    ns = newton_schulz if orthogonalise is None else orthogonalise
     B, H, T, D = q.shape
     V, c, b = v.shape[-1], window, chunk_size
     cd, out_dtype = compute_dtype(q), q.dtype
@@ -84,7 +87,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
             S_all = S_all + B_cum[..., None, None] * S[:, :, None]
         # 3. Newton-Schulz on the batch of n momenta (each [V, D] matrix on its own)
-        U = newton_schulz(S_all, ns_steps, coeffs)
+        U = ns(S_all, ns_steps, coeffs)
         # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i)
         D_alpha, A = decay_ratios(None if ga is None else ga[:, :, s:e], n, q)
         C = D_alpha * eta[:, :, None, s:e]                                     # C[t, i] = (A_t / A_i) eta_i
