@@ -425,6 +425,26 @@ def test_triton_gradients_are_the_chunk_forms(gen):
         atlas(q.double(), k.double(), v.double(), backend="triton")
 
 
+# ---------------------------------------------------------------------------- one model, one default
+
+def test_the_chunk_size_default_is_the_engines(gen):
+    """ATLAS is a MIRAS model (optimizer "muon"): atlas() and miras() must give it the same default b."""
+    import inspect
+
+    import atlaslib.miras as miras_pkg
+    from atlaslib.atlas import ATLAS_CHUNK_SIZE, atlas_chunk
+    from atlaslib.atlas.kernel import atlas_triton
+    default = lambda fn: inspect.signature(fn).parameters["chunk_size"].default     # noqa: E731
+    assert default(atlas) == default(atlas_chunk) == default(atlas_frozen_seq) == default(atlas_triton) \
+        == ATLAS_CHUNK_SIZE == default(miras) == miras_pkg.DEFAULT_CHUNK_SIZE
+    q, k, v, kw = make_inputs(gen, T=40, K=4, V=4, h0=False)
+    o = atlas(q, k, v, memory="residual", **kw)[0]
+    kw.pop("window")
+    assert_close(o, miras(q, k, v, config=atlas_config("residual"), **kw)[0], name="atlas vs miras, defaults")
+    other = miras(q, k, v, config=atlas_config("residual"), chunk_size=8, **kw)[0]
+    assert rel_rmse(other, o) > 1e-4, "the chunk size must change this model, or the test proves nothing"
+
+
 # ---------------------------------------------------------------------------- configuration and bad input
 
 def test_muon_on_the_optimizer_axis():

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..core.kernels import dot_tile
 from ..core.newton_schulz import NORM_EPS, check_ns_steps, ns_coefficients
 from ..core.testing import empty
+from ..miras import DEFAULT_CHUNK_SIZE
 from .chunk import atlas_chunk
 
 MAX_SIDE = 128
@@ -92,7 +93,7 @@ def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torc
 
 
 def atlas_triton(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
-                 initial_state=None, initial_momentum=None, chunk_size=16, log_alpha=None):
+                 initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """The chunk form with Newton–Schulz on the kernel (see the module docstring); as ``atlas_chunk``."""
     return atlas_chunk(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum,
                        chunk_size, log_alpha, orthogonalise=newton_schulz_triton)

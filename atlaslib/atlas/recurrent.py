@@ -38,6 +38,7 @@ import torch
 
 from ..core.chunking import compute_dtype
 from ..core.newton_schulz import newton_schulz
+from ..miras import DEFAULT_CHUNK_SIZE
 from ..omega.recurrent import WindowState, start_window, window_gradient, window_rows
 
 
@@ -114,7 +115,7 @@ def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None,
 
 
 def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
-                     initial_state=None, initial_momentum=None, chunk_size=16):
+                     initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE):
     """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5 §5).
 
     Sequential, so it is the oracle that ``atlas_chunk(b)`` must match for every b; at b = 1 it
