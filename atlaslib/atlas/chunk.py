@@ -48,7 +48,8 @@ def decay_ratios(log_gates, n: int, like: torch.Tensor):
 
 
 def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
-                initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None, orthogonalise=None):
+                initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
+                orthogonalise=None):
     """Chunkwise ATLAS with a linear memory (see the module docstring).
 
     Arguments as ``atlas_recurrent`` plus ``chunk_size`` (b) and ``log_alpha`` (the retention as
