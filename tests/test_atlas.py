@@ -445,6 +445,38 @@ def test_the_chunk_size_default_is_the_engines(gen):
     assert rel_rmse(other, o) > 1e-4, "the chunk size must change this model, or the test proves nothing"
 
 
+# ---------------------------------------------------------------------------- torch.compile
+
+def compiled_equals_eager(fn, *args, tol=1e-5):
+    """fn(*args) compiled with fullgraph=True (one graph, no host syncs) equals eager mode (as test_compile.py)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    try:
+        got = torch.compile(fn, fullgraph=True, backend=counter)(*args)
+    finally:
+        torch._dynamo.reset()
+    want = fn(*args)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs"
+    for i, (a, b) in enumerate(zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want))):
+        assert_close(a, b, tol=tol, name=f"output {i}")
+
+
+def test_chunk_forms_compile_into_one_graph(gen):
+    from atlaslib.atlas import atlas_chunk
+    from atlaslib.miras import miras_chunk, prepare
+    q, k, v, kw = make_inputs(gen, T=21, K=4, V=4, dtype=torch.float32, h0=False)
+    gates = (kw["alpha"], kw["eta"], kw["theta"])
+    compiled_equals_eager(lambda q, k, v, a, e, t: atlas_chunk(q, k, v, 2, None, a, e, t, chunk_size=8), q, k, v,
+                          *gates)
+    compiled_equals_eager(lambda q, k, v, a, e, t: atlas(q, k, v, window=2, alpha=a, eta=e, theta=t, chunk_size=8,
+                                                         backend="chunk", output_final_state=True), q, k, v, *gates)
+    problem = prepare(q, k, v, config=atlas_config("mlp", window=2), alpha=kw["alpha"], eta=kw["eta"],
+                      theta=kw["theta"], backend="chunk", chunk_size=8)
+    parts, *args = problem.args
+    compiled_equals_eager(lambda *a: miras_chunk(parts, *a, chunk_size=8), *args)
+
+
 # ---------------------------------------------------------------------------- configuration and bad input
 
 def test_muon_on_the_optimizer_axis():

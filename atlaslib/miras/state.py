@@ -91,7 +91,7 @@ def check_initial_state(initial_state, cfg, memory, optimizer, B, H, ref) -> Mir
     if mom is not None:
         if not optimizer.has_state:
             raise ValueError(f"initial_state has a momentum buffer, but optimizer={cfg.optimizer!r} keeps none "
-                             "(use optimizer='momentum' or pass the memory state alone)")
+                             "(use optimizer='momentum' or 'muon', or pass the memory state alone)")
         mom = _as_dict(mom, memory, "initial_state.momentum", B, H, ref)
     return MirasState(mem, mom)
 
