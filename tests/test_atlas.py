@@ -263,6 +263,23 @@ def test_state_continues_the_sequence(gen):
     assert_close(st2.momentum, stf.momentum, name="S_T")
 
 
+def test_one_token_steps_are_the_forward_pass(gen):
+    """atlas_step carries (M, S, the last c - 1 pairs): token by token it is the per-token rule."""
+    from atlaslib.atlas import atlas_step, start_state
+    q, k, v, kw = make_inputs(gen, T=9, window=3, gmode="offset")
+    o, st = atlas(q, k, v, backend="recurrent", output_final_state=True, **kw)
+    state = start_state(*kw["initial_state"])
+    G = window_gates(kw["gamma"], 1, 2, 9, 3, F64, q.device)
+    ys = []
+    for t in range(9):
+        state, y = atlas_step(state, q[:, :, t], k[:, :, t], v[:, :, t], 3, G[:, :, t], kw["alpha"][:, :, t],
+                              kw["eta"][:, :, t], kw["theta"][:, :, t])
+        ys.append(y)
+        assert state.window.keys.shape[2] == min(t + 1, 2), "the window keeps c - 1 pairs"
+    assert_close(torch.stack(ys, dim=2), o)
+    assert_close(state.S, st.momentum, name="S_T")
+
+
 def test_log_alpha_and_dtypes(gen):
     q, k, v, kw = make_inputs(gen, T=10, h0=False)
     a = kw.pop("alpha")

@@ -136,7 +136,9 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
             "gated" (ATLAS++), the deep ones on ``atlaslib.miras`` (D == V for the last two).
         initial_state: None (zeros for the linear memory; ``miras.init_state`` for deep ones),
             the memory (a tensor [B, H, V, D] or, deep, a dict of weights) with zero momentum,
-            or a ``MirasState(memory, momentum)``, e.g. a previous call's final state.
+            or a ``MirasState(memory, momentum)``, e.g. a previous call's final state (which
+            continues the sequence exactly for window=1; a window also needs the last c - 1
+            pairs, which ``atlas_step``'s ``AtlasState`` carries).
         output_final_state: also return the final ``MirasState(memory, momentum)``.
         backend: "recurrent" (per token, gradients at M_{t-1}), "frozen_seq" (per token,
             gradients frozen at each chunk start: the chunk form's oracle), "chunk" (chunkwise
