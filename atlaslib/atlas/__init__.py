@@ -158,13 +158,17 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
                                                                        gradients)
     triton(b) vs chunk(b), linear memory                               exact (fp32 rounding)
     linear memory vs ``miras(config=atlas_config("linear"))``           exact, every backend
-    ns_steps=0, window=1 vs Titans (``miras(preset="titans")``) with    exact
-    theta'_t = theta_t eta_t / eta_{t-1}, eta'_t = eta_t, S'_0 = -eta_0 S_0
+    ns_steps=0, window=1 vs Titans (``miras(preset="titans")``) (*)     exact
     ns_steps=0, theta=0, window=1, alpha=1 vs ``delta_rule`` (beta=eta) exact (DeltaNet)
     ns_steps=0, theta=0, window=1 vs ``delta_rule(q, k, alpha v,        exact (Gated DeltaNet
     beta=eta/alpha, alpha=alpha)``                                      decays first)
     ns_steps=0, theta=0 vs ``omega_rule`` (any window, gamma)           exact (OmegaNet)
     ==================================================================  ===================
+
+    (*) With NS off, S_t accumulates raw gradients and eta_t scales the step; Titans keeps
+    S'_t = -eta_t S_t. The two agree exactly when Titans gets eta'_t = eta_t and the momentum
+    decay theta'_t = theta_t eta_t / eta_{t-1} (with S'_0 = -eta_0 S_0 for any eta_0 > 0): with a
+    constant eta the decays are equal, otherwise they must be rescaled.
 
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState`` in fp32 (fp64 for fp64 inputs) or None).
