@@ -396,7 +396,7 @@ def test_gradients_deep_memory_chunk_vs_frozen_seq(gen):
 
 # ---------------------------------------------------------------------------- the kernel (Triton's interpreter)
 
-@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 2, 9, 4), (4, 16, 16), (1, 33, 70), (2, 128, 20)])
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 2, 9, 4), (4, 16, 16), (1, 33, 70), (2, 128, 20), (1, 64, 64)])
 @pytest.mark.parametrize("coeffs", ["muon", "quintic", (1.5, -0.5)])
 def test_newton_schulz_kernel(gen, shape, coeffs):
     from atlaslib.atlas.kernel import newton_schulz_triton
@@ -416,8 +416,10 @@ def test_newton_schulz_kernel_refuses(gen):
         newton_schulz_triton(G, 5, (1.0, 0.1, 0.1, 0.1))
     with pytest.raises(ValueError, match="fp32"):
         newton_schulz_triton(G.double(), 5)
-    with pytest.raises(ValueError, match="up to 128"):
+    with pytest.raises(ValueError, match="up to 64 x 128"):
         newton_schulz_triton(torch.randn(4, 129), 5)
+    with pytest.raises(ValueError, match="up to 64 x 128"):
+        newton_schulz_triton(torch.randn(65, 70), 5)
 
 
 @pytest.mark.parametrize("window, gmode, chunk_size", [(1, None, 16), (3, "offset", 4), (2, "source", 1)])

@@ -98,10 +98,11 @@ LINEAR_BACKENDS = {"recurrent": _per_token(atlas_recurrent), "frozen_seq": _per_
 
 def kernel_limits(fq, V, coeffs):
     """What the Newton-Schulz kernel refuses, as ``core.dispatch`` wants it (None: it takes the inputs)."""
-    from .kernel import MAX_SIDE, kernel_supports
+    from .kernel import MAX_SHORT_SIDE, MAX_SIDE, kernel_supports
     if kernel_supports(fq.shape[-1], V, coeffs):
         return matrix_kernel_limits(fq)
-    return f"momenta of {V} x {fq.shape[-1]} (it takes both sides <= {MAX_SIDE}) or more than 3 coefficients"
+    return (f"momenta of {V} x {fq.shape[-1]} (it takes sides up to {MAX_SHORT_SIDE} x {MAX_SIDE}) "
+            f"or more than 3 coefficients")
 
 
 def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
@@ -143,7 +144,8 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
         backend: "recurrent" (per token, gradients at M_{t-1}), "frozen_seq" (per token,
             gradients frozen at each chunk start: the chunk form's oracle), "chunk" (chunkwise
             PyTorch), "triton" (the chunk form with Newton–Schulz on a Triton kernel, linear
-            memory, V, D <= 128, at most 3 coefficients, fp32/fp16/bf16; CPU under
+            memory, max(V, D) <= 128 and min(V, D) <= 64, at most 3 coefficients,
+            fp32/fp16/bf16; CPU under
             TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
             where the kernel takes the inputs, chunk otherwise).
         chunk_size: b of "chunk" and "frozen_seq", default 16 (``ATLAS_CHUNK_SIZE``, chapter 3's

@@ -13,9 +13,16 @@ with (p0, p1, p2) the polynomial's coefficients, (a, b, c) in ``core.newton_schu
 
 The transpose costs nothing: the host swaps the row and column strides. Tiles are powers of
 two of at least 16 (what tl.dot takes), padded with zeros, which change neither the norm nor
-the products. Limits: both sides <= ``MAX_SIDE`` (128: a [128, 128] fp32 tile and its Gram
-matrix per program) and at most three coefficients (a, b, c); the arithmetic is fp32 with
-exact fp32 products (``input_precision="ieee"``).
+the products. The arithmetic is fp32 with exact fp32 products (``input_precision="ieee"``).
+
+Limits, from builds for sm_80 and sm_90 (``atlaslib.aot``'s ``build``, ptxas's resource report):
+the longer side <= ``MAX_SIDE`` = 128 and the shorter (the Gram matrix's) <= ``MAX_SHORT_SIDE`` = 64,
+at most three coefficients (a, b, c). A program holds the matrix, its Gram matrix and the
+polynomial in registers: at 64 x 64 and 64 x 128 that takes 16 warps (56 and 72 registers a
+thread, no spills; with 4 warps 64 x 64 spills about 1 KB a thread), while 128 x 128 spills tens
+of KB a thread at any warp count (128 KB of shared memory, too): those momenta are left to the
+chunk form's batched matmuls. ``num_warps``: 4 below 32 x 128, 8 at 32 x 128, 16 from a
+shorter side of 64 (``warps_for``).
 
 ``atlas_triton`` is the chunk form with this kernel in place of ``core.newton_schulz``
 (forward only; ``core.dispatch`` differentiates ``atlas_chunk`` for the backward): same
@@ -34,6 +41,14 @@ from ..miras import DEFAULT_CHUNK_SIZE
 from .chunk import atlas_chunk
 
 MAX_SIDE = 128
+MAX_SHORT_SIDE = 64
+
+
+def warps_for(BR: int, BC: int) -> int:
+    """Warps per program for a [BR, BC] tile (BR <= BC): enough threads that its tiles fit in registers."""
+    if BR >= 64:
+        return 16
+    return 8 if BR * BC >= 4096 else 4
 
 
 @triton.jit
@@ -58,21 +73,23 @@ def newton_schulz_kernel(x_ptr, o_ptr, s_xn, s_xr, s_xc, s_on, s_or, s_oc, R, C,
 
 def kernel_supports(rows: int, cols: int, coeffs) -> bool:
     """Whether the kernel takes matrices [rows, cols] with these coefficients."""
-    return max(rows, cols) <= MAX_SIDE and len(ns_coefficients(coeffs)) <= 3
+    return (max(rows, cols) <= MAX_SIDE and min(rows, cols) <= MAX_SHORT_SIDE
+            and len(ns_coefficients(coeffs)) <= 3)
 
 
 def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torch.Tensor:
     """``core.newton_schulz.newton_schulz(G, steps, coeffs)`` for fp32/fp16/bf16 G [..., m, n] on the
-    kernel (fp32 arithmetic; result in G's dtype); m, n <= 128, at most three coefficients."""
+    kernel (fp32 arithmetic; result in G's dtype); max(m, n) <= 128, min(m, n) <= 64, at most three
+    coefficients."""
     steps = check_ns_steps(steps)
     poly = ns_coefficients(coeffs)
     if len(poly) > 3:
         raise ValueError(f"the Newton-Schulz kernel takes at most three coefficients (a, b, c), got {len(poly)}")
     p0, p1, p2 = poly + (0.0,) * (3 - len(poly))
     m, n = G.shape[-2:]
-    if max(m, n) > MAX_SIDE:
-        raise ValueError(f"the Newton-Schulz kernel takes matrices up to {MAX_SIDE} x {MAX_SIDE}, got {m} x {n}; "
-                         "use backend='chunk'")
+    if max(m, n) > MAX_SIDE or min(m, n) > MAX_SHORT_SIDE:
+        raise ValueError(f"the Newton-Schulz kernel takes matrices up to {MAX_SHORT_SIDE} x {MAX_SIDE} (either "
+                         f"way round), got {m} x {n}; use backend='chunk'")
     if G.dtype == torch.float64:
         raise ValueError("the Newton-Schulz kernel computes in fp32; use backend='chunk' for fp64")
     if steps == 0:
@@ -87,8 +104,9 @@ def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torc
         R, C = n, m
         s_x[1], s_x[2] = s_x[2], s_x[1]
         s_o[1], s_o[2] = s_o[2], s_o[1]
+    BR, BC = dot_tile(R), dot_tile(C)
     newton_schulz_kernel[(x.shape[0],)](x, out, *s_x, *s_o, R, C, steps, p0, p1, p2, NORM_EPS,
-                                        BR=dot_tile(R), BC=dot_tile(C), num_stages=1)
+                                        BR=BR, BC=BC, num_warps=warps_for(BR, BC), num_stages=1)
     return out.view(G.shape)
 
 
