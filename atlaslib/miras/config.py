@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core.newton_schulz import check_ns_steps, ns_coefficients
 from .bias import BIASES
 from .memory import ACTIVATIONS, MEMORIES
 from .optimizer import OPTIMIZERS
@@ -40,7 +41,7 @@ class MirasConfig:
     memory:     "linear" | "mlp" | "residual" | "gated"                        (axis 1)
     bias:       "dot" | "l2" | "lp" | "huber" | "huber_norm" | "huber_switch" | "value_shift"   (axis 2)
     retention:  "none" | "decay" | "decay_first" | "proximal" | "kl" | "lq" | "elastic"        (axis 4)
-    optimizer:  "gd" | "momentum"                                                (axis 3)
+    optimizer:  "gd" | "momentum" | "muon"                                       (axis 3)
     window:     c >= 1 past pairs in each update (Omega rule, l2-family biases; 1: one pair)
     expansion, activation: hidden width expansion * K and nonlinearity of deep memories
     layer_norm: LN on the residual memory's branch, x + LN(W1 act(W2 x)) (MIRAS, [M] §4.2)
@@ -50,6 +51,9 @@ class MirasConfig:
     lq:         exponent q of Moneta's normalisation W = A / ||A||_q^(q-2)
     scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
     threshold:  gamma >= 0 of the elastic-net soft threshold
+    ns_steps, ns_coeffs: Muon's Newton–Schulz, k >= 0 steps (0: NS off, the identity) with
+                coefficients "muon" | "cubic" | "quintic" or a tuple (a, b[, c]), see
+                ``atlaslib.core.newton_schulz``
     name:       the preset this came from (or "custom")
     """
 
@@ -68,6 +72,8 @@ class MirasConfig:
     lq: float = 4.0
     scale: float = 1.0
     threshold: float = 0.0
+    ns_steps: int = 5
+    ns_coeffs: str | tuple = "muon"
     name: str = "custom"
 
     def replace(self, **changes) -> "MirasConfig":
@@ -81,6 +87,7 @@ OPTION_OWNERS = {
     "lq": ("retention", ("lq",)), "scale": ("retention", ("kl",)), "threshold": ("retention", ("elastic",)),
     "expansion": ("memory", ("mlp", "residual", "gated")), "activation": ("memory", ("mlp", "residual", "gated")),
     "layer_norm": ("memory", ("residual",)),
+    "ns_steps": ("optimizer", ("muon",)), "ns_coeffs": ("optimizer", ("muon",)),
 }
 
 PRESETS: dict[str, MirasConfig] = {
@@ -127,9 +134,6 @@ def validate_config(cfg: MirasConfig) -> MirasConfig:
     _check_choice("memory", cfg.memory, MEMORIES)
     _check_choice("bias", cfg.bias, BIASES)
     _check_choice("retention", cfg.retention, RETENTIONS)
-    if cfg.optimizer == "muon":
-        raise ValueError("optimizer='muon' (Newton-Schulz on the momentum, ATLAS) comes with chapter 5; "
-                         f"here optimizer must be one of {sorted(OPTIMIZERS)}")
     _check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
     _check_choice("activation", cfg.activation, ACTIVATIONS)
     _check_number("window", cfg.window, 1, integer=True)
@@ -141,6 +145,10 @@ def validate_config(cfg: MirasConfig) -> MirasConfig:
     _check_number("lq", cfg.lq, 1)
     _check_number("scale", cfg.scale, 0, strict=True)
     _check_number("threshold", cfg.threshold, 0)
+    check_ns_steps(cfg.ns_steps)
+    if isinstance(cfg.ns_coeffs, list):
+        raise TypeError(f"ns_coeffs must be a name or a tuple, got the list {cfg.ns_coeffs!r}")
+    ns_coefficients(cfg.ns_coeffs)
     if not isinstance(cfg.layer_norm, bool):
         raise TypeError(f"layer_norm must be True or False, got {cfg.layer_norm!r}")
     if cfg.layer_norm and cfg.memory != "residual":
@@ -183,6 +191,8 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
         raise TypeError(f"unknown config option(s) {unknown}; options: {sorted(fields - {'name'})}")
     if "memory" in overrides and "layer_norm" not in overrides and overrides["memory"] != "residual":
         overrides = {**overrides, "layer_norm": False}        # a preset's LN belongs to its residual memory
+    if isinstance(overrides.get("ns_coeffs"), list):
+        overrides = {**overrides, "ns_coeffs": tuple(overrides["ns_coeffs"])}
     changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
     name = overrides.get("name", base.name if not changed else
                          f"{base.name}({', '.join(f'{k}={v!r}' for k, v in changed.items())})")

@@ -7,7 +7,7 @@
   ``lq`` (Moneta: Z is the accumulator A, W = A / ||A||_q^(q-2)). For the linear memory
   it is one tensor [B, H, V, K] (M maps keys to values, as in atlaslib.linear/delta);
   for deep memories a dict {name: [B, H, out, in]} (see ``memory.py`` for the names).
-* ``momentum``: the buffer S of ``optimizer="momentum"`` with the same structure, or None.
+* ``momentum``: the buffer S of ``optimizer="momentum"`` or ``"muon"`` with the same structure, or None.
 
 A final state returned with ``output_final_state=True`` can be passed back as
 ``initial_state`` to continue the sequence exactly where it stopped.
@@ -45,7 +45,7 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     if cfg.retention == "kl" and cfg.memory != "linear":
         params = {n: torch.randn(w.shape, generator=gen) for n, w in params.items()}
     params = {n: w.to(dtype=dtype, device=device)[None].expand(B, *w.shape).contiguous() for n, w in params.items()}
-    momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer == "momentum" else None
+    momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer in ("momentum", "muon") else None
     if cfg.memory == "linear":
         params = params["M"]
         momentum = None if momentum is None else momentum["M"]
@@ -91,7 +91,7 @@ def check_initial_state(initial_state, cfg, memory, optimizer, B, H, ref) -> Mir
     if mom is not None:
         if not optimizer.has_state:
             raise ValueError(f"initial_state has a momentum buffer, but optimizer={cfg.optimizer!r} keeps none "
-                             "(use optimizer='momentum' or pass the memory state alone)")
+                             "(use optimizer='momentum' or 'muon', or pass the memory state alone)")
         mom = _as_dict(mom, memory, "initial_state.momentum", B, H, ref)
     return MirasState(mem, mom)
 

@@ -1,0 +1,103 @@
+"""The algorithm: chunkwise ATLAS with a linear memory ([A] §5.1, book ch. 5 §5).
+
+Split the sequence into chunks of b tokens. In a chunk that starts from M_{t0} and S_{t0},
+take every gradient at M_{t0} instead of M_{t-1} (as Titans, TTT and the Omega rule do).
+Then a window row r (token i, with the c - 1 rows before the chunk included) contributes
+the *fixed* rank-one gradient e_r phi(k_r)^T with e_r = M_{t0} phi(k_r) - v_r, and the
+chunk is four steps:
+
+1. **Frozen errors.** E = Phi_K,win M_{t0}^T - V_win for all b + c - 1 window rows at once.
+2. **All b momenta by one masked matmul.** The momentum recursion no longer depends on
+   the memory, so it unrolls:
+       S_t = B_t S_{t0} + sum_{i <= t} (B_t / B_i) sum_r Gamma[i, r] e_r phi(k_r)^T,
+   with B_t = theta_{t0+1} ... theta_t and Gamma the chunk's b x (b + c - 1) band of window
+   gates. W = D_theta Gamma (D_theta[t, i] = B_t / B_i for i <= t) weighs row r in S_t.
+3. **Newton–Schulz on the batch.** NS_k(S_t) for the b matrices as one batched call: the
+   step that is not linear, and the reason the b momenta are materialised.
+4. **A linear scan for M.** M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i),
+   with A_t = alpha_{t0+1} ... alpha_t, one more masked matmul; y_t = M_t phi(q_t).
+
+Decay ratios are exp(g_t - g_i) of log-gates accumulated from the chunk start, masked
+before the exponential (``core.chunking.causal_decay``); theta = 0 becomes the log-floor,
+a factor of e^-60. [A] §5.1 writes the cumulative product of the thetas as beta_t and
+drops alpha and eta from its eqs 40-41 (book/errata.md).
+
+Exactness (book ch. 5 §5, tested): ``atlas_chunk(b) == atlas_frozen_seq(b)`` for every b,
+and at b = 1 both are ``atlas_recurrent``; for b > 1 the frozen gradient makes it a
+different model. Deep memories run the same steps inside chapter 3's engine
+(``atlaslib.miras``, optimizer "muon": ``Muon.updates`` is step 2 and 3 per weight matrix).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.chunking import causal_decay, compute_dtype, gate_logs, log_gate
+from ..core.newton_schulz import newton_schulz
+from ..core.windows import band_gates
+from ..miras import DEFAULT_CHUNK_SIZE
+
+
+def decay_ratios(log_gates, n: int, like: torch.Tensor):
+    """(D [.., n, n], cumulative gate [.., n]) from per-token log-gates [.., n] (None: the gate 1)."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=like.device).tril()
+    if log_gates is None:
+        return causal.to(like.dtype), None
+    g = log_gates.cumsum(-1)
+    return causal_decay(g, causal), torch.exp(g)
+
+
+def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+                initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
+                orthogonalise=None):
+    """Chunkwise ATLAS with a linear memory (see the module docstring).
+
+    Arguments as ``atlas_recurrent`` plus ``chunk_size`` (b) and ``log_alpha`` (the retention as
+    its log, instead of alpha). ``orthogonalise(S, steps, coeffs)`` replaces ``newton_schulz`` in
+    step 3 (the Triton kernel's, ``kernel.atlas_triton``). Returns (o [B, H, T, V] in q's dtype,
+    M_T, S_T [B, H, V, D]).
+    """
+    ns = newton_schulz if orthogonalise is None else orthogonalise
+    B, H, T, D = q.shape
+    V, c, b = v.shape[-1], window, chunk_size
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    S = torch.zeros_like(M) if initial_momentum is None else initial_momentum.to(cd)
+    G = torch.ones(B, H, T, c, dtype=cd, device=q.device) if G is None else G.to(cd)
+    eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
+    ga = gate_logs(alpha, log_alpha, cd)                                       # log alpha_t (None: 1)
+    h = None if theta is None else log_gate(theta, cd)                         # log theta_t (None: theta = 0)
+    k_win_all = F.pad(k, (0, 0, c - 1, 0))                                     # row s + j is token s - c + 1 + j
+    v_win_all = F.pad(v, (0, 0, c - 1, 0))
+    outputs = []
+    for s in range(0, T, b):
+        e = min(s + b, T)
+        n = e - s
+        K_win, V_win = k_win_all[:, :, s:e + c - 1], v_win_all[:, :, s:e + c - 1]    # [B, H, n + c - 1, .]
+        # 1. errors of every window row at the chunk-start memory
+        E = K_win @ M.transpose(-1, -2) - V_win                                # [B, H, R, V]
+        # 2. all n momenta: S_t = B_t S_{t0} + sum_r W[t, r] e_r phi(k_r)^T, W = D_theta Gamma
+        Gamma = band_gates(G[:, :, s:e], c)                                     # [B, H, n, R]
+        if h is None:                                                          # theta = 0: nothing carried
+            S_all = torch.einsum("btr,brv,brd->btvd", Gamma.flatten(0, 1), E.flatten(0, 1),
+                                 K_win.flatten(0, 1)).view(B, H, n, V, D)
+        else:
+            D_theta, B_cum = decay_ratios(h[:, :, s:e], n, q)
+            W = D_theta @ Gamma
+            S_all = torch.einsum("btr,brv,brd->btvd", W.flatten(0, 1), E.flatten(0, 1),
+                                 K_win.flatten(0, 1)).view(B, H, n, V, D)
+            S_all = S_all + B_cum[..., None, None] * S[:, :, None]
+        # 3. Newton-Schulz on the batch of n momenta (each [V, D] matrix on its own)
+        U = ns(S_all, ns_steps, coeffs)
+        # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i)
+        D_alpha, A = decay_ratios(None if ga is None else ga[:, :, s:e], n, q)
+        C = D_alpha * eta[:, :, None, s:e]                                     # C[t, i] = (A_t / A_i) eta_i
+        M_all = -torch.einsum("bti,bivd->btvd", C.flatten(0, 1), U.flatten(0, 1))
+        M_all = M_all.view(B, H, n, V, D) + (M[:, :, None] if A is None else A[..., None, None] * M[:, :, None])
+        outputs.append(torch.einsum("bhtvd,bhtd->bhtv", M_all, q[:, :, s:e]))  # y_t = M_t phi(q_t)
+        M, S = M_all[:, :, -1], S_all[:, :, -1]
+    return torch.cat(outputs, dim=2).to(out_dtype), M, S
+
+
+__all__ = ["atlas_chunk", "decay_ratios"]
