@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
+from atlaslib.atlas import atlas_config
 from atlaslib.miras import (BIASES, EXACT_CHUNK, PRESETS, MirasConfig, MirasState, axes_markdown, axes_table,
                             build_parts, has_kernel, init_state, make_config, memory_gradient, miras, miras_chunk,
                             prepare)
@@ -535,7 +536,8 @@ def test_gradient_matches_finite_differences(gen):
 
 def test_presets_and_overrides():
     assert set(PRESETS) == {"linear_attention", "deltanet", "gated_deltanet", "ttt_linear", "ttt_mlp", "titans",
-                            "moneta", "yaad", "memora"}
+                            "moneta", "yaad", "memora", "atlas"}
+    assert PRESETS["atlas"] == atlas_config().replace(name="atlas"), "one ATLAS from both doors"
     cfg = make_config("titans", memory="linear")
     assert (cfg.memory, cfg.retention, cfg.optimizer) == ("linear", "decay", "momentum")
     assert make_config("moneta", memory="mlp").layer_norm is False, "a preset's LN belongs to its residual memory"

@@ -104,6 +104,9 @@ PRESETS: dict[str, MirasConfig] = {
                           optimizer="gd"),
     "yaad": MirasConfig(memory="residual", layer_norm=True, bias="huber_switch", retention="decay", optimizer="gd"),
     "memora": MirasConfig(memory="residual", layer_norm=True, bias="l2", retention="kl", scale=1.0, optimizer="gd"),
+    # chapter 5: ATLAS ([A] §5) is one more optimizer, Muon (NS_5 of the momentum); its Omega window is
+    # the `window` field, which [A] sweeps rather than fixes (atlaslib.atlas.atlas_config builds others)
+    "atlas": MirasConfig(memory="residual", bias="l2", retention="decay", optimizer="muon"),
 }
 PRESETS = {name: dataclasses.replace(cfg, name=name) for name, cfg in PRESETS.items()}
 
