@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state, get_feature_map
+from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
@@ -50,19 +50,6 @@ def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5, c
     return make_config(memory=memory, bias="l2", retention="decay", optimizer="muon", window=window,
                        ns_steps=ns_steps, ns_coeffs=tuple(coeffs) if isinstance(coeffs, list) else coeffs,
                        name="atlas")
-
-
-def _gate(name, x, B, H, T, cd, q, *, high=1.0):
-    """A per-token gate [B, H, T] given as a tensor or a number (checked); None stays None."""
-    if x is None:
-        return None
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
-        x = float(x)
-        if x != x or x < 0.0 or (high is not None and x > high):
-            raise ValueError(f"{name} must lie in [0, {'inf)' if high is None else f'{high}]'}, got {x}")
-        return torch.full((B, H, T), x, dtype=cd, device=q.device)
-    check_gate(name, x, B, H, T, low=0.0, high=high, ref=q)
-    return x
 
 
 def _linear_state(initial_state, B, H, V, D, q):
@@ -190,25 +177,18 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
     if alpha is not None and log_alpha is not None:
         raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
     check_gate("gamma", gamma, B, H, T, window, ref=q)
-    alpha = _gate("alpha", alpha, B, H, T, cd, q)
+    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
         if not log_alpha <= 0:
             raise ValueError(f"log_alpha must be <= 0, got {log_alpha}")
         log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
-    eta = _gate("eta", eta, B, H, T, cd, q, high=None)
-    theta = _gate("theta", theta, B, H, T, cd, q)
+    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    theta = gate_or_number("theta", theta, B, H, T, cd, q)
     coeffs = tuple(coeffs) if isinstance(coeffs, list) else coeffs
     if memory in DEEP_MEMORIES:
         return _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, coeffs, phi, memory, initial_state,
                            output_final_state, backend, chunk_size, log_alpha)
-    phi_fn = get_feature_map("identity" if phi is None else phi)
-    fq, fk = phi_fn(q), phi_fn(k)
-    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
-        if not isinstance(f, torch.Tensor) or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
-            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
-                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
-    if fq.shape != fk.shape:
-        raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
+    fq, fk = apply_feature_map(phi, q, k)
     D = fk.shape[-1]
     M0, S0 = _linear_state(initial_state, B, H, V, D, q)
     G = window_gates(gamma, B, H, T, window, cd, q.device)

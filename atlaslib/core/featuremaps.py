@@ -57,6 +57,21 @@ def get_feature_map(name):
     return FEATURE_MAPS[name]
 
 
+
+def apply_feature_map(phi, q: torch.Tensor, k: torch.Tensor):
+    """(phi(q), phi(k)) for ``phi`` None (identity), a name or a callable, checked: both must be
+    [B, H, T, D] with q's B, H, T and one D."""
+    B, H, T = q.shape[:3]
+    phi = get_feature_map("identity" if phi is None else phi)
+    fq, fk = phi(q), phi(k)
+    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
+        if not isinstance(f, torch.Tensor) or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
+            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
+                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
+    if fq.shape != fk.shape:
+        raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
+    return fq, fk
+
 # ----------------------------------------------------------------------------- polynomial maps
 
 def check_degree(degree) -> int:

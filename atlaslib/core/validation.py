@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -124,3 +126,21 @@ def check_chunk_size(chunk_size) -> int:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return chunk_size
+
+
+def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: torch.Tensor, *,
+                   low: float = 0.0, high: float | None = 1.0, width: int | None = None):
+    """A gate given as a tensor [B, H, T] (or [B, H, T, width]) or as one number for every token.
+
+    A number is checked against [low, high] and becomes a [B, H, T] tensor in ``cd`` on ``ref``'s
+    device; a tensor goes through ``check_gate`` and is returned as it is; None stays None.
+    """
+    if x is None:
+        return None
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        x = float(x)
+        if x != x or x < low or (high is not None and x > high):
+            raise ValueError(f"{name} must lie in [{low}, {'inf)' if high is None else f'{high}]'}, got {x}")
+        return torch.full((B, H, T), x, dtype=cd, device=ref.device)
+    check_gate(name, x, B, H, T, width, low=low, high=high, ref=ref)
+    return x

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core import check_chunk_size, check_gate, check_qkv, get_feature_map
+from ..core import apply_feature_map, check_chunk_size, check_qkv, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
@@ -50,19 +50,6 @@ def kernel_available() -> bool:
     return importlib.util.find_spec(KERNEL_MODULE) is not None
 
 
-def _gate(name, x, B, H, T, cd, q, *, low=0.0, high=1.0, width=None):
-    """A gate given as a tensor [B, H, T] (or [B, H, T, width]) or a number; returns a tensor or None."""
-    if x is None:
-        return None
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
-        x = float(x)
-        if x != x or x < low or (high is not None and x > high):
-            raise ValueError(f"{name} must lie in [{low}, {'inf)' if high is None else f'{high}]'}, got {x}")
-        return torch.full((B, H, T), x, dtype=cd, device=q.device)
-    check_gate(name, x, B, H, T, width, low=low, high=high, ref=q)
-    return x
-
-
 def _unused(name, x, why):
     if x is not None:
         raise ValueError(f"{name} was given but {why}")
@@ -78,7 +65,7 @@ def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
     closer to 1, pass fp64 inputs.
     """
     if log_alpha is None:
-        return _gate("alpha", alpha, B, H, T, cd, q)
+        return gate_or_number("alpha", alpha, B, H, T, cd, q)
     if alpha is not None:
         raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
@@ -141,12 +128,7 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
         raise ValueError("give either preset (a name) or config (a MirasConfig), not both")
     cfg = make_config(config if config is not None else preset, **overrides)
     B, H, T, K, V = check_qkv(q, k, v)
-    phi_fn = get_feature_map("identity" if phi is None else phi)
-    fq, fk = phi_fn(q), phi_fn(k)
-    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
-        if not isinstance(f, torch.Tensor) or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
-            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
-                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
+    fq, fk = apply_feature_map(phi, q, k)
     D = fk.shape[-1]
     parts = build_parts(cfg, D, V)
     ret, opt, bias = parts.retention, parts.optimizer, parts.bias
@@ -160,11 +142,11 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     if not bias.uses_delta:
         _unused("delta", delta, f"bias={cfg.bias!r} takes no threshold (delta is for the Huber and value_shift biases)")
     alpha = _retention_gate(alpha, log_alpha, B, H, T, cd, q)
-    eta = _gate("eta", 1.0 if eta is None else eta, B, H, T, cd, q, high=None)
-    theta = _gate("theta", theta, B, H, T, cd, q)
+    eta = gate_or_number("eta", 1.0 if eta is None else eta, B, H, T, cd, q, high=None)
+    theta = gate_or_number("theta", theta, B, H, T, cd, q)
     if bias.uses_delta:
-        delta = _gate("delta", cfg.delta if delta is None else delta, B, H, T, cd, q, high=None)
-    gamma = _gate("gamma", gamma, B, H, T, cd, q, width=cfg.window)
+        delta = gate_or_number("delta", cfg.delta if delta is None else delta, B, H, T, cd, q, high=None)
+    gamma = gate_or_number("gamma", gamma, B, H, T, cd, q, width=cfg.window)
     check_chunk_size(chunk_size)
     state = check_initial_state(initial_state, cfg, parts.memory, opt, B, H, q)
     backend = choose(backend, cfg, fq, V, chunk_size)

@@ -7,7 +7,7 @@ chapter 3's engine.
 """
 from __future__ import annotations
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state, get_feature_map
+from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
@@ -40,14 +40,7 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
     check_retention(alpha, log_alpha, B, H, T, ref=q)
     check_gate("eta", eta, B, H, T, low=0.0, high=None, ref=q)
     check_chunk_size(chunk_size)
-    phi = get_feature_map("identity" if phi is None else phi)
-    fq, fk = phi(q), phi(k)
-    for name, f in (("phi(q)", fq), ("phi(k)", fk)):
-        if not hasattr(f, "shape") or f.dim() != 4 or tuple(f.shape[:3]) != (B, H, T):
-            raise ValueError(f"phi must map [B, H, T, K] to [B, H, T, D] = [{B}, {H}, {T}, D], "
-                             f"but {name} has shape {list(getattr(f, 'shape', []))}")
-    if fq.shape != fk.shape:
-        raise ValueError(f"phi(q) and phi(k) must have the same shape, got {list(fq.shape)} and {list(fk.shape)}")
+    fq, fk = apply_feature_map(phi, q, k)
     if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
         check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
     return fq, fk
