@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..core.chunking import causal_decay, compute_dtype, gate_logs
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
+from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 
 def window_weights(G, eta, g, window):
@@ -100,8 +101,8 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     return torch.cat(outputs, dim=2).to(out_dtype), M
 
 
-def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
-                log_alpha=None):
+def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
+                chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """Chunkwise Omega rule with gradients frozen at each chunk's start state.
 
     Equals ``omega_frozen_seq(..., chunk_size)`` for every chunk size and ``omega_recurrent``

@@ -43,6 +43,7 @@ from ..core.chunking import gate_logs
 from ..core.kernels import (as_fp32, at_head, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
                             load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.windows import window_gates
+from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 # Tile limits. Measured by compiling for sm_90 (H100) with fp32 inputs: the kernel's
 # shared memory is 114 KB at BT=64, BW=128, BD=64 with BV = 64 (98 KB with the BV = 32 the
@@ -165,8 +166,8 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     return run.o, ht
 
 
-def omega_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
-                 log_alpha=None):
+def omega_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
+                 chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """Triton forward of the frozen-gradient Omega chunk form (matches ``chunk.omega_chunk``)."""
     return windowed_triton(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, False, log_alpha)
 

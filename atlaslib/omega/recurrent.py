@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.chunking import compute_dtype
+from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 
 class WindowState(NamedTuple):
@@ -167,7 +168,8 @@ def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     return torch.stack(outputs, dim=2).to(q.dtype), state.M
 
 
-def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64):
+def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
+                     chunk_size=DEFAULT_CHUNK_SIZE):
     """The Omega rule with every gradient frozen at its chunk-start state (book ch. 4 §8).
 
     Chunks are tokens [0, b), [b, 2b), ...; for t in a chunk starting at t0 the window's
