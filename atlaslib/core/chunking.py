@@ -50,20 +50,20 @@ def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
     return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
 
 
-def to_chunks(x, C, fill=0.0):
-    """[B, H, T, ...] -> [B*H, N, C, ...]: T cut into N chunks of C, a view unless T must be padded.
+def to_chunks(x, b, fill=0.0):
+    """[B, H, T, ...] -> [B*H, N, b, ...]: T cut into N chunks of b tokens, a view unless T must be padded.
 
     Padding rows get ``fill``: 0 for q, k, v, beta and log-gates (they write nothing and keep
     everything), 1 for gates given as alpha.
     """
     B, H, T = x.shape[:3]
-    if T % C:
-        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % C), value=fill)
-    return x.reshape(B * H, -1, C, *x.shape[3:])
+    if T % b:
+        x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, -T % b), value=fill)
+    return x.reshape(B * H, -1, b, *x.shape[3:])
 
 
 def chunk_run(x, s, n):
-    """Chunks s, ..., s+n-1 of x [B*H, N, C, ...] as one contiguous chunk-major block [n, B*H, C, ...].
+    """Chunks s, ..., s+n-1 of x [B*H, N, b, ...] as one contiguous chunk-major block [n, B*H, b, ...].
 
     Batched matrix products then take a chunk, or the whole run, without copying it again; a
     run copied just before it is used is also still in cache.
@@ -72,6 +72,6 @@ def chunk_run(x, s, n):
 
 
 def from_chunks(o, B, H, T):
-    """Chunk-major outputs [N, B*H, C, V] back to [B, H, T, V] (dropping the padding)."""
-    N, _, C, V = o.shape
-    return o.transpose(0, 1).reshape(B, H, N * C, V)[:, :, :T]
+    """Chunk-major outputs [N, B*H, b, V] back to [B, H, T, V] (dropping the padding)."""
+    N, _, b, V = o.shape
+    return o.transpose(0, 1).reshape(B, H, N * b, V)[:, :, :T]

@@ -11,9 +11,9 @@ from . import linear_attention
 
 def linear_flops(s: BenchShape) -> float:
     """Chunkwise linear attention, per token and head: q k^T and scores v inside the chunk
-    (2C(K+V), C the chunk size), the inter-chunk read q S^T and the state update v^T k (4KV).
+    (2b(K+V), b the chunk size), the inter-chunk read q M^T and the memory update v^T k (4KV).
     The Triton kernel picks its own tile (64, or 16 for per-channel gates), so for it this
-    is the work of the algorithm at C = chunk_size, not a count of its instructions."""
+    is the work of the algorithm at b = chunk_size, not a count of its instructions."""
     return s.B * s.H * s.T * (2 * min(s.chunk_size, s.T) * (s.K + s.V) + 4 * s.K * s.V)
 
 
