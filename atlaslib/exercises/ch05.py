@@ -1,0 +1,213 @@
+"""Checks for chapter 5's exercises (exercises/ch05_atlas.ipynb): Newton–Schulz, Muon and ATLAS.
+
+Each check draws fresh random inputs, runs the learner's function and compares it with
+``atlaslib`` (Newton–Schulz ``atlas.newton_schulz``, for one step, and for k steps on a
+matrix of known singular vectors; one token of ``atlas.atlas_step``; the per-token momentum
+of the Muon optimizer, ``miras.optimizer.build_optimizer`` on ``atlas.atlas_config``), then
+shows a verdict. Use in a notebook as::
+
+    from atlaslib.exercises import ch05 as check
+    check.ns_step(ns_step)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..atlas import COEFFICIENTS, atlas_config, newton_schulz, start_state
+from ..atlas import atlas_step as one_token
+from ..core.dispatch import interpreter_on
+from ..core.testing import random_gate, random_qkv
+from ..miras.optimizer import build_optimizer
+from .ch01 import clones, triton_device
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, guarded,
+                       guarded_output, unpack)
+
+EXERCISES = Registry("ch05")
+
+# fp32 inputs unless stated; a correct answer agrees to ~1e-6, a wrong one is off by far more.
+TOL = 1e-4
+
+# (a, b, c) of p(sigma) = a sigma + b sigma^3 + c sigma^5: Muon's, the cubic (c = 0), the convergent quintic
+COEFFS = {"muon": COEFFICIENTS["muon"], "cubic": (*COEFFICIENTS["cubic"], 0.0), "quintic": COEFFICIENTS["quintic"]}
+
+# Everything that computes Newton-Schulz for the learner
+NEWTON_SCHULZ = ("atlaslib.core.newton_schulz.newton_schulz", "atlaslib.atlas.kernel.newton_schulz_triton")
+
+
+def _shape_check(name, got, want):
+    if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(want):
+        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}")
+
+
+def _coeffs(name, gen):
+    if name == "random":      # a made-up odd polynomial: no answer may assume a named set
+        return tuple(round(x, 4) for x in (1.0 + torch.rand(3, generator=gen) * torch.tensor([2.0, -3.0, 1.5])).tolist())
+    return COEFFS[name]
+
+
+def _batch_of_scales(B, H, m, n, gen, dtype=torch.float32):
+    """Random matrices [B, H, m, n] whose sizes differ by up to 100x from one matrix to the next."""
+    scale = 10.0 ** (2 * torch.rand(B, H, 1, 1, generator=gen) - 1)
+    return (scale * torch.randn(B, H, m, n, generator=gen)).to(dtype)
+
+
+@EXERCISES.check("ns_step", title="One Newton-Schulz step", points=2,
+                  functions=("ns_step",), forbidden=NEWTON_SCHULZ)
+def ns_step(fn, gen):
+    """fn(G [B,H,m,n], coeffs (a, b, c)) -> NS_1(G): each matrix normalised by its own Frobenius norm, then
+    X -> a X + b (X X^T) X + c (X X^T)^2 X (tall matrices may be transposed: the result is the same)."""
+    cases = [(2, 3, 5, 7, "muon"), (1, 2, 9, 4, "quintic"), (2, 1, 6, 6, "random"), (1, 1, 1, 5, "muon"),
+             (3, 2, 7, 3, "cubic"), (1, 3, 16, 33, "muon")]          # (B, H, m, n, coefficients)
+    for B, H, m, n, name in cases:
+        G = _batch_of_scales(B, H, m, n, gen)
+        coeffs = _coeffs(name, gen)
+        ref = newton_schulz(G, 1, coeffs)
+        shape = "tall" if m > n else ("square" if m == n else "wide")
+        with case(f"B={B}, H={H}, {m} x {n} ({shape}), coefficients {name} {coeffs}"):
+            got = call(fn, G.clone(), coeffs)
+            _shape_check("NS_1(G)", got, G.shape)
+            compare("NS_1(G)", got, ref, TOL)
+    return f"NS_1(G) matches atlaslib.atlas.newton_schulz on {len(cases)} batches (wide, square and tall matrices)"
+
+
+def _orthonormal(m, r, gen):
+    """m x r with orthonormal columns (fp64)."""
+    Q, R = torch.linalg.qr(torch.randn(m, r, generator=gen, dtype=torch.float64))
+    return Q * torch.sign(torch.diagonal(R))
+
+
+@EXERCISES.check("ns_polynomial", title="The polynomial acting on the singular values", points=2,
+                  functions=("ns_singular_values",), forbidden=NEWTON_SCHULZ)
+def ns_polynomial(fn, gen):
+    """fn(sigma [r] fp64, steps, coeffs (a, b, c)) -> [r]: the singular values of NS_k(G) for any G = U diag(sigma) V^T.
+
+    The reference is the library's NS_k on such a G, read on the known singular vectors
+    (U^T NS_k(G) V is diagonal), so order and sign are kept.
+    """
+    cases = [  # (m, n, spectrum, steps, coefficients)
+        (6, 9, "random", 1, "muon"),
+        (16, 32, "ill-conditioned, 1e-3 to 1", 5, "muon"),
+        (12, 7, "random", 3, "quintic"),
+        (8, 8, "random, two of them 0 (rank-deficient)", 4, "cubic"),
+        (5, 5, "random", 2, "random"),
+        (9, 4, "random", 0, "muon"),                    # NS_0 is the identity: no normalisation either
+        (1, 3, "random", 5, "muon"),                    # one singular value: NS_k(G) = p^k(1)
+    ]
+    for m, n, spectrum, steps, name in cases:
+        r = min(m, n)
+        if spectrum.startswith("ill"):
+            sigma = torch.logspace(-3, 0, r, dtype=torch.float64)[torch.randperm(r, generator=gen)]
+        else:
+            sigma = 0.1 + 5 * torch.rand(r, generator=gen, dtype=torch.float64)
+            if "rank" in spectrum:
+                sigma[torch.randperm(r, generator=gen)[:2]] = 0.0
+        coeffs = _coeffs(name, gen)
+        U, Vm = _orthonormal(m, r, gen), _orthonormal(n, r, gen)
+        G = U @ torch.diag(sigma) @ Vm.T
+        ref = torch.diagonal(U.T @ newton_schulz(G, steps, coeffs) @ Vm)
+        with case(f"{m} x {n}, {spectrum} singular values, k={steps}, coefficients {name} {coeffs}"):
+            got = call(fn, sigma.clone(), steps, coeffs)
+            _shape_check("the singular values", got, sigma.shape)
+            compare("the singular values", got, ref, 1e-8)
+    return (f"the singular values of NS_k(G) match atlaslib.atlas.newton_schulz on {len(cases)} spectra "
+            "(k = 0 to 5, rank-deficient and ill-conditioned included)")
+
+
+@EXERCISES.check("atlas_step", title="One ATLAS step", points=2,
+                  functions=("atlas_step",),
+                  forbidden=("atlaslib.atlas.atlas", "atlaslib.atlas.recurrent.atlas_step",
+                             "atlaslib.atlas.recurrent.atlas_recurrent", "atlaslib.atlas.recurrent.atlas_frozen_seq",
+                             "atlaslib.atlas.chunk.atlas_chunk", "atlaslib.miras.miras"))
+def atlas_step(fn, gen):
+    """fn(M [B,H,V,D], S [B,H,V,D], k [B,H,D], v [B,H,V], alpha, eta, theta [B,H], ns_steps) -> (M_t, S_t).
+
+    Linear memory, l2 loss, window 1, Muon's coefficients: the library's ``atlas_step``.
+    """
+    cases = [(2, 3, 5, 7, 5), (1, 2, 6, 6, 1), (2, 1, 4, 9, 0), (1, 1, 16, 8, 5), (2, 2, 3, 1, 2)]  # (B, H, D, V, k)
+    for B, H, D, V, steps in cases:
+        _, k, v = random_qkv(B, H, 1, D, V, generator=gen, dtype=torch.float64)
+        k, v = k[:, :, 0], v[:, :, 0]
+        M = torch.randn(B, H, V, D, generator=gen, dtype=torch.float64)
+        S = torch.randn(B, H, V, D, generator=gen, dtype=torch.float64)
+        alpha = random_gate(B, H, 1, low=0.5, generator=gen, dtype=torch.float64)[:, :, 0]
+        eta = 0.01 + 0.2 * torch.rand(B, H, generator=gen, dtype=torch.float64)
+        theta = random_gate(B, H, 1, low=0.3, generator=gen, dtype=torch.float64)[:, :, 0]
+        state, _ = one_token(start_state(M, S), k, k, v, 1, None, alpha, eta, theta, steps)
+        with case(f"B={B}, H={H}, D={D}, V={V}, ns_steps={steps}"):
+            M_t, S_t = unpack(call(fn, *clones(M, S, k, v, alpha, eta, theta), steps), ("M_t", "S_t"))
+            _shape_check("M_t", M_t, M.shape)
+            _shape_check("S_t", S_t, S.shape)
+            compare("S_t", S_t, state.S, 1e-8)
+            compare("M_t", M_t, state.M, 1e-8)
+    return f"S_t and M_t match atlaslib.atlas.atlas_step on {len(cases)} random cases (ns_steps 0 to 5)"
+
+
+@EXERCISES.check("momenta", title="A chunk's momenta by one masked matmul", points=3,
+                  functions=("chunk_momenta",),
+                  forbidden=("atlaslib.atlas.atlas", "atlaslib.atlas.chunk.atlas_chunk", "atlaslib.miras.miras",
+                             "atlaslib.atlas.recurrent.atlas_recurrent", "atlaslib.atlas.recurrent.atlas_frozen_seq",
+                             "atlaslib.atlas.chunk.decay_ratios", "atlaslib.miras.optimizer.decay_matrix",
+                             "atlaslib.core.chunking.causal_decay"))
+def momenta(fn, gen):
+    """fn(S0 [N,V,D], grad [N,n,V,D], theta [N,n]) -> S [N,n,V,D], all n momenta S_t = theta_t S_{t-1} + grad_t.
+
+    The reference runs the Muon optimizer of the library token by token.
+    """
+    muon = build_optimizer(atlas_config("linear", ns_steps=0))
+    # (N, n, V, D, theta in [low, high], kind); gates of exactly 0 restart the momentum (log 0 = -inf),
+    # and the last chunk's cumulative products underflow fp32 (quotients of them give 0/0)
+    cases = [(2, 5, 3, 4, 0.3, 1.0, ""), (1, 16, 4, 6, 0.05, 1.0, ""), (3, 1, 2, 5, 0.5, 1.0, ""),
+             (2, 9, 5, 2, 0.5, 1.0, "zeros"), (1, 48, 3, 3, 0.02, 0.2, "")]
+    for N, n, V, D, low, high, kind in cases:
+        S0 = torch.randn(N, V, D, generator=gen)
+        grad = torch.randn(N, n, V, D, generator=gen)
+        theta = random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]
+        if kind == "zeros":
+            theta[:, torch.tensor([2, 6])] = 0.0
+        S, states = {"M": S0}, []
+        for t in range(n):                                             # the per-token definition
+            _, S = muon.step(S, {"M": grad[:, t]}, torch.ones(N), theta[:, t])
+            states.append(S["M"])
+        ref = torch.stack(states, dim=1)
+        label = "two of them exactly 0" if kind else f"in [{low}, {high}]"
+        with case(f"N={N}, chunk n={n}, V={V}, D={D}, theta {label}"):
+            got = call(fn, *clones(S0, grad, theta))
+            if isinstance(got, torch.Tensor) and tuple(got.shape) == (N, V, D) and n > 1:
+                raise CheckFailed(f"S has shape {list(got.shape)}: that is one momentum; return all n = {n} of "
+                                  f"them, [{N}, {n}, {V}, {D}] (Newton-Schulz needs every S_t)")
+            _shape_check("S", got, ref.shape)
+            compare("S", got, ref, TOL)
+    return f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks (resets and underflow included)"
+
+
+@EXERCISES.check("triton_ns_step", title="A Triton kernel for one Newton-Schulz step on a tile", points=3,
+                  functions=("ns_step_triton",), forbidden=NEWTON_SCHULZ, needs_launch=True)
+def triton_ns_step(fn, gen):
+    """fn(X [N,R,C] (R <= C), out [N,R,C], coeffs (a, b, c)) -> out = NS_1 of each matrix, in fp32."""
+    device = triton_device()
+    if device == "cpu" and not interpreter_on():
+        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
+                          "importing triton (the notebook's set-up cell does), then restart the kernel")
+    tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
+    cases = [(2, 5, 7, "muon"), (1, 16, 16, "quintic"), (3, 3, 20, "random"), (1, 1, 4, "muon"),
+             (2, 9, 33, "cubic")]            # (N, R, C, coefficients): odd sizes on purpose
+    for N, R, C, name in cases:
+        X = _batch_of_scales(N, 1, R, C, gen)[:, 0]
+        coeffs = _coeffs(name, gen)
+        ref = newton_schulz(X, 1, coeffs)
+        x_in = guarded(X.to(device))
+        out = guarded_output((N, R, C), device=device)
+        with case(f"N={N}, R={R}, C={C}, coefficients {name} {coeffs}"):
+            call(fn, x_in, out, coeffs)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            check_guards("out", out)
+            try:
+                compare("out", out, ref.to(device), tol)
+            except CheckFailed as e:
+                raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
+    # the same text on CPU and GPU, so the stored output is valid on both
+    return f"the kernel matches atlaslib.atlas.newton_schulz on {len(cases)} odd-sized cases, with no stray loads or stores"
+
+
+__all__ = ["EXERCISES", "ns_step", "ns_polynomial", "atlas_step", "momenta", "triton_ns_step"]
