@@ -116,7 +116,7 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
             1 whatever the size of S, so eta is the step's size in the spectral norm.
         theta: momentum decay in [0, 1], [B, H, T] or a number (None: 0, no momentum carried).
         ns_steps: k >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
-            outside the momentum, or with theta = 0 the Omega rule, book ch. 5 §4).
+            outside the momentum, or with theta = 0 the Omega rule, book ch. 5).
         coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
             "quintic" (both converge to the polar factor U V^T) or a tuple (a, b[, c]).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
@@ -138,7 +138,7 @@ def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns
         chunk_size: b of "chunk" and "frozen_seq", default 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
             ``DEFAULT_CHUNK_SIZE``). **It changes the model**: b = 1 is the per-token rule.
 
-    Which equalities hold (book ch. 5 §4-§5; all tested in tests/test_atlas.py):
+    Which equalities hold (book ch. 5; all tested in tests/test_atlas.py):
 
     ==================================================================  ===================
     chunk(b) vs frozen_seq(b), every memory and b                      exact

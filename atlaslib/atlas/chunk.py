@@ -1,4 +1,4 @@
-"""The algorithm: chunkwise ATLAS with a linear memory ([A] §5.1, book ch. 5 §5).
+"""The algorithm: chunkwise ATLAS with a linear memory ([A] §5.1, book ch. 5).
 
 Split the sequence into chunks of b tokens. In a chunk that starts from M_{t0} and S_{t0},
 take every gradient at M_{t0} instead of M_{t-1} (as Titans, TTT and the Omega rule do).
@@ -22,7 +22,7 @@ before the exponential (``core.chunking.causal_decay``); theta = 0 becomes the l
 a factor of e^-60. [A] §5.1 writes the cumulative product of the thetas as beta_t and
 drops alpha and eta from its eqs 40-41 (book/errata.md).
 
-Exactness (book ch. 5 §5, tested): ``atlas_chunk(b) == atlas_frozen_seq(b)`` for every b,
+Exactness (book ch. 5, tested): ``atlas_chunk(b) == atlas_frozen_seq(b)`` for every b,
 and at b = 1 both are ``atlas_recurrent``; for b > 1 the frozen gradient makes it a
 different model. Deep memories run the same steps inside chapter 3's engine
 (``atlaslib.miras``, optimizer "muon": ``Muon.updates`` is step 2 and 3 per weight matrix).

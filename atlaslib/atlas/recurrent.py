@@ -1,6 +1,6 @@
 """The definition: ATLAS with a linear memory, one token at a time.
 
-ATLAS (book ch. 5 §3; [A] eqs 32-33, in the sign-consistent form of MATH.md §5) keeps a
+ATLAS (book ch. 5; [A] eqs 32-33 with the signs of gradient descent, see book/errata.md) keeps a
 momentum S of the windowed gradients and moves the memory along its Newton–Schulz
 orthogonalisation:
 
@@ -13,7 +13,7 @@ orthogonalisation:
 with l2(M; k, v) = 1/2 ||M k - v||^2. Newton–Schulz normalises its input, so a step size
 placed inside S (as Titans does) would be erased: eta multiplies NS_k(S_t). With k = 0
 (``ns_steps=0``, NS_0 = identity) the rule is momentum with eta outside the buffer; with
-theta = 0 as well it is the Omega rule (``atlaslib.omega.omega_rule``); see book ch. 5 §4
+theta = 0 as well it is the Omega rule (``atlaslib.omega.omega_rule``); see book ch. 5
 for the exact reductions to Titans, the delta rule and OmegaNet.
 
 ``atlas_step`` is one token, the body of both loops. What a token needs from the past is
@@ -23,7 +23,7 @@ gradient) is chapter 4's (``atlaslib.omega.recurrent``).
 
 ``atlas_frozen_seq`` is the same loop with every gradient of a chunk [t0, t0 + b) taken
 at the chunk-start state M_{t0} (window rows that reach into the previous chunk too): the
-sequential oracle of the chunkwise form (book ch. 5 §5). At b = 1 it is
+sequential oracle of the chunkwise form (book ch. 5). At b = 1 it is
 ``atlas_recurrent``.
 
 Here q, k are already features phi(q), phi(k) of width D; states are [B, H, V, D]; the
@@ -116,7 +116,7 @@ def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None,
 
 def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
                      initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE):
-    """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5 §5).
+    """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5).
 
     Sequential, so it is the oracle that ``atlas_chunk(b)`` must match for every b; at b = 1 it
     is ``atlas_recurrent``. Arguments and results as ``atlas_recurrent``.

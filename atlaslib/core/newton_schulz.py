@@ -17,7 +17,7 @@ The coefficient sets (``COEFFICIENTS``):
     "muon"     (3.4445, -4.7750, 2.0315)   Muon's (Jordan et al. 2024, modded-nanogpt): a steep
                slope at 0 (3.4445) lifts small singular values fast, but the fixed point is *not* 1:
                the values end up oscillating in a band around it (about [0.68, 1.2] after
-               5 steps on ill-conditioned input, book ch. 5 §2). Do not expect U V^T from it.
+               5 steps on ill-conditioned input, book ch. 5). Do not expect U V^T from it.
 
 A user tuple (a, b[, c, ...]) gives p's coefficients in the same order.
 
@@ -30,7 +30,7 @@ end; the arithmetic runs in fp32 by default (fp64 input stays fp64) and in bf16 
 ``steps=0`` is the identity (G returned unchanged, not normalised): "no Newton–Schulz".
 The normalisation belongs to the iteration and is skipped with it, so ``ns_steps=0``
 switches orthogonalisation off in ATLAS (which then is Titans / OmegaNet with eta outside
-the momentum, book ch. 5 §4).
+the momentum, book ch. 5).
 
 ``polar(G)`` = U V^T by SVD is the exact reference the convergent sets are tested against.
 
