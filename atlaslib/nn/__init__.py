@@ -9,6 +9,7 @@ from . import delta_mixers  # noqa: F401  (registers the chapter 2 mixers)
 from . import omega_mixers  # noqa: F401  (registers the chapter 4 mixers)
 from . import miras_mixers  # noqa: F401  (registers the chapter 3 mixers)
 from . import atlas_mixers  # noqa: F401  (registers the chapter 5 mixers)
+from . import hybrids  # noqa: F401  (registers swa, mag and mal)
 from .lm import TinyLM
 from .mixer import MIXERS, ShortConv, TokenMixer, available_mixers, make_mixer, register_mixer
 
