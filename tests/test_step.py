@@ -297,6 +297,9 @@ def test_mixer_step_is_its_forward(gen, dtype, name, kw):
         ref = mixer(x)
     # softmax_attention computes in fp32 whatever the input: its fp64 step is judged at fp32 precision
     tol = TOLERANCE[torch.float32] if name in ("softmax", "swa", "mag", "mal") else None
+    # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
+    if name in ("atlas", "mag", "mal") and dtype == torch.float32:
+        tol = 5e-4
     assert_close(y, ref, tol=tol, name=f"{name}: step by step vs forward")
 
 
@@ -363,6 +366,9 @@ def test_tinylm_step_logits_are_the_forward_logits(gen, name, kw):
             logits.append(out)
         ref = lm(ids)
     tol = TOLERANCE[torch.float32] if name in ("softmax", "swa", "mag", "mal") else None
+    # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
+    if name in ("atlas", "mag", "mal") and dtype == torch.float32:
+        tol = 5e-4
     assert_close(torch.stack(logits, 1), ref, tol=tol, name="stepped logits vs forward")
     assert state.position == 9
 
