@@ -2,7 +2,8 @@
 
 Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) and chapter 2's (deltanet,
 gated_deltanet, kda) are registered on import; later
-chapters register theirs with ``register_mixer`` in their own modules.
+chapters register theirs with ``register_mixer`` in their own modules (chapter 5: atlas,
+atlas++; ``hybrids``: swa and the MAG / MAL backbones over any memory mixer).
 """
 from . import mixers  # noqa: F401  (registers the chapter 1 mixers)
 from . import delta_mixers  # noqa: F401  (registers the chapter 2 mixers)
