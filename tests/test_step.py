@@ -263,6 +263,13 @@ MIXER_CASES = [
     ("yaad", {"backend": "chunk", "chunk_size": 1}),
     ("memora", {"backend": "chunk", "chunk_size": 1}),
     ("moneta", {"backend": "chunk", "chunk_size": 1}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "window": 3, "ns_steps": 3}),
+    ("swa", {"window": 3}),
+    ("mal", {"memory": "atlas", "window": 3, "backend": "chunk", "chunk_size": 1}),
+    ("mag", {"memory": "gla", "window": 4, "backend": "chunk", "chunk_size": 4}),
+    # ATLAS++ (gated deep memory) has no one-token step yet: its mix_step raises NotImplementedError
+    pytest.param("atlas++", {"backend": "chunk", "chunk_size": 1}, marks=pytest.mark.skip(reason="no step yet")),
 ]
 
 
@@ -276,7 +283,7 @@ def step_through(mixer, x):
 
 def test_every_registered_mixer_has_a_case():
     registered = {name for name in available_mixers() if not name.startswith("_")}   # "_": other tests' probes
-    assert registered <= {name for name, _ in MIXER_CASES}
+    assert registered <= {case.values[0] if hasattr(case, "values") else case[0] for case in MIXER_CASES}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -289,7 +296,10 @@ def test_mixer_step_is_its_forward(gen, dtype, name, kw):
         y, _ = step_through(mixer, x)
         ref = mixer(x)
     # softmax_attention computes in fp32 whatever the input: its fp64 step is judged at fp32 precision
-    tol = TOLERANCE[torch.float32] if name == "softmax" else None
+    tol = TOLERANCE[torch.float32] if name in ("softmax", "swa", "mag", "mal") else None
+    # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
+    if name in ("atlas", "mag", "mal") and dtype == torch.float32:
+        tol = 5e-4
     assert_close(y, ref, tol=tol, name=f"{name}: step by step vs forward")
 
 
@@ -355,7 +365,10 @@ def test_tinylm_step_logits_are_the_forward_logits(gen, name, kw):
             out, state = lm.step(ids[:, t], state)
             logits.append(out)
         ref = lm(ids)
-    tol = TOLERANCE[torch.float32] if name == "softmax" else None
+    tol = TOLERANCE[torch.float32] if name in ("softmax", "swa", "mag", "mal") else None
+    # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
+    if name in ("atlas", "mag", "mal") and dtype == torch.float32:
+        tol = 5e-4
     assert_close(torch.stack(logits, 1), ref, tol=tol, name="stepped logits vs forward")
     assert state.position == 9
 

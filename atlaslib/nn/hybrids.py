@@ -1,0 +1,145 @@
+"""Sliding-window attention and the two hybrid backbones of Titans / ATLAS: MAG and MAL.
+
+* ``"swa"``: causal softmax attention over the last ``window`` tokens (key i is seen by
+  query t iff t - window < i <= t), ``core.softmax_attention(window=...)``; ``step`` keeps
+  only the last ``window`` keys and values (a fixed-size cache).
+* ``"mal"`` (memory as a layer): y = SWA(Memory(x)), the memory mixer's output (already
+  projected back to d_model) is the input of a sliding-window attention mixer.
+* ``"mag"`` (memory as a gate): both branches read x and are mixed per channel by a learned
+  sigmoid gate,
+
+      g_t = sigmoid(W_g x_t + b_g)  in (0, 1)^{d_model},
+      y_t = g_t * SWA(x)_t + (1 - g_t) * Memory(x)_t.
+
+  The papers ([Titans] §4.2, [ATLAS] §5) combine the branches "with a gating mechanism"
+  and normalisation but leave the exact form open; this is one simple choice (no extra
+  normalisation; b_g = 0, so the gate starts at 1/2). g = 1 gives the SWA branch alone,
+  g = 0 the memory branch alone.
+
+Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
+memory="atlas", window=16, **memory_kw)``. ``window`` is the attention's window; every other
+keyword goes to the memory mixer (its own Omega window, if any, is ``memory_window=``), and
+``attention_kw`` (a dict) to the SWA mixer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..core import softmax_attention
+from .mixer import MIXERS, TokenMixer, make_mixer, register_mixer
+from .mixers import SoftmaxAttention
+
+
+def check_attention_window(window) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (the attention's window), got {window!r}")
+    return window
+
+
+@register_mixer("swa")
+class SlidingWindowAttention(SoftmaxAttention):
+    """Causal softmax attention over the last ``window`` tokens (sliding-window attention)."""
+
+    def __init__(self, d_model, n_heads, *, window: int = 64, **kw):
+        self.window = check_attention_window(window)
+        super().__init__(d_model, n_heads, **kw)
+
+    def mix(self, q, k, v, x):
+        return softmax_attention(q, k, v, window=self.window)
+
+    def mix_step(self, q, k, v, x, state):
+        """One token against the last ``window`` keys and values (this one included); the cache keeps
+        the last window - 1 of them plus this one, at most ``window``."""
+        keys, values = (k, v) if state is None else (torch.cat([state[0], k], 2), torch.cat([state[1], v], 2))
+        keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
+        scores = torch.einsum("bhqk,bhjk->bhqj", q.float(), keys.float()) / math.sqrt(q.shape[-1])
+        o = torch.einsum("bhqj,bhjv->bhqv", scores.softmax(-1), values.float())
+        return o.to(q.dtype), (keys, values)
+
+    @property
+    def state_size(self):
+        """The cache: ``window`` keys and values per head (fixed, unlike full attention's)."""
+        return self.window * self.n_heads * (self.head_k_dim + self.head_v_dim)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}"
+
+
+class Hybrid(TokenMixer):
+    """A memory mixer and a sliding-window attention mixer, combined by ``combine`` (MAG / MAL).
+
+    Not a projection-based mixer itself: each branch has its own projections (and convolution).
+    """
+
+    def __init__(self, d_model, n_heads, *, memory: str = "atlas", window: int = 64, attention_kw=None,
+                 memory_window: int | None = None, **kw):
+        nn.Module.__init__(self)
+        check_attention_window(window)
+        if not isinstance(memory, str) or memory not in MIXERS:
+            raise ValueError(f"unknown memory mixer {memory!r}; available: {sorted(MIXERS)}")
+        if memory in ("mag", "mal"):
+            raise ValueError(f"the memory of a hybrid must be a memory mixer, not the hybrid {memory!r}")
+        self.d_model, self.n_heads, self.window, self.memory_name = d_model, n_heads, window, memory
+        if memory_window is not None:
+            kw["window"] = memory_window
+        self.memory = make_mixer(memory, d_model, n_heads, **kw)
+        self.attention = SlidingWindowAttention(d_model, n_heads, window=window, **(attention_kw or {}))
+
+    def mix(self, q, k, v, x):              # pragma: no cover - forward is overridden
+        raise NotImplementedError("a hybrid mixes through its branches' forward")
+
+    @property
+    def state_size(self):
+        m = self.memory.state_size
+        return None if m is None else m + self.attention.state_size
+
+    def extra_repr(self) -> str:
+        return f"name={self.mixer_name!r}, memory={self.memory_name!r}, window={self.window}"
+
+    def check(self, x, dims):
+        if x.dim() != dims or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [B, {'T, ' if dims == 3 else ''}{self.d_model}], got {list(x.shape)}")
+
+
+@register_mixer("mal")
+class MAL(Hybrid):
+    """Memory as a layer: y = SWA(Memory(x))."""
+
+    def forward(self, x):
+        self.check(x, 3)
+        return self.attention(self.memory(x))
+
+    def step(self, x_t, cache=None):
+        self.check(x_t, 2)
+        mem_cache, att_cache = (None, None) if cache is None else cache
+        h, mem_cache = self.memory.step(x_t, mem_cache)
+        y, att_cache = self.attention.step(h, att_cache)
+        return y, (mem_cache, att_cache)
+
+
+@register_mixer("mag")
+class MAG(Hybrid):
+    """Memory as a gate: y = g * SWA(x) + (1 - g) * Memory(x), g = sigmoid(W_g x + b_g) per channel."""
+
+    def __init__(self, d_model, n_heads, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.gate_proj = nn.Linear(d_model, d_model)
+        nn.init.zeros_(self.gate_proj.bias)
+
+    def combine(self, x, attended, remembered):
+        g = torch.sigmoid(self.gate_proj(x))
+        return g * attended + (1 - g) * remembered
+
+    def forward(self, x):
+        self.check(x, 3)
+        return self.combine(x, self.attention(x), self.memory(x))
+
+    def step(self, x_t, cache=None):
+        self.check(x_t, 2)
+        mem_cache, att_cache = (None, None) if cache is None else cache
+        m, mem_cache = self.memory.step(x_t, mem_cache)
+        a, att_cache = self.attention.step(x_t, att_cache)
+        return self.combine(x_t, a, m), (mem_cache, att_cache)

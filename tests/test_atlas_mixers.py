@@ -1,0 +1,155 @@
+"""Chapter 5 mixers (atlas, atlas++) and the hybrid backbones (swa, mag, mal) of atlaslib.nn."""
+import math
+
+import pytest
+import torch
+
+from atlaslib.core.testing import TOLERANCE, assert_close
+from atlaslib.nn import TinyLM, make_mixer
+
+D, H = 12, 2
+
+
+def x_of(gen, B=2, T=9, dtype=torch.float32):
+    return torch.randn(B, T, D, generator=gen).to(dtype)
+
+
+def seeded(gen):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+
+
+def step_through(mixer, x):
+    cache, ys = None, []
+    for t in range(x.shape[1]):
+        y_t, cache = mixer.step(x[:, t], cache)
+        ys.append(y_t)
+    return torch.stack(ys, 1)
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("atlas", {}), ("atlas", {"window": 3, "memory": "residual"}), ("atlas++", {}),
+    ("swa", {"window": 4}), ("mag", {"memory": "atlas", "window": 4}), ("mal", {"memory": "deltanet", "window": 4}),
+    ("mag", {"memory": "atlas++", "window": 2, "memory_window": 2}),
+])
+def test_shapes(gen, name, kw):
+    seeded(gen)
+    y = make_mixer(name, D, H, backend="chunk", **kw)(x_of(gen))
+    assert y.shape == (2, 9, D) and torch.isfinite(y).all()
+
+
+def test_swa_is_the_masked_softmax(gen):
+    """Independent reference: per head, scores masked to t - c < i <= t, softmax, weighted values."""
+    seeded(gen)
+    c, x = 3, x_of(gen, dtype=torch.float64)
+    swa = make_mixer("swa", D, H, window=c, conv_size=0).double()
+    B, T, _ = x.shape
+    q, k, v = (p(x).view(B, T, H, -1).transpose(1, 2) for p in (swa.q_proj, swa.k_proj, swa.v_proj))
+    t = torch.arange(T)
+    mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - c)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
+    o = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1)
+    assert_close(swa(x), swa.o_proj(o), tol=TOLERANCE[torch.float32])
+
+
+def test_swa_with_a_long_window_is_softmax_attention(gen):
+    seeded(gen)
+    x = x_of(gen)
+    swa = make_mixer("swa", D, H, window=x.shape[1])
+    full = make_mixer("softmax", D, H)
+    full.load_state_dict(swa.state_dict())
+    assert_close(swa(x), full(x))
+
+
+@pytest.mark.parametrize("memory", ["atlas", "gla"])
+def test_mal_with_a_long_window_is_attention_after_the_memory(gen, memory):
+    seeded(gen)
+    x = x_of(gen)
+    mal = make_mixer("mal", D, H, memory=memory, window=x.shape[1], backend="chunk")
+    full = make_mixer("softmax", D, H)
+    full.load_state_dict(mal.attention.state_dict())
+    with torch.no_grad():
+        assert_close(mal(x), full(mal.memory(x)))
+
+
+@pytest.mark.parametrize("g, branch", [(1.0, "attention"), (0.0, "memory")])
+def test_mag_gate_selects_a_branch(gen, g, branch):
+    seeded(gen)
+    x = x_of(gen)
+    mag = make_mixer("mag", D, H, memory="atlas", window=3, backend="chunk")
+    with torch.no_grad():
+        mag.gate_proj.weight.zero_()
+        mag.gate_proj.bias.fill_(1e4 if g == 1.0 else -1e4)            # sigmoid: exactly 1 / 0 in fp32
+        assert_close(mag(x), getattr(mag, branch)(x))
+
+
+def test_mag_is_the_documented_mix(gen):
+    seeded(gen)
+    x = x_of(gen)
+    mag = make_mixer("mag", D, H, memory="deltanet", window=3, backend="chunk")
+    with torch.no_grad():
+        g = torch.sigmoid(mag.gate_proj(x))
+        assert_close(mag(x), g * mag.attention(x) + (1 - g) * mag.memory(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name, kw", [
+    ("atlas", {"chunk_size": 1, "window": 2}), ("atlas", {"chunk_size": 1, "momentum": False, "gamma": None}),
+    ("swa", {"window": 2}), ("mag", {"memory": "atlas", "window": 3, "chunk_size": 1}),
+    ("mal", {"memory": "omeganet", "window": 2, "chunk_size": 1}),
+])
+def test_step_is_the_forward(gen, dtype, name, kw):
+    seeded(gen)
+    mixer = make_mixer(name, D, H, backend="chunk", **kw).to(dtype)
+    x = x_of(gen, T=7, dtype=dtype)
+    with torch.no_grad():
+        # softmax branches compute in fp32 whatever the dtype; ATLAS in fp32: Newton-Schulz (Muon's
+        # coefficients, not a contraction) amplifies rounding, so fp32 gets 5e-4 (fp64 the default)
+        tol = TOLERANCE[torch.float32] if name != "atlas" else None
+        if dtype == torch.float32 and (name == "atlas" or kw.get("memory") == "atlas"):
+            tol = 5e-4
+        assert_close(step_through(mixer, x), mixer(x), tol=tol, name=f"{name}: step vs forward")
+
+
+def test_swa_cache_is_bounded(gen):
+    swa = make_mixer("swa", D, H, window=3)
+    cache = None
+    for t in range(6):
+        _, cache = swa.step(torch.randn(1, D, generator=gen), cache)
+    assert cache.memory[0].shape[2] == 3 and swa.state_size == 3 * H * 2 * (D // H)
+
+
+def test_atlas_plus_plus_has_no_step_yet():
+    with pytest.raises(NotImplementedError, match="memory='linear'"):
+        make_mixer("atlas++", D, H).step(torch.randn(1, D))
+
+
+@pytest.mark.parametrize("name, kw", [("mag", {"memory": "atlas"}), ("mal", {"memory": "atlas"}), ("atlas", {})])
+def test_gradients_flow(gen, name, kw):
+    seeded(gen)
+    mixer = make_mixer(name, D, H, window=3, backend="chunk", **kw)
+    mixer(x_of(gen)).square().sum().backward()
+    missing = [n for n, p in mixer.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, missing
+    assert any(p.grad.abs().sum() > 0 for n, p in mixer.named_parameters() if "eta_proj" in n or "theta" in n)
+
+
+def test_tiny_lm_with_a_hybrid(gen):
+    seeded(gen)
+    lm = TinyLM(17, d_model=D, n_layers=1, mixer="mag", n_heads=H, memory="atlas", window=4, backend="chunk")
+    ids = torch.randint(0, 17, (2, 6), generator=gen)
+    assert lm(ids).shape == (2, 6, 17)
+
+
+@pytest.mark.parametrize("name, kw, error, match", [
+    ("swa", {"window": 0}, ValueError, "window"),
+    ("mag", {"window": 0}, ValueError, "window"),
+    ("mal", {"window": 1.5}, ValueError, "window"),
+    ("mag", {"memory": "nope"}, ValueError, "unknown memory mixer"),
+    ("mal", {"memory": "mag"}, ValueError, "hybrid"),
+    ("atlas", {"memory": "deep"}, ValueError, "memory"),
+    ("atlas", {"window": 0}, ValueError, "window"),
+    ("atlas++", {"head_k_dim": 4, "head_v_dim": 6}, ValueError, "head_k_dim == head_v_dim"),
+])
+def test_bad_input_is_named(name, kw, error, match):
+    with pytest.raises(error, match=match):
+        make_mixer(name, D, H, **kw)
