@@ -57,15 +57,19 @@ def test_the_defaults_are_declared_once():
         assert make_mixer(name, 16, 2).chunk_size == miras_pkg.DEFAULT_CHUNK_SIZE, name
 
 
-LIBRARY_CALLS = ("linear_attention", "delta_rule", "miras", "omega_rule", "swla")
-GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "yaad", "memora")
+LIBRARY_CALLS = ("linear_attention", "delta_rule", "miras", "omega_rule", "swla", "atlas")
+GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "yaad", "memora",
+         "atlas", "atlas++", "mag", "mal")
+ATTENTION = ("softmax", "swa")                       # no chunk form, no retention gate
+HYBRIDS = ("mag", "mal")                             # their memory branch (atlas by default) makes the call
 
 
-@pytest.mark.parametrize("name", [n for n in sorted(MIXERS) if n != "softmax"])
+@pytest.mark.parametrize("name", [n for n in sorted(MIXERS) if n not in ATTENTION])
 def test_every_mixer_passes_its_chunk_size_and_a_log_gate(monkeypatch, gen, name):
     """Spy on the library function the mixer's module calls: chunk_size is the mixer's (5 is nobody's
-    default), and a retention gate arrives as fp32 log_alpha from a bf16 model, never as alpha."""
-    module = sys.modules[MIXERS[name].__module__]
+    default), and a retention gate arrives as fp32 log_alpha from a bf16 model, never as alpha.
+    A hybrid passes its keywords to its memory mixer, whose module is spied on."""
+    module = sys.modules[MIXERS["atlas" if name in HYBRIDS else name].__module__]
     seen = []
     for fn in LIBRARY_CALLS:
         if hasattr(module, fn):
