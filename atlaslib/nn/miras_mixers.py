@@ -46,6 +46,34 @@ def _inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
+def start_token_state(memory: dict, momentum: bool, deltas: bool, q, v) -> TokenState:
+    """The engine's state before the first token: W_0 = ``memory`` ({name: [B, H, out, in]}) in q's compute
+    dtype, zero momentum (if the optimizer keeps one) and an empty window (with its deltas, if the bias takes them)."""
+    B, H, _, D = q.shape
+    cd = compute_dtype(q)
+    Z = flatten_bh(memory, B, H, cd)
+    S = {n: torch.zeros_like(w) for n, w in Z.items()} if momentum else None
+    rows = lambda *width: torch.zeros(B * H, 0, *width, dtype=cd, device=q.device)   # noqa: E731
+    return TokenState(Z, S, rows(D), rows(v.shape[-1]), rows() if deltas else None)
+
+
+def engine_step(parts, state: TokenState, q, k, v, G, eta, alpha=None, theta=None, delta=None):
+    """One token of chapter 3's engine (``miras_step``) on a mixer's tensors.
+
+    q, k [B, H, 1, D]; v [B, H, 1, V]; G [B, H, c] this token's per-offset window gates
+    (G[..., j] = gamma_{t-j}^{(t)}); eta, alpha, theta, delta [B, H, 1] or None. The state is in
+    the engine's layout (B * H rows). Returns (o [B, H, 1, V] in q's dtype, the state after the token).
+    """
+    B, H, _, D = q.shape
+    N, V, cd = B * H, v.shape[-1], compute_dtype(q)
+    flat = lambda t: None if t is None else t.to(cd).reshape(N)        # noqa: E731  [B, H, 1] -> [N]
+    q_t, k_t, v_t = (t.to(cd).reshape(N, -1) for t in (q, k, v))
+    eta = parts.retention.effective_eta(flat(eta), k_t)                # proximal: the implicit step, as in miras
+    gates_t = Gates(eta=eta, G=G.to(cd).reshape(N, -1), alpha=flat(alpha), theta=flat(theta), delta=flat(delta))
+    state, y_t = miras_step(parts, state, q_t, k_t, v_t, gates_t)
+    return y_t.reshape(B, H, 1, V).to(q.dtype), state
+
+
 class ScalarGate(nn.Module):
     """One value per head and token from x [B, T, D]: squash(w_h^T x_t + b_h) as [B, H, T]."""
 
@@ -121,22 +149,14 @@ class MirasMixer(GatedLinear):
         zero momentum, as ``forward`` does.
         """
         B, H, _, D = q.shape
-        N, V, cd = B * H, v.shape[-1], compute_dtype(q)
-        parts = build_parts(self.config, D, V)
+        parts = build_parts(self.config, D, v.shape[-1])
         if state is None:
-            start = self.initial_state(B, q.dtype).memory
-            Z = flatten_bh(start if isinstance(start, dict) else {"M": start}, B, H, cd)
-            S = {n: torch.zeros_like(w) for n, w in Z.items()} if self.has_momentum else None
-            rows = lambda *width: torch.zeros(N, 0, *width, dtype=cd, device=q.device)   # noqa: E731
-            state = TokenState(Z, S, rows(D), rows(V), rows() if self.delta_gate is not None else None)
+            start = self.initial_state(B, q.dtype).memory              # q's dtype, as ``mix`` hands it over
+            state = start_token_state(start if isinstance(start, dict) else {"M": start}, self.has_momentum,
+                                      self.delta_gate is not None, q, v)
         g = self.gates(x, gate_dtype(q))
-        flat = lambda t: None if t is None else t.to(cd).reshape(N)        # noqa: E731  [B, H, 1] -> [N]
-        q_t, k_t, v_t = (t.to(cd).reshape(N, -1) for t in (q, k, v))
-        eta = parts.retention.effective_eta(flat(g["eta"]), k_t)          # proximal: the implicit step, as in miras
-        gates_t = Gates(eta=eta, G=torch.ones(N, self.config.window, dtype=cd, device=q.device),
-                        alpha=flat(g["alpha"]), theta=flat(g["theta"]), delta=flat(g["delta"]))
-        state, y_t = miras_step(parts, state, q_t, k_t, v_t, gates_t)
-        return y_t.reshape(B, H, 1, V).to(q.dtype), state
+        G = torch.ones(B, H, self.config.window, dtype=gate_dtype(q), device=q.device)   # no window gates here
+        return engine_step(parts, state, q, k, v, G, g["eta"], g["alpha"], g["theta"], g["delta"])
 
     @property
     def state_size(self) -> int:
