@@ -96,6 +96,10 @@ def test_mag_is_the_documented_mix(gen):
     ("atlas", {"chunk_size": 1, "window": 2}), ("atlas", {"chunk_size": 1, "momentum": False, "gamma": None}),
     ("swa", {"window": 2}), ("mag", {"memory": "atlas", "window": 3, "chunk_size": 1}),
     ("mal", {"memory": "omeganet", "window": 2, "chunk_size": 1}),
+    ("atlas", {"chunk_size": 1, "window": 3, "gamma": "source"}),
+    ("atlas", {"chunk_size": 1, "memory": "residual", "window": 2, "gamma": "source"}),
+    ("atlas++", {"chunk_size": 1, "window": 2}),
+    ("mag", {"memory": "atlas++", "window": 3, "memory_window": 2, "chunk_size": 1}),
 ])
 def test_step_is_the_forward(gen, dtype, name, kw):
     seeded(gen)
@@ -104,8 +108,9 @@ def test_step_is_the_forward(gen, dtype, name, kw):
     with torch.no_grad():
         # softmax branches compute in fp32 whatever the dtype; ATLAS in fp32: Newton-Schulz (Muon's
         # coefficients, not a contraction) amplifies rounding, so fp32 gets 5e-4 (fp64 the default)
-        tol = TOLERANCE[torch.float32] if name != "atlas" else None
-        if dtype == torch.float32 and (name == "atlas" or kw.get("memory") == "atlas"):
+        is_atlas = lambda n: n in ("atlas", "atlas++")                    # noqa: E731
+        tol = TOLERANCE[torch.float32] if not is_atlas(name) else None
+        if dtype == torch.float32 and (is_atlas(name) or is_atlas(kw.get("memory"))):
             tol = 5e-4
         assert_close(step_through(mixer, x), mixer(x), tol=tol, name=f"{name}: step vs forward")
 
@@ -118,9 +123,22 @@ def test_swa_cache_is_bounded(gen):
     assert cache.memory[0].shape[2] == 3 and swa.state_size == 3 * H * 2 * (D // H)
 
 
-def test_atlas_plus_plus_has_no_step_yet():
-    with pytest.raises(NotImplementedError, match="memory='linear'"):
-        make_mixer("atlas++", D, H).step(torch.randn(1, D))
+@pytest.mark.parametrize("name, kw", [("atlas++", {"window": 3}),
+                                      ("atlas", {"memory": "mlp", "window": 3, "gamma": "source"})])
+def test_deep_step_state_is_bounded(gen, name, kw):
+    """A deep memory's step carries its weights, their momenta and the last c - 1 window rows (and, per
+    source, their gates): a size fixed by c, whose weights and momenta are what ``state_size`` counts."""
+    seeded(gen)
+    mixer, B, c = make_mixer(name, D, H, **kw), 2, kw["window"]
+    cache, rows = None, []
+    for t in range(6):
+        _, cache = mixer.step(torch.randn(B, D, generator=gen), cache)
+        rows.append(cache.memory.engine.keys.shape[1])
+    assert rows == [min(t + 1, c - 1) for t in range(6)]
+    engine, gammas = cache.memory
+    assert sum(w.numel() for part in (engine.Z, engine.S) for w in part.values()) == B * mixer.state_size
+    assert (gammas is None) == (kw.get("gamma") != "source")
+    assert gammas is None or gammas.shape == (B, H, c - 1)
 
 
 @pytest.mark.parametrize("name, kw", [("mag", {"memory": "atlas"}), ("mal", {"memory": "atlas"}), ("atlas", {})])

@@ -265,11 +265,18 @@ MIXER_CASES = [
     ("moneta", {"backend": "chunk", "chunk_size": 1}),
     ("atlas", {"backend": "chunk", "chunk_size": 1}),
     ("atlas", {"backend": "chunk", "chunk_size": 1, "window": 3, "ns_steps": 3}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "source"}),
+    # deep memories: chapter 3's engine (Muon, the Omega window) one token at a time
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "memory": "mlp"}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "memory": "mlp", "window": 3}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "memory": "residual"}),
+    ("atlas", {"backend": "chunk", "chunk_size": 1, "memory": "residual", "window": 3, "gamma": "source"}),
+    ("atlas++", {"backend": "chunk", "chunk_size": 1}),
+    ("atlas++", {"backend": "chunk", "chunk_size": 1, "window": 3}),
+    ("atlas++", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": None, "momentum": False}),
     ("swa", {"window": 3}),
     ("mal", {"memory": "atlas", "window": 3, "backend": "chunk", "chunk_size": 1}),
     ("mag", {"memory": "gla", "window": 4, "backend": "chunk", "chunk_size": 4}),
-    # ATLAS++ (gated deep memory) has no one-token step yet: its mix_step raises NotImplementedError
-    pytest.param("atlas++", {"backend": "chunk", "chunk_size": 1}, marks=pytest.mark.skip(reason="no step yet")),
 ]
 
 
@@ -298,7 +305,7 @@ def test_mixer_step_is_its_forward(gen, dtype, name, kw):
     # softmax_attention computes in fp32 whatever the input: its fp64 step is judged at fp32 precision
     tol = TOLERANCE[torch.float32] if name in ("softmax", "swa", "mag", "mal") else None
     # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
-    if name in ("atlas", "mag", "mal") and dtype == torch.float32:
+    if name in ("atlas", "atlas++", "mag", "mal") and dtype == torch.float32:
         tol = 5e-4
     assert_close(y, ref, tol=tol, name=f"{name}: step by step vs forward")
 

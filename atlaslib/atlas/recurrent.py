@@ -64,7 +64,8 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
                ns_steps: int = 5, coeffs="muon", grad_at=None):
     """One token of ATLAS. Returns (the state after token t, y_t = M_t phi(q_t) [B, H, V]).
 
-    q_t, k_t [B, H, D]; v_t [B, H, V]; G_t [B, H, c] per-offset window gates (None: ones);
+    q_t, k_t [B, H, D]; v_t [B, H, V]; G_t [B, H, c] per-offset window gates, [B, H] this token's
+    per-source gate (the state keeps those of the last c - 1 tokens) or None (ones);
     alpha_t, eta_t, theta_t [B, H] or None (1, 1 and 0). ``grad_at``: take the gradients at
     this memory instead of M_{t-1} (``atlas_frozen_seq`` passes the chunk-start state).
     """

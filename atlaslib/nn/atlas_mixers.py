@@ -11,29 +11,51 @@ decay theta_t = sigmoid(w^T x_t + b) per head and token (starts near 0.5). NS_5 
 coefficients by default) normalises S_t, so eta_t is the step's size in the spectral norm;
 the default eta_max is 0.1.
 
-* ``"atlas"``: ``memory="linear"`` by default (fast; M [V, D] per head, one-token ``step``
-  via ``atlas_step``); ``memory="mlp"`` or ``"residual"`` ([A]'s ATLAS) run on chapter 3's
-  engine (forward only here: ``step`` raises NotImplementedError).
-* ``"atlas++"``: ``memory="gated"`` (ATLAS++, needs head_k_dim == head_v_dim; forward only).
+* ``"atlas"``: ``memory="linear"`` by default (fast; M [V, D] per head); ``memory="mlp"`` or
+  ``"residual"`` ([A]'s ATLAS) run on chapter 3's engine (``atlas_config``: optimizer "muon"
+  and the Omega window).
+* ``"atlas++"``: ``memory="gated"`` (ATLAS++, needs head_k_dim == head_v_dim), on that engine too.
+
+Every memory and gamma mode has a one-token ``step`` (generation): the linear memory through
+``atlas_step`` (its ``AtlasState`` keeps M, S, the last c - 1 pairs and their per-source gates),
+the deep ones through ``miras_step`` (``miras_mixers.engine_step``), whose ``TokenState`` keeps
+the weights, the momenta and the last c - 1 pairs; ``DeepState`` adds the per-source gates
+that ``gamma="source"`` needs. The deep step starts from the forward's W_0 (``miras.init_state``).
 
 The chunk size **changes the model** (gradients frozen at the chunk start; chunk_size = 1 is
 the per-token rule that ``step`` runs), default ``ATLAS_CHUNK_SIZE`` = 16.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..atlas import ATLAS_CHUNK_SIZE, MEMORIES, atlas
+from ..atlas import ATLAS_CHUNK_SIZE, MEMORIES, atlas, atlas_config
 from ..atlas.recurrent import atlas_step, start_state
+from ..core.chunking import compute_dtype
+from ..miras import build_parts, init_state
+from ..miras.recurrent import TokenState
+from .miras_mixers import engine_step, start_token_state
 from .mixer import gate_dtype, register_mixer
 from .mixers import empty_memory
 from .omega_mixers import WindowedMixer
 
 
+class DeepState(NamedTuple):
+    """What a deep ATLAS memory carries from one token to the next: the engine's ``TokenState`` (weights,
+    momenta, the last c - 1 pairs) and, for ``gamma="source"``, the last c - 1 per-source gates
+    [B, H, n] (the engine takes gates per offset, so the sources' own gates are kept here; else None)."""
+    engine: TokenState
+    gammas: torch.Tensor | None
+
+
 @register_mixer("atlas")
 class AtlasMixer(WindowedMixer):
-    """ATLAS: Omega window, momentum, Newton–Schulz on the momentum (linear memory by default)."""
+    """ATLAS: Omega window, momentum, Newton–Schulz on the momentum (linear memory by default;
+    deep memories on chapter 3's engine). ``step`` runs the per-token rule for every memory."""
 
     default_memory = "linear"
     default_eta_max = 0.1
@@ -66,28 +88,60 @@ class AtlasMixer(WindowedMixer):
                      memory=self.memory, backend=self.backend, chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
-        """One token of the per-token rule (the model of ``chunk_size=1``), linear memory only."""
-        if self.memory != "linear":
-            raise NotImplementedError(f"{type(self).__name__}: step is written for memory='linear', "
-                                      f"not {self.memory!r} (use forward)")
-        if self.gamma_mode == "source":
-            raise NotImplementedError(f"{type(self).__name__}: step needs gamma='offset' or None, not 'source'")
+        """One token of the per-token rule (the model of ``chunk_size=1``).
+
+        Linear memory: ``atlas_step`` and its ``AtlasState`` (M, S, the last c - 1 pairs and, for
+        ``gamma="source"``, their gates). Deep memories: chapter 3's engine, see ``deep_step``.
+        """
         q, k = self.features(q, k)
         dtype = gate_dtype(q)
+        # per offset: [B, H, c]; per source: [B, H] (each token brings its own gate); None: ones
         gamma, alpha, eta = (None if g is None else g[:, :, 0] for g in self.gate_tensors(x, dtype))
         theta = self.theta(x)
         theta = None if theta is None else theta.to(dtype)[:, :, 0]
+        if self.memory != "linear":
+            return self.deep_step(q, k, v, gamma, alpha, eta, theta, state)
         state = start_state(empty_memory(q, v)) if state is None else state
         state, y_t = atlas_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], self.window, gamma, alpha, eta, theta,
                                 self.ns_steps, self.coeffs)
         return y_t[:, :, None].to(q.dtype), state
 
+    def deep_step(self, q, k, v, gamma, alpha, eta, theta, state):
+        """One token of a deep memory on chapter 3's engine (``engine_step``: Muon and the Omega window),
+        the engine ``atlas(memory=...)`` runs; it starts, as that forward does, from ``init_state``'s W_0."""
+        B, H, _, D = q.shape
+        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.coeffs)
+        parts = build_parts(cfg, D, v.shape[-1])
+        if state is None:
+            W0 = init_state(cfg, B, H, D, v.shape[-1], dtype=compute_dtype(q), device=q.device).memory
+            sources = gamma.new_zeros(B, H, 0) if self.gamma_mode == "source" else None
+            state = DeepState(start_token_state(W0, True, False, q, v), sources)
+        G, sources = self.offset_gates(gamma, state.gammas, B, H, q)
+        o, engine = engine_step(parts, state.engine, q, k, v, G, eta, alpha, theta)
+        return o, DeepState(engine, sources)
+
+    def offset_gates(self, gamma, sources, B, H, q):
+        """This token's per-offset window gates G [B, H, c] (G[..., j] = gamma_{t-j}^{(t)}, what the engine
+        takes) and the per-source gates to carry (the last c - 1, oldest first; None unless gamma="source")."""
+        c = self.window
+        if gamma is None:
+            return torch.ones(B, H, c, dtype=gate_dtype(q), device=q.device), None
+        if self.gamma_mode == "offset":
+            return gamma, None
+        sources = torch.cat([sources, gamma[:, :, None]], dim=2)          # gamma_{t-n+1} .. gamma_t
+        n = sources.shape[2]
+        G = F.pad(sources.flip(-1), (0, c - n))                           # offsets past the start: no token, 0
+        return G, sources[:, :, max(n - (c - 1), 0):]                       # the oldest leaves a full window
+
     @property
     def state_size(self) -> int:
-        """Memory and momentum, each [V, D] per head (linear memory); None for deep memories."""
-        if self.memory != "linear":
-            return None
-        return 2 * super().state_size
+        """Memory and momentum per head: 2 [V, D] (linear memory) or twice the deep memory's weights.
+        Not counted, as for every windowed mixer: the last c - 1 pairs (and per-source gates)."""
+        if self.memory == "linear":
+            return 2 * super().state_size
+        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.coeffs)
+        shapes = build_parts(cfg, self.feature_dim(), self.head_v_dim).memory.shapes
+        return 2 * self.n_heads * sum(o * i for o, i in shapes.values())
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, memory={self.memory!r}, ns_steps={self.ns_steps}, coeffs={self.coeffs!r}"
