@@ -21,8 +21,9 @@ same grid at T = 40 and T = 400. Chapter 5's Newton–Schulz kernel is the exemp
 program per momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its
 grid is bounded by B*H*b and its number of launches grows with T.
 
-``python -m atlaslib.aot`` prints the table (``--family atlas`` for one family); ``make aot`` runs the tests that assert every
-configuration builds and fits (not yet part of ``make test``: the builds are slow). Results are cached in
+``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's); ``make aot``
+runs the tests that assert every configuration builds and fits (not yet part of ``make
+test``: the builds are slow). Results are cached in
 ``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation and the
 target, so an unchanged kernel is not rebuilt. Needs the real kernels: run it with
 ``TRITON_INTERPRET`` unset (it re-executes itself that way when asked from an interpreted
@@ -319,10 +320,10 @@ def atlas_cases():
 def bare_cases(K=64, dt="bf16"):
     """Every kernel with its optional inputs absent (None pointers, compiled away) and q, k, v
     given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
+    from .atlas.kernel import atlas_triton
     from .delta.kernel import delta_rule_triton
     from .linear.kernel import linear_attention_triton
     from .miras.kernel import titans_linear_triton
-    from .atlas.kernel import atlas_triton
     from .omega.kernel import omega_triton, swla_triton
 
     def qkv(T):
@@ -338,6 +339,7 @@ def bare_cases(K=64, dt="bf16"):
 
 
 def largest_grid(launches: list[Launch]) -> tuple:
+    """The grid with the most programs among a call's launches."""
     return max((launch.grid for launch in launches), key=math.prod)
 
 

@@ -3,7 +3,8 @@
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
 adds 64-bit offsets to its pointers, and keeps its grid independent of the sequence
-length (the Newton-Schulz kernel, one program per matrix of a chunk, is checked on its own). The builds run in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
+length (the Newton-Schulz kernel, one program per matrix of a chunk, is checked on its
+own). The builds run in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
 
 The builds take minutes per kernel on 2 cores (ptxas on 64x256 fp32 tiles: 1.5-2.5 min), far
 beyond the CI budget without a warm cache, so they run only with ``ATLAS_AOT=1`` (``make aot``).
