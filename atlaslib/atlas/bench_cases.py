@@ -16,8 +16,12 @@ Under the table each row prints the share of the chunk form's time spent in Newt
 Newton–Schulz sets a floor under every backend: each token's momentum is orthogonalised, k
 rounds of three small matrix products per token, in the per-token loop and in the chunk form
 alike (the chunk form batches them, it does not remove them). On a CPU, where batching buys
-little, the chunk form is therefore only somewhat faster than the loop at K = V = 64 (measured
-2.5 s vs 2.8 s for B = 1, H = 4, T = 1024 on one core); the gap is the rest of the rule.
+little, the chunk form is therefore only somewhat faster than the loop at K = V = 64: for
+B = 1, H = 4, T = 1024, fp32, chunk length 64, one thread of the 2-core sandbox, 1.47 s vs
+1.84 s at c = 1 and 1.06 s vs 1.41 s at c = 8, with Newton–Schulz 83% and 82% of the chunk
+form's time; the gap is the rest of the rule. (With two threads on a machine that another job
+also loads, the per-token loop's small operations slow down erratically, up to 50-fold: time
+it with ``--threads 1`` there.)
 """
 from __future__ import annotations
 
