@@ -16,8 +16,14 @@ sm_80 (A100) and sm_90 (H100) — without a device:
    spilled bytes (from the ``ptxas -v`` log of that same build), and whether every offset
    added to a kernel's pointer arguments is 64-bit (from the Triton IR).
 
-``python -m atlaslib.aot`` prints the table; ``make aot`` runs the tests that assert every
-configuration builds and fits (not yet part of ``make test``: the builds are slow). Results are cached in
+Every grid is checked as well: programs loop over chunks, so a head's kernel launches the
+same grid at T = 40 and T = 400. Chapter 5's Newton–Schulz kernel is the exemption: one
+program per momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its
+grid is bounded by B*H*b and its number of launches grows with T.
+
+``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's); ``make aot``
+runs the tests that assert every configuration builds and fits (not yet part of ``make
+test``: the builds are slow). Results are cached in
 ``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation and the
 target, so an unchanged kernel is not rebuilt. Needs the real kernels: run it with
 ``TRITON_INTERPRET`` unset (it re-executes itself that way when asked from an interpreted
@@ -32,6 +38,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -71,8 +78,9 @@ class Build:
     spill_loads: int
     int64_bases: bool      # every offset added to a pointer argument is 64-bit
     error: str = ""        # the build's error message, if it failed
-    grid: tuple = ()       # the launch grid at T = 40 (B*H = 2)
+    grid: tuple = ()       # the (largest) launch grid at T = 40 (B*H = 2)
     grid_fixed_in_T: bool = True   # the same grid at T = 400: programs loop over chunks
+    launches: tuple = (1, 1)       # kernel launches per call at T = 40 and T = 400
 
     @property
     def fits(self) -> bool:
@@ -106,11 +114,20 @@ def intercepted_launches():
 
 def captured(call) -> Launch:
     """The one launch ``call()`` makes (a wrapper run on CPU tensors)."""
-    with intercepted_launches() as launches:
-        call()
+    launches = captured_launches(call)
     if len(launches) != 1:
         raise RuntimeError(f"expected one kernel launch, got {len(launches)}")
     return launches[0]
+
+
+def captured_launches(call) -> list[Launch]:
+    """Every launch ``call()`` makes, all of one kernel (chapter 5's chunk form launches its
+    Newton–Schulz kernel once per chunk; the other wrappers launch once per call)."""
+    with intercepted_launches() as launches:
+        call()
+    if not launches or len({id(launch.kernel) for launch in launches}) != 1:
+        raise RuntimeError(f"expected launches of one kernel, got {[launch.kernel for launch in launches]}")
+    return launches
 
 
 def specialised(launch: Launch, target_name: str):
@@ -260,12 +277,50 @@ def cases():
                     fn(q, k, v, c, torch.full((1, 2, T, c), 0.9), _gate(q.shape[:3]), torch.full(q.shape[:3], 0.1),
                        torch.zeros(1, 2, K, K), chunk_size=b)
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
+    yield from atlas_cases()
     yield from bare_cases()
+
+
+# Momenta S [V, K] that chapter 5's Newton–Schulz kernel takes (``atlas.kernel.kernel_supports``):
+# square, wide, tall (iterated on its transpose: swapped strides), and an odd size padded to
+# the next tiles (20 x 12 is iterated as 12 x 20 in a 16 x 32 tile).
+ATLAS_MOMENTA = ((16, 16), (64, 64), (64, 128), (128, 64), (32, 128), (20, 12))
+
+
+def atlas_cases():
+    """ATLAS's chunk form with Newton–Schulz on the kernel (``atlas_triton``), as the dispatch calls it.
+
+    It launches the kernel once per chunk on that chunk's B*H*b momenta, which the chunk form
+    holds in fp32 whatever q, k, v's dtype: the bf16 rows build the fp32 kernel again (cached).
+    The coefficient sets (muon: a, b, c; cubic: a, b with c = 0) are run-time arguments, so
+    they too share a build. The kernel's bf16 loads and stores, which only a direct call of
+    ``newton_schulz_triton`` reaches, are built from one chunk's worth of bf16 momenta.
+    """
+    from .atlas import ATLAS_CHUNK_SIZE
+    from .atlas.kernel import atlas_triton, kernel_supports, newton_schulz_triton
+
+    for V, K in ATLAS_MOMENTA:
+        for dt in ("fp32", "bf16"):
+            for coeffs in ("muon", "cubic"):
+                assert kernel_supports(K, V, coeffs), (V, K, coeffs)
+
+                def atlas(T, V=V, K=K, dt=dt, coeffs=coeffs):
+                    q, k, v = _qkv(K, V, DTYPES[dt], T)
+                    alpha, eta, theta = _gate(q.shape[:3]), torch.full(q.shape[:3], 0.1), torch.full(q.shape[:3], 0.5)
+                    atlas_triton(q, k, v, 1, None, alpha, eta, theta, 5, coeffs, torch.zeros(1, 2, V, K),
+                                 torch.zeros(1, 2, V, K))
+                yield "atlas", f"S={V}x{K} {coeffs} q,k,v {dt}", atlas
+    for V, K in ((64, 64), (64, 128), (20, 12)):
+        def direct(T, V=V, K=K):
+            S = torch.randn(1, 2, min(T, ATLAS_CHUNK_SIZE), V, K, generator=torch.Generator().manual_seed(0))
+            newton_schulz_triton(S.to(torch.bfloat16), 5, "muon")
+        yield "atlas", f"S={V}x{K} muon S bf16 (newton_schulz_triton)", direct
 
 
 def bare_cases(K=64, dt="bf16"):
     """Every kernel with its optional inputs absent (None pointers, compiled away) and q, k, v
     given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
+    from .atlas.kernel import atlas_triton
     from .delta.kernel import delta_rule_triton
     from .linear.kernel import linear_attention_triton
     from .miras.kernel import titans_linear_triton
@@ -280,20 +335,32 @@ def bare_cases(K=64, dt="bf16"):
     yield "titans", f"b=64 {label}", lambda T: titans_linear_triton(*qkv(T), chunk_size=64)
     yield "omega", f"c=8 b=16 {label}", lambda T: omega_triton(*qkv(T), 8, chunk_size=16)
     yield "swla", f"c=8 b=16 {label}", lambda T: swla_triton(*qkv(T), 8, chunk_size=16)
+    yield "atlas", f"c=8 {label}", lambda T: atlas_triton(*qkv(T), 8)
 
 
-def check_all(targets=tuple(TARGETS), progress=True) -> list[Build]:
-    """Build every configuration for every target."""
+def largest_grid(launches: list[Launch]) -> tuple:
+    """The grid with the most programs among a call's launches."""
+    return max((launch.grid for launch in launches), key=math.prod)
+
+
+def check_all(targets=tuple(TARGETS), progress=True, families=None) -> list[Build]:
+    """Build every configuration (of ``families``, default all) for every target.
+
+    A call that launches its kernel more than once (ATLAS: once per chunk) is built from its
+    first launch, which has the largest grid; the later ones differ only in their grid.
+    """
     from tqdm.auto import tqdm
 
-    todo = [(family, label, captured(lambda: call(40)), captured(lambda: call(400))) for family, label, call in cases()]
+    todo = [(family, label, captured_launches(lambda: call(40)), captured_launches(lambda: call(400)))
+            for family, label, call in cases() if families is None or family in families]
     results = []
     with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
-        for family, label, launch, longer in todo:
+        for family, label, launches, longer in todo:
             for target in targets:
-                result = build(launch, target, f"{family}: {label}")
-                results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=launch.grid,
-                                                   grid_fixed_in_T=launch.grid == longer.grid))
+                result = build(launches[0], target, f"{family}: {label}")
+                results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
+                                                   grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
+                                                   launches=(len(launches), len(longer))))
                 bar.update()
     return results
 
@@ -331,6 +398,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
+    parser.add_argument("--family", action="append", help="only these kernel families (linear, delta, titans, "
+                        "omega, swla, atlas)")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     args = parser.parse_args(argv)
     from .core.dispatch import interpreter_on
@@ -343,7 +412,7 @@ def main(argv=None):
     if args.oversized:
         results = [oversized_build(t) for t in targets]
     else:
-        results = check_all(targets, progress=not args.json)
+        results = check_all(targets, progress=not args.json, families=args.family)
     if args.json:
         for r in results:
             print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits)))

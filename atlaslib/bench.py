@@ -21,6 +21,9 @@ For every registered model (a *bench case*) and every backend it prints
   by the time) and ``GB/s`` (bytes of inputs read plus outputs written, divided by the
   time); the footer prints the card's measured matmul and copy peaks to compare with.
 
+Under the table, cases that register a ``note`` print one line per T (ATLAS: the share of
+the chunk form's time spent in Newton–Schulz).
+
 ``--scaling`` instead prints chunk-form time and memory for T = 1024 .. 8192, so one can
 see memory grow linearly in T (the state is constant; what grows is the output and the
 per-chunk work).
@@ -180,6 +183,18 @@ def scaling(models=None, Ts=(1024, 2048, 4096, 8192), *, backend="chunk", **kw) 
     return rows
 
 
+def case_notes(models=None, Ts=(1024, 4096), *, device="cpu", dtype=torch.float32, B=1, H=4, K=64, V=64,
+               chunk_size=64, **_) -> list[str]:
+    """The lines that cases with a ``note`` print under the table, one per (model, T)."""
+    load_chapter_cases()
+    lines = []
+    for name in (list(BENCH_CASES) if not models else list(models)):
+        case = BENCH_CASES[name]
+        for T in Ts if case.note else ():
+            lines.append(f"{name} T={T}: {case.note(BenchShape(B, H, T, K, V, str(device), dtype, chunk_size))}")
+    return lines
+
+
 def measured_peaks(device) -> dict:
     """The card's achievable fp32/tf32 matmul TFLOP/s and copy GB/s, measured here."""
     n = 4096
@@ -241,6 +256,9 @@ def main(argv=None):
     else:
         Ts = args.T or ([256] if args.quick else [1024, 4096])
         print(_table(run_benchmarks(args.models, Ts, backends=args.backends, **kw)))
+        notes = case_notes(args.models, Ts, **kw)
+        if notes:
+            print("\n" + "\n".join(notes))
     if str(args.device).startswith("cuda"):
         peaks = measured_peaks(args.device)
         print(f"measured peaks on this card: fp32 matmul {peaks['matmul_TFLOP/s']:.1f} TFLOP/s "

@@ -3,7 +3,8 @@
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
 adds 64-bit offsets to its pointers, and keeps its grid independent of the sequence
-length. The builds run in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
+length (the Newton-Schulz kernel, one program per matrix of a chunk, is checked on its
+own). The builds run in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
 
 The builds take minutes per kernel on 2 cores (ptxas on 64x256 fp32 tiles: 1.5-2.5 min), far
 beyond the CI budget without a warm cache, so they run only with ``ATLAS_AOT=1`` (``make aot``).
@@ -19,7 +20,14 @@ import torch
 from atlaslib import aot
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
-FAMILIES = {"linear", "delta", "titans", "omega", "swla"}
+FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas"}
+# Families whose grid is one program per matrix rather than one per head: chapter 5's
+# Newton-Schulz kernel, launched once per chunk on that chunk's B*H*b momenta.
+ONE_PROGRAM_PER_MATRIX = {"atlas"}
+
+
+def family(build):
+    return build["config"].split(":")[0]
 
 
 def run_aot(*args):
@@ -39,7 +47,7 @@ def builds():
 
 @slow_builds
 def test_every_kernel_family_and_target_is_built(builds):
-    assert {b["config"].split(":")[0] for b in builds} == FAMILIES
+    assert {family(b) for b in builds} == FAMILIES
     per_config = {}
     for b in builds:
         per_config.setdefault(b["config"], set()).add(b["target"])
@@ -47,12 +55,14 @@ def test_every_kernel_family_and_target_is_built(builds):
     # every @triton.jit kernel of the chapters is among the built ones
     from triton.runtime.jit import JITFunction
 
+    import atlaslib.atlas.kernel as a
     import atlaslib.delta.kernel as d
     import atlaslib.linear.kernel as li
     import atlaslib.miras.kernel as m
     import atlaslib.omega.kernel as o
-    launched = {name for mod in (li, d, m, o) for name, obj in vars(mod).items()
-                if isinstance(obj, JITFunction) and name.endswith("_fwd_kernel")}
+    launched = {name for mod in (li, d, m, o, a) for name, obj in vars(mod).items()
+                if isinstance(obj, JITFunction) and name.endswith("_kernel")}
+    assert "newton_schulz_kernel" in launched
     assert launched <= {b["kernel"] for b in builds}
 
 
@@ -81,9 +91,28 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
 @slow_builds
 def test_grid_does_not_grow_with_the_sequence(builds):
     # programs loop over chunks, so T = 1M launches the grid of T = 40: B*H on axis 0
-    # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535)
-    assert all(b["grid_fixed_in_T"] for b in builds)
-    assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in builds)
+    # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the Newton-Schulz kernel is
+    # the one exemption, checked on its own below
+    per_head = [b for b in builds if family(b) not in ONE_PROGRAM_PER_MATRIX]
+    assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
+    assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
+    assert all(b["launches"] == [1, 1] for b in per_head)
+
+
+@slow_builds
+def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):
+    # Exemption: one program per momentum matrix [V, K]. The chunk form orthogonalises one
+    # chunk's momenta per launch, B*H*b of them (b = 16, B*H = 2), so the grid is bounded by
+    # B*H*b on axis 0 (limit 2^31 - 1) whatever T, and the number of launches, ceil(T / b),
+    # is what grows with T.
+    from atlaslib.atlas import ATLAS_CHUNK_SIZE as b
+    per_matrix = [x for x in builds if family(x) in ONE_PROGRAM_PER_MATRIX]
+    assert per_matrix
+    assert all(x["grid"] == [2 * b] and x["grid_fixed_in_T"] for x in per_matrix)
+    assert 2 * b <= aot.INT32_MAX
+    through_the_chunk_form = [x for x in per_matrix if "newton_schulz_triton" not in x["config"]]
+    assert through_the_chunk_form
+    assert all(x["launches"] == [-(-40 // b), -(-400 // b)] for x in through_the_chunk_form)
 
 
 @slow_builds

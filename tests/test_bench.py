@@ -9,9 +9,11 @@ COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time
 
 def test_table_prints_all_columns(capsys):
     bench.main(["--quick", "--T", "20", "--B", "1", "--H", "2", "--K", "6", "--V", "5", "--no-progress"])
-    lines = capsys.readouterr().out.strip().splitlines()
+    table, notes = capsys.readouterr().out.strip().split("\n\n")
+    lines = table.splitlines()
     assert lines[0].split() == COLUMNS
     rows = [line.split() for line in lines[2:]]
+    assert any(line.startswith("atlas_c8 T=20: Newton-Schulz") for line in notes.splitlines())
     models = {"linear", "linear_scalar_gate", "linear_channel_gate"}
     assert {r[0] for r in rows} >= models
     assert {(r[0], r[1]) for r in rows} >= {(m, b) for m in models for b in ("recurrent", "chunk")}
@@ -62,3 +64,11 @@ def test_register_bench_case_and_errors():
         bench.BENCH_CASES.pop("_probe")
     with pytest.raises(ValueError, match="unknown bench case"):
         bench.run_benchmarks(["nope"], [8])
+
+
+def test_atlas_rows_and_the_newton_schulz_share():
+    from atlaslib.atlas.bench_cases import ns_share
+    bench.load_chapter_cases()
+    assert {"atlas", "atlas_c4", "atlas_c8"} <= set(bench.BENCH_CASES)
+    share = ns_share(bench.BenchShape(1, 2, 24, 8, 8, chunk_size=8), window=8, repeats=1)
+    assert 0 < share < 1

@@ -18,11 +18,23 @@ the products. The arithmetic is fp32 with exact fp32 products (``input_precision
 Limits, from builds for sm_80 and sm_90 (``atlaslib.aot``'s ``build``, ptxas's resource report):
 the longer side <= ``MAX_SIDE`` = 128 and the shorter (the Gram matrix's) <= ``MAX_SHORT_SIDE`` = 64,
 at most three coefficients (a, b, c). A program holds the matrix, its Gram matrix and the
-polynomial in registers: at 64 x 64 and 64 x 128 that takes 16 warps (56 and 72 registers a
-thread, no spills; with 4 warps 64 x 64 spills about 1 KB a thread), while 128 x 128 spills tens
-of KB a thread at any warp count (128 KB of shared memory, too): those momenta are left to the
-chunk form's batched matmuls. ``num_warps``: 4 below 32 x 128, 8 at 32 x 128, 16 from a
-shorter side of 64 (``warps_for``).
+polynomial in registers: at 64 x 64 and 64 x 128 that takes 16 warps (with 4 warps 64 x 64
+spills about 1 KB a thread), while 128 x 128 spills tens of KB a thread at any warp count
+(128 KB of shared memory, too): those momenta are left to the chunk form's batched matmuls.
+``num_warps``: 4 below 32 x 128, 8 at 32 x 128, 16 from a shorter side of 64 (``warps_for``).
+What the builds of ``python -m atlaslib.aot --family atlas`` use (fp32 momenta, as the chunk
+form passes them; registers a thread on sm_80 / sm_90):
+
+    momenta S [V, K]      tile     warps   shared   registers   spills
+    16 x 16               16x16      4      2 KB     38 / 36     none
+    20 x 12 (transposed)  16x32      4      3 KB     44 / 44     none
+    32 x 128              32x128     8     20 KB     61 / 64     none
+    64 x 64               64x64     16     32 KB     62 / 56     none
+    64 x 128              64x128    16     48 KB     76 / 72     none
+    128 x 64 (transposed) 64x128    16     48 KB     70 / 76     none
+
+Called directly on bf16 matrices (``atlas_triton`` never does: its momenta are fp32), 64 x 128
+builds with 64 / 73 registers and spills 4 bytes a thread on sm_80 (none on sm_90).
 
 ``atlas_triton`` is the chunk form with this kernel in place of ``core.newton_schulz``
 (forward only; ``core.dispatch`` differentiates ``atlas_chunk`` for the backward): same

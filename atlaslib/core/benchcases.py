@@ -29,15 +29,17 @@ class BenchCase:
     flops: callable = None            # BenchShape -> FLOPs of one call (chunkwise algorithm)
     bytes: callable = None            # BenchShape -> bytes read + written by one call
     backends: tuple = ("recurrent", "chunk", "triton")
+    note: callable = None             # BenchShape -> a line printed under the table (e.g. a time share)
 
 
 BENCH_CASES: dict[str, BenchCase] = {}
 
 
 def register_bench_case(name: str, builder, *, flops=None, bytes=None,
-                        backends=("recurrent", "chunk", "triton")):
-    """Add a row family to the benchmark. ``builder(shape, generator) -> call(backend)``."""
+                        backends=("recurrent", "chunk", "triton"), note=None):
+    """Add a row family to the benchmark. ``builder(shape, generator) -> call(backend)``;
+    ``note(shape) -> str``, if given, is printed under the table for each T."""
     if name in BENCH_CASES:
         raise ValueError(f"bench case {name!r} is already registered")
-    BENCH_CASES[name] = BenchCase(name, builder, flops, bytes, tuple(backends))
+    BENCH_CASES[name] = BenchCase(name, builder, flops, bytes, tuple(backends), note)
     return builder
