@@ -1,0 +1,149 @@
+"""Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
+
+Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23) and ``deep_transformer``
+(DeepTransformer / SWDT with a linear memory, [A] eq. 25). Rooms: ``recurrent.py`` (per-token
+loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
+``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
+
+Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
+memory, DLA, DOT, the notebook and the exercises; the chapter is not in ``atlaslib.CHAPTERS``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core import check_chunk_size, check_qkv, check_state
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch
+from ..core.featuremaps import check_degree
+from ..core.gates import alpha_from_log, check_retention
+from ..core.validation import _value_check, gate_or_number
+from ..omega.problem import check_window
+from .chunk import hebbian_chunk, masked_chunk
+from .features import exp_coefficients, exp_feature_dim, exp_features
+from .recurrent import coefficient_recurrent, hebbian_recurrent
+
+DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
+MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
+# exp(80) = 5.5e34: far below fp32's 3.4e38, with room for a sum of many such terms. A larger
+# exponent in the unnormalised kernel form is refused (the normalised form shifts by the row max).
+MAX_EXPONENT = 80.0
+
+
+def check_phi_star(phi_star):
+    """("taylor", P) with an int P >= 0, or "kernel". Returns ("taylor", P) or ("kernel", None)."""
+    if isinstance(phi_star, str) and phi_star == "kernel":
+        return "kernel", None
+    if isinstance(phi_star, tuple) and len(phi_star) == 2 and phi_star[0] == "taylor":
+        try:
+            return "taylor", check_degree(phi_star[1])
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"phi_star=('taylor', P) needs an int P >= 0, got P={phi_star[1]!r}") from None
+    raise ValueError(f"phi_star must be ('taylor', P) (truncated features) or 'kernel' (exact), got {phi_star!r}")
+
+
+def check_exponents(q, k, window):
+    """exp(k_i^T q_t) must not overflow in the unnormalised kernel form: k_i^T q_t <= MAX_EXPONENT."""
+    how = _value_check(q)
+    if how is None:
+        return
+    with torch.no_grad():
+        T = q.shape[2]
+        rows = torch.arange(T, device=q.device)
+        ok = rows[None, :] <= rows[:, None]
+        if window is not None:
+            ok &= rows[None, :] > rows[:, None] - window
+        top = (q.float() @ k.float().mT).masked_fill(~ok, -math.inf).amax()
+        if how == "host" and top.item() > MAX_EXPONENT:
+            raise ValueError(f"phi_star='kernel' without normalize: a score k_i^T q_t = {top.item():.4g} exceeds "
+                             f"{MAX_EXPONENT} and exp would overflow; scale q and k down (attention's 1/sqrt(d) "
+                             f"goes into q) or pass normalize=True, which shifts by each row's max")
+        if how == "device":
+            torch._assert_async(top <= MAX_EXPONENT, f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
+
+
+def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
+                     memory="linear", initial_state=None, output_final_state=False, backend="auto",
+                     chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+    """DeepTransformer ([A] eq. 25) with a linear memory; ``window=c`` gives SWDT.
+
+        M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
+
+    (GD on the dot-product bias -<M phi*(k), v>). With alpha = eta = 1 and the exact phi*,
+    y_t = sum_{i<=t} exp(q_t^T k_i) v_i: *unnormalised* causal attention, which is all [A]'s
+    "strict generalization" gives. ``normalize=True`` also carries the normaliser memory
+    z_t = alpha_t z_{t-1} + eta_t phi*(k_t) and returns y_t / (z_t^T phi*(q_t)): with
+    alpha = eta = 1 that is causal softmax attention exactly (its 1/sqrt(d) must be put into q).
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V].
+        alpha: retention in [0, 1], a number or [B, H, T] (None: 1). Or ``log_alpha`` [B, H, T] <= 0.
+        eta: write strength >= 0, a number or [B, H, T] (None: 1).
+        phi_star: ``"kernel"`` (exact: the state is the coefficients u_j of the past features and a
+            read is sum_j u_j exp(k_j^T q_t), O(T^2), book ch. 6 §kernel trick) or ``("taylor", P)``
+            (the matrix memory on ``exp_features(., P)``, dimension C(K + P, P); its kernel is the
+            degree-P Taylor polynomial of exp, positive for even P, so use an even P with normalize).
+        normalize: divide by z_t^T phi*(q_t) (see above). The value gets a constant 1 as an extra last
+            column, which is z's row of the state (as in ``linear_attention``).
+        window: c >= 1 or None. SWDT: the memory holds only the last c pairs,
+            M_t = sum_{i=t-c+1}^{t} eta_i (A_t / A_i) v_i phi*(k_i)^T, so normalised with alpha = eta = 1
+            it is sliding-window softmax attention ([A] eq. 18), and c >= T is the DeepTransformer.
+            (This is not chapter 4's SWLA, which windows the update and never forgets a pair.)
+        memory: "linear" (the only memory so far).
+        initial_state: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)`` without window only.
+        output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
+            window must also remember the pairs it will drop).
+        backend: "recurrent" (per token), "chunk" (masked matrix products) or "auto" (chunk). No
+            Triton kernel yet. Every form is exact for every ``chunk_size``.
+        chunk_size: rows per block of the chunk form.
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, final state or None).
+    """
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
+                         f"implemented yet), got {memory!r}")
+    B, H, T, K, V = check_qkv(q, k, v)
+    form, order = check_phi_star(phi_star)
+    cd = compute_dtype(q)
+    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
+    if window is not None:
+        check_window(window)
+    check_chunk_size(chunk_size)
+    matrix = form == "taylor" and window is None                     # the forms that have a matrix state
+    if (initial_state is not None or output_final_state) and not matrix:
+        raise ValueError("initial_state and output_final_state need phi_star=('taylor', P) and window=None: "
+                         "the kernel form keeps one coefficient per past token and a window also needs the "
+                         "pairs it will drop, so neither has a fixed-size matrix state")
+    D = exp_feature_dim(K, order) if form == "taylor" else None
+    check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q) if matrix else None
+    if form == "kernel" and not normalize:
+        check_exponents(q, k, window)
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
+
+    if matrix:
+        fq, fk = exp_features(q, order), exp_features(k, order)
+        table = {"recurrent": lambda: hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
+                                                        initial_state),
+                 "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
+    else:
+        kernel = "exp" if form == "kernel" else "dot"
+        x, y = (q, k) if form == "kernel" else (exp_features(q, order), exp_features(k, order))
+        shift = normalize and form == "kernel"
+        table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
+                                                            window, kernel, shift),
+                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, kernel, shift, chunk_size, log_alpha)}
+    o, state = dispatch(backend, q, table, model="deep_transformer", missing="chapter 6 has no Triton kernel yet")
+    if normalize:
+        o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)
+    return o, (state if output_final_state else None)
+
+
+__all__ = ["deep_transformer", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
+           "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
+           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]
