@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from atlaslib.core import assert_close, random_gate, random_qkv, softmax_attention
-from atlaslib.deep import MAX_EXPONENT, deep_transformer, exp_feature_dim, exp_features
+from atlaslib.delta import delta_rule
+from atlaslib.deep import (MAX_EXPONENT, deep_transformer, dot, dot_coefficient_recurrent, exp_feature_dim,
+                           exp_features)
 
 F64 = torch.float64
 
@@ -281,3 +283,113 @@ def test_bad_qkv_and_order(gen):
         exp_features(q, -1)
     with pytest.raises(TypeError, match="x must be"):
         exp_features(torch.ones(3, dtype=torch.long), 2)
+
+
+# ----------------------------------------------------------------------------- DOT (c = 1, linear memory)
+
+def dot_matrix_reference(q, k, v, alpha, eta, P):
+    """M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi(k_t) - v_t) phi(k_t)^T on phi*_P, y_t = M_t phi(q_t), fp64."""
+    fq, fk = exp_features(q.double(), P), exp_features(k.double(), P)
+    B, H, T, D = fq.shape
+    M = torch.zeros(B, H, v.shape[-1], D, dtype=F64)
+    out = []
+    for t in range(T):
+        err = (M @ fk[:, :, t, :, None])[..., 0] - v[:, :, t].double()
+        M = alpha[:, :, t, None, None] * M - eta[:, :, t, None, None] * err[..., None] * fk[:, :, t, None, :]
+        out.append((M @ fq[:, :, t, :, None])[..., 0])
+    return torch.stack(out, 2)
+
+
+def dot_inputs(gen, T=37, K=4, V=3):
+    q, k, v = random_qkv(2, 2, T, K, V, dtype=F64, generator=gen)
+    alpha = random_gate(2, 2, T, low=0.7, dtype=F64, generator=gen)
+    eta = 0.1 + 0.5 * torch.rand(2, 2, T, generator=gen, dtype=F64)           # eta e <= 2: stable
+    return q, k, v, alpha, eta
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_dot_taylor_matches_the_matrix_definition(gen, P):
+    q, k, v, alpha, eta = dot_inputs(gen)
+    want = dot_matrix_reference(q, k, v, alpha, eta, P)
+    for backend, b in (("recurrent", 64), ("chunk", 1), ("chunk", 6), ("chunk", 64)):
+        got, _ = dot(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P), backend=backend, chunk_size=b)
+        assert_close(got, want, tol=1e-11, name=f"{backend}({b})")
+    coeffs, _ = dot_coefficient_recurrent(exp_features(q, P), exp_features(k, P), v, alpha, eta, kernel="dot")
+    assert_close(coeffs, want, tol=1e-11, name="coefficient form on features")
+
+
+def test_dot_without_retention_is_the_delta_rule_on_features(gen):
+    q, k, v, _, eta = dot_inputs(gen, T=29)
+    P = 2
+    want, _ = delta_rule(exp_features(q, P), exp_features(k, P), v, eta)
+    got, _ = dot(q, k, v, eta=eta, phi_star=("taylor", P))
+    assert_close(got, want, tol=1e-12)
+    one, _ = dot(q, k, v, alpha=1.0, eta=eta, phi_star=("taylor", P), backend="recurrent")
+    assert_close(one, want, tol=1e-12)
+
+
+@pytest.mark.parametrize("gates", [False, True])
+def test_dot_kernel_chunk_matches_recurrent(gen, gates):
+    q, k, v, alpha, eta = dot_inputs(gen)
+    alpha, eta = (alpha, eta) if gates else (None, 0.4)
+    want, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="recurrent")
+    for b in (1, 5, 16, 64):
+        got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="chunk", chunk_size=b)
+        assert_close(got, want, tol=1e-11, name=f"chunk({b})")
+
+
+def test_dot_taylor_converges_to_kernel(gen):
+    q, k, v, alpha, eta = dot_inputs(gen, T=25)
+    exact, _ = dot(q, k, v, alpha=alpha, eta=eta)
+    errors = [(dot(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P))[0] - exact).abs().max().item()
+              for P in (1, 2, 4, 6, 8)]
+    assert all(a > b for a, b in zip(errors, errors[1:]))
+    assert errors[0] > 1e-2 and errors[-1] < 1e-4 * exact.abs().max().item()
+
+
+def test_dot_kernel_one_step_read(gen):
+    """The corrected [A] eq. 30-31 at alpha = 1: y_t = M_{t-1} phi*(q_t) + eta_t (v_t - M_{t-1} phi*(k_t)) exp(k_t.q_t),
+    checked from the outputs of two runs (T and T - 1 tokens) and coefficient reads written here."""
+    q, k, v, _, eta = dot_inputs(gen, T=9)
+    y, _ = dot(q, k, v, eta=eta, backend="chunk", chunk_size=4)
+    # rebuild the coefficients token by token from the definition, independently of the library
+    U = []
+    for t in range(9):
+        prev = lambda x: sum(u * torch.exp((k[:, :, j] * x).sum(-1))[..., None] for j, u in enumerate(U))  # noqa: E731
+        pred_k = prev(k[:, :, t]) if U else torch.zeros_like(v[:, :, t])
+        read_prev = prev(q[:, :, t]) if U else torch.zeros_like(v[:, :, t])
+        step = eta[:, :, t, None] * (v[:, :, t] - pred_k)
+        assert_close(y[:, :, t], read_prev + step * torch.exp((k[:, :, t] * q[:, :, t]).sum(-1))[..., None], tol=1e-12)
+        U.append(step)
+
+
+def test_dot_gradients_chunk_vs_recurrent(gen):
+    q, k, v, alpha, eta = dot_inputs(gen, T=13, K=3, V=2)
+    grads = []
+    for backend in ("recurrent", "chunk"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta)]
+        o, _ = dot(xs[0], xs[1], xs[2], alpha=xs[3], eta=xs[4], backend=backend, chunk_size=4)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+        grads.append(torch.autograd.grad((o * w).sum(), xs))
+    for name, a, b in zip("q k v alpha eta".split(), *grads):
+        assert_close(a, b, tol=1e-10, name=f"d/d{name}")
+        assert b.abs().sum() > 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"window": 2}, ValueError, "window=1"),
+    ({"window": 0}, ValueError, "window"),
+    ({"alpha": 0.0}, ValueError, "alpha"),
+    ({"alpha": torch.zeros(2, 2, 8)}, ValueError, "alpha"),
+    ({"eta": -1.0}, ValueError, "eta"),
+    ({"memory": "mlp"}, ValueError, "memory"),
+    ({"phi_star": ("taylor", -2)}, ValueError, "phi_star"),
+    ({"backend": "triton"}, ValueError, "Triton"),
+    ({"chunk_size": 0}, ValueError, "chunk_size"),
+])
+def test_dot_bad_input(gen, kwargs, error, match):
+    q, k, v = random_qkv(2, 2, 8, 4, 3, dtype=F64, generator=gen)
+    with pytest.raises(error, match=match):
+        dot(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="overflow"):
+        dot(20 * q, 20 * k, v)

@@ -1,12 +1,13 @@
 """Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
 
-Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23) and ``deep_transformer``
-(DeepTransformer / SWDT with a linear memory, [A] eq. 25). Rooms: ``recurrent.py`` (per-token
+Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
+(DeepTransformer / SWDT with a linear memory, [A] eq. 25) and ``dot`` (the Deep Omega Transformer
+with c = 1 and a linear memory, [A] eq. 27 corrected). Rooms: ``recurrent.py`` (per-token
 loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
 ``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
 
 Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
-memory, DLA, DOT, the notebook and the exercises; the chapter is not in ``atlaslib.CHAPTERS``.
+memory, DLA, DOT's window c > 1 and gates gamma, the notebook and the exercises; the chapter is not in ``atlaslib.CHAPTERS``.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from ..core.featuremaps import check_degree
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..omega.problem import check_window
-from .chunk import hebbian_chunk, masked_chunk
+from ..delta import delta_rule_chunk, delta_rule_recurrent
+from .chunk import dot_chunk, hebbian_chunk, masked_chunk
 from .features import exp_coefficients, exp_feature_dim, exp_features
-from .recurrent import coefficient_recurrent, hebbian_recurrent
+from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
@@ -120,7 +122,8 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
                          "the kernel form keeps one coefficient per past token and a window also needs the "
                          "pairs it will drop, so neither has a fixed-size matrix state")
     D = exp_feature_dim(K, order) if form == "taylor" else None
-    check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q) if matrix else None
+    if matrix:
+        check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q)
     if form == "kernel" and not normalize:
         check_exponents(q, k, window)
     if normalize:
@@ -144,6 +147,63 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     return o, (state if output_final_state else None)
 
 
-__all__ = ["deep_transformer", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
+def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="linear", backend="auto",
+        chunk_size=DEFAULT_CHUNK_SIZE):
+    """The Deep Omega Transformer ([A] eq. 27) with c = 1 and a linear memory: the delta rule on phi*.
+
+        M_t = alpha_t M_{t-1} - eta_t grad l2(M_{t-1}; phi*(k_t), v_t)
+            = M_{t-1} (alpha_t I - eta_t phi*(k_t) phi*(k_t)^T) + eta_t v_t phi*(k_t)^T,    y_t = M_t phi*(q_t).
+
+    ([A] eqs. 28-31 subtract the value term and multiply from the left; see the errata.) The gradient
+    is taken at M_{t-1} and the decay applied after (chapter 4's Omega convention); with alpha = 1 this
+    is exactly DeltaNet with beta = eta on the features. Stable while eta_t |phi*(k_t)|^2 <= 2, and
+    |phi*(k)|^2 = exp(|k|^2): for unit keys, eta <= 2/e.
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V].
+        window: c; only c = 1 is implemented so far.
+        alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the truncated form
+            runs chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v, which is the
+            same update for alpha > 0.
+        eta: step >= 0 (a number or [B, H, T]; None: 1).
+        phi_star: "kernel" (exact: coefficients u_j of phi*(k_j), solved by a triangular system in the
+            chunk form, O(T^2)) or ("taylor", P) (``exp_features`` and chapter 2's ``delta_rule`` forms).
+        memory: "linear" only.
+        backend: "recurrent", "chunk" or "auto" (chunk); both exact for every chunk_size.
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, None).
+    """
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
+                         f"implemented yet), got {memory!r}")
+    B, H, T, K, V = check_qkv(q, k, v)
+    form, order = check_phi_star(phi_star)
+    if check_window(window) != 1:
+        raise ValueError(f"dot: only window=1 (c = 1, the delta rule on phi*) is implemented so far, got {window}")
+    cd = compute_dtype(q)
+    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
+        raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
+    check_chunk_size(chunk_size)
+    if form == "kernel":
+        check_exponents(q, k, None)
+        check_exponents(k, k, None)
+        table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
+                 "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
+    else:
+        fq, fk = exp_features(q, order), exp_features(k, order)
+        beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
+        vv = v
+        if alpha is not None:                       # Gated DeltaNet decays before its step: undo it
+            beta, vv = beta / alpha.to(cd), (alpha[..., None].to(cd) * v.to(cd)).to(v.dtype)
+        table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
+                 "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
+    o, _ = dispatch(backend, q, table, model="dot", missing="chapter 6 has no Triton kernel yet")
+    return o, None
+
+
+__all__ = ["deep_transformer", "dot", "dot_coefficient_recurrent", "dot_chunk", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
            "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]

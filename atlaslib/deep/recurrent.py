@@ -70,3 +70,29 @@ def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="ex
             s = torch.exp(s)                                        # phi*(k_j)^T phi*(q_t)
         outputs.append(torch.einsum("bhj,bhjv->bhv", s, U))         # y_t = sum_j u_j kappa(k_j, q_t)
     return torch.stack(outputs, dim=2).to(out_dtype), None
+
+
+def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp"):
+    """DOT with c = 1 (the delta rule in phi* space), per token, in coefficient space.
+
+        M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi*(k_t) - v_t) phi*(k_t)^T,       y_t = M_t phi*(q_t)
+
+    ([A] eq. 27 with the sign and side of eqs. 28-31 corrected). With M_{t-1} = sum_j u_j phi*(k_j)^T the
+    error is e_t = sum_j u_j kappa(k_j, k_t) - v_t, so a step scales every u_j by alpha_t and appends
+    u_t = -eta_t e_t. Returns (o [B,H,T,V] in q's dtype, None).
+    """
+    B, H, T, _ = q.shape
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    kappa = (lambda x, y: torch.exp(x @ y)) if kernel == "exp" else (lambda x, y: x @ y)
+    U, keys = v[:, :, :0], k[:, :, :0]
+    outputs = []
+    for t in range(T):
+        recall = torch.einsum("bhj,bhjv->bhv", kappa(keys, k[:, :, t, :, None])[..., 0], U)   # M_{t-1} phi*(k_t)
+        u_t = written_value(v[:, :, t] - recall, eta, t)                                   # -eta_t e_t
+        if alpha is not None:
+            U = U * alpha[:, :, t, None, None].to(cd)
+        U = torch.cat([U, u_t[:, :, None]], dim=2)
+        keys = torch.cat([keys, k[:, :, t, None]], dim=2)
+        outputs.append(torch.einsum("bhj,bhjv->bhv", kappa(keys, q[:, :, t, :, None])[..., 0], U))
+    return torch.stack(outputs, dim=2).to(out_dtype), None
