@@ -233,6 +233,35 @@ def test_fp32_inputs(gen):
             assert_close(got, want.float(), tol=1e-5)
 
 
+@pytest.mark.parametrize("B, H, T, K, V", [(1, 1, 1, 3, 2), (1, 3, 2, 1, 4), (3, 1, 9, 6, 1)])
+def test_odd_shapes(gen, B, H, T, K, V):
+    """T = 1, T < chunk, K = 1, V = 1, B*H > 1: recurrent == chunk for both models and both phi*."""
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    alpha = random_gate(B, H, T, low=0.7, dtype=F64, generator=gen)
+    for phi_star in ("kernel", ("taylor", 2)):
+        for fn, kw in ((deep_transformer, {"normalize": True, "window": 2}), (deep_transformer, {}),
+                       (dot, {"eta": 0.5})):
+            a, _ = fn(q, k, v, alpha=alpha, phi_star=phi_star, backend="recurrent", **kw)
+            b, _ = fn(q, k, v, alpha=alpha, phi_star=phi_star, backend="chunk", chunk_size=2, **kw)
+            assert a.shape == (B, H, T, V)
+            assert_close(b, a, tol=1e-12, name=f"{fn.__name__} {phi_star} {kw}")
+
+
+def test_bf16_inputs_compute_in_fp32(gen):
+    q, k, v, alpha, eta = make_inputs(gen, T=21)
+    for phi_star in ("kernel", ("taylor", 2)):
+        bf = [x.bfloat16() for x in (q, k, v)]
+        want, _ = deep_transformer(*[x.double() for x in bf], alpha=alpha, eta=eta, phi_star=phi_star,
+                                   normalize=True)
+        got, _ = deep_transformer(*bf, alpha=alpha.float(), eta=eta.float(), phi_star=phi_star, normalize=True)
+        assert got.dtype == torch.bfloat16
+        assert_close(got, want.bfloat16(), tol=2e-2)
+        got, _ = dot(*bf, alpha=alpha.float(), eta=0.5 * eta.float(), phi_star=phi_star)
+        want, _ = dot(*[x.double() for x in bf], alpha=alpha, eta=0.5 * eta, phi_star=phi_star)
+        assert got.dtype == torch.bfloat16
+        assert_close(got, want.bfloat16(), tol=2e-2)
+
+
 # ----------------------------------------------------------------------------- overflow and bad input
 
 def test_large_scores(gen):

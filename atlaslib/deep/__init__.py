@@ -130,21 +130,21 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
 
     if matrix:
-        fq, fk = exp_features(q, order), exp_features(k, order)
+        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)   # features in fp32/fp64
         table = {"recurrent": lambda: hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
                                                         initial_state),
                  "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
     else:
         kernel = "exp" if form == "kernel" else "dot"
-        x, y = (q, k) if form == "kernel" else (exp_features(q, order), exp_features(k, order))
+        x, y = (q, k) if form == "kernel" else (exp_features(q.to(cd), order), exp_features(k.to(cd), order))
         shift = normalize and form == "kernel"
         table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
                                                             window, kernel, shift),
                  "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, kernel, shift, chunk_size, log_alpha)}
     o, state = dispatch(backend, q, table, model="deep_transformer", missing="chapter 6 has no Triton kernel yet")
     if normalize:
-        o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)
-    return o, (state if output_final_state else None)
+        o = o[..., :V].to(cd) / o[..., V:].to(cd)
+    return o.to(q.dtype), (state if output_final_state else None)
 
 
 def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="linear", backend="auto",
@@ -193,15 +193,15 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
         table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
                  "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
     else:
-        fq, fk = exp_features(q, order), exp_features(k, order)
+        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
         beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
-        vv = v
+        vv = v.to(cd)
         if alpha is not None:                       # Gated DeltaNet decays before its step: undo it
-            beta, vv = beta / alpha.to(cd), (alpha[..., None].to(cd) * v.to(cd)).to(v.dtype)
+            beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
         table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
                  "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
     o, _ = dispatch(backend, q, table, model="dot", missing="chapter 6 has no Triton kernel yet")
-    return o, None
+    return o.to(q.dtype), None
 
 
 __all__ = ["deep_transformer", "dot", "dot_coefficient_recurrent", "dot_chunk", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
