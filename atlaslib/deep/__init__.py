@@ -6,65 +6,30 @@ with c = 1 and a linear memory, [A] eq. 27 corrected). Rooms: ``recurrent.py`` (
 loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
 ``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
 
+``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range.
+
 Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
-memory, DLA, DOT's window c > 1 and gates gamma, the notebook and the exercises; the chapter is not in ``atlaslib.CHAPTERS``.
+memory, DLA, DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the
+chapter is not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch
-from ..core.featuremaps import check_degree
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
-from ..omega.problem import check_window
 from ..delta import delta_rule_chunk, delta_rule_recurrent
+from ..omega.problem import check_window
 from .chunk import dot_chunk, hebbian_chunk, masked_chunk
 from .features import exp_coefficients, exp_feature_dim, exp_features
+from .problem import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
-# exp(80) = 5.5e34: far below fp32's 3.4e38, with room for a sum of many such terms. A larger
-# exponent in the unnormalised kernel form is refused (the normalised form shifts by the row max).
-MAX_EXPONENT = 80.0
-
-
-def check_phi_star(phi_star):
-    """("taylor", P) with an int P >= 0, or "kernel". Returns ("taylor", P) or ("kernel", None)."""
-    if isinstance(phi_star, str) and phi_star == "kernel":
-        return "kernel", None
-    if isinstance(phi_star, tuple) and len(phi_star) == 2 and phi_star[0] == "taylor":
-        try:
-            return "taylor", check_degree(phi_star[1])
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"phi_star=('taylor', P) needs an int P >= 0, got P={phi_star[1]!r}") from None
-    raise ValueError(f"phi_star must be ('taylor', P) (truncated features) or 'kernel' (exact), got {phi_star!r}")
-
-
-def check_exponents(q, k, window):
-    """exp(k_i^T q_t) must not overflow in the unnormalised kernel form: k_i^T q_t <= MAX_EXPONENT."""
-    how = _value_check(q)
-    if how is None:
-        return
-    with torch.no_grad():
-        T = q.shape[2]
-        rows = torch.arange(T, device=q.device)
-        ok = rows[None, :] <= rows[:, None]
-        if window is not None:
-            ok &= rows[None, :] > rows[:, None] - window
-        top = (q.float() @ k.float().mT).masked_fill(~ok, -math.inf).amax()
-        if how == "host" and top.item() > MAX_EXPONENT:
-            raise ValueError(f"phi_star='kernel' without normalize: a score k_i^T q_t = {top.item():.4g} exceeds "
-                             f"{MAX_EXPONENT} and exp would overflow; scale q and k down (attention's 1/sqrt(d) "
-                             f"goes into q) or pass normalize=True, which shifts by each row's max")
-        if how == "device":
-            torch._assert_async(top <= MAX_EXPONENT, f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
-
 
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
