@@ -53,7 +53,9 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
             (the matrix memory on ``exp_features(., P)``, dimension C(K + P, P); its kernel is the
             degree-P Taylor polynomial of exp, positive for even P, so use an even P with normalize).
         normalize: divide by z_t^T phi*(q_t) (see above). The value gets a constant 1 as an extra last
-            column, which is z's row of the state (as in ``linear_attention``).
+            column, which is z's row of the state (as in ``linear_attention``). The quotient is
+            undefined where every visible eta_i is 0, and with an odd P the Taylor kernel can reach
+            0 or below once k^T q < -1 (even P: always positive).
         window: c >= 1 or None. SWDT: the memory holds only the last c pairs,
             M_t = sum_{i=t-c+1}^{t} eta_i (A_t / A_i) v_i phi*(k_i)^T, so normalised with alpha = eta = 1
             it is sliding-window softmax attention ([A] eq. 18), and c >= T is the DeepTransformer.
@@ -169,6 +171,7 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
     return o.to(q.dtype), None
 
 
-__all__ = ["deep_transformer", "dot", "dot_coefficient_recurrent", "dot_chunk", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
+__all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
+           "dot_coefficient_recurrent", "dot_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
            "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]

@@ -42,4 +42,5 @@ def check_exponents(q, k, window):
                              f"{MAX_EXPONENT} and exp would overflow; scale q and k down (attention's 1/sqrt(d) "
                              f"goes into q) or pass normalize=True, which shifts by each row's max")
         if how == "device":
-            torch._assert_async(top <= MAX_EXPONENT, f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
+            torch._assert_async(top <= MAX_EXPONENT,
+                                f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
