@@ -13,7 +13,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "atlaslib"
 import atlaslib
 
-CHAPTERS = {"core": 0, **atlaslib.CHAPTERS}                                 # package -> chapter
+# Chapter packages still being written, not yet in atlaslib.CHAPTERS (which needs the notebook and the
+# exercises): their imports are checked here all the same.
+IN_PROGRESS = {"deep": 6}
+CHAPTERS = {"core": 0, **atlaslib.CHAPTERS, **IN_PROGRESS}                   # package -> chapter
 TOOLS = {"bench", "aot", "grade", "train"}                                  # top-level tools, never imported by chapters
 
 

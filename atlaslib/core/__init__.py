@@ -2,7 +2,8 @@
 from .attention import softmax_attention
 from .dispatch import BACKENDS, interpreter_on, resolve_backend, with_chunk_backward
 from .featuremaps import (FEATURE_MAPS, TaylorFeatures, apply_feature_map, check_degree, elu_plus_one,
-                          get_feature_map, identity, monomial_dim, monomial_features, tensor_power)
+                          get_feature_map, identity, monomial_dim, monomial_features, taylor_features,
+                          tensor_power)
 from .testing import (TOLERANCE, assert_close, empty, poisoned_outputs, random_gate, random_qkv,
                       rel_rmse)
 from .validation import check_chunk_size, check_gate, check_qkv, check_state, check_tensor, gate_or_number
@@ -10,7 +11,7 @@ from .validation import check_chunk_size, check_gate, check_qkv, check_state, ch
 __all__ = [
     "softmax_attention", "BACKENDS", "interpreter_on", "resolve_backend", "with_chunk_backward",
     "FEATURE_MAPS", "apply_feature_map", "elu_plus_one", "get_feature_map", "identity", "TaylorFeatures",
-    "check_degree", "monomial_dim", "monomial_features", "tensor_power", "TOLERANCE", "assert_close",
+    "check_degree", "monomial_dim", "monomial_features", "taylor_features", "tensor_power", "TOLERANCE", "assert_close",
     "empty", "poisoned_outputs", "random_gate", "random_qkv", "rel_rmse", "check_chunk_size",
     "check_gate", "check_qkv", "check_state", "check_tensor", "gate_or_number",
 ]

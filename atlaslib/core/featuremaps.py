@@ -149,6 +149,27 @@ def tensor_power(x: torch.Tensor, degree: int) -> torch.Tensor:
     return out
 
 
+def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: bool = False) -> torch.Tensor:
+    """phi(x) = concat_i sqrt(a_i) x^{(x)i}, i = 0..p, for given a_i >= 0 (p + 1 = len(coefficients)).
+
+    phi(x)^T phi(y) = sum_i a_i (x^T y)^i. ``compressed``: each block x^{(x)i} replaced by its
+    distinct monomials x^b, |b| = i, weighted by sqrt(multinomial(i; b)) (same inner product,
+    dimension C(d + p, p) instead of sum_i d^i). The function behind ``TaylorFeatures`` (learnable
+    a_i) and chapter 6's ``exp_features`` (a_i = 1/i! exactly, in the input's precision).
+    """
+    d = _check_input(x)
+    scale = coefficients.to(device=x.device, dtype=x.dtype).sqrt()
+    blocks = []
+    for i in range(scale.shape[0]):
+        if compressed:
+            _, counts = _multisets(d, i)
+            weight = counts.to(device=x.device, dtype=x.dtype).sqrt()
+            blocks.append(scale[i] * weight * _monomials_of_degree(x, i))
+        else:
+            blocks.append(scale[i] * tensor_power(x, i))
+    return torch.cat(blocks, dim=-1)
+
+
 def _inverse_softplus(a: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.expm1(a))
 
@@ -201,17 +222,7 @@ class TaylorFeatures(nn.Module):
         return sum(d ** i for i in range(self.degree + 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = _check_input(x)
-        scale = self.coefficients.to(x.dtype).sqrt()
-        blocks = []
-        for i in range(self.degree + 1):
-            if self.compressed:
-                _, counts = _multisets(d, i)
-                weight = counts.to(device=x.device, dtype=x.dtype).sqrt()
-                blocks.append(scale[i] * weight * _monomials_of_degree(x, i))
-            else:
-                blocks.append(scale[i] * tensor_power(x, i))
-        return torch.cat(blocks, dim=-1)
+        return taylor_features(x, self.coefficients, compressed=self.compressed)
 
     def extra_repr(self) -> str:
         return f"degree={self.degree}, compressed={self.compressed}"

@@ -1,0 +1,177 @@
+"""Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
+
+Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
+(DeepTransformer / SWDT with a linear memory, [A] eq. 25) and ``dot`` (the Deep Omega Transformer
+with c = 1 and a linear memory, [A] eq. 27 corrected). Rooms: ``recurrent.py`` (per-token
+loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
+``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
+
+``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range.
+
+Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
+memory, DLA, DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the
+chapter is not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import check_chunk_size, check_qkv, check_state
+from ..core.chunking import compute_dtype
+from ..core.dispatch import dispatch
+from ..core.gates import alpha_from_log, check_retention
+from ..core.validation import _value_check, gate_or_number
+from ..delta import delta_rule_chunk, delta_rule_recurrent
+from ..omega.problem import check_window
+from .chunk import dot_chunk, hebbian_chunk, masked_chunk
+from .features import exp_coefficients, exp_feature_dim, exp_features
+from .problem import MAX_EXPONENT, check_exponents, check_phi_star
+from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
+
+DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
+MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
+
+def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
+                     memory="linear", initial_state=None, output_final_state=False, backend="auto",
+                     chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+    """DeepTransformer ([A] eq. 25) with a linear memory; ``window=c`` gives SWDT.
+
+        M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
+
+    (GD on the dot-product bias -<M phi*(k), v>). With alpha = eta = 1 and the exact phi*,
+    y_t = sum_{i<=t} exp(q_t^T k_i) v_i: *unnormalised* causal attention, which is all [A]'s
+    "strict generalization" gives. ``normalize=True`` also carries the normaliser memory
+    z_t = alpha_t z_{t-1} + eta_t phi*(k_t) and returns y_t / (z_t^T phi*(q_t)): with
+    alpha = eta = 1 that is causal softmax attention exactly (its 1/sqrt(d) must be put into q).
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V].
+        alpha: retention in [0, 1], a number or [B, H, T] (None: 1). Or ``log_alpha`` [B, H, T] <= 0.
+        eta: write strength >= 0, a number or [B, H, T] (None: 1).
+        phi_star: ``"kernel"`` (exact: the state is the coefficients u_j of the past features and a
+            read is sum_j u_j exp(k_j^T q_t), O(T^2), book ch. 6 §kernel trick) or ``("taylor", P)``
+            (the matrix memory on ``exp_features(., P)``, dimension C(K + P, P); its kernel is the
+            degree-P Taylor polynomial of exp, positive for even P, so use an even P with normalize).
+        normalize: divide by z_t^T phi*(q_t) (see above). The value gets a constant 1 as an extra last
+            column, which is z's row of the state (as in ``linear_attention``). The quotient is
+            undefined where every visible eta_i is 0, and with an odd P the Taylor kernel can reach
+            0 or below once k^T q < -1 (even P: always positive).
+        window: c >= 1 or None. SWDT: the memory holds only the last c pairs,
+            M_t = sum_{i=t-c+1}^{t} eta_i (A_t / A_i) v_i phi*(k_i)^T, so normalised with alpha = eta = 1
+            it is sliding-window softmax attention ([A] eq. 18), and c >= T is the DeepTransformer.
+            (This is not chapter 4's SWLA, which windows the update and never forgets a pair.)
+        memory: "linear" (the only memory so far).
+        initial_state: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)`` without window only.
+        output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
+            window must also remember the pairs it will drop).
+        backend: "recurrent" (per token), "chunk" (masked matrix products) or "auto" (chunk). No
+            Triton kernel yet. Every form is exact for every ``chunk_size``.
+        chunk_size: rows per block of the chunk form.
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, final state or None).
+    """
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
+                         f"implemented yet), got {memory!r}")
+    B, H, T, K, V = check_qkv(q, k, v)
+    form, order = check_phi_star(phi_star)
+    cd = compute_dtype(q)
+    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    check_retention(alpha, log_alpha, B, H, T, ref=q)
+    if window is not None:
+        check_window(window)
+    check_chunk_size(chunk_size)
+    matrix = form == "taylor" and window is None                     # the forms that have a matrix state
+    if (initial_state is not None or output_final_state) and not matrix:
+        raise ValueError("initial_state and output_final_state need phi_star=('taylor', P) and window=None: "
+                         "the kernel form keeps one coefficient per past token and a window also needs the "
+                         "pairs it will drop, so neither has a fixed-size matrix state")
+    D = exp_feature_dim(K, order) if form == "taylor" else None
+    if matrix:
+        check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q)
+    if form == "kernel" and not normalize:
+        check_exponents(q, k, window)
+    if normalize:
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
+
+    if matrix:
+        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)   # features in fp32/fp64
+        table = {"recurrent": lambda: hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
+                                                        initial_state),
+                 "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
+    else:
+        kernel = "exp" if form == "kernel" else "dot"
+        x, y = (q, k) if form == "kernel" else (exp_features(q.to(cd), order), exp_features(k.to(cd), order))
+        shift = normalize and form == "kernel"
+        table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
+                                                            window, kernel, shift),
+                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, kernel, shift, chunk_size, log_alpha)}
+    o, state = dispatch(backend, q, table, model="deep_transformer", missing="chapter 6 has no Triton kernel yet")
+    if normalize:
+        o = o[..., :V].to(cd) / o[..., V:].to(cd)
+    return o.to(q.dtype), (state if output_final_state else None)
+
+
+def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="linear", backend="auto",
+        chunk_size=DEFAULT_CHUNK_SIZE):
+    """The Deep Omega Transformer ([A] eq. 27) with c = 1 and a linear memory: the delta rule on phi*.
+
+        M_t = alpha_t M_{t-1} - eta_t grad l2(M_{t-1}; phi*(k_t), v_t)
+            = M_{t-1} (alpha_t I - eta_t phi*(k_t) phi*(k_t)^T) + eta_t v_t phi*(k_t)^T,    y_t = M_t phi*(q_t).
+
+    ([A] eqs. 28-31 subtract the value term and multiply from the left; see the errata.) The gradient
+    is taken at M_{t-1} and the decay applied after (chapter 4's Omega convention); with alpha = 1 this
+    is exactly DeltaNet with beta = eta on the features. Stable while eta_t |phi*(k_t)|^2 <= 2, and
+    |phi*(k)|^2 = exp(|k|^2): for unit keys, eta <= 2/e.
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V].
+        window: c; only c = 1 is implemented so far.
+        alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the truncated form
+            runs chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v, which is the
+            same update for alpha > 0.
+        eta: step >= 0 (a number or [B, H, T]; None: 1).
+        phi_star: "kernel" (exact: coefficients u_j of phi*(k_j), solved by a triangular system in the
+            chunk form, O(T^2)) or ("taylor", P) (``exp_features`` and chapter 2's ``delta_rule`` forms).
+        memory: "linear" only.
+        backend: "recurrent", "chunk" or "auto" (chunk); both exact for every chunk_size.
+
+    Returns:
+        (o [B, H, T, V] in q's dtype, None).
+    """
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
+                         f"implemented yet), got {memory!r}")
+    B, H, T, K, V = check_qkv(q, k, v)
+    form, order = check_phi_star(phi_star)
+    if check_window(window) != 1:
+        raise ValueError(f"dot: only window=1 (c = 1, the delta rule on phi*) is implemented so far, got {window}")
+    cd = compute_dtype(q)
+    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
+        raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
+    check_chunk_size(chunk_size)
+    if form == "kernel":
+        check_exponents(q, k, None)
+        check_exponents(k, k, None)
+        table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
+                 "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
+    else:
+        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
+        beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
+        vv = v.to(cd)
+        if alpha is not None:                       # Gated DeltaNet decays before its step: undo it
+            beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
+        table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
+                 "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
+    o, _ = dispatch(backend, q, table, model="dot", missing="chapter 6 has no Triton kernel yet")
+    return o.to(q.dtype), None
+
+
+__all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
+           "dot_coefficient_recurrent", "dot_chunk",
+           "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
+           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]

@@ -1,0 +1,41 @@
+"""The exponential feature map phi* of [A] eq. 22-23 and its truncation phi*_P.
+
+    phi*(x) = (1, x, x^{(x)2} / sqrt(2!), x^{(x)3} / sqrt(3!), ...),   phi*(x)^T phi*(y) = exp(x^T y).
+
+phi* is infinite-dimensional; ``exp_features(x, P)`` keeps the blocks n <= P, so that
+phi*_P(x)^T phi*_P(y) = sum_{n<=P} (x^T y)^n / n!, the degree-P Taylor polynomial of exp(x^T y).
+It is chapter 4's Taylor-weighted map with its weights fixed at a_n = 1/n!
+(``core.featuremaps.taylor_features``), here in the input's own precision.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.featuremaps import check_degree, taylor_features
+
+
+def exp_coefficients(order: int) -> torch.Tensor:
+    """a_n = 1/n!, n = 0..P, in fp64."""
+    return torch.tensor([1.0 / math.factorial(n) for n in range(check_degree(order) + 1)], dtype=torch.float64)
+
+
+def exp_features(x: torch.Tensor, order: int, *, compressed: bool = True) -> torch.Tensor:
+    """phi*_P(x): [..., d] -> [..., D] with phi*_P(x)^T phi*_P(y) = sum_{n<=P} (x^T y)^n / n!.
+
+    ``compressed=True`` (default): the symmetric-monomial form, D = C(d + P, P); each distinct
+    monomial x^b, |b| = n, carries sqrt(multinomial(n; b) / n!). ``compressed=False``: the tensor
+    powers x^{(x)n} / sqrt(n!) of [A] eq. 22, D = sum_{n<=P} d^n. Same inner product.
+
+    The truncation error of the kernel is the Taylor remainder: for |x^T y| <= 1 it is at most
+    e / (P + 1)!, so normalising q and k (and putting attention's 1/sqrt(d) into q) keeps a small
+    P accurate; for large |x^T y| it grows like |x^T y|^{P+1} / (P + 1)!.
+    """
+    return taylor_features(x, exp_coefficients(order), compressed=compressed)
+
+
+def exp_feature_dim(d: int, order: int, *, compressed: bool = True) -> int:
+    """Dimension of ``exp_features`` for inputs of dimension d: C(d + P, P), or sum_n d^n."""
+    order = check_degree(order)
+    return math.comb(d + order, order) if compressed else sum(d ** n for n in range(order + 1))

@@ -1,0 +1,98 @@
+"""The definition: the linear DeepTransformer one token at a time (book ch. 6).
+
+    M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t),
+
+one gradient step on the dot-product bias -<M phi*(k_t), v_t>, whose gradient -v_t phi*(k_t)^T
+does not depend on M. Two ways to hold M:
+
+* ``hebbian_recurrent``: M as a matrix [V, D] on the truncated features phi*_P; each step is
+  chapter 1's ``linear_attention_step`` on the features with the value eta_t v_t.
+* ``coefficient_recurrent``: M as coefficients of past features, M_t = sum_j u_j phi*(k_j)^T (GD
+  never leaves their span). A step scales every u_j by alpha_t and appends u_t = eta_t v_t; a
+  window c (SWDT) drops the pair t - c as it leaves; a read is y_t = sum_j u_j kappa(k_j, q_t)
+  with kappa(k, q) = exp(k^T q), the exact phi* (the kernel trick, no truncation, O(T^2)), or
+  the dot product of given features (``kernel="dot"``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.chunking import compute_dtype
+from ..linear.recurrent import linear_attention_step
+
+
+def written_value(v_t: torch.Tensor, eta, t: int) -> torch.Tensor:
+    """eta_t v_t: what token t writes ([B, H, V])."""
+    return v_t if eta is None else eta[:, :, t, None].to(v_t.dtype) * v_t
+
+
+def hebbian_recurrent(fq, fk, v, alpha=None, eta=None, initial_state=None):
+    """Per-token loop on features. fq, fk: [B,H,T,D]; v: [B,H,T,V]; alpha, eta: None or [B,H,T].
+
+    Returns (o [B,H,T,V] in fq's dtype, M_T [B,H,V,D] in fp32/fp64).
+    """
+    B, H, T, D = fq.shape
+    cd = compute_dtype(fq)
+    M = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=fq.device) if initial_state is None else initial_state.to(cd)
+    v = v.to(cd)
+    outputs = []
+    for t in range(T):
+        alpha_t = None if alpha is None else alpha[:, :, t]
+        M, y_t = linear_attention_step(M, fq[:, :, t], fk[:, :, t], written_value(v[:, :, t], eta, t), alpha_t)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(fq.dtype), M
+
+
+def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift=False):
+    """Per-token loop in coefficient space. q, k: [B,H,T,D] (raw for "exp", features for "dot").
+
+    ``shift`` (exp kernel only): divide each read by e^{max_j k_j^T q_t}. The read is then off by
+    that factor, which cancels in y / (z^T phi*(q)) when the last value column is the normaliser's
+    constant 1; it keeps exp from overflowing. Returns (o [B,H,T,V] in q's dtype, None).
+    """
+    B, H, T, _ = q.shape
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    U = v[:, :, :0]                                                 # coefficients u_j [B,H,j,V]
+    keys = k[:, :, :0]                                              # the keys k_j they belong to
+    outputs = []
+    for t in range(T):
+        if alpha is not None:
+            U = U * alpha[:, :, t, None, None].to(cd)               # every u_j decays by alpha_t
+        U = torch.cat([U, written_value(v[:, :, t], eta, t)[:, :, None]], dim=2)   # u_t = eta_t v_t
+        keys = torch.cat([keys, k[:, :, t, None]], dim=2)
+        if window is not None:                                      # SWDT: only the last c pairs stay
+            U, keys = U[:, :, -window:], keys[:, :, -window:]
+        s = torch.einsum("bhjd,bhd->bhj", keys, q[:, :, t])         # k_j^T q_t
+        if kernel == "exp":
+            if shift:
+                s = s - s.amax(-1, keepdim=True).detach()
+            s = torch.exp(s)                                        # phi*(k_j)^T phi*(q_t)
+        outputs.append(torch.einsum("bhj,bhjv->bhv", s, U))         # y_t = sum_j u_j kappa(k_j, q_t)
+    return torch.stack(outputs, dim=2).to(out_dtype), None
+
+
+def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp"):
+    """DOT with c = 1 (the delta rule in phi* space), per token, in coefficient space.
+
+        M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi*(k_t) - v_t) phi*(k_t)^T,       y_t = M_t phi*(q_t)
+
+    ([A] eq. 27 with the sign and side of eqs. 28-31 corrected). With M_{t-1} = sum_j u_j phi*(k_j)^T the
+    error is e_t = sum_j u_j kappa(k_j, k_t) - v_t, so a step scales every u_j by alpha_t and appends
+    u_t = -eta_t e_t. Returns (o [B,H,T,V] in q's dtype, None).
+    """
+    B, H, T, _ = q.shape
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    kappa = (lambda x, y: torch.exp(x @ y)) if kernel == "exp" else (lambda x, y: x @ y)
+    U, keys = v[:, :, :0], k[:, :, :0]
+    outputs = []
+    for t in range(T):
+        recall = torch.einsum("bhj,bhjv->bhv", kappa(keys, k[:, :, t, :, None])[..., 0], U)   # M_{t-1} phi*(k_t)
+        u_t = written_value(v[:, :, t] - recall, eta, t)                                   # -eta_t e_t
+        if alpha is not None:
+            U = U * alpha[:, :, t, None, None].to(cd)
+        U = torch.cat([U, u_t[:, :, None]], dim=2)
+        keys = torch.cat([keys, k[:, :, t, None]], dim=2)
+        outputs.append(torch.einsum("bhj,bhjv->bhv", kappa(keys, q[:, :, t, :, None])[..., 0], U))
+    return torch.stack(outputs, dim=2).to(out_dtype), None
