@@ -536,7 +536,7 @@ def test_gradient_matches_finite_differences(gen):
 
 def test_presets_and_overrides():
     assert set(PRESETS) == {"linear_attention", "deltanet", "gated_deltanet", "ttt_linear", "ttt_mlp", "titans",
-                            "moneta", "yaad", "memora", "atlas"}
+                            "moneta", "yaad", "memora", "atlas", "dla"}
     assert PRESETS["atlas"] == atlas_config().replace(name="atlas"), "one ATLAS from both doors"
     cfg = make_config("titans", memory="linear")
     assert (cfg.memory, cfg.retention, cfg.optimizer) == ("linear", "decay", "momentum")

@@ -175,3 +175,8 @@ __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_co
            "dot_coefficient_recurrent", "dot_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
            "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]
+
+# DLA: chapter 3's engine with the preset "dla" (dot-product bias, GD, decay, deep memory)
+from .dla import DLA_MEMORIES, dla, taylor_phi  # noqa: E402
+
+__all__ += ["dla", "taylor_phi", "DLA_MEMORIES"]

@@ -3,8 +3,8 @@
 A model is a choice of memory architecture (``memory.py``), attentional bias
 (``bias.py``), retention (``retention.py``) and optimizer (``optimizer.py``); the named
 models are presets (``config.PRESETS``): linear_attention, deltanet, gated_deltanet,
-ttt_linear, ttt_mlp, titans, moneta, yaad, memora, and chapter 5's atlas. One function runs
-any of them:
+ttt_linear, ttt_mlp, titans, moneta, yaad, memora, chapter 5's atlas and chapter 6's dla
+(deep linear attention). One function runs any of them:
 
     o, state = miras(q, k, v, preset="titans", alpha=a, eta=lr, theta=mom, output_final_state=True)
     o, _ = miras(q, k, v, preset="titans", memory="linear", eta=lr)          # one axis moved

@@ -107,6 +107,10 @@ PRESETS: dict[str, MirasConfig] = {
     # chapter 5: ATLAS ([A] §5) is one more optimizer, Muon (NS_5 of the momentum); its Omega window is
     # the `window` field, which [A] sweeps rather than fixes (atlaslib.atlas.atlas_config builds others)
     "atlas": MirasConfig(memory="residual", bias="l2", retention="decay", optimizer="muon"),
+    # chapter 6: deep linear attention ([A] eq 19) is linear attention's dot-product bias on a deep memory,
+    # M_t = alpha_t M_{t-1} - eta_t grad l_dot(M_{t-1}); with memory="linear" it is gated linear attention
+    # (atlaslib.deep.dla; with phi = phi*_P it is the DeepTransformer on Taylor features)
+    "dla": MirasConfig(memory="mlp", bias="dot", retention="decay", optimizer="gd"),
 }
 PRESETS = {name: dataclasses.replace(cfg, name=name) for name, cfg in PRESETS.items()}
 
