@@ -86,6 +86,17 @@ def test_dla_is_the_miras_preset(gen):
     assert dla(q, k, v, alpha=alpha, eta=eta)[1] is None
 
 
+def test_log_alpha_is_alpha(gen):
+    """The gate as its log gives the same model (the engine turns it into alpha at entry, in fp64 here)."""
+    q, k, v, alpha, eta = setup(gen, "mlp")
+    for backend in ("recurrent", "chunk"):
+        o, _ = dla(q, k, v, alpha=alpha, eta=eta, backend=backend, chunk_size=4)
+        o2, _ = dla(q, k, v, log_alpha=alpha.log(), eta=eta, backend=backend, chunk_size=4)
+        assert_close(o2, o, tol=1e-13, name=f"log_alpha ({backend})")
+    o3, _ = dla(q, k, v, eta=eta, backend="chunk", chunk_size=4)
+    assert (o3 - o).abs().max() > 1e-3, "alpha < 1 must change the output"
+
+
 # ----------------------------------------------------------------------------- linear memory: chapter 1
 
 @pytest.mark.parametrize("backend", ["recurrent", "frozen_seq", "chunk"])
