@@ -18,7 +18,7 @@ import torch
 
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch
+from ..core.dispatch import dispatch, lazy
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
@@ -30,6 +30,33 @@ from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
+
+def kernel_table(chunk_size: int) -> dict:
+    """phi_star="kernel": the three forms, each taking (q, k, v, alpha, eta, log_alpha, window, normalize)
+    and returning (o, None), o in q's dtype (the normalised quotient taken in fp32/fp64)."""
+    def exact(form):
+        def run(q, k, v, alpha, eta, log_alpha, window, normalize):
+            cd = compute_dtype(q)
+            if normalize:
+                v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
+            if form == "recurrent":
+                o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
+                                             normalize)
+            else:
+                o, _ = masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha)
+            if normalize:
+                o = o[..., :-1].to(cd) / o[..., -1:].to(cd)
+            return o.to(q.dtype), None
+        run.__name__ = f"deep_kernel_{form}"
+        return run
+    return {"recurrent": exact("recurrent"), "chunk": exact("chunk"),
+            "triton": lazy(f"{__name__}.kernel", "deep_kernel_triton")}
+
+
+def kernel_unsupported(q):
+    """What the Triton kernel refuses, for ``backend="auto"`` (``kernel.unsupported``, imported lazily)."""
+    return lazy(f"{__name__}.kernel", "unsupported")(q)
+
 
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
@@ -93,6 +120,11 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
         check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q)
     if form == "kernel" and not normalize:
         check_exponents(q, k, window)
+    if form == "kernel":                         # the kernel trick: the table's forms take the inputs
+        table = kernel_table(chunk_size)
+        o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, log_alpha, window, bool(normalize),
+                        unsupported=lambda: kernel_unsupported(q), model="deep_transformer")
+        return o.to(q.dtype), None
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
 
@@ -102,13 +134,13 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
                                                         initial_state),
                  "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
     else:
-        kernel = "exp" if form == "kernel" else "dot"
-        x, y = (q, k) if form == "kernel" else (exp_features(q.to(cd), order), exp_features(k.to(cd), order))
-        shift = normalize and form == "kernel"
+        x, y = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
         table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
-                                                            window, kernel, shift),
-                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, kernel, shift, chunk_size, log_alpha)}
-    o, state = dispatch(backend, q, table, model="deep_transformer", missing="chapter 6 has no Triton kernel yet")
+                                                            window, "dot"),
+                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, "dot", False, chunk_size, log_alpha)}
+    o, state = dispatch(backend, q, table, model="deep_transformer",
+                        missing="its Triton kernel takes phi_star='kernel' only (the exact kernel trick); "
+                                "phi_star=('taylor', P) runs on backend='chunk' or 'recurrent'")
     if normalize:
         o = o[..., :V].to(cd) / o[..., V:].to(cd)
     return o.to(q.dtype), (state if output_final_state else None)
@@ -167,7 +199,7 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
             beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
         table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
                  "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
-    o, _ = dispatch(backend, q, table, model="dot", missing="chapter 6 has no Triton kernel yet")
+    o, _ = dispatch(backend, q, table, model="dot", missing="DOT has no Triton kernel yet")
     return o.to(q.dtype), None
 
 
