@@ -25,8 +25,8 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
-program holds whole keys), BM = BN = 64 (32 for BK = 256, which keeps the [BN, BK] tiles in
-shared memory), BV <= 64. Launched with num_stages=1, as chapter 4's kernel.
+program holds whole keys), BM = BN = 64 for half-precision inputs up to BK = 128, else 32 (see
+TILES below: fp32's FMA-based products spill registers at 64), BV <= 64. Launched with num_stages=1, as chapter 4's kernel.
 
 Forward only: ``deep_transformer(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, recomputed from the saved
@@ -43,6 +43,12 @@ from ..core.kernels import as_fp32, at_head, dot_tile, feature_tile, forward_lau
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
 MAX_KEY = 256
+# TILES. Query and key blocks BM = BN = 64 for fp16/bf16 inputs with BK <= 128, else 32. Measured by
+# building for sm_90 (``atlaslib.aot``, num_stages=1, gates and eta on): with fp32 inputs (exact
+# fp32 products, tl.dot on FMA units) 64-row blocks spill 3-17 KB a thread at 4 warps (about
+# 100-200 B at 8 warps, 255 registers), 32-row blocks none (108-128 registers, 24-41 KB shared at
+# K = 64-128); bf16 inputs at 64-row blocks and K = 64 take 48 KB and 228 registers, no spills.
+# Speed has not been measured on a GPU.
 
 
 @triton.jit
@@ -130,7 +136,7 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DeepTransformer kernel")
     BK = feature_tile(run.K, MAX_KEY)
-    BM = BN = 64 if BK <= 128 else 32
+    BM = BN = 64 if (run.precision != "ieee" and BK <= 128) else 32       # see TILES above
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # fp64: see the module's docstring
     c = run.T if window is None else min(int(window), run.T)         # c >= T: no window
