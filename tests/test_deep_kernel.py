@@ -144,8 +144,8 @@ def test_refusals_and_auto(gen):
     q, k, v, alpha, eta = inputs(gen, T=9, K=4, V=3)
     with pytest.raises(TypeError, match="float64"):
         deep_transformer(q.double(), k.double(), v.double(), backend="triton")
-    with pytest.raises(ValueError, match="Triton kernel takes phi_star='kernel'"):
-        deep_transformer(q, k, v, phi_star=("taylor", 2), backend="triton")
+    with pytest.raises(ValueError, match="Triton kernels take phi_star='kernel', or"):
+        deep_transformer(q, k, v, phi_star=("taylor", 2), window=4, backend="triton")
     wide = torch.zeros(1, 1, 3, MAX_KEY + 1)
     with pytest.raises(ValueError, match=f"K <= {MAX_KEY}"):
         deep_transformer(wide, wide, torch.zeros(1, 1, 3, 2), normalize=True, backend="triton")
@@ -154,3 +154,46 @@ def test_refusals_and_auto(gen):
     auto, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True)        # CPU: the chunk form
     chunk, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True, backend="chunk")
     assert torch.equal(auto, chunk)
+
+
+# ----------------------------------------------------------------------------- phi*_P on chapter 1's kernel
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_taylor_runs_on_chapter_1s_kernel(gen, normalize, dtype):
+    """phi_star=("taylor", P) without a window is chapter 1's matrix memory on phi*_P: its kernel runs it,
+    start state and final state included (D = C(5 + 2, 2) = 21 features)."""
+    q, k, v, alpha, eta = inputs(gen, T=37, K=5, V=3, dtype=dtype)
+    D, Vs = 21, 4 if normalize else 3
+    h0 = 0.1 * torch.randn(2, 2, Vs, D, generator=gen)
+    if normalize:
+        h0[:, :, -1] = 0.0
+    kw = dict(alpha=alpha, eta=eta, phi_star=("taylor", 2), normalize=normalize, initial_state=h0,
+              output_final_state=True)
+    want, want_state = deep_transformer(q.double(), k.double(), v.double(), **{**kw, "alpha": alpha.double(),
+                                        "eta": eta.double(), "initial_state": h0.double()}, backend="chunk")
+    got, state = deep_transformer(q, k, v, **kw, backend="triton")
+    assert got.dtype == dtype and state.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(got, want.to(dtype), tol=tol)
+    assert_close(state, want_state.float(), tol=1e-5)
+
+
+def test_taylor_kernel_gradients_and_refusals(gen):
+    q, k, v, alpha, eta = inputs(gen, B=1, T=19, K=3, V=2)
+    grads = []
+    for backend in ("triton", "chunk"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta)]
+        o, _ = deep_transformer(xs[0], xs[1], xs[2], alpha=xs[3], eta=xs[4], phi_star=("taylor", 2), normalize=True,
+                                backend=backend, chunk_size=4)
+        grads.append(torch.autograd.grad(o.sum(), xs))
+    for name, a, b in zip("q k v alpha eta".split(), *grads):
+        assert_close(a, b, tol=1e-5, name=f"d/d{name}")
+    with pytest.raises(ValueError, match="SWDT on phi"):        # a window: no kernel
+        deep_transformer(q, k, v, phi_star=("taylor", 2), window=3, backend="triton")
+    wide, wv = torch.zeros(1, 1, 3, 20), torch.zeros(1, 1, 3, 2)  # D = C(22, 2) = 231 fits, C(23, 3) = 1771 not
+    deep_transformer(wide, wide, wv, phi_star=("taylor", 2), backend="triton")
+    with pytest.raises(ValueError, match="D=1771"):
+        deep_transformer(wide, wide, wv, phi_star=("taylor", 3), backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        deep_transformer(q.double(), k.double(), v.double(), phi_star=("taylor", 2), backend="triton")

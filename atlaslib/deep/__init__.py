@@ -18,7 +18,7 @@ import torch
 
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch, lazy
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
@@ -29,6 +29,7 @@ from .problem import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
+MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) holds D <= 256 feature channels
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
 
 def kernel_table(chunk_size: int) -> dict:
@@ -51,6 +52,24 @@ def kernel_table(chunk_size: int) -> dict:
         return run
     return {"recurrent": exact("recurrent"), "chunk": exact("chunk"),
             "triton": lazy(f"{__name__}.kernel", "deep_kernel_triton")}
+
+
+def hebbian_table(chunk_size: int) -> dict:
+    """phi_star=("taylor", P) without a window: the matrix memory on the features, each form taking
+    (fq, fk, v, alpha, eta, initial_state, log_alpha); "triton" is chapter 1's kernel on them."""
+    def recurrent(fq, fk, v, alpha, eta, initial_state, log_alpha):
+        return hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, compute_dtype(fq)), eta, initial_state)
+
+    def chunk(fq, fk, v, alpha, eta, initial_state, log_alpha):
+        return hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)
+    return {"recurrent": recurrent, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", "hebbian_triton")}
+
+
+def feature_kernel_limits(fq):
+    """What chapter 1's kernel refuses of the features phi*_P: fp64, or more than MAX_FEATURES channels."""
+    if fq.shape[-1] > MAX_FEATURES and fq.dtype != torch.float64:
+        return f"phi*_P features of D={fq.shape[-1]} channels (at most {MAX_FEATURES}: K and P too large)"
+    return matrix_kernel_limits(fq, MAX_FEATURES)
 
 
 def kernel_unsupported(q):
@@ -128,19 +147,18 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
 
+    fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)       # features in fp32/fp64
     if matrix:
-        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)   # features in fp32/fp64
-        table = {"recurrent": lambda: hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
-                                                        initial_state),
-                 "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
+        o, state = dispatch(backend, q, hebbian_table(chunk_size), fq, fk, v, alpha, eta, initial_state, log_alpha,
+                            unsupported=lambda: feature_kernel_limits(fq), model="deep_transformer")
     else:
-        x, y = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
-        table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
+        table = {"recurrent": lambda: coefficient_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
                                                             window, "dot"),
-                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, "dot", False, chunk_size, log_alpha)}
-    o, state = dispatch(backend, q, table, model="deep_transformer",
-                        missing="its Triton kernel takes phi_star='kernel' only (the exact kernel trick); "
-                                "phi_star=('taylor', P) runs on backend='chunk' or 'recurrent'")
+                 "chunk": lambda: masked_chunk(fq, fk, v, alpha, eta, window, "dot", False, chunk_size, log_alpha)}
+        o, state = dispatch(backend, q, table, model="deep_transformer",
+                            missing="its Triton kernels take phi_star='kernel', or ('taylor', P) without a window "
+                                    "(chapter 1's kernel on the features); SWDT on phi*_P runs on backend='chunk' "
+                                    "or 'recurrent'")
     if normalize:
         o = o[..., :V].to(cd) / o[..., V:].to(cd)
     return o.to(q.dtype), (state if output_final_state else None)

@@ -146,3 +146,18 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
         NORMALIZE=bool(normalize), BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
     )
     return run.o, None
+
+
+def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alpha=None):
+    """phi_star=("taylor", P) without a window: chapter 1's kernel (``linear_attention_triton``) on the
+    features phi*_P(q), phi*_P(k) with values eta_t v_t. Same arguments and results as
+    ``chunk.hebbian_chunk`` (without chunk_size): (o in fq's dtype, final state [B, H, V, D] in fp32).
+    The features have D = C(K + P, P) channels: at most 256 (chapter 1's MAX_KEY)."""
+    from ..linear.kernel import MAX_KEY as MAX_FEATURES, linear_attention_triton
+    if fq.shape[-1] > MAX_FEATURES:
+        raise ValueError(f"the Triton kernel of phi_star=('taylor', P) (chapter 1's, on the features) supports "
+                         f"D = C(K + P, P) <= {MAX_FEATURES} feature channels, got D={fq.shape[-1]}; use a smaller "
+                         f"P, phi_star='kernel' (exact, its own kernel) or backend='chunk'")
+    if eta is not None:
+        v = eta[..., None].to(torch.float32) * v.to(torch.float32)       # the write eta_t v_t
+    return linear_attention_triton(fq, fk, v, alpha, initial_state, log_alpha)
