@@ -6,11 +6,17 @@ with c = 1 and a linear memory, [A] eq. 27 corrected). Rooms: ``recurrent.py`` (
 loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
 ``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
 
-``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range.
+``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range, and
+``kernel.py`` the Triton forward of ``deep_transformer``: phi_star="kernel" (with or without
+normalize and window) is causal exp-kernel attention with log-decays and eta, tiled as
+FlashAttention (online max and sum with the normaliser); phi_star=("taylor", P) without a window
+runs chapter 1's kernel on the features (D <= 256). Backward through the chunk form, as in every
+chapter; ``backend="auto"`` runs the kernel on CUDA where it takes the inputs (not fp64, K <= 256).
+Built ahead of time by ``python -m atlaslib.aot --family deep``.
 
-Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
-memory, DLA, DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the
-chapter is not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
+Not here yet: a kernel for SWDT on phi*_P and for ``dot``, the deep ("mlp") memory, DLA, DOT's
+window c > 1 and its gates gamma, the notebook and the exercises; so the chapter is not in
+``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
 
@@ -110,8 +116,11 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
         initial_state: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)`` without window only.
         output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
             window must also remember the pairs it will drop).
-        backend: "recurrent" (per token), "chunk" (masked matrix products) or "auto" (chunk). No
-            Triton kernel yet. Every form is exact for every ``chunk_size``.
+        backend: "recurrent" (per token), "chunk" (masked matrix products), "triton" (``kernel.py``:
+            phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
+            1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
+            through the chunk form) or "auto" (the kernel on CUDA where it takes the inputs, else
+            chunk). Every form is exact for every ``chunk_size``.
         chunk_size: rows per block of the chunk form.
 
     Returns:
@@ -224,4 +233,4 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
            "dot_coefficient_recurrent", "dot_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
-           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]
+           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table"]

@@ -26,11 +26,15 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
 program holds whole keys), BM = BN = 64 for half-precision inputs up to BK = 128, else 32 (see
-TILES below: fp32's FMA-based products spill registers at 64), BV <= 64. Launched with num_stages=1, as chapter 4's kernel.
+TILES below: fp32's FMA-based products spill registers at 64), BV <= 64 (a wider V is split
+across programs, each recomputing the scores). Launched with num_stages=1, as chapter 4's kernel.
+
+``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
+features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
 
 Forward only: ``deep_transformer(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, recomputed from the saved
-inputs). Runs under ``TRITON_INTERPRET=1`` on CPU.
+inputs; ``chunk.hebbian_chunk`` for the features). Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
-from ..core.kernels import as_fp32, at_head, dot_tile, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
 MAX_KEY = 256
