@@ -197,3 +197,14 @@ def test_taylor_kernel_gradients_and_refusals(gen):
         deep_transformer(wide, wide, wv, phi_star=("taylor", 3), backend="triton")
     with pytest.raises(TypeError, match="float64"):
         deep_transformer(q.double(), k.double(), v.double(), phi_star=("taylor", 2), backend="triton")
+
+
+def test_what_auto_sends_to_the_chunk_form():
+    """backend="auto" on CUDA asks these (test_dispatch checks the mechanism for the kernel form)."""
+    from atlaslib.deep import feature_kernel_limits, kernel_unsupported
+    assert kernel_unsupported(torch.zeros(1, 1, 2, 256)) is None
+    assert "K=257" in kernel_unsupported(torch.zeros(1, 1, 2, 257))
+    assert "fp64" in kernel_unsupported(torch.zeros(1, 1, 2, 4, dtype=F64))
+    assert feature_kernel_limits(torch.zeros(1, 1, 2, 231)) is None
+    assert "D=1771" in feature_kernel_limits(torch.zeros(1, 1, 2, 1771))
+    assert "fp64" in feature_kernel_limits(torch.zeros(1, 1, 2, 21, dtype=F64))
