@@ -278,7 +278,22 @@ def cases():
                        torch.zeros(1, 2, K, K), chunk_size=b)
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
     yield from atlas_cases()
+    yield from deep_cases()
     yield from bare_cases()
+
+
+def deep_cases():
+    """Chapter 6's kernel-trick DeepTransformer (``deep_kernel_triton``): with and without the
+    normaliser, gates and eta, a window, and the head sizes that change its tiles (BK = 256 halves
+    the query and key blocks to 32)."""
+    from .deep.kernel import deep_kernel_triton
+
+    for K, dt, normalize, window in ((64, "bf16", True, None), (128, "fp32", True, 8), (64, "fp32", False, None),
+                                     (256, "bf16", True, None), (256, "fp32", False, 5)):
+        def deep(T, K=K, dt=dt, normalize=normalize, window=window):
+            q, k, v = _qkv(K, K, DTYPES[dt], T)
+            deep_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5), None, window, normalize)
+        yield "deep", f"normalize={normalize} window={window} K=V={K} {dt}", deep
 
 
 # Momenta S [V, K] that chapter 5's Newton–Schulz kernel takes (``atlas.kernel.kernel_supports``):
@@ -321,6 +336,7 @@ def bare_cases(K=64, dt="bf16"):
     """Every kernel with its optional inputs absent (None pointers, compiled away) and q, k, v
     given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
     from .atlas.kernel import atlas_triton
+    from .deep.kernel import deep_kernel_triton
     from .delta.kernel import delta_rule_triton
     from .linear.kernel import linear_attention_triton
     from .miras.kernel import titans_linear_triton
@@ -336,6 +352,7 @@ def bare_cases(K=64, dt="bf16"):
     yield "omega", f"c=8 b=16 {label}", lambda T: omega_triton(*qkv(T), 8, chunk_size=16)
     yield "swla", f"c=8 b=16 {label}", lambda T: swla_triton(*qkv(T), 8, chunk_size=16)
     yield "atlas", f"c=8 {label}", lambda T: atlas_triton(*qkv(T), 8)
+    yield "deep", f"normalize=True {label}", lambda T: deep_kernel_triton(*qkv(T), normalize=True)
 
 
 def largest_grid(launches: list[Launch]) -> tuple:
@@ -399,7 +416,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
     parser.add_argument("--family", action="append", help="only these kernel families (linear, delta, titans, "
-                        "omega, swla, atlas)")
+                        "omega, swla, atlas, deep)")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     args = parser.parse_args(argv)
     from .core.dispatch import interpreter_on

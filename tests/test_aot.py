@@ -20,7 +20,7 @@ import torch
 from atlaslib import aot
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
-FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas"}
+FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas", "deep"}
 # Families whose grid is one program per matrix rather than one per head: chapter 5's
 # Newton-Schulz kernel, launched once per chunk on that chunk's B*H*b momenta.
 ONE_PROGRAM_PER_MATRIX = {"atlas"}
@@ -56,11 +56,12 @@ def test_every_kernel_family_and_target_is_built(builds):
     from triton.runtime.jit import JITFunction
 
     import atlaslib.atlas.kernel as a
+    import atlaslib.deep.kernel as dk
     import atlaslib.delta.kernel as d
     import atlaslib.linear.kernel as li
     import atlaslib.miras.kernel as m
     import atlaslib.omega.kernel as o
-    launched = {name for mod in (li, d, m, o, a) for name, obj in vars(mod).items()
+    launched = {name for mod in (li, d, m, o, a, dk) for name, obj in vars(mod).items()
                 if isinstance(obj, JITFunction) and name.endswith("_kernel")}
     assert "newton_schulz_kernel" in launched
     assert launched <= {b["kernel"] for b in builds}

@@ -292,7 +292,9 @@ def test_large_scores(gen):
     ({"eta": -0.1}, ValueError, "eta"),
     ({"alpha": torch.ones(2, 2, 9)}, ValueError, "alpha"),
     ({"chunk_size": 0}, ValueError, "chunk_size"),
-    ({"backend": "triton"}, ValueError, "Triton"),
+    ({"backend": "triton", "phi_star": ("taylor", 2), "window": 3}, ValueError, "Triton kernels take phi_star"),
+    ({"backend": "triton", "phi_star": ("taylor", 2)}, TypeError, "float64"),
+    ({"backend": "triton"}, TypeError, "float64"),              # these inputs are fp64; the kernel is fp32
     ({"backend": "fast"}, ValueError, "backend"),
     ({"output_final_state": True}, ValueError, "output_final_state"),
     ({"phi_star": ("taylor", 2), "window": 3, "output_final_state": True}, ValueError, "window"),

@@ -47,12 +47,16 @@ def _call(chapter, dtype, K=8):
     if chapter == "omega":
         from atlaslib.omega import omega_rule
         return omega_rule(q, k, v, window=4, alpha=alpha)
+    if chapter == "deep":
+        from atlaslib.deep import deep_transformer
+        return deep_transformer(q, k, v, alpha=alpha, normalize=True, window=5)
     from atlaslib.miras import miras
     return miras(q, k, v, preset="ttt_linear")
 
 
 @pytest.mark.parametrize("chapter, module", [("linear", "atlaslib.linear"), ("delta", "atlaslib.delta"),
-                                             ("omega", "atlaslib.omega"), ("miras", "atlaslib.miras")])
+                                             ("omega", "atlaslib.omega"), ("miras", "atlaslib.miras"),
+                                             ("deep", "atlaslib.deep")])
 def test_every_chapter_applies_its_kernel_limits_the_same_way(monkeypatch, chapter, module):
     import importlib
     mod = importlib.import_module(module)

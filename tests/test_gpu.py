@@ -74,3 +74,20 @@ def test_delta_rule_long_bf16(gen, mode):
                       backend="triton")
     assert torch.isfinite(o.float()).all()
     assert_close(o.float(), ref, tol=3e-2)
+
+
+@pytest.mark.parametrize("T, K, V", [(1, 16, 16), (63, 60, 100), (1000, 128, 128), (300, 256, 64)])
+@pytest.mark.parametrize("normalize, window", [(True, None), (False, None), (True, 70), (False, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_deep_transformer_kernel_on_gpu(gen, T, K, V, normalize, window, dtype):
+    from atlaslib.deep import deep_transformer
+    q, k, v = random_qkv(2, 2, T, K, V, generator=gen)
+    q = q / K ** 0.5                                               # attention's scale, so exp stays in range
+    alpha, eta = random_gate(2, 2, T, low=0.9, generator=gen), 0.2 + torch.rand(2, 2, T, generator=gen)
+    q, k, v, alpha, eta = (x.cuda() for x in (q, k, v, alpha, eta))
+    ref, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window, backend="chunk")
+    with poisoned_outputs():
+        o, _ = deep_transformer(q.to(dtype), k.to(dtype), v.to(dtype), alpha=alpha, eta=eta, normalize=normalize,
+                                window=window, backend="triton")
+    assert o.dtype == dtype
+    assert_close(o.float(), ref, tol=1e-4 if dtype == torch.float32 else 3e-2)

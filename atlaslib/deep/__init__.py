@@ -1,16 +1,24 @@
 """Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
 
 Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
-(DeepTransformer / SWDT with a linear memory, [A] eq. 25) and ``dot`` (the Deep Omega Transformer
-with c = 1 and a linear memory, [A] eq. 27 corrected). Rooms: ``recurrent.py`` (per-token
+(DeepTransformer / SWDT with a linear memory, [A] eq. 25), ``dot`` (the Deep Omega Transformer
+with c = 1 and a linear memory, [A] eq. 27 corrected) and ``dla`` (deep linear attention:
+chapter 3's engine with the preset "dla", any memory, phi*_P through ``phi_star=("taylor", P)``). Rooms: ``recurrent.py`` (per-token
 loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
 ``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
 
-``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range.
+``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range, and
+``kernel.py`` the Triton forward of ``deep_transformer``: phi_star="kernel" (with or without
+normalize and window) is causal exp-kernel attention with log-decays and eta, tiled as
+FlashAttention (online max and sum with the normaliser); phi_star=("taylor", P) without a window
+runs chapter 1's kernel on the features (D <= 256). Backward through the chunk form, as in every
+chapter; ``backend="auto"`` runs the kernel on CUDA where it takes the inputs (not fp64, K <= 256).
+Built ahead of time by ``python -m atlaslib.aot --family deep``.
 
-Not here yet: ``kernel.py`` (no Triton kernel: backend "triton" is refused), the deep ("mlp")
-memory, DLA, DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the
-chapter is not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
+Not here yet: a kernel for SWDT on phi*_P and for ``dot``, the deep ("mlp") memory of
+``deep_transformer`` (DLA has it; the exact kernel form, windows and the normaliser with a deep
+memory do not), DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the chapter is not in
+``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import torch
 
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
@@ -29,7 +37,53 @@ from .problem import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
+MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) holds D <= 256 feature channels
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
+
+def kernel_table(chunk_size: int) -> dict:
+    """phi_star="kernel": the three forms, each taking (q, k, v, alpha, eta, log_alpha, window, normalize)
+    and returning (o, None), o in q's dtype (the normalised quotient taken in fp32/fp64)."""
+    def exact(form):
+        def run(q, k, v, alpha, eta, log_alpha, window, normalize):
+            cd = compute_dtype(q)
+            if normalize:
+                v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
+            if form == "recurrent":
+                o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
+                                             normalize)
+            else:
+                o, _ = masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha)
+            if normalize:
+                o = o[..., :-1].to(cd) / o[..., -1:].to(cd)
+            return o.to(q.dtype), None
+        run.__name__ = f"deep_kernel_{form}"
+        return run
+    return {"recurrent": exact("recurrent"), "chunk": exact("chunk"),
+            "triton": lazy(f"{__name__}.kernel", "deep_kernel_triton")}
+
+
+def hebbian_table(chunk_size: int) -> dict:
+    """phi_star=("taylor", P) without a window: the matrix memory on the features, each form taking
+    (fq, fk, v, alpha, eta, initial_state, log_alpha); "triton" is chapter 1's kernel on them."""
+    def recurrent(fq, fk, v, alpha, eta, initial_state, log_alpha):
+        return hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, compute_dtype(fq)), eta, initial_state)
+
+    def chunk(fq, fk, v, alpha, eta, initial_state, log_alpha):
+        return hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)
+    return {"recurrent": recurrent, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", "hebbian_triton")}
+
+
+def feature_kernel_limits(fq):
+    """What chapter 1's kernel refuses of the features phi*_P: fp64, or more than MAX_FEATURES channels."""
+    if fq.shape[-1] > MAX_FEATURES and fq.dtype != torch.float64:
+        return f"phi*_P features of D={fq.shape[-1]} channels (at most {MAX_FEATURES}: K and P too large)"
+    return matrix_kernel_limits(fq, MAX_FEATURES)
+
+
+def kernel_unsupported(q):
+    """What the Triton kernel refuses, for ``backend="auto"`` (``kernel.unsupported``, imported lazily)."""
+    return lazy(f"{__name__}.kernel", "unsupported")(q)
+
 
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
@@ -64,8 +118,11 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
         initial_state: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)`` without window only.
         output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
             window must also remember the pairs it will drop).
-        backend: "recurrent" (per token), "chunk" (masked matrix products) or "auto" (chunk). No
-            Triton kernel yet. Every form is exact for every ``chunk_size``.
+        backend: "recurrent" (per token), "chunk" (masked matrix products), "triton" (``kernel.py``:
+            phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
+            1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
+            through the chunk form) or "auto" (the kernel on CUDA where it takes the inputs, else
+            chunk). Every form is exact for every ``chunk_size``.
         chunk_size: rows per block of the chunk form.
 
     Returns:
@@ -93,22 +150,26 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
         check_state("initial_state", initial_state, (B, H, V + 1 if normalize else V, D), q)
     if form == "kernel" and not normalize:
         check_exponents(q, k, window)
+    if form == "kernel":                         # the kernel trick: the table's forms take the inputs
+        table = kernel_table(chunk_size)
+        o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, log_alpha, window, bool(normalize),
+                        unsupported=lambda: kernel_unsupported(q), model="deep_transformer")
+        return o.to(q.dtype), None
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
 
+    fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)       # features in fp32/fp64
     if matrix:
-        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)   # features in fp32/fp64
-        table = {"recurrent": lambda: hebbian_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
-                                                        initial_state),
-                 "chunk": lambda: hebbian_chunk(fq, fk, v, alpha, eta, initial_state, chunk_size, log_alpha)}
+        o, state = dispatch(backend, q, hebbian_table(chunk_size), fq, fk, v, alpha, eta, initial_state, log_alpha,
+                            unsupported=lambda: feature_kernel_limits(fq), model="deep_transformer")
     else:
-        kernel = "exp" if form == "kernel" else "dot"
-        x, y = (q, k) if form == "kernel" else (exp_features(q.to(cd), order), exp_features(k.to(cd), order))
-        shift = normalize and form == "kernel"
-        table = {"recurrent": lambda: coefficient_recurrent(x, y, v, alpha_from_log(alpha, log_alpha, cd), eta,
-                                                            window, kernel, shift),
-                 "chunk": lambda: masked_chunk(x, y, v, alpha, eta, window, kernel, shift, chunk_size, log_alpha)}
-    o, state = dispatch(backend, q, table, model="deep_transformer", missing="chapter 6 has no Triton kernel yet")
+        table = {"recurrent": lambda: coefficient_recurrent(fq, fk, v, alpha_from_log(alpha, log_alpha, cd), eta,
+                                                            window, "dot"),
+                 "chunk": lambda: masked_chunk(fq, fk, v, alpha, eta, window, "dot", False, chunk_size, log_alpha)}
+        o, state = dispatch(backend, q, table, model="deep_transformer",
+                            missing="its Triton kernels take phi_star='kernel', or ('taylor', P) without a window "
+                                    "(chapter 1's kernel on the features); SWDT on phi*_P runs on backend='chunk' "
+                                    "or 'recurrent'")
     if normalize:
         o = o[..., :V].to(cd) / o[..., V:].to(cd)
     return o.to(q.dtype), (state if output_final_state else None)
@@ -167,14 +228,14 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
             beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
         table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
                  "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
-    o, _ = dispatch(backend, q, table, model="dot", missing="chapter 6 has no Triton kernel yet")
+    o, _ = dispatch(backend, q, table, model="dot", missing="DOT has no Triton kernel yet")
     return o.to(q.dtype), None
 
 
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
            "dot_coefficient_recurrent", "dot_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
-           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT"]
+           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table"]
 
 # DLA: chapter 3's engine with the preset "dla" (dot-product bias, GD, decay, deep memory)
 from .dla import DLA_MEMORIES, dla, taylor_phi  # noqa: E402

@@ -1,0 +1,167 @@
+"""The GPU kernel: the kernel-trick DeepTransformer (and SWDT), tiled as FlashAttention tiles it.
+
+With phi_star="kernel" the linear DeepTransformer reads
+
+    y_t = sum_{i in window(t)} eta_i e^{g_t - g_i} exp(k_i^T q_t) v_i,     g_t = sum_{j<=t} log alpha_j,
+
+optionally divided by the same sum with v_i replaced by 1 (``normalize``), where window(t) is
+i <= t, and i > t - c with a window c (SWDT). That is causal attention with a per-token
+log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAttention's forward:
+
+* one program per (batch*head, block of BV value channels). It walks the query blocks of BM rows
+  in order and, for each, the key blocks of BN rows that block can see: from the block holding
+  its oldest visible key (t0 - c + 1) up to the diagonal. (Walking the query blocks inside the
+  program keeps the grid (B*H, cdiv(V, BV)) independent of T, as every chapter's kernel does.)
+* the exponent of a tile is S = Q K^T + (g_t - g_i), masked to -inf outside the window *before*
+  the exponential (the chunk form's ``kernel_weights``). The decays come from the host as the fp64
+  running sum g; each query block subtracts g at its first row, in fp64, before rounding to fp32,
+  so a decay between nearby tokens keeps its digits however long the sequence (far pairs, whose
+  decays lose digits, are the ones that vanish);
+* ``normalize``: FlashAttention's online softmax. A running row max m and running sum
+  l = sum_i eta_i e^{S - m} in fp32; each new tile rescales the accumulator by e^{m_old - m_new},
+  so exp never overflows whatever the scores (the factor e^{-m} cancels in acc / l);
+* without ``normalize`` the weights are e^{S} themselves: like the chunk form, no shift (there is
+  no quotient for it to cancel in), so ``deep_transformer`` refuses scores above MAX_EXPONENT first.
+
+q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
+are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
+program holds whole keys), BM = BN = 64 for half-precision inputs up to BK = 128, else 32 (see
+TILES below: fp32's FMA-based products spill registers at 64), BV <= 64 (a wider V is split
+across programs, each recomputing the scores). Launched with num_stages=1, as chapter 4's kernel.
+
+``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
+features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
+
+Forward only: ``deep_transformer(..., backend="triton")`` gets its gradients from
+``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, recomputed from the saved
+inputs; ``chunk.hebbian_chunk`` for the features). Runs under ``TRITON_INTERPRET=1`` on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.chunking import gate_logs
+from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+
+# Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
+MAX_KEY = 256
+# TILES. Query and key blocks BM = BN = 64 for fp16/bf16 inputs with BK <= 128, else 32. Measured by
+# building for sm_90 (``atlaslib.aot``, num_stages=1, gates and eta on): with fp32 inputs (exact
+# fp32 products, tl.dot on FMA units) 64-row blocks spill 3-17 KB a thread at 4 warps (about
+# 100-200 B at 8 warps, 255 registers), 32-row blocks none (108-128 registers, 24-41 KB shared at
+# K = 64-128); bf16 inputs at 64-row blocks and K = 64 take 48 KB and 228 registers, no spills.
+# Speed has not been measured on a GPU.
+
+
+@triton.jit
+def deep_kernel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, eta_ptr, o_ptr,
+    s_q, s_k, s_v, s_o,
+    T, H, K, V, c,
+    NORMALIZE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+
+    o_m = tl.arange(0, BM)                  # rows of a query block
+    o_n = tl.arange(0, BN)                  # rows of a key block
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+
+    for start in range(0, T, BM):
+        o_t = start + o_m                   # the query block's tokens
+        m_t = o_t < T
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        if g_ptr is not None:
+            # log-decays relative to g at the block's first row: subtracted in fp64, then fp32
+            b_gref = tl.load(g_ptr + i_bh * T + start)
+            b_gq = (tl.load(g_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32)
+        b_acc = tl.zeros([BM, BV], dtype=tl.float32)
+        b_m = tl.full([BM], float("-inf"), tl.float32)          # running row max (normalize)
+        b_l = tl.zeros([BM], dtype=tl.float32)                  # running sum of eta_i e^{S - m}
+
+        lo = tl.maximum(start - c + 1, 0)                       # the oldest key the block sees
+        lo = (lo // BN) * BN
+        hi = tl.minimum(start + BM, T)                          # past the block's last row
+        for kstart in range(lo, hi, BN):
+            o_s = kstart + o_n              # the key block's tokens
+            m_s = o_s < T
+            b_k = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+            b_v = load_tile(v_ptr, s_v, o_s, o_v, m_s, m_v)
+            b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+            if g_ptr is not None:
+                b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
+                b_S += b_gq[:, None] - b_gk[None, :]
+            m_ok = (o_s[None, :] <= o_t[:, None]) & (o_s[None, :] > o_t[:, None] - c) & m_s[None, :]
+            b_S = tl.where(m_ok, b_S, float("-inf"))            # masked before the exponential
+            if NORMALIZE:
+                b_m_new = tl.maximum(b_m, tl.max(b_S, 1))
+                b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # rows that see nothing yet
+                b_p = tl.exp(b_S - b_shift[:, None])
+                b_scale = tl.exp(b_m - b_shift)
+                b_m = b_m_new
+            else:
+                b_p = tl.exp(b_S)
+            if eta_ptr is not None:
+                b_p = b_p * tl.load(eta_ptr + i_bh * T + o_s, mask=m_s, other=0.0)[None, :]
+            if NORMALIZE:
+                b_l = b_l * b_scale + tl.sum(b_p, 1)
+                b_acc = b_acc * b_scale[:, None]
+            b_acc += tl.dot(b_p, b_v, input_precision=PRECISION)
+        if NORMALIZE:
+            # 0/0 where every visible eta is 0, as in the chunk form; rows past T (which may see
+            # no key at all with a window) are not stored and divide by 1
+            b_acc = b_acc / tl.where(m_t, b_l, 1.0)[:, None]
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
+
+
+def unsupported(q) -> str | None:
+    """What the kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > MAX_KEY."""
+    if q.dtype == torch.float64:
+        return "fp64 inputs (it computes in fp32)"
+    if q.shape[-1] > MAX_KEY:
+        return f"head size K={q.shape[-1]} (at most {MAX_KEY})"
+    return None
+
+
+def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=None, normalize=False):
+    """Triton forward of the kernel-trick DeepTransformer; returns (o [B, H, T, V] in q's dtype, None).
+
+    Same function as ``chunk.masked_chunk`` with kernel="exp" (and, with ``normalize``, the quotient
+    by its normaliser column that ``deep_transformer`` takes): v holds the values only.
+    """
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DeepTransformer kernel")
+    BK = feature_tile(run.K, MAX_KEY)
+    BM = BN = 64 if (run.precision != "ieee" and BK <= 128) else 32       # see TILES above
+    logs = gate_logs(alpha, log_alpha, torch.float64)
+    g = None if logs is None else logs.cumsum(-1).contiguous()       # fp64: see the module's docstring
+    c = run.T if window is None else min(int(window), run.T)         # c >= T: no window
+    deep_kernel_fwd_kernel[run.grid](
+        run.q, run.k, run.v, g, as_fp32(eta), run.o, *run.strides,
+        run.T, run.H, run.K, run.V, c,
+        NORMALIZE=bool(normalize), BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+    )
+    return run.o, None
+
+
+def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alpha=None):
+    """phi_star=("taylor", P) without a window: chapter 1's kernel (``linear_attention_triton``) on the
+    features phi*_P(q), phi*_P(k) with values eta_t v_t. Same arguments and results as
+    ``chunk.hebbian_chunk`` (without chunk_size): (o in fq's dtype, final state [B, H, V, D] in fp32).
+    The features have D = C(K + P, P) channels: at most 256 (chapter 1's MAX_KEY)."""
+    from ..linear.kernel import MAX_KEY as MAX_FEATURES, linear_attention_triton
+    if fq.shape[-1] > MAX_FEATURES:
+        raise ValueError(f"the Triton kernel of phi_star=('taylor', P) (chapter 1's, on the features) supports "
+                         f"D = C(K + P, P) <= {MAX_FEATURES} feature channels, got D={fq.shape[-1]}; use a smaller "
+                         f"P, phi_star='kernel' (exact, its own kernel) or backend='chunk'")
+    if eta is not None:
+        v = eta[..., None].to(torch.float32) * v.to(torch.float32)       # the write eta_t v_t
+    return linear_attention_triton(fq, fk, v, alpha, initial_state, log_alpha)

@@ -1,0 +1,210 @@
+"""Chapter 6's Triton kernel (``atlaslib.deep.kernel``) under the interpreter, against the chunk form.
+
+The kernel-trick DeepTransformer with backend="triton" must compute what backend="chunk" computes
+(the chunk form is checked against dense references in test_deep.py): on odd shapes, with and
+without the normaliser, windows, gates, multi-block sequences, fp32 / bf16 inputs and views; stay
+finite on scores far beyond exp's range when normalised; and differentiate through the chunk form.
+"""
+import math
+
+import pytest
+import torch
+
+from atlaslib.core import assert_close, random_gate
+from atlaslib.deep import deep_transformer
+from atlaslib.deep.kernel import MAX_KEY, unsupported
+
+F64 = torch.float64
+
+
+def inputs(gen, B=2, H=2, T=37, K=20, V=12, scale=0.4, gates=True, dtype=torch.float32):
+    q, k = (scale * torch.randn(B, H, T, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, H, T, V, generator=gen)
+    alpha = random_gate(B, H, T, low=0.7, generator=gen) if gates else None
+    eta = (0.2 + torch.rand(B, H, T, generator=gen)) if gates else None
+    return q.to(dtype), k.to(dtype), v.to(dtype), alpha, eta
+
+
+def reference(q, k, v, alpha, eta, **kw):
+    """The chunk form in fp64 on the same (rounded) inputs."""
+    d = (lambda x: None if x is None else x.double())
+    o, _ = deep_transformer(q.double(), k.double(), v.double(), alpha=d(alpha), eta=d(eta), backend="chunk",
+                            chunk_size=7, **kw)
+    return o
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("window", [None, 1, 5])
+@pytest.mark.parametrize("gates", [False, True])
+def test_triton_matches_chunk_on_odd_shapes(gen, normalize, window, gates):
+    q, k, v, alpha, eta = inputs(gen, gates=gates)                 # T = 37, K = 20, V = 12, B*H = 4
+    want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
+    got, state = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window,
+                                  backend="triton")
+    assert state is None and got.dtype == torch.float32 and got.shape == v.shape
+    assert_close(got, want.float(), tol=1e-5)
+    chunk, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window, backend="chunk")
+    assert_close(got, chunk, tol=1e-5)
+
+
+@pytest.mark.parametrize("normalize, window", [(True, None), (False, None), (True, 70), (False, 5), (True, 64)])
+def test_many_query_and_key_blocks(gen, normalize, window):
+    """T = 150: three query blocks of 64, windows reaching back across block edges, decays over long spans."""
+    q, k, v, _, eta = inputs(gen, B=1, H=2, T=150, K=16, V=8)
+    alpha = random_gate(1, 2, 150, low=0.95, generator=gen)
+    want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
+    got, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window, backend="triton")
+    assert_close(got, want.float(), tol=1e-5)
+
+
+def test_wide_keys_and_values(gen):
+    """K = 136 (tile 256: query/key blocks of 32) and V = 70 (two value blocks of 64)."""
+    q, k, v, alpha, eta = inputs(gen, B=1, H=1, T=45, K=136, V=70, scale=0.15)
+    for normalize in (False, True):
+        want = reference(q, k, v, alpha, eta, normalize=normalize, window=40)
+        got, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=40, backend="triton")
+        assert_close(got, want.float(), tol=1e-5)
+
+
+def test_log_alpha_numbers_and_zero_eta(gen):
+    q, k, v, alpha, eta = inputs(gen, T=29, K=5, V=3)
+    eta[:, :, 1::3] = 0.0                                          # tokens that write nothing
+    for kw in ({"log_alpha": alpha.log(), "eta": eta}, {"alpha": 0.9, "eta": 0.5}, {"alpha": alpha, "eta": eta}):
+        for normalize in (False, True):
+            got, _ = deep_transformer(q, k, v, normalize=normalize, window=4, backend="triton", **kw)
+            want, _ = deep_transformer(q, k, v, normalize=normalize, window=4, backend="chunk", **kw)
+            assert_close(got, want, tol=1e-5)
+
+
+def test_bf16_inputs(gen):
+    """bf16 takes 64-row query and key blocks (fp32 takes 32): T = 100 spans two of each."""
+    q, k, v, alpha, eta = inputs(gen, B=1, T=100, dtype=torch.bfloat16)
+    for normalize in (False, True):
+        for window in (None, 5, 70):
+            want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
+            got, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window,
+                                      backend="triton")
+            assert got.dtype == torch.bfloat16
+            assert_close(got, want.bfloat16(), tol=2e-2)
+
+
+def test_views_are_read_in_place(gen):
+    """[B, T, H, K] tensors transposed to [B, H, T, K], as the mixers pass them."""
+    g = torch.Generator().manual_seed(1)
+    q, k = (0.4 * torch.randn(2, 37, 3, 20, generator=g).transpose(1, 2) for _ in range(2))
+    v = torch.randn(2, 37, 3, 12, generator=g).transpose(1, 2)
+    got, _ = deep_transformer(q, k, v, normalize=True, window=5, backend="triton")
+    want, _ = deep_transformer(q.contiguous(), k.contiguous(), v.contiguous(), normalize=True, window=5,
+                               backend="chunk")
+    assert_close(got, want, tol=1e-5)
+
+
+def test_large_scores_are_stable_with_the_normaliser(gen):
+    """k.q up to ~1000 (exp overflows fp64): the running max keeps the normalised kernel exact."""
+    q, k, v, _, _ = inputs(gen, B=1, H=2, T=90, K=8, V=4, scale=1.0, gates=False)
+    q, k = 12 * q, 12 * k
+    s = (q.double() @ k.double().mT).masked_fill(~torch.ones(90, 90, dtype=torch.bool).tril(), -math.inf)
+    assert s.max() > 200
+    got, _ = deep_transformer(q, k, v, normalize=True, backend="triton")
+    assert torch.isfinite(got).all()
+    assert_close(got, (s.softmax(-1) @ v.double()).float(), tol=1e-4)
+    for window in (1, 5):                                          # and with a window and gates
+        alpha = random_gate(1, 2, 90, low=0.5, generator=gen)
+        got, _ = deep_transformer(q, k, v, alpha=alpha, normalize=True, window=window, backend="triton")
+        assert torch.isfinite(got).all()
+        assert_close(got, reference(q, k, v, alpha, None, normalize=True, window=window).float(), tol=1e-4)
+    with pytest.raises(ValueError, match="overflow"):              # unnormalised: refused, as the chunk form
+        deep_transformer(q, k, v, backend="triton")
+
+
+@pytest.mark.parametrize("normalize, window", [(True, None), (False, 4), (True, 3)])
+def test_gradients_through_the_chunk_form(gen, normalize, window):
+    q, k, v, alpha, eta = inputs(gen, B=1, H=2, T=23, K=6, V=5)
+    grads = []
+    for backend in ("triton", "chunk"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta)]
+        o, _ = deep_transformer(xs[0], xs[1], xs[2], alpha=xs[3], eta=xs[4], normalize=normalize, window=window,
+                                backend=backend, chunk_size=5)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(0))
+        grads.append(torch.autograd.grad((o * w).sum(), xs))
+    for name, a, b in zip("q k v alpha eta".split(), *grads):
+        assert_close(a, b, tol=1e-5, name=f"d/d{name}")
+        assert b.abs().sum() > 0
+    # log_alpha as the differentiated input
+    la = alpha.log().requires_grad_(True)
+    o, _ = deep_transformer(q, k, v, log_alpha=la, eta=eta, normalize=normalize, window=window, backend="triton")
+    (g_triton,) = torch.autograd.grad(o.sum(), la)
+    la2 = alpha.log().requires_grad_(True)
+    o, _ = deep_transformer(q, k, v, log_alpha=la2, eta=eta, normalize=normalize, window=window, backend="chunk")
+    (g_chunk,) = torch.autograd.grad(o.sum(), la2)
+    assert_close(g_triton, g_chunk, tol=1e-5)
+
+
+def test_refusals_and_auto(gen):
+    q, k, v, alpha, eta = inputs(gen, T=9, K=4, V=3)
+    with pytest.raises(TypeError, match="float64"):
+        deep_transformer(q.double(), k.double(), v.double(), backend="triton")
+    with pytest.raises(ValueError, match="Triton kernels take phi_star='kernel', or"):
+        deep_transformer(q, k, v, phi_star=("taylor", 2), window=4, backend="triton")
+    wide = torch.zeros(1, 1, 3, MAX_KEY + 1)
+    with pytest.raises(ValueError, match=f"K <= {MAX_KEY}"):
+        deep_transformer(wide, wide, torch.zeros(1, 1, 3, 2), normalize=True, backend="triton")
+    assert unsupported(q) is None
+    assert "fp64" in unsupported(q.double()) and "K=257" in unsupported(wide)
+    auto, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True)        # CPU: the chunk form
+    chunk, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True, backend="chunk")
+    assert torch.equal(auto, chunk)
+
+
+# ----------------------------------------------------------------------------- phi*_P on chapter 1's kernel
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_taylor_runs_on_chapter_1s_kernel(gen, normalize, dtype):
+    """phi_star=("taylor", P) without a window is chapter 1's matrix memory on phi*_P: its kernel runs it,
+    start state and final state included (D = C(5 + 2, 2) = 21 features)."""
+    q, k, v, alpha, eta = inputs(gen, T=37, K=5, V=3, dtype=dtype)
+    D, Vs = 21, 4 if normalize else 3
+    h0 = 0.1 * torch.randn(2, 2, Vs, D, generator=gen)
+    if normalize:
+        h0[:, :, -1] = 0.0
+    kw = dict(alpha=alpha, eta=eta, phi_star=("taylor", 2), normalize=normalize, initial_state=h0,
+              output_final_state=True)
+    want, want_state = deep_transformer(q.double(), k.double(), v.double(), **{**kw, "alpha": alpha.double(),
+                                        "eta": eta.double(), "initial_state": h0.double()}, backend="chunk")
+    got, state = deep_transformer(q, k, v, **kw, backend="triton")
+    assert got.dtype == dtype and state.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(got, want.to(dtype), tol=tol)
+    assert_close(state, want_state.float(), tol=1e-5)
+
+
+def test_taylor_kernel_gradients_and_refusals(gen):
+    q, k, v, alpha, eta = inputs(gen, B=1, T=19, K=3, V=2)
+    grads = []
+    for backend in ("triton", "chunk"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta)]
+        o, _ = deep_transformer(xs[0], xs[1], xs[2], alpha=xs[3], eta=xs[4], phi_star=("taylor", 2), normalize=True,
+                                backend=backend, chunk_size=4)
+        grads.append(torch.autograd.grad(o.sum(), xs))
+    for name, a, b in zip("q k v alpha eta".split(), *grads):
+        assert_close(a, b, tol=1e-5, name=f"d/d{name}")
+    with pytest.raises(ValueError, match="SWDT on phi"):        # a window: no kernel
+        deep_transformer(q, k, v, phi_star=("taylor", 2), window=3, backend="triton")
+    wide, wv = torch.zeros(1, 1, 3, 20), torch.zeros(1, 1, 3, 2)  # D = C(22, 2) = 231 fits, C(23, 3) = 1771 not
+    deep_transformer(wide, wide, wv, phi_star=("taylor", 2), backend="triton")
+    with pytest.raises(ValueError, match="D=1771"):
+        deep_transformer(wide, wide, wv, phi_star=("taylor", 3), backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        deep_transformer(q.double(), k.double(), v.double(), phi_star=("taylor", 2), backend="triton")
+
+
+def test_what_auto_sends_to_the_chunk_form():
+    """backend="auto" on CUDA asks these (test_dispatch checks the mechanism for the kernel form)."""
+    from atlaslib.deep import feature_kernel_limits, kernel_unsupported
+    assert kernel_unsupported(torch.zeros(1, 1, 2, 256)) is None
+    assert "K=257" in kernel_unsupported(torch.zeros(1, 1, 2, 257))
+    assert "fp64" in kernel_unsupported(torch.zeros(1, 1, 2, 4, dtype=F64))
+    assert feature_kernel_limits(torch.zeros(1, 1, 2, 231)) is None
+    assert "D=1771" in feature_kernel_limits(torch.zeros(1, 1, 2, 1771))
+    assert "fp64" in feature_kernel_limits(torch.zeros(1, 1, 2, 21, dtype=F64))
