@@ -32,6 +32,7 @@ from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
 from ..omega.problem import check_window
 from .chunk import dot_chunk, hebbian_chunk, masked_chunk
+from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features
 from .problem import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
@@ -235,9 +236,5 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
            "dot_coefficient_recurrent", "dot_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
-           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table"]
-
-# DLA: chapter 3's engine with the preset "dla" (dot-product bias, GD, decay, deep memory)
-from .dla import DLA_MEMORIES, dla, taylor_phi  # noqa: E402
-
-__all__ += ["dla", "taylor_phi", "DLA_MEMORIES"]
+           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table",
+           "dla", "taylor_phi", "DLA_MEMORIES"]
