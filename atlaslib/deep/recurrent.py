@@ -12,12 +12,17 @@ does not depend on M. Two ways to hold M:
   window c (SWDT) drops the pair t - c as it leaves; a read is y_t = sum_j u_j kappa(k_j, q_t)
   with kappa(k, q) = exp(k^T q), the exact phi* (the kernel trick, no truncation, O(T^2)), or
   the dot product of given features (``kernel="dot"``).
+
+``dot_coefficient_recurrent`` is DOT (the l2 bias, window c and gates gamma) in the same coefficient
+space: each step adds eta_t gamma_i^{(t)} (v_i - M_{t-1} phi*(k_i)) to the coefficient of every pair i
+of the window.
 """
 from __future__ import annotations
 
 import torch
 
 from ..core.chunking import compute_dtype
+from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
 
 
@@ -72,27 +77,40 @@ def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="ex
     return torch.stack(outputs, dim=2).to(out_dtype), None
 
 
-def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp"):
-    """DOT with c = 1 (the delta rule in phi* space), per token, in coefficient space.
+def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamma=None):
+    """DOT (the Omega rule in phi* space), per token, in coefficient space: the definition.
 
-        M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi*(k_t) - v_t) phi*(k_t)^T,       y_t = M_t phi*(q_t)
+        M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} (M_{t-1} phi*(k_i) - v_i) phi*(k_i)^T,
+        y_t = M_t phi*(q_t)
 
     ([A] eq. 27 with the sign and side of eqs. 28-31 corrected). With M_{t-1} = sum_j u_j phi*(k_j)^T the
-    error is e_t = sum_j u_j kappa(k_j, k_t) - v_t, so a step scales every u_j by alpha_t and appends
-    u_t = -eta_t e_t. Returns (o [B,H,T,V] in q's dtype, None).
+    error of window pair i is e_i = sum_j u_j kappa(k_j, k_i) - v_i, every one taken at M_{t-1}; so a step
+    scales every u_j by alpha_t, appends u_t = 0 and adds -eta_t gamma_i^{(t)} e_i to u_i for each i in the
+    window (MATH.md §6, the kernel trick). With c = 1 that is u_t = -eta_t e_t (the delta rule on phi*).
+
+    window: c >= 1 (c >= T: every past pair, the global window). gamma: None (ones), [B,H,T] per source
+    token or [B,H,T,c] per offset, as ``omega_rule`` takes them. Returns (o [B,H,T,V] in q's dtype, None).
     """
     B, H, T, _ = q.shape
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     kappa = (lambda x, y: torch.exp(x @ y)) if kernel == "exp" else (lambda x, y: x @ y)
-    U, keys = v[:, :, :0], k[:, :, :0]
+    G = None if gamma is None else window_gates(gamma, B, H, T, window, cd, q.device)   # G[t, j] = gamma_{t-j}^{(t)}
+    U = v[:, :, :0]                                                 # coefficients u_j [B,H,j,V], j < t
     outputs = []
     for t in range(T):
-        recall = torch.einsum("bhj,bhjv->bhv", kappa(keys, k[:, :, t, :, None])[..., 0], U)   # M_{t-1} phi*(k_t)
-        u_t = written_value(v[:, :, t] - recall, eta, t)                                   # -eta_t e_t
+        lo = max(0, t - window + 1)                                 # the window: pairs lo..t, oldest first
+        n = t + 1 - lo
+        recall = torch.einsum("bhjn,bhjv->bhnv", kappa(k[:, :, :t], k[:, :, lo:t + 1].mT), U)   # M_{t-1} phi*(k_i)
+        weight = torch.ones(B, H, n, dtype=cd, device=q.device)
+        if eta is not None:
+            weight = weight * eta[:, :, t, None].to(cd)
+        if G is not None:
+            weight = weight * G[:, :, t, :n].flip(-1)               # row i has offset t - i
+        step = weight[..., None] * (v[:, :, lo:t + 1] - recall)     # -eta_t gamma_i^{(t)} e_i
         if alpha is not None:
             U = U * alpha[:, :, t, None, None].to(cd)
-        U = torch.cat([U, u_t[:, :, None]], dim=2)
-        keys = torch.cat([keys, k[:, :, t, None]], dim=2)
-        outputs.append(torch.einsum("bhj,bhjv->bhv", kappa(keys, q[:, :, t, :, None])[..., 0], U))
+        U = torch.cat([U, torch.zeros_like(v[:, :, t, None])], dim=2)            # u_t = 0, then the steps
+        U = torch.cat([U[:, :, :lo], U[:, :, lo:] + step], dim=2)
+        outputs.append(torch.einsum("bhj,bhjv->bhv", kappa(k[:, :, :t + 1], q[:, :, t, :, None])[..., 0], U))
     return torch.stack(outputs, dim=2).to(out_dtype), None
