@@ -408,7 +408,7 @@ def test_dot_gradients_chunk_vs_recurrent(gen):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"window": 2}, ValueError, "window=1"),
+    ({"window": 2, "gamma": torch.ones(2, 2, 8, 3)}, ValueError, "gamma"),
     ({"window": 0}, ValueError, "window"),
     ({"alpha": 0.0}, ValueError, "alpha"),
     ({"alpha": torch.zeros(2, 2, 8)}, ValueError, "alpha"),

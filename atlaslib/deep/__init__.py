@@ -1,11 +1,12 @@
 """Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
 
 Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
-(DeepTransformer / SWDT with a linear memory, [A] eq. 25), ``dot`` (the Deep Omega Transformer
-with c = 1 and a linear memory, [A] eq. 27 corrected) and ``dla`` (deep linear attention:
-chapter 3's engine with the preset "dla", any memory, phi*_P through ``phi_star=("taylor", P)``). Rooms: ``recurrent.py`` (per-token
-loops: the matrix memory on phi*_P, and the coefficient form of the kernel trick) and
-``chunk.py`` (masked matrix products; chapter 1's chunk form on phi*_P features).
+(DeepTransformer / SWDT with a linear memory, [A] eq. 25), ``dot`` (the Deep Omega Transformer with a
+linear memory, window c and gates gamma, [A] eq. 27 corrected) and ``dla`` (deep linear attention:
+chapter 3's engine with the preset "dla", any memory, phi*_P through ``phi_star=("taylor", P)``).
+Rooms: ``recurrent.py`` (per-token loops: the matrix memory on phi*_P, and the coefficient forms of
+the kernel trick, DOT's window included) and ``chunk.py`` (masked matrix products; chapter 1's chunk
+form on phi*_P features).
 
 ``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range, and
 ``kernel.py`` the Triton forward of ``deep_transformer``: phi_star="kernel" (with or without
@@ -15,21 +16,26 @@ runs chapter 1's kernel on the features (D <= 256). Backward through the chunk f
 chapter; ``backend="auto"`` runs the kernel on CUDA where it takes the inputs (not fp64, K <= 256).
 Built ahead of time by ``python -m atlaslib.aot --family deep``.
 
-Not here yet: a kernel for SWDT on phi*_P and for ``dot``, the deep ("mlp") memory of
-``deep_transformer`` (DLA has it; the exact kernel form, windows and the normaliser with a deep
-memory do not), DOT's window c > 1 and its gates gamma, the notebook and the exercises; so the chapter is not in
-``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
+``dot`` with a window c > 1 and phi_star=("taylor", P) is chapter 4's ``omega_rule`` on the features
+(its chunk form and kernel freeze the gradients per chunk: an approximation for b > 1, as OmegaNet's).
+
+Not here yet: a kernel for SWDT on phi*_P and for ``dot`` with c = 1 or phi_star="kernel", the deep
+("mlp") memory of ``deep_transformer`` and ``dot`` (DLA has it; the exact kernel form, windows and the
+normaliser with a deep memory do not), a chunk form of ``dot``'s kernel trick with c > 1 (it runs per
+token), the notebook and the exercises; so the chapter is not in ``atlaslib.CHAPTERS`` yet
+(tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
 
 import torch
 
-from ..core import check_chunk_size, check_qkv, check_state
+from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
+from ..omega import omega_rule
 from ..omega.problem import check_window
 from .chunk import dot_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
@@ -176,29 +182,44 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     return o.to(q.dtype), (state if output_final_state else None)
 
 
-def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="linear", backend="auto",
-        chunk_size=DEFAULT_CHUNK_SIZE):
-    """The Deep Omega Transformer ([A] eq. 27) with c = 1 and a linear memory: the delta rule on phi*.
+def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel", memory="linear",
+        backend="auto", chunk_size=DEFAULT_CHUNK_SIZE):
+    """The Deep Omega Transformer ([A] eq. 27) with a linear memory: the Omega rule on phi*.
 
-        M_t = alpha_t M_{t-1} - eta_t grad l2(M_{t-1}; phi*(k_t), v_t)
-            = M_{t-1} (alpha_t I - eta_t phi*(k_t) phi*(k_t)^T) + eta_t v_t phi*(k_t)^T,    y_t = M_t phi*(q_t).
+        M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
+            = M_{t-1} (alpha_t I - eta_t sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T)
+              + eta_t sum_i gamma_i^{(t)} v_i phi*(k_i)^T,                         y_t = M_t phi*(q_t).
 
-    ([A] eqs. 28-31 subtract the value term and multiply from the left; see the errata.) The gradient
-    is taken at M_{t-1} and the decay applied after (chapter 4's Omega convention); with alpha = 1 this
-    is exactly DeltaNet with beta = eta on the features. Stable while eta_t |phi*(k_t)|^2 <= 2, and
-    |phi*(k)|^2 = exp(|k|^2): for unit keys, eta <= 2/e.
+    ([A] eqs. 28-31 subtract the value term and multiply from the left; see the errata.) The gradients
+    are taken at M_{t-1} and the decay applied after (chapter 4's Omega convention). With c = 1 this is
+    the delta rule on phi* (alpha = 1: exactly DeltaNet with beta = eta gamma on the features). Stable
+    while eta_t |sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T| <= 2, and |phi*(k)|^2 = exp(|k|^2): for unit
+    keys and gamma = 1, eta <= 2 / (c e).
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V].
-        window: c; only c = 1 is implemented so far.
-        alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the truncated form
-            runs chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v, which is the
-            same update for alpha > 0.
+        window: c >= 1, the number of pairs in each update (c >= T: every past pair).
+        gamma: window gates in [0, 1], as ``omega_rule`` takes them: [B, H, T] per source token
+            (gamma_i^{(t)} = gamma_i) or [B, H, T, c] per offset (gamma_i^{(t)} = gamma[..., t, t - i];
+            entries before the sequence start are ignored). None: all ones. With c = 1 the gate is a
+            factor of the step, eta_t gamma_t.
+        alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the c = 1 forms run
+            chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
+            alpha > 0) and the kernel chunk form works with log alpha.
         eta: step >= 0 (a number or [B, H, T]; None: 1).
-        phi_star: "kernel" (exact: coefficients u_j of phi*(k_j), solved by a triangular system in the
-            chunk form, O(T^2)) or ("taylor", P) (``exp_features`` and chapter 2's ``delta_rule`` forms).
+        phi_star: "kernel" (exact: coefficients u_j of phi*(k_j), O(T^2); c = 1 also has a chunk form that
+            solves a triangular system, exact for every chunk_size; c > 1 runs only per token) or
+            ("taylor", P) (``exp_features``; c = 1 on chapter 2's ``delta_rule`` forms, c > 1 on chapter
+            4's ``omega_rule`` with the features as q and k).
         memory: "linear" only.
-        backend: "recurrent", "chunk" or "auto" (chunk); both exact for every chunk_size.
+        backend: "recurrent" (per token: the definition), "chunk", "triton" or "auto".
+            c = 1: "recurrent" and "chunk" (both exact for every chunk_size), "auto" = chunk; no kernel.
+            c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
+            gradients at each chunk's start state, so chunk(b > 1) is an *approximation* of the
+            recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; see ``omega_rule``).
+            c > 1, "kernel": "recurrent" only ("auto" runs it; "chunk" and "triton" are refused).
+        chunk_size: rows per block of the chunk form; with c > 1 and ("taylor", P) it is the b of the
+            frozen-gradient approximation and so part of the model.
 
     Returns:
         (o [B, H, T, V] in q's dtype, None).
@@ -208,28 +229,47 @@ def dot(q, k, v, *, window=1, alpha=None, eta=None, phi_star="kernel", memory="l
                          f"implemented yet), got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
-    if check_window(window) != 1:
-        raise ValueError(f"dot: only window=1 (c = 1, the delta rule on phi*) is implemented so far, got {window}")
+    c = check_window(window)
+    check_gate("gamma", gamma, B, H, T, c, ref=q)
     cd = compute_dtype(q)
     alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
     if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
         raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
     check_chunk_size(chunk_size)
+    if c == 1 and gamma is not None:                # one pair per step: gamma_t^{(t)} scales the step
+        g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
+        eta = g if eta is None else eta.to(cd) * g
+        gamma = None
     if form == "kernel":
         check_exponents(q, k, None)
         check_exponents(k, k, None)
+        if c > 1:
+            if backend in ("chunk", "triton"):
+                raise ValueError(f"dot: phi_star='kernel' with window={c} runs per token only: use "
+                                 f"backend='recurrent' (or 'auto'); its chunk form is not implemented "
+                                 f"(phi_star=('taylor', P) has chapter 4's, with frozen gradients)")
+            if backend not in ("recurrent", "auto"):
+                dispatch(backend, q, {"recurrent": None, "chunk": None}, model="dot")     # raises: unknown name
+            o, _ = dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma)
+            return o.to(q.dtype), None
         table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
                  "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
     else:
         fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
+        if c > 1:                                   # the Omega rule on the features (chapter 4)
+            o, _ = omega_rule(fq, fk, v.to(cd), window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
+                              chunk_size=chunk_size)
+            return o.to(q.dtype), None
         beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
         vv = v.to(cd)
         if alpha is not None:                       # Gated DeltaNet decays before its step: undo it
             beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
         table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
                  "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
-    o, _ = dispatch(backend, q, table, model="dot", missing="DOT has no Triton kernel yet")
+    o, _ = dispatch(backend, q, table, model="dot",
+                    missing="DOT with window=1 has no Triton kernel (with phi_star=('taylor', P) and window > 1 "
+                            "it runs on chapter 4's Omega kernel)")
     return o.to(q.dtype), None
 
 
