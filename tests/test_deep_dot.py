@@ -3,7 +3,8 @@
 References written here from the definition: the matrix memory on phi*_P features with the window
 gradient sum_i gamma_i^{(t)} (M_{t-1} phi(k_i) - v_i) phi(k_i)^T summed pair by pair (fp64), the gates
 read from either layout by hand. The kernel form (the coefficient loop) is checked against it through
-kernel="dot" on the same features, and against the Taylor form as P grows on unit-norm inputs.
+kernel="dot" on the same features, and against the Taylor form as P grows on unit-norm inputs; the
+kernel chunk form against its frozen-gradient oracle (and that oracle against chapter 4's).
 """
 import math
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from atlaslib.core import assert_close, random_gate, random_qkv
-from atlaslib.deep import dot, dot_chunk, dot_coefficient_recurrent, exp_features
+from atlaslib.deep import dot, dot_chunk, dot_coefficient_recurrent, dot_window_chunk, exp_features
 from atlaslib.omega import omega_frozen_seq
 
 F64 = torch.float64
@@ -107,7 +108,7 @@ def test_kernel_window_by_hand(gen):
     """Two tokens with c = 2 written out in coefficients: u_0 = eta_0 g(0,0) v_0; then u_0 <- alpha_1 u_0 +
     eta_1 g(1,0) (v_0 - u_0 e^{k0.k0}), u_1 = eta_1 g(1,1) (v_1 - u_0 e^{k0.k1}) with the old u_0."""
     q, k, v, alpha, eta, gamma = inputs(gen, T=2, c=2, layout="offset")
-    y, _ = dot(q, k, v, window=2, gamma=gamma, alpha=alpha, eta=eta)
+    y, _ = dot(q, k, v, window=2, gamma=gamma, alpha=alpha, eta=eta, backend="recurrent")
     E = lambda a, b: torch.exp((a * b).sum(-1))[..., None]   # noqa: E731
     u0 = (eta[:, :, 0] * gamma[:, :, 0, 0])[..., None] * v[:, :, 0]
     assert_close(y[:, :, 0], u0 * E(k[:, :, 0], q[:, :, 0]), tol=1e-13)
@@ -174,7 +175,6 @@ def test_kernel_window_gradients_match_taylor(gen):
     ({"window": 1, "gamma": torch.ones(2, 2, 8, 3)}, ValueError, "gamma must have shape"),
     ({"window": 2, "gamma": 1.5 * torch.ones(2, 2, 8)}, ValueError, "gamma must lie"),
     ({"window": 2, "gamma": 0.5}, TypeError, "gamma must be a torch.Tensor"),
-    ({"window": 2, "backend": "chunk"}, ValueError, "backend='recurrent'"),
     ({"window": 2, "backend": "triton"}, ValueError, "backend='recurrent'"),
     ({"window": 2, "backend": "fast"}, ValueError, "backend"),
     ({"window": 2, "phi_star": ("taylor", 2), "backend": "fast"}, ValueError, "backend"),
@@ -186,8 +186,58 @@ def test_bad_window_input(gen, kwargs, error, match):
         dot(q, k, v, **kwargs)
 
 
-def test_kernel_window_auto_is_recurrent(gen):
+@pytest.mark.parametrize("layout", [None, "source", "offset"])
+@pytest.mark.parametrize("c", [2, 5])
+def test_kernel_chunk_matches_its_frozen_oracle(gen, layout, c):
+    """dot_window_chunk(b) == the coefficient loop with errors frozen per chunk, for every b; b = 1 is the
+    definition; on features that oracle is chapter 4's omega_frozen_seq; b > 1 is an approximation."""
+    q, k, v, alpha, eta, gamma = inputs(gen, T=17, c=c, layout=layout)
+    exact, _ = dot(q, k, v, window=c, gamma=gamma, alpha=alpha, eta=eta, backend="recurrent")
+    for b in (1, 4, 7, 32):
+        want, _ = dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma, chunk_size=b)
+        got, _ = dot(q, k, v, window=c, gamma=gamma, alpha=alpha, eta=eta, backend="chunk", chunk_size=b)
+        assert_close(got, want, tol=1e-11, name=f"chunk({b}) vs oracle")
+        if b == 1:
+            assert_close(got, exact, tol=1e-11, name="chunk(1) vs recurrent")
+        else:
+            assert (got - exact).abs().max() > 1e-9, f"chunk({b}) should differ from the per-token rule"
+    fq, fk = exp_features(q, 2), exp_features(k, 2)
+    for b in (1, 6):
+        oracle, _ = dot_coefficient_recurrent(fq, fk, v, alpha, eta, "dot", c, gamma, chunk_size=b)
+        frozen, _ = omega_frozen_seq(fq, fk, v, c, gamma, alpha, eta, chunk_size=b)
+        assert_close(oracle, frozen, tol=1e-10, name=f"oracle on features vs omega_frozen_seq({b})")
+        on_features, _ = dot_window_chunk(fq, fk, v, alpha, eta, "dot", c, gamma, chunk_size=b)
+        assert_close(on_features, frozen, tol=1e-10, name=f"chunk on features vs omega_frozen_seq({b})")
+
+
+def test_kernel_chunk_converges_to_taylor_chunk(gen):
+    c, b = 3, 5
+    q, k, v, alpha, eta, gamma = inputs(gen, T=15, c=c, layout="offset")
+    exact, _ = dot(q, k, v, window=c, gamma=gamma, alpha=alpha, eta=eta, chunk_size=b)        # auto: chunk
+    errors = [(dot(q, k, v, window=c, gamma=gamma, alpha=alpha, eta=eta, phi_star=("taylor", P), chunk_size=b)[0]
+               - exact).abs().max().item() for P in (1, 3, 8)]
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-4 * exact.abs().max().item(), errors
+
+
+def test_kernel_chunk_gradients_match_its_oracle(gen):
+    q, k, v, alpha, eta, gamma = inputs(gen, T=9, K=2, c=3, layout="offset")
+    grads = []
+    for run in ("chunk", "oracle"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta, gamma)]
+        if run == "chunk":
+            o, _ = dot(xs[0], xs[1], xs[2], window=3, gamma=xs[5], alpha=xs[3], eta=xs[4], backend="chunk",
+                       chunk_size=4)
+        else:
+            o, _ = dot_coefficient_recurrent(xs[0], xs[1], xs[2], xs[3], xs[4], "exp", 3, xs[5], chunk_size=4)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+        grads.append(torch.autograd.grad((o * w).sum(), xs))
+    for name, a, b in zip("q k v alpha eta gamma".split(), *grads):
+        assert_close(a, b, tol=1e-10, name=f"d/d{name}")
+        assert a.abs().sum() > 0
+
+
+def test_kernel_window_auto_is_chunk(gen):
     q, k, v, alpha, eta, gamma = inputs(gen, T=8, c=3, layout="offset")
-    a, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta)
-    b, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, backend="recurrent")
+    a, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, chunk_size=3)
+    b, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, backend="chunk", chunk_size=3)
     assert torch.equal(a, b)

@@ -16,14 +16,15 @@ runs chapter 1's kernel on the features (D <= 256). Backward through the chunk f
 chapter; ``backend="auto"`` runs the kernel on CUDA where it takes the inputs (not fp64, K <= 256).
 Built ahead of time by ``python -m atlaslib.aot --family deep``.
 
-``dot`` with a window c > 1 and phi_star=("taylor", P) is chapter 4's ``omega_rule`` on the features
-(its chunk form and kernel freeze the gradients per chunk: an approximation for b > 1, as OmegaNet's).
+``dot`` with a window c > 1 and phi_star=("taylor", P) is chapter 4's ``omega_rule`` on the features;
+with phi_star="kernel" it is ``dot_coefficient_recurrent`` (per token) or ``dot_window_chunk``. Both
+chunk forms freeze the gradients per chunk: an approximation for b > 1, as OmegaNet's.
 
 Not here yet: a kernel for SWDT on phi*_P and for ``dot`` with c = 1 or phi_star="kernel", the deep
 ("mlp") memory of ``deep_transformer`` and ``dot`` (DLA has it; the exact kernel form, windows and the
-normaliser with a deep memory do not), a chunk form of ``dot``'s kernel trick with c > 1 (it runs per
-token), the notebook and the exercises; so the chapter is not in ``atlaslib.CHAPTERS`` yet
-(tests/test_imports.py lists it as in progress).
+normaliser with a deep memory do not), an exact chunk form of ``dot`` with c > 1 (both phi* forms
+freeze the gradients per chunk, as chapter 4's), the notebook and the exercises; so the chapter is
+not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
 from ..omega import omega_rule
 from ..omega.problem import check_window
-from .chunk import dot_chunk, hebbian_chunk, masked_chunk
+from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features
 from .problem import MAX_EXPONENT, check_exponents, check_phi_star
@@ -207,8 +208,8 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
             alpha > 0) and the kernel chunk form works with log alpha.
         eta: step >= 0 (a number or [B, H, T]; None: 1).
-        phi_star: "kernel" (exact: coefficients u_j of phi*(k_j), O(T^2); c = 1 also has a chunk form that
-            solves a triangular system, exact for every chunk_size; c > 1 runs only per token) or
+        phi_star: "kernel" (exact phi*: coefficients u_j of phi*(k_j), O(T^2); c = 1 has a chunk form that
+            solves a triangular system, exact for every chunk_size; c > 1 a frozen-gradient one) or
             ("taylor", P) (``exp_features``; c = 1 on chapter 2's ``delta_rule`` forms, c > 1 on chapter
             4's ``omega_rule`` with the features as q and k).
         memory: "linear" only.
@@ -217,9 +218,11 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
             gradients at each chunk's start state, so chunk(b > 1) is an *approximation* of the
             recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; see ``omega_rule``).
-            c > 1, "kernel": "recurrent" only ("auto" runs it; "chunk" and "triton" are refused).
-        chunk_size: rows per block of the chunk form; with c > 1 and ("taylor", P) it is the b of the
-            frozen-gradient approximation and so part of the model.
+            c > 1, "kernel": "recurrent" or "chunk" (``dot_window_chunk``, the same frozen-gradient
+            approximation in coefficient space, equal to ``dot_coefficient_recurrent(chunk_size=b)``,
+            its oracle); "auto" = chunk; no kernel.
+        chunk_size: rows per block of the chunk form; with c > 1 it is the b of the frozen-gradient
+            approximation and so part of the model (b = 1: the definition).
 
     Returns:
         (o [B, H, T, V] in q's dtype, None).
@@ -244,14 +247,12 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
     if form == "kernel":
         check_exponents(q, k, None)
         check_exponents(k, k, None)
-        if c > 1:
-            if backend in ("chunk", "triton"):
-                raise ValueError(f"dot: phi_star='kernel' with window={c} runs per token only: use "
-                                 f"backend='recurrent' (or 'auto'); its chunk form is not implemented "
-                                 f"(phi_star=('taylor', P) has chapter 4's, with frozen gradients)")
-            if backend not in ("recurrent", "auto"):
-                dispatch(backend, q, {"recurrent": None, "chunk": None}, model="dot")     # raises: unknown name
-            o, _ = dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma)
+        if c > 1:                                   # the window: per token, or frozen per chunk
+            table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),
+                     "chunk": lambda: dot_window_chunk(q, k, v, alpha, eta, "exp", c, gamma, chunk_size)}
+            o, _ = dispatch(backend, q, table, model="dot",
+                            missing="phi_star='kernel' with a window has no Triton kernel (use backend='recurrent' "
+                                    "for the definition, or 'chunk' for the frozen-gradient form)")
             return o.to(q.dtype), None
         table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
                  "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
@@ -274,7 +275,7 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
 
 
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
-           "dot_coefficient_recurrent", "dot_chunk",
+           "dot_coefficient_recurrent", "dot_chunk", "dot_window_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
            "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table",
            "dla", "taylor_phi", "DLA_MEMORIES"]

@@ -1,7 +1,8 @@
-"""The algorithm: the linear DeepTransformer as masked matrix products (book ch. 6).
+"""The algorithm: the linear DeepTransformer (and DOT) as masked matrix products (book ch. 6).
 
-Its update does not depend on the state (dot-product bias), so every form below is exact
-for every chunk size, like chapter 1's.
+The DeepTransformer's update does not depend on the state (dot-product bias), so its forms below
+are exact for every chunk size, like chapter 1's; so is ``dot_chunk`` (c = 1, a triangular solve).
+``dot_window_chunk`` (c > 1) freezes the errors per chunk: exact at b = 1 only.
 
 * ``hebbian_chunk``: truncated features phi*_P, no window: chapter 1's chunk form
   (``linear_attention_chunk``) on the features with values eta_t v_t.
@@ -13,12 +14,15 @@ for every chunk size, like chapter 1's.
   with kappa(k, q) = exp(k^T q) (exact phi*) or the dot product of features. For exp, the decay
   joins the exponent, exp(k^T q + g_t - g_i), masked to -inf outside the window *before* the
   exponential; the optional shift subtracts each row's max (it cancels in the normalised output).
+* ``dot_chunk`` (DOT, c = 1: exact, a triangular solve per block) and ``dot_window_chunk`` (DOT with a
+  window c: the errors frozen at each chunk's start, chapter 4's approximation).
 """
 from __future__ import annotations
 
 import torch
 
 from ..core.chunking import compute_dtype, gate_logs
+from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
 
 
@@ -102,4 +106,52 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
         U = torch.cat([U, torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)], dim=2)
         W = kernel_weights(q[:, :, s:e], k[:, :, :e], kernel, gate_now, cols[None, :] <= rows[:, None])
         outputs.append(W @ U)
+    return torch.cat(outputs, dim=2).to(out_dtype), None
+
+
+def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamma=None, chunk_size=16):
+    """DOT with a window c in coefficient space, a chunk of b tokens at a time, every error of the chunk
+    frozen at its start state (chapter 4's chunk form, book ch. 4 §8): the same results as
+    ``dot_coefficient_recurrent(..., chunk_size=b)`` for every b and c, and so an *approximation* of the
+    per-token rule for b > 1 (b = 1 is exact), as OmegaNet's chunk form is.
+
+    For the chunk [s, e) with start coefficients U (tokens j < s), the negated errors of its window pairs
+    i in [s - c + 1, e) are N_i = v_i - sum_{j<s} u_j kappa(k_j, k_i), all at once. Token t adds
+    eta_t gamma_i^{(t)} N_i to u_i, which decays by A_{t'}/A_t later, so with C[t, t'] = eta_{t'} A_t / A_{t'}
+    (t' <= t in the chunk) and the band Gamma[t', i] = gamma_i^{(t')}, W = C Gamma weighs N_i in the
+    coefficients at t, and
+
+        y_t = (A_t / A_{s-1}) sum_{j<s} u_j kappa(k_j, q_t) + sum_i W[t, i] kappa(k_i, q_t) N_i.
+    """
+    B, H, T, _ = q.shape
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    dev = q.device
+    kappa = (lambda x, y: torch.exp(x @ y.mT)) if kernel == "exp" else (lambda x, y: x @ y.mT)
+    G = window_gates(gamma, B, H, T, window, cd, dev)                    # G[t, j] = gamma_{t-j}^{(t)}
+    logs = gate_logs(alpha, None, torch.float64)
+    eta = torch.ones(B, H, T, dtype=cd, device=dev) if eta is None else eta.to(cd)
+    U = v[:, :, :0]                                                       # coefficients of the tokens < s
+    outputs = []
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        n, lo = e - s, max(0, s - window + 1)                             # the chunk's oldest window pair
+        N = v[:, :, lo:e] - kappa(k[:, :, lo:e], k[:, :, :s]) @ U           # -errors at the start state
+        rows, cols = torch.arange(s, e, device=dev), torch.arange(lo, e, device=dev)
+        offset = rows[:, None] - cols[None, :]                            # t - i
+        inside = (offset >= 0) & (offset < window)
+        Gam = G[:, :, s:e].gather(-1, offset.clamp(0, window - 1).expand(B, H, n, e - lo)) * inside
+        tril = rows[None, :] <= rows[:, None]
+        if logs is None:
+            C = tril.to(cd) * eta[:, :, None, s:e]
+            start = torch.ones(B, H, n, 1, dtype=cd, device=dev)
+        else:
+            g = logs[:, :, s:e].cumsum(-1)                                # log A_t / A_{s-1}, fp64
+            C = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~tril, float("-inf"))).to(cd)
+            C = C * eta[:, :, None, s:e]
+            start = torch.exp(g).to(cd)[..., None]
+        W = C @ Gam                                                       # [B,H,n,e-lo]
+        outputs.append(start * (kappa(q[:, :, s:e], k[:, :, :s]) @ U) + (W * kappa(q[:, :, s:e], k[:, :, lo:e])) @ N)
+        U = torch.cat([U * start[:, :, -1:], torch.zeros_like(v[:, :, s:e])], dim=2)
+        U = torch.cat([U[:, :, :lo], U[:, :, lo:] + W[:, :, -1, :, None] * N], dim=2)
     return torch.cat(outputs, dim=2).to(out_dtype), None

@@ -77,7 +77,8 @@ def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="ex
     return torch.stack(outputs, dim=2).to(out_dtype), None
 
 
-def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamma=None):
+def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamma=None,
+                              chunk_size=None):
     """DOT (the Omega rule in phi* space), per token, in coefficient space: the definition.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} (M_{t-1} phi*(k_i) - v_i) phi*(k_i)^T,
@@ -89,7 +90,12 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     window (MATH.md §6, the kernel trick). With c = 1 that is u_t = -eta_t e_t (the delta rule on phi*).
 
     window: c >= 1 (c >= T: every past pair, the global window). gamma: None (ones), [B,H,T] per source
-    token or [B,H,T,c] per offset, as ``omega_rule`` takes them. Returns (o [B,H,T,V] in q's dtype, None).
+    token or [B,H,T,c] per offset, as ``omega_rule`` takes them.
+
+    ``chunk_size`` b (None: the definition): the frozen-gradient oracle of ``dot_window_chunk``, every
+    error of chunk [t0, t0 + b) taken at the chunk-start state M_{t0 - 1} (its coefficients, the tokens
+    before t0) instead of M_{t-1}, as ``omega.omega_frozen_seq``; b = 1 is the definition.
+    Returns (o [B,H,T,V] in q's dtype, None).
     """
     B, H, T, _ = q.shape
     cd, out_dtype = compute_dtype(q), q.dtype
@@ -99,9 +105,11 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     U = v[:, :, :0]                                                 # coefficients u_j [B,H,j,V], j < t
     outputs = []
     for t in range(T):
+        if chunk_size is None or t % chunk_size == 0:
+            U0, t0 = U, t                                  # the state the errors are taken at (or frozen)
         lo = max(0, t - window + 1)                                 # the window: pairs lo..t, oldest first
         n = t + 1 - lo
-        recall = torch.einsum("bhjn,bhjv->bhnv", kappa(k[:, :, :t], k[:, :, lo:t + 1].mT), U)   # M_{t-1} phi*(k_i)
+        recall = torch.einsum("bhjn,bhjv->bhnv", kappa(k[:, :, :t0], k[:, :, lo:t + 1].mT), U0)  # M_{t-1} phi*(k_i)
         weight = torch.ones(B, H, n, dtype=cd, device=q.device)
         if eta is not None:
             weight = weight * eta[:, :, t, None].to(cd)
