@@ -48,6 +48,13 @@ DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size
 MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) holds D <= 256 feature channels
 MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
 
+
+def check_memory(memory):
+    """The memories deep_transformer and dot take so far (DLA has the deep ones)."""
+    if memory not in MEMORIES:
+        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
+                         f"implemented yet; atlaslib.deep.dla has it), got {memory!r}")
+
 def kernel_table(chunk_size: int) -> dict:
     """phi_star="kernel": the three forms, each taking (q, k, v, alpha, eta, log_alpha, window, normalize)
     and returning (o, None), o in q's dtype (the normalised quotient taken in fp32/fp64)."""
@@ -136,9 +143,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     Returns:
         (o [B, H, T, V] in q's dtype, final state or None).
     """
-    if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
-                         f"implemented yet), got {memory!r}")
+    check_memory(memory)
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     cd = compute_dtype(q)
@@ -227,9 +232,7 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
     Returns:
         (o [B, H, T, V] in q's dtype, None).
     """
-    if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
-                         f"implemented yet), got {memory!r}")
+    check_memory(memory)
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     c = check_window(window)
