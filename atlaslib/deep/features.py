@@ -39,3 +39,18 @@ def exp_feature_dim(d: int, order: int, *, compressed: bool = True) -> int:
     """Dimension of ``exp_features`` for inputs of dimension d: C(d + P, P), or sum_n d^n."""
     order = check_degree(order)
     return math.comb(d + order, order) if compressed else sum(d ** n for n in range(order + 1))
+
+
+def exp_kernel(order=None):
+    """The kernel of phi* as a function of the score s = x^T y: exp(s) (``order=None``, exact phi*), or the
+    degree-P Taylor polynomial sum_{n<=P} s^n / n! = phi*_P(x)^T phi*_P(y) (``order=P``, the features'
+    own kernel, so a coefficient loop with it equals the matrix loop on ``exp_features(., P)``)."""
+    if order is None:
+        return torch.exp
+    weights = exp_coefficients(order)
+
+    def taylor(s):
+        terms = torch.stack([s ** n for n in range(len(weights))], dim=-1)
+        return terms @ weights.to(dtype=s.dtype, device=s.device)
+    taylor.__name__ = f"exp_taylor_{order}"
+    return taylor

@@ -16,6 +16,10 @@ does not depend on M. Two ways to hold M:
 ``dot_coefficient_recurrent`` is DOT (the l2 bias, window c and gates gamma) in the same coefficient
 space: each step adds eta_t gamma_i^{(t)} (v_i - M_{t-1} phi*(k_i)) to the coefficient of every pair i
 of the window.
+
+``deep_mlp_recurrent`` (DeepTransformer, dot-product bias) and ``dot_mlp_recurrent`` (DOT, l2 bias and a
+window) hold the deep memory W2 act(W1 phi*(x)) the same way: W2 a matrix, W1 = sum_j U_j phi*(k_j)^T
+(started at zero), so that exp(k_j^T x) is all phi* is ever needed for.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import torch
 from ..core.chunking import compute_dtype
 from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
+from ..miras.bias import BIASES
+from ..miras.memory import ACTIVATIONS
 
 
 def written_value(v_t: torch.Tensor, eta, t: int) -> torch.Tensor:
@@ -122,3 +128,83 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
         U = torch.cat([U[:, :, :lo], U[:, :, lo:] + step], dim=2)
         outputs.append(torch.einsum("bhj,bhjv->bhv", kappa(k[:, :, :t + 1], q[:, :, t, :, None])[..., 0], U))
     return torch.stack(outputs, dim=2).to(out_dtype), None
+
+
+# The deep ("mlp") memory M(x) = W2 act(W1 phi*(x)) in coefficient form (MATH.md §6). GD keeps the first
+# layer in the span of the past features when it starts there (W1_0 = 0): W1 = sum_j U_j phi*(k_j)^T with
+# U_j in R^h, so W1 phi*(x) = sum_j U_j kappa(k_j, x), while W2 [V, h] stays an ordinary matrix.
+
+def first_layer(U, keys, x, kappa):
+    """W1 phi*(x_r) = sum_j U_j kappa(k_j^T x_r). U [B,H,n,h], keys [B,H,n,K], x [B,H,R,K] -> [B,H,R,h]."""
+    return torch.einsum("bhrj,bhju->bhru", kappa(x @ keys.mT), U)
+
+
+def mlp_read(W2, z, act):
+    """y_r = W2 act(z_r): W2 [B,H,V,h], z [B,H,R,h] -> [B,H,R,V]."""
+    return act(z) @ W2.mT
+
+
+def mlp_loss_gradients(W2, z, v, weights, bias, act):
+    """The gradients of sum_r w_r l(W2 act(z_r), v_r): (d/dW2 [B,H,V,h], d/dz_r [B,H,R,h]).
+
+    As chapter 3's engine (``miras.loss_gradient``): the bias gives psi = dl/dy, autograd pulls it back.
+    d/dW1 is then sum_r (d/dz_r) phi*(x_r)^T: a coefficient d/dz_r on the feature of row r's key.
+    """
+    y, pullback = torch.func.vjp(lambda W, zz: mlp_read(W, zz, act), W2, z)
+    return pullback(bias.psi(y, v) * weights[..., None])
+
+
+def deep_mlp_recurrent(q, k, v, W2, alpha=None, eta=None, kappa=torch.exp, activation="gelu"):
+    """DeepTransformer with the deep memory, per token, W1 in coefficient form: the definition.
+
+        W_t = alpha_t W_{t-1} - eta_t grad_W l(W_{t-1}; phi*(k_t), v_t),   l = -<W2 act(W1 phi*(k)), v>,
+        y_t = W2_t act(W1_t phi*(q_t)),                                    W1_0 = 0, W2_0 = W2.
+
+    (DLA on phi*: the dot-product bias, GD, decay after the gradient, as ``dla``.) Each step scales W2 and
+    every U_j by alpha_t and appends U_t = -eta_t dl/dz_t, where z_t = W1_{t-1} phi*(k_t).
+    q, k [B,H,T,K]; v [B,H,T,V]; W2 [B,H,V,h]; kappa: the kernel of the scores (``exp_kernel``).
+    Returns (o [B,H,T,V] in q's dtype, (W2_T, U [B,H,T,h]) in fp32/fp64).
+    """
+    return _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, "dot", 1, None)
+
+
+def dot_mlp_recurrent(q, k, v, W2, alpha=None, eta=None, kappa=torch.exp, activation="gelu", window=1,
+                      gamma=None):
+    """DOT with the deep memory, per token, W1 in coefficient form: the definition.
+
+        W_t = alpha_t W_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l2(W_{t-1}; phi*(k_i), v_i),
+        y_t = W2_t act(W1_t phi*(q_t)),                                   W1_0 = 0, W2_0 = W2.
+
+    Every gradient at W_{t-1}, the decay after (chapter 4's Omega convention, as ``dot``). A step scales
+    W2 and every U_j by alpha_t, appends U_t = 0 and adds -eta_t gamma_i^{(t)} dl2/dz_i to U_i for each i
+    in the window. window: c >= 1; gamma: None, [B,H,T] or [B,H,T,c] as ``omega_rule`` takes them.
+    Returns as ``deep_mlp_recurrent``.
+    """
+    return _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, "l2", window, gamma)
+
+
+def _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, bias, window, gamma):
+    """The loop both rules share: the bias and the window (c pairs, gates gamma) are what differs."""
+    B, H, T, _ = q.shape
+    cd, out_dtype = compute_dtype(q), q.dtype
+    q, k, v, W2 = q.to(cd), k.to(cd), v.to(cd), W2.to(cd)
+    act, loss = ACTIVATIONS[activation], BIASES[bias](None)
+    G = None if gamma is None else window_gates(gamma, B, H, T, window, cd, q.device)   # G[t, j] = gamma_{t-j}^{(t)}
+    U = W2.new_zeros(B, H, 0, W2.shape[-1])                        # coefficients U_j [B,H,j,h], j < t
+    outputs = []
+    for t in range(T):
+        lo = max(0, t - window + 1)                                 # the window: pairs lo..t, oldest first
+        n = t + 1 - lo
+        z = first_layer(U, k[:, :, :t], k[:, :, lo:t + 1], kappa)   # W1_{t-1} phi*(k_i)
+        weight = torch.ones(B, H, n, dtype=cd, device=q.device)
+        if eta is not None:
+            weight = weight * eta[:, :, t, None].to(cd)
+        if G is not None:
+            weight = weight * G[:, :, t, :n].flip(-1)               # row i has offset t - i
+        step_W2, step_z = mlp_loss_gradients(W2, z, v[:, :, lo:t + 1], weight, loss, act)
+        a = 1.0 if alpha is None else alpha[:, :, t, None, None].to(cd)
+        W2 = a * W2 - step_W2                                       # decay after the gradient
+        U = torch.cat([a * U, W2.new_zeros(B, H, 1, W2.shape[-1])], dim=2)   # U_t = 0, then the steps
+        U = torch.cat([U[:, :, :lo], U[:, :, lo:] - step_z], dim=2)
+        outputs.append(mlp_read(W2, first_layer(U, k[:, :, :t + 1], q[:, :, t:t + 1], kappa), act)[:, :, 0])
+    return torch.stack(outputs, dim=2).to(out_dtype), (W2, U)
