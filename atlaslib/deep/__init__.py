@@ -40,20 +40,31 @@ from ..omega import omega_rule
 from ..omega.problem import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
-from .features import exp_coefficients, exp_feature_dim, exp_features
+from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
+from .mlp import DEFAULT_EXPANSION, check_activation, mlp_deep_transformer, mlp_dot, second_layer_init
 from .problem import MAX_EXPONENT, check_exponents, check_phi_star
-from .recurrent import coefficient_recurrent, dot_coefficient_recurrent, hebbian_recurrent
+from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
+                        hebbian_recurrent)
 
 DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
 MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) holds D <= 256 feature channels
-MEMORIES = ("linear",)           # the deep memory ("mlp") is not implemented yet
+MEMORIES = ("linear", "mlp")     # the matrix memory, and chapter 3's MLP W2 act(W1 phi*(x)) with W1_0 = 0 (mlp.py)
 
 
-def check_memory(memory):
-    """The memories deep_transformer and dot take so far (DLA has the deep ones)."""
+def check_memory(memory, activation=None, initial_state=None, model="deep_transformer"):
+    """The memories deep_transformer and dot take (DLA has the residual and gated ones too), and the
+    options only the deep memory has. Returns the activation (None for the linear memory)."""
     if memory not in MEMORIES:
-        raise ValueError(f"memory must be one of {MEMORIES} (the deep 'mlp' memory of chapter 6 is not "
-                         f"implemented yet; atlaslib.deep.dla has it), got {memory!r}")
+        raise ValueError(f"memory must be one of {MEMORIES} (the residual and gated memories run on "
+                         f"atlaslib.deep.dla), got {memory!r}")
+    if memory == "linear":
+        if activation is not None:
+            raise ValueError(f"activation={activation!r} is an option of memory='mlp'; the linear memory has none")
+        if initial_state is not None and model == "dot":
+            raise ValueError("dot: initial_state is an option of memory='mlp' (its W2, and W1 for the Taylor "
+                             "form); the linear DOT starts at zero")
+        return None
+    return check_activation("gelu" if activation is None else activation)
 
 def kernel_table(chunk_size: int) -> dict:
     """phi_star="kernel": the three forms, each taking (q, k, v, alpha, eta, log_alpha, window, normalize)
@@ -102,7 +113,7 @@ def kernel_unsupported(q):
 
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
-                     chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+                     chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None, activation=None):
     """DeepTransformer ([A] eq. 25) with a linear memory; ``window=c`` gives SWDT.
 
         M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
@@ -143,7 +154,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     Returns:
         (o [B, H, T, V] in q's dtype, final state or None).
     """
-    check_memory(memory)
+    activation = check_memory(memory, activation)
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     cd = compute_dtype(q)
@@ -153,6 +164,16 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     if window is not None:
         check_window(window)
     check_chunk_size(chunk_size)
+    if memory == "mlp":                          # DLA on phi* (mlp.py): no normaliser, no window
+        if normalize:
+            raise ValueError("deep_transformer: normalize=True needs memory='linear' (the normaliser z_t is a "
+                             "linear memory of the features; a deep memory has no such quotient)")
+        if window is not None:
+            raise ValueError("deep_transformer: window (SWDT) needs memory='linear': a deep memory cannot drop the "
+                             "pair that leaves the window (for the Omega window on a deep memory use dot, or "
+                             "atlaslib.miras.miras with bias='dot' and window=c)")
+        return mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state,
+                                    backend, chunk_size, activation)
     matrix = form == "taylor" and window is None                     # the forms that have a matrix state
     if (initial_state is not None or output_final_state) and not matrix:
         raise ValueError("initial_state and output_final_state need phi_star=('taylor', P) and window=None: "
@@ -189,7 +210,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
 
 
 def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel", memory="linear",
-        backend="auto", chunk_size=DEFAULT_CHUNK_SIZE):
+        initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, activation=None):
     """The Deep Omega Transformer ([A] eq. 27) with a linear memory: the Omega rule on phi*.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
@@ -232,7 +253,7 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
     Returns:
         (o [B, H, T, V] in q's dtype, None).
     """
-    check_memory(memory)
+    activation = check_memory(memory, activation, initial_state, model="dot")
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     c = check_window(window)
@@ -247,6 +268,8 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
         g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
         eta = g if eta is None else eta.to(cd) * g
         gamma = None
+    if memory == "mlp":                             # the deep Omega rule on phi* (mlp.py)
+        return mlp_dot(q, k, v, c, gamma, alpha, eta, order, initial_state, backend, chunk_size, activation)
     if form == "kernel":
         check_exponents(q, k, None)
         check_exponents(k, k, None)
@@ -281,4 +304,5 @@ __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_co
            "dot_coefficient_recurrent", "dot_chunk", "dot_window_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
            "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table",
-           "dla", "taylor_phi", "DLA_MEMORIES"]
+           "dla", "taylor_phi", "DLA_MEMORIES", "deep_mlp_recurrent", "dot_mlp_recurrent", "exp_kernel",
+           "second_layer_init", "DEFAULT_EXPANSION"]
