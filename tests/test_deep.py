@@ -282,7 +282,7 @@ def test_large_scores(gen):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"memory": "mlp"}, ValueError, "memory"),
+    ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -1)}, ValueError, "phi_star"),
     ({"phi_star": ("taylor", 2.0)}, TypeError, "phi_star"),
     ({"phi_star": "exp"}, ValueError, "phi_star"),
@@ -413,7 +413,7 @@ def test_dot_gradients_chunk_vs_recurrent(gen):
     ({"alpha": 0.0}, ValueError, "alpha"),
     ({"alpha": torch.zeros(2, 2, 8)}, ValueError, "alpha"),
     ({"eta": -1.0}, ValueError, "eta"),
-    ({"memory": "mlp"}, ValueError, "memory"),
+    ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -2)}, ValueError, "phi_star"),
     ({"backend": "triton"}, ValueError, "Triton"),
     ({"chunk_size": 0}, ValueError, "chunk_size"),

@@ -172,13 +172,14 @@ def test_taylor_chunk_freezes_gradients(gen):
 @pytest.mark.parametrize("model", ["deep_transformer", "dot"])
 def test_kernel_is_the_limit_of_taylor(gen, model):
     q, k, v, alpha, eta, W2, gamma = inputs(gen, T=10, K=3, c=3, layout="offset")
-    if model == "deep_transformer":
-        run = lambda phi_star: deep_transformer(q, k, v, alpha=alpha, eta=eta, phi_star=phi_star, memory="mlp",  # noqa: E731
-                                                initial_state={"W2": W2}, backend="recurrent")[0]
-    else:
+    if model == "dot":
         eta = eta / math.e                          # |phi*(k)|^2 = e for unit keys: keep the window step stable
-        run = lambda phi_star: dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, phi_star=phi_star,  # noqa: E731
-                                   memory="mlp", initial_state={"W2": W2}, backend="recurrent")[0]
+
+    def run(phi_star):
+        kw = {"window": 3, "gamma": gamma} if model == "dot" else {}
+        fn = dot if model == "dot" else deep_transformer
+        return fn(q, k, v, alpha=alpha, eta=eta, phi_star=phi_star, memory="mlp", initial_state={"W2": W2},
+                  backend="recurrent", **kw)[0]
     exact = run("kernel")
     errors = [(run(("taylor", P)) - exact).abs().max().item() for P in (1, 2, 4, 6, 8)]
     assert all(a > b for a, b in zip(errors, errors[1:])), errors

@@ -1,9 +1,9 @@
-"""Chapter 6 (in progress): the exponential feature map phi* and the linear DeepTransformer.
+"""Chapter 6 (in progress): the exponential feature map phi*, the DeepTransformer and DOT.
 
 Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
-(DeepTransformer / SWDT with a linear memory, [A] eq. 25), ``dot`` (the Deep Omega Transformer with a
-linear memory, window c and gates gamma, [A] eq. 27 corrected) and ``dla`` (deep linear attention:
-chapter 3's engine with the preset "dla", any memory, phi*_P through ``phi_star=("taylor", P)``).
+(DeepTransformer / SWDT, [A] eq. 25), ``dot`` (the Deep Omega Transformer with window c and gates
+gamma, [A] eq. 27 corrected), both with ``memory="linear"`` or ``"mlp"``, and ``dla`` (deep linear
+attention: chapter 3's engine with the preset "dla", any memory, phi*_P through ``phi_star=("taylor", P)``).
 Rooms: ``recurrent.py`` (per-token loops: the matrix memory on phi*_P, and the coefficient forms of
 the kernel trick, DOT's window included) and ``chunk.py`` (masked matrix products; chapter 1's chunk
 form on phi*_P features).
@@ -20,11 +20,17 @@ Built ahead of time by ``python -m atlaslib.aot --family deep``.
 with phi_star="kernel" it is ``dot_coefficient_recurrent`` (per token) or ``dot_window_chunk``. Both
 chunk forms freeze the gradients per chunk: an approximation for b > 1, as OmegaNet's.
 
-Not here yet: a kernel for SWDT on phi*_P and for ``dot`` with c = 1 or phi_star="kernel", the deep
-("mlp") memory of ``deep_transformer`` and ``dot`` (DLA has it; the exact kernel form, windows and the
-normaliser with a deep memory do not), an exact chunk form of ``dot`` with c > 1 (both phi* forms
-freeze the gradients per chunk, as chapter 4's), the notebook and the exercises; so the chapter is
-not in ``atlaslib.CHAPTERS`` yet (tests/test_imports.py lists it as in progress).
+``memory="mlp"`` (``mlp.py``) is chapter 3's MLP memory W2 act(W1 phi*(x)) started at W1 = 0, so that
+GD keeps W1 in the span of the past features (MATH.md §6). With ("taylor", P) ``deep_transformer`` is
+``dla`` and ``dot`` the deep Omega rule, on chapter 3's engine (chunk form: gradients frozen per chunk,
+exact only at b = 1; "frozen_seq" is its oracle); with phi_star="kernel" both run per token with W1 as
+coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``, O(T^2), exact phi*).
+
+Not here yet: a kernel for SWDT on phi*_P and for ``dot`` with c = 1 or phi_star="kernel", a chunk form
+of the deep memory with the exact phi* (and the normaliser or an SWDT window with a deep memory), an
+exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the gradients per chunk, as chapter 4's),
+the notebook and the exercises; so the chapter is not in ``atlaslib.CHAPTERS`` yet
+(tests/test_imports.py lists it as in progress).
 """
 from __future__ import annotations
 
@@ -114,7 +120,7 @@ def kernel_unsupported(q):
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
                      chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None, activation=None):
-    """DeepTransformer ([A] eq. 25) with a linear memory; ``window=c`` gives SWDT.
+    """DeepTransformer ([A] eq. 25) with a linear or deep memory; ``window=c`` gives SWDT (linear memory).
 
         M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
 
@@ -140,16 +146,27 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
             M_t = sum_{i=t-c+1}^{t} eta_i (A_t / A_i) v_i phi*(k_i)^T, so normalised with alpha = eta = 1
             it is sliding-window softmax attention ([A] eq. 18), and c >= T is the DeepTransformer.
             (This is not chapter 4's SWLA, which windows the update and never forgets a pair.)
-        memory: "linear" (the only memory so far).
-        initial_state: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)`` without window only.
+        memory: "linear" (the matrix memory above) or "mlp": DLA on phi*, W_t = alpha_t W_{t-1} - eta_t
+            grad_W -<W2 act(W1 phi*(k_t)), v_t>, y_t = W2_t act(W1_t phi*(q_t)), started at W1 = 0
+            (``mlp.py``). No normalize and no window with it. ("taylor", P) runs ``dla`` (backends
+            "recurrent", "frozen_seq", "chunk", "auto" = chunk: the chunk form freezes the gradients per
+            chunk, so chunk_size is part of the model and only b = 1 is the definition); "kernel" runs
+            ``deep_mlp_recurrent`` (per token, W1 = sum_j U_j phi*(k_j)^T, O(T^2): backend "recurrent"
+            or "auto"; "chunk" and "triton" are refused). Same start W2, so Taylor -> kernel as P grows.
+        initial_state: linear memory: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)``
+            without window only. "mlp": ``{"W2": [B, H, V, h]}`` (W1 = 0; h is the hidden width) or, with
+            ("taylor", P) only, ``{"W1": [B, H, h, D], "W2": [B, H, V, h]}``; None: W1 = 0 and W2 ~ N(0, 1/h)
+            per head from a generator seeded with 0, h = 4 K (``second_layer_init``).
         output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
-            window must also remember the pairs it will drop).
+            window must also remember the pairs it will drop); "mlp": ``{"W1", "W2"}`` of the Taylor form.
         backend: "recurrent" (per token), "chunk" (masked matrix products), "triton" (``kernel.py``:
             phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
             1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
             through the chunk form) or "auto" (the kernel on CUDA where it takes the inputs, else
             chunk). Every form is exact for every ``chunk_size``.
-        chunk_size: rows per block of the chunk form.
+        chunk_size: rows per block of the chunk form (with "mlp" the b of the frozen gradients).
+        activation: "mlp" only: act of chapter 3's ``ACTIVATIONS`` (None: "gelu"). With W1 = 0 the first
+            step moves W1 by act'(0): "relu" (act'(0) = 0 in torch) leaves the memory at its start forever.
 
     Returns:
         (o [B, H, T, V] in q's dtype, final state or None).
@@ -211,7 +228,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
 
 def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel", memory="linear",
         initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, activation=None):
-    """The Deep Omega Transformer ([A] eq. 27) with a linear memory: the Omega rule on phi*.
+    """The Deep Omega Transformer ([A] eq. 27): the Omega rule on phi*, with a linear or deep memory.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
             = M_{t-1} (alpha_t I - eta_t sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T)
@@ -238,7 +255,15 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             solves a triangular system, exact for every chunk_size; c > 1 a frozen-gradient one) or
             ("taylor", P) (``exp_features``; c = 1 on chapter 2's ``delta_rule`` forms, c > 1 on chapter
             4's ``omega_rule`` with the features as q and k).
-        memory: "linear" only.
+        memory: "linear" (the matrix memory above) or "mlp": W_t = alpha_t W_{t-1} - eta_t sum_i
+            gamma_i^{(t)} grad_W 1/2 ||W2 act(W1 phi*(k_i)) - v_i||^2, every gradient at W_{t-1}, read
+            y_t = W2_t act(W1_t phi*(q_t)), started at W1 = 0 (``mlp.py``). With
+            ("taylor", P): chapter 3's engine as ``omega_rule(memory="mlp")`` runs it (c = 1: the deep
+            delta rule), backends "recurrent", "frozen_seq", "chunk", "auto" = chunk, whose chunk form
+            freezes the gradients per chunk (exact only at b = 1). With "kernel": ``dot_mlp_recurrent``
+            (per token, W1 in coefficient form, O(T^2); backend "recurrent" or "auto").
+        initial_state: "mlp" only, as ``deep_transformer`` takes it (``{"W2": ...}``, plus "W1" for
+            the Taylor form; None: W1 = 0, W2 seeded, h = 4 K).
         backend: "recurrent" (per token: the definition), "chunk", "triton" or "auto".
             c = 1: "recurrent" and "chunk" (both exact for every chunk_size), "auto" = chunk; no kernel.
             c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
@@ -247,8 +272,9 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             c > 1, "kernel": "recurrent" or "chunk" (``dot_window_chunk``, the same frozen-gradient
             approximation in coefficient space, equal to ``dot_coefficient_recurrent(chunk_size=b)``,
             its oracle); "auto" = chunk; no kernel.
-        chunk_size: rows per block of the chunk form; with c > 1 it is the b of the frozen-gradient
-            approximation and so part of the model (b = 1: the definition).
+        chunk_size: rows per block of the chunk form; with c > 1 (or "mlp") it is the b of the
+            frozen-gradient approximation and so part of the model (b = 1: the definition).
+        activation: "mlp" only, as ``deep_transformer`` takes it (None: "gelu").
 
     Returns:
         (o [B, H, T, V] in q's dtype, None).
