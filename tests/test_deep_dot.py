@@ -241,3 +241,26 @@ def test_kernel_window_auto_is_chunk(gen):
     a, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, chunk_size=3)
     b, _ = dot(q, k, v, window=3, gamma=gamma, alpha=alpha, eta=eta, backend="chunk", chunk_size=3)
     assert torch.equal(a, b)
+
+
+def test_default_chunk_size_is_chapter_4s_where_it_is_part_of_the_model(gen):
+    """With c > 1 the chunk size changes the model: dot's default must then be omega_rule's (and the
+    frozen forms' b), while c = 1 (exact for every b) keeps the faster DEFAULT_CHUNK_SIZE."""
+    from atlaslib.deep import DEFAULT_CHUNK_SIZE, FROZEN_CHUNK_SIZE
+    from atlaslib.omega import OMEGA_CHUNK_SIZE, omega_rule
+    assert FROZEN_CHUNK_SIZE == OMEGA_CHUNK_SIZE != DEFAULT_CHUNK_SIZE
+    q, k, v = random_qkv(1, 2, 3 * OMEGA_CHUNK_SIZE + 5, 4, 3, generator=gen, dtype=F64)
+    q, k = q / 2, k / 2
+    eta = random_gate(1, 2, q.shape[2], low=0.02, high=0.1, generator=gen, dtype=F64)
+    ours, _ = dot(q, k, v, window=3, eta=eta, phi_star=("taylor", 2), backend="chunk")
+    fq, fk = exp_features(q, 2), exp_features(k, 2)
+    theirs, _ = omega_rule(fq, fk, v, window=3, eta=eta, backend="chunk")
+    assert_close(ours, theirs, tol=1e-12, name="dot(window=3) vs omega_rule on the features, default b")
+    other, _ = dot(q, k, v, window=3, eta=eta, phi_star=("taylor", 2), backend="chunk", chunk_size=DEFAULT_CHUNK_SIZE)
+    assert (other - ours).abs().max() > 1e-8, "b must change this model, or the test proves nothing"
+    from atlaslib.deep import deep_transformer
+    kw = dict(eta=eta, phi_star=("taylor", 2), memory="mlp", backend="chunk")
+    default, _ = deep_transformer(q, k, v, **kw)
+    assert_close(default, deep_transformer(q, k, v, chunk_size=OMEGA_CHUNK_SIZE, **kw)[0], tol=0,
+                 name="deep_transformer(memory='mlp') default b")
+    assert (default - deep_transformer(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, **kw)[0]).abs().max() > 1e-8

@@ -42,7 +42,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule_chunk, delta_rule_recurrent
-from ..omega import omega_rule
+from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..omega.problem import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
@@ -52,7 +52,10 @@ from .problem import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
                         hebbian_recurrent)
 
-DEFAULT_CHUNK_SIZE = 64          # every form here is exact for every chunk size: b sets the speed only
+DEFAULT_CHUNK_SIZE = 64          # the linear forms are exact for every chunk size: b sets the speed only
+# Where chunking freezes gradients (dot with c > 1, the mlp memory) b is part of the model: those forms
+# default to chapter 3's and 4's b, so that dot(window=c) == omega_rule on the features by default.
+FROZEN_CHUNK_SIZE = OMEGA_CHUNK_SIZE
 MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) holds D <= 256 feature channels
 MEMORIES = ("linear", "mlp")     # the matrix memory, and chapter 3's MLP W2 act(W1 phi*(x)) with W1_0 = 0 (mlp.py)
 
@@ -71,6 +74,13 @@ def check_memory(memory, activation=None, initial_state=None, model="deep_transf
                              "form); the linear DOT starts at zero")
         return None
     return check_activation("gelu" if activation is None else activation)
+
+def default_chunk_size(chunk_size, frozen: bool) -> int:
+    """chunk_size=None: DEFAULT_CHUNK_SIZE where every b is exact, FROZEN_CHUNK_SIZE where b is part of the model."""
+    if chunk_size is None:
+        return FROZEN_CHUNK_SIZE if frozen else DEFAULT_CHUNK_SIZE
+    return check_chunk_size(chunk_size)
+
 
 def kernel_table(chunk_size: int) -> dict:
     """phi_star="kernel": the three forms, each taking (q, k, v, alpha, eta, log_alpha, window, normalize)
@@ -119,7 +129,7 @@ def kernel_unsupported(q):
 
 def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
                      memory="linear", initial_state=None, output_final_state=False, backend="auto",
-                     chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None, activation=None):
+                     chunk_size=None, log_alpha=None, activation=None):
     """DeepTransformer ([A] eq. 25) with a linear or deep memory; ``window=c`` gives SWDT (linear memory).
 
         M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
@@ -164,7 +174,8 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
             1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
             through the chunk form) or "auto" (the kernel on CUDA where it takes the inputs, else
             chunk). Every form is exact for every ``chunk_size``.
-        chunk_size: rows per block of the chunk form (with "mlp" the b of the frozen gradients).
+        chunk_size: rows per block of the chunk form (with "mlp" the b of the frozen gradients). None:
+            DEFAULT_CHUNK_SIZE (64), or FROZEN_CHUNK_SIZE (chapter 3's b) for "mlp", where b is part of the model.
         activation: "mlp" only: act of chapter 3's ``ACTIVATIONS`` (None: "gelu"). With W1 = 0 the first
             step moves W1 by act'(0): "relu" (act'(0) = 0 in torch) leaves the memory at its start forever.
 
@@ -180,7 +191,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     check_retention(alpha, log_alpha, B, H, T, ref=q)
     if window is not None:
         check_window(window)
-    check_chunk_size(chunk_size)
+    chunk_size = default_chunk_size(chunk_size, frozen=memory == "mlp")
     if memory == "mlp":                          # DLA on phi* (mlp.py): no normaliser, no window
         if normalize:
             raise ValueError("deep_transformer: normalize=True needs memory='linear' (the normaliser z_t is a "
@@ -227,7 +238,7 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
 
 
 def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel", memory="linear",
-        initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, activation=None):
+        initial_state=None, backend="auto", chunk_size=None, activation=None):
     """The Deep Omega Transformer ([A] eq. 27): the Omega rule on phi*, with a linear or deep memory.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
@@ -273,7 +284,9 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             approximation in coefficient space, equal to ``dot_coefficient_recurrent(chunk_size=b)``,
             its oracle); "auto" = chunk; no kernel.
         chunk_size: rows per block of the chunk form; with c > 1 (or "mlp") it is the b of the
-            frozen-gradient approximation and so part of the model (b = 1: the definition).
+            frozen-gradient approximation and so part of the model (b = 1: the definition). None:
+            DEFAULT_CHUNK_SIZE (64) for c = 1, else FROZEN_CHUNK_SIZE, chapter 4's b (``OMEGA_CHUNK_SIZE``),
+            so that by default dot(window=c, phi_star=("taylor", P)) is ``omega_rule`` on the features.
         activation: "mlp" only, as ``deep_transformer`` takes it (None: "gelu").
 
     Returns:
@@ -289,7 +302,7 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
     if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
         raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
-    check_chunk_size(chunk_size)
+    chunk_size = default_chunk_size(chunk_size, frozen=c > 1 or memory == "mlp")
     if c == 1 and gamma is not None:                # one pair per step: gamma_t^{(t)} scales the step
         g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
         eta = g if eta is None else eta.to(cd) * g
@@ -329,6 +342,6 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",
            "dot_coefficient_recurrent", "dot_chunk", "dot_window_chunk",
            "hebbian_recurrent", "coefficient_recurrent", "hebbian_chunk", "masked_chunk", "MEMORIES",
-           "DEFAULT_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table",
+           "DEFAULT_CHUNK_SIZE", "FROZEN_CHUNK_SIZE", "MAX_EXPONENT", "MAX_FEATURES", "kernel_table", "hebbian_table",
            "dla", "taylor_phi", "DLA_MEMORIES", "deep_mlp_recurrent", "dot_mlp_recurrent", "exp_kernel",
            "second_layer_init", "DEFAULT_EXPANSION"]
