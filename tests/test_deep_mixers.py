@@ -30,6 +30,7 @@ CONFIGS = [
     ("dla", {}),
     ("dla", {"memory": "linear"}),
     ("dla", {"memory": "residual", "expansion": 2}),
+    ("dla", {"phi_star": ("taylor", 2)}),
 ]
 # the per-token rule: the forward's model at chunk_size=1 (c = 1 and the exact forms: at every chunk size)
 STEP_CONFIGS = [
@@ -44,6 +45,7 @@ STEP_CONFIGS = [
     ("dot", {"phi_star": ("taylor", 2), "window": 3, "chunk_size": 1, "gamma": "source"}),
     ("dla", {"chunk_size": 1}),
     ("dla", {"chunk_size": 1, "memory": "linear"}),
+    ("dla", {"chunk_size": 1, "phi_star": ("taylor", 2)}),
 ]
 
 
@@ -260,13 +262,18 @@ def dla_by_autograd(q, k, v, W1, W2, alpha, eta):
     return torch.stack(ys, 2)
 
 
-def test_dla_is_gd_on_the_dot_product_loss_of_an_mlp(gen):
+@pytest.mark.parametrize("P", [None, 2])
+def test_dla_is_gd_on_the_dot_product_loss_of_an_mlp(gen, P):
+    """phi_star=("taylor", P): the same on phi*_P(q), phi*_P(k), the DeepTransformer with a deep memory."""
     seeded(gen)
-    mixer = make_mixer("dla", D, H, backend="chunk", chunk_size=1).double()
+    mixer = make_mixer("dla", D, H, backend="chunk", chunk_size=1, phi_star=P and ("taylor", P)).double()
     x = x_of(gen, T=7, dtype=torch.float64)
     with torch.no_grad():
         q, k, v, o = mix_inputs(mixer, x)
         g = mixer.gates(x, torch.float64)
+    if P is not None:
+        q, k = exp_features(q, P), exp_features(k, P)
+        assert mixer.initial["W1"].shape[-1] == math.comb(D // H + P, P)
     W1, W2 = (mixer.initial[n].double()[None].expand(2, -1, -1, -1) for n in ("W1", "W2"))
     assert_close(o, dla_by_autograd(q, k, v, W1, W2, g["alpha"], g["eta"]), name="dla vs autograd")
 
@@ -276,6 +283,10 @@ def test_dla_axes_are_fixed():
     for bad in ({"bias": "l2"}, {"optimizer": "momentum"}, {"window": 2}):
         with pytest.raises(TypeError, match="fixed by DLA"):
             make_mixer("dla", D, H, **bad)
+    with pytest.raises(ValueError, match="no deep"):
+        make_mixer("dla", D, H, phi_star="kernel")
+    with pytest.raises(ValueError, match="window"):
+        make_mixer("swdt", D, H, window=0)
 
 
 # ---------------------------------------------------------------- steps and the LM

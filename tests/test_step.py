@@ -282,6 +282,7 @@ MIXER_CASES = [
     ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "offset"}),
     ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "source", "phi_star": ("taylor", 2)}),
     ("dla", {"backend": "chunk", "chunk_size": 1}),
+    ("dla", {"backend": "chunk", "chunk_size": 1, "phi_star": ("taylor", 2), "memory": "linear"}),
     ("swa", {"window": 3}),
     ("mal", {"memory": "atlas", "window": 3, "backend": "chunk", "chunk_size": 1}),
     ("mag", {"memory": "gla", "window": 4, "backend": "chunk", "chunk_size": 4}),

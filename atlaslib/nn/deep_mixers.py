@@ -22,7 +22,8 @@
   C(K + P, P) is already 561 for K = 32, P = 2 (forward and backward, T = 256: 0.09 s against 0.65 s),
   and it has no truncation error. ``phi_star=("taylor", P)`` gives a fixed-size state instead.
 * ``"dla"``: ``atlaslib.deep.dla`` (the MIRAS preset "dla": dot-product bias, GD, decay, the MLP
-  memory), built on chapter 3's ``MirasMixer`` (gates, W_0 as parameters, the one-token engine step).
+  memory), built on chapter 3's ``MirasMixer`` (gates, W_0 as parameters, the one-token engine step);
+  ``phi_star=("taylor", P)`` makes it the DeepTransformer with a deep memory on phi*_P.
 
 One-token steps (generation): the kernel forms have no fixed-size state. The DeepTransformer's step
 keeps, like softmax attention's KV cache, every past key and value and one log-weight per pair
@@ -38,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.chunking import compute_dtype
-from ..deep import check_phi_star, deep_transformer, dla, dot, exp_coefficients, exp_features
+from ..deep import check_phi_star, deep_transformer, dla, dot, exp_coefficients, exp_feature_dim, exp_features
 from ..deep.dla import MEMORY_OPTIONS
 from ..omega import check_window
 from ..omega.recurrent import omega_step
@@ -85,7 +86,8 @@ def kernel_attention_step(cache: KernelCache | None, q, k, v, log_alpha=None, wi
 @register_mixer("deep_transformer")
 class DeepTransformerMixer(GatedLinear):
     """The DeepTransformer on the exact phi*, normalised (see the module docstring): softmax attention
-    with an optional learned retention. ``window`` (or the ``"swdt"`` mixer) gives SWDT."""
+    with an optional learned retention. ``window`` (or the ``"swdt"`` mixer) gives SWDT. The write
+    strength is eta = 1: with the normaliser a gate eta_i would only add log eta_i to key i's scores."""
 
     per_channel = False
     default_window = None
@@ -94,8 +96,8 @@ class DeepTransformerMixer(GatedLinear):
                  normalize: bool = True, **kw):
         super().__init__(d_model, n_heads, **kw)
         window = self.default_window if window is None else window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None (no window), got {window!r}")
+        if window is not None:
+            check_window(window)
         self.window, self.retention, self.normalize = window, retention, normalize
         if not retention:
             self.gate_proj = None
@@ -236,24 +238,46 @@ class DOTMixer(WindowedMixer):
 @register_mixer("dla")
 class DLAMixer(MirasMixer):
     """Deep linear attention: the MLP memory (by default) trained by GD on the dot-product bias, with
-    retention. Chapter 3's mixer with the preset "dla"; ``memory`` and its options move the memory axis."""
+    retention. Chapter 3's mixer with the preset "dla"; ``memory`` and its options move the memory axis.
+
+    ``phi_star=("taylor", P)`` reads phi*_P(q), phi*_P(k) (width C(K + P, P)): the DeepTransformer of
+    [A] eq. 25 with a deep memory on the truncated features. The exact phi* (``"kernel"``) has no deep
+    memory in the library (``deep_transformer`` is its linear one).
+    """
 
     preset = "dla"
 
-    def __init__(self, d_model, n_heads, **kw):
+    def __init__(self, d_model, n_heads, *, phi_star=None, **kw):
         fixed = sorted(set(kw) & (CONFIG_FIELDS - {"memory", *MEMORY_OPTIONS}))
         if fixed:
             raise TypeError(f"dla: {fixed} are fixed by DLA (bias='dot', optimizer='gd', retention='decay'); "
                             f"it takes memory and {list(MEMORY_OPTIONS)}")
+        if phi_star is not None and check_phi_star(phi_star)[0] == "kernel":
+            raise ValueError("dla: phi_star must be None or ('taylor', P); the exact phi* ('kernel') has no deep "
+                             "memory (the 'deep_transformer' mixer is its linear one)")
+        self.phi_star = phi_star
+        self.order = None if phi_star is None else check_phi_star(phi_star)[1]
         self.memory_options = {name: kw[name] for name in MEMORY_OPTIONS if name in kw}   # as given: dla checks them
         super().__init__(d_model, n_heads, **kw)
 
+    def memory_in_dim(self) -> int:
+        """K, or the width C(K + P, P) of phi*_P."""
+        return self.head_k_dim if self.order is None else exp_feature_dim(self.head_k_dim, self.order)
+
     def mix(self, q, k, v, x):
         g = self.gates(x, gate_dtype(q), log_alpha=True)
-        return dla(q, k, v, eta=g["eta"], log_alpha=g["log_alpha"], memory=self.config.memory,
-                   initial_state=self.initial_state(q.shape[0], q.dtype), backend=self.backend,
-                   chunk_size=self.chunk_size, **self.memory_options)[0]
+        return dla(q, k, v, eta=g["eta"], log_alpha=g["log_alpha"], phi_star=self.phi_star,
+                   memory=self.config.memory, initial_state=self.initial_state(q.shape[0], q.dtype),
+                   backend=self.backend, chunk_size=self.chunk_size, **self.memory_options)[0]
 
     def mix_step(self, q, k, v, x, state):
-        """Chapter 3's engine one token at a time (the model of ``chunk_size=1``), from the same W_0."""
-        return super().mix_step(q, k, v, x, state)
+        """Chapter 3's engine one token at a time (the model of ``chunk_size=1``), from the same W_0, on
+        phi*_P(q), phi*_P(k) with ``phi_star``."""
+        if self.order is not None:
+            cd = compute_dtype(q)
+            q, k = exp_features(q.to(cd), self.order), exp_features(k.to(cd), self.order)
+        o, state = super().mix_step(q, k, v, x, state)
+        return o.to(v.dtype), state
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, phi_star={self.phi_star!r}"
