@@ -19,8 +19,8 @@
   window loss is stable while eta_t c e < 2; eta_max = 1 / (c |phi*(k)|^2) keeps every step in (0, 1),
   as OmegaNet's 1 / c does. ``phi_star`` is ``"kernel"`` by default: on CPU at the book's sizes (T <= 512,
   head width 16-32) the exact coefficient form is faster than the truncated features, whose width
-  C(K + P, P) is already 561 for K = 32, P = 2 (forward and backward, T = 256: 0.09 s against 0.65 s),
-  and it has no truncation error. ``phi_star=("taylor", P)`` gives a fixed-size state instead.
+  C(K + P, P) is already 561 for K = 32, P = 2 (forward and backward, B = 8, H = 4, T = 256: 0.09 s
+  against 0.65 s), and it has no truncation error. ``phi_star=("taylor", P)`` gives a fixed-size state instead.
 * ``"dla"``: ``atlaslib.deep.dla`` (the MIRAS preset "dla": dot-product bias, GD, decay, the MLP
   memory), built on chapter 3's ``MirasMixer`` (gates, W_0 as parameters, the one-token engine step);
   ``phi_star=("taylor", P)`` makes it the DeepTransformer with a deep memory on phi*_P.
@@ -30,6 +30,10 @@ keeps, like softmax attention's KV cache, every past key and value and one log-w
 (``KernelCache``; SWDT keeps only the last c, a fixed size); DOT's kernel step keeps every past key
 and the coefficients u_j of M_t = sum_j u_j phi*(k_j)^T (``CoefficientCache``), and its Taylor step is
 chapter 4's ``omega_step`` on the features (a fixed [V, D] memory). DLA steps on chapter 3's engine.
+A step runs the per-token rule: the forward's model for the DeepTransformer, SWDT and DOT with c = 1
+at every chunk size (their chunk forms are exact), but for DOT with c > 1 and DLA's deep memories only
+at ``chunk_size=1`` (their chunk forms freeze the gradients per chunk; the defaults are the library's,
+64 and 16).
 """
 from __future__ import annotations
 
