@@ -274,6 +274,15 @@ MIXER_CASES = [
     ("atlas++", {"backend": "chunk", "chunk_size": 1}),
     ("atlas++", {"backend": "chunk", "chunk_size": 1, "window": 3}),
     ("atlas++", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": None, "momentum": False}),
+    # chapter 6: the kernel forms step on cached keys (a growing state; SWDT's is bounded by its window)
+    ("deep_transformer", {"backend": "chunk", "chunk_size": 4}),
+    ("deep_transformer", {"backend": "chunk", "chunk_size": 4, "retention": False, "normalize": False}),
+    ("swdt", {"backend": "chunk", "chunk_size": 4, "window": 3}),
+    ("dot", {"backend": "chunk", "chunk_size": 4}),                             # c = 1: exact at every b
+    ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "offset"}),
+    ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "source", "phi_star": ("taylor", 2)}),
+    ("dla", {"backend": "chunk", "chunk_size": 1}),
+    ("dla", {"backend": "chunk", "chunk_size": 1, "phi_star": ("taylor", 2), "memory": "linear"}),
     ("swa", {"window": 3}),
     ("mal", {"memory": "atlas", "window": 3, "backend": "chunk", "chunk_size": 1}),
     ("mag", {"memory": "gla", "window": 4, "backend": "chunk", "chunk_size": 4}),
@@ -359,6 +368,9 @@ LM_CASES = [
     ("omeganet", {"chunk_size": 1}),
     ("titans", {"chunk_size": 1}),
     ("atlas++", {"chunk_size": 1, "window": 2}),                # a deep memory, generated token by token
+    ("swdt", {"window": 3}),                                    # a kernel form with a bounded cache
+    ("dot", {"phi_star": ("taylor", 2), "window": 2, "chunk_size": 1}),
+    ("dla", {"chunk_size": 1}),
 ]
 
 

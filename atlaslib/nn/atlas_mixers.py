@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..atlas import ATLAS_CHUNK_SIZE, MEMORIES, atlas, atlas_config
@@ -119,19 +118,6 @@ class AtlasMixer(WindowedMixer):
         G, sources = self.offset_gates(gamma, state.gammas, B, H, q)
         o, engine = engine_step(parts, state.engine, q, k, v, G, eta, alpha, theta)
         return o, DeepState(engine, sources)
-
-    def offset_gates(self, gamma, sources, B, H, q):
-        """This token's per-offset window gates G [B, H, c] (G[..., j] = gamma_{t-j}^{(t)}, what the engine
-        takes) and the per-source gates to carry (the last c - 1, oldest first; None unless gamma="source")."""
-        c = self.window
-        if gamma is None:
-            return torch.ones(B, H, c, dtype=gate_dtype(q), device=q.device), None
-        if self.gamma_mode == "offset":
-            return gamma, None
-        sources = torch.cat([sources, gamma[:, :, None]], dim=2)          # gamma_{t-n+1} .. gamma_t
-        n = sources.shape[2]
-        G = F.pad(sources.flip(-1), (0, c - n))                           # offsets past the start: no token, 0
-        return G, sources[:, :, max(n - (c - 1), 0):]                       # the oldest leaves a full window
 
     @property
     def state_size(self) -> int:

@@ -101,7 +101,7 @@ class MirasMixer(GatedLinear):
         kw.setdefault("chunk_size", DEFAULT_CHUNK_SIZE)
         super().__init__(d_model, n_heads, **kw)
         self.config = make_config(self.preset, **options)
-        parts = build_parts(self.config, self.head_k_dim, self.head_v_dim)
+        parts = build_parts(self.config, self.memory_in_dim(), self.head_v_dim)
         self.memory_shapes = parts.memory.shapes
         if not parts.retention.uses_alpha:
             self.gate_proj = None
@@ -110,10 +110,14 @@ class MirasMixer(GatedLinear):
         self.delta_gate = ScalarGate(d_model, n_heads, "softplus", 1.0) if parts.bias.uses_delta else None
         self.has_momentum = parts.optimizer.has_state
         seed = int(torch.randint(0, 2**31 - 1, ()).item())            # from the global RNG (torch.manual_seed)
-        start = init_state(self.config, 1, n_heads, self.head_k_dim, self.head_v_dim,
+        start = init_state(self.config, 1, n_heads, self.memory_in_dim(), self.head_v_dim,
                            generator=torch.Generator().manual_seed(seed)).memory
         start = start if isinstance(start, dict) else {"M": start}
         self.initial = nn.ParameterDict({name: nn.Parameter(w[0].clone()) for name, w in start.items()})
+
+    def memory_in_dim(self) -> int:
+        """The width of what the memory reads: the key width K (a feature map on q, k may change it)."""
+        return self.head_k_dim
 
     def initial_state(self, B: int, dtype) -> MirasState:
         """W_0 broadcast over the batch: a tensor [B, H, V, K] (linear memory) or a dict of them."""

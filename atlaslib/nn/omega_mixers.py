@@ -153,6 +153,22 @@ class WindowedMixer(GatedLinear):
         cast = lambda t: None if t is None else t.to(dtype)       # noqa: E731
         return cast(self.gammas(x)), cast(self.alpha(x)) if alpha else None, cast(self.eta(x))
 
+    def offset_gates(self, gamma, sources, B, H, q):
+        """This token's per-offset window gates G [B, H, c] (G[..., j] = gamma_{t-j}^{(t)}, what the engine
+        takes) and the per-source gates to carry (the last c - 1, oldest first; None unless gamma="source").
+
+        For steps that keep their own window (ATLAS's deep memories, DOT's kernel form): ``gamma`` is this
+        token's gate ([B, H, c] per offset, [B, H] per source, or None), ``sources`` the carried ones."""
+        c = self.window
+        if gamma is None:
+            return torch.ones(B, H, c, dtype=gate_dtype(q), device=q.device), None
+        if self.gamma_mode == "offset":
+            return gamma, None
+        sources = torch.cat([sources, gamma[:, :, None]], dim=2)          # gamma_{t-n+1} .. gamma_t
+        n = sources.shape[2]
+        G = F.pad(sources.flip(-1), (0, c - n))                           # offsets past the start: no token, 0
+        return G, sources[:, :, max(n - (c - 1), 0):]                       # the oldest leaves a full window
+
     def window_step(self, rule, q, k, v, x, state):
         """One token of ``rule`` (``omega_step`` or ``swla_step``) with this layer's features and gates.
 
