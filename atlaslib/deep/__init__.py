@@ -1,4 +1,4 @@
-"""Chapter 6 (in progress): the exponential feature map phi*, the DeepTransformer and DOT.
+"""Chapter 6: the exponential feature map phi*, the DeepTransformer (and SWDT), DOT and DLA (book ch. 6).
 
 Public: ``exp_features`` (phi*_P, the truncated phi* of [A] eq. 22-23), ``deep_transformer``
 (DeepTransformer / SWDT, [A] eq. 25), ``dot`` (the Deep Omega Transformer with window c and gates
@@ -26,11 +26,10 @@ GD keeps W1 in the span of the past features (MATH.md §6). With ("taylor", P) `
 exact only at b = 1; "frozen_seq" is its oracle); with phi_star="kernel" both run per token with W1 as
 coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``, O(T^2), exact phi*).
 
-Not here yet: a kernel for SWDT on phi*_P and for ``dot`` with c = 1 or phi_star="kernel", a chunk form
-of the deep memory with the exact phi* (and the normaliser or an SWDT window with a deep memory), an
-exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the gradients per chunk, as chapter 4's),
-the notebook and the exercises; so the chapter is not in ``atlaslib.CHAPTERS`` yet
-(tests/test_imports.py lists it as in progress).
+Not here: a kernel for SWDT on phi*_P and for ``dot`` (its c = 1 kernel form runs batched triangular
+solves in PyTorch), a chunk form of the deep memory with the exact phi* (and the normaliser or an SWDT
+window with a deep memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
+gradients per chunk, as chapter 4's).
 """
 from __future__ import annotations
 
