@@ -47,8 +47,9 @@ def dla(q, k, v, *, alpha=None, eta=None, phi=None, phi_star=None, memory="mlp",
         phi: feature map for q and k (None: identity, a name from ``core.FEATURE_MAPS`` or a callable),
             as in ``miras``.
         phi_star: None or ``("taylor", P)``: phi = ``exp_features(., P)`` (the DeepTransformer on phi*_P).
-            Not together with ``phi``. ``"kernel"`` (exact phi*) is not offered here: use
-            ``deep_transformer`` (linear memory).
+            Not together with ``phi``. ``"kernel"`` (exact phi*) is not offered here: the coefficient form
+            needs W1 to start at 0 (in the span of past features), which is
+            ``deep_transformer(memory="mlp", phi_star="kernel")`` (or memory="linear").
         memory: "mlp" (W2 act(W1 x), default), "linear" (gated linear attention), "residual" or "gated"
             (these two need the feature width to equal V).
         initial_state: as in ``miras`` (None: zeros for the linear memory, seeded random weights for deep
@@ -73,8 +74,10 @@ def dla(q, k, v, *, alpha=None, eta=None, phi=None, phi_star=None, memory="mlp",
             raise ValueError("dla: give either phi or phi_star, not both (phi_star=('taylor', P) is phi = phi*_P)")
         form, order = check_phi_star(phi_star)
         if form == "kernel":
-            raise ValueError("dla: phi_star='kernel' (exact phi*, coefficient state) is not available for DLA; use "
-                             "phi_star=('taylor', P), or atlaslib.deep.deep_transformer for the linear memory")
+            raise ValueError("dla: phi_star='kernel' (exact phi*, coefficient state) is not available for DLA, whose "
+                             "deep memory starts at random W1; use phi_star=('taylor', P), or "
+                             "atlaslib.deep.deep_transformer(memory='mlp' or 'linear', phi_star='kernel'), which "
+                             "starts W1 at 0")
         phi = taylor_phi(order)
     return miras(q, k, v, preset="dla", memory=memory, alpha=alpha, eta=eta, phi=phi, initial_state=initial_state,
                  output_final_state=output_final_state, backend=backend, chunk_size=chunk_size, log_alpha=log_alpha,
