@@ -132,7 +132,8 @@ def dot_step(fn, gen):
                     _shape_check("U_t", U, (B, H, t + 1, V), " (one coefficient per key so far, the new one last)")
                     U = U.to(torch.float64)
                     for x, out in zip(probes, reads):
-                        out.append(torch.einsum("bhj,bhjv->bhv", torch.exp(k[:, :, :t + 1] @ x[:, :, t, :, None])[..., 0], U))
+                        weights = torch.exp(k[:, :, :t + 1] @ x[:, :, t, :, None])[..., 0]   # exp(k_j.x_t)
+                        out.append(torch.einsum("bhj,bhjv->bhv", weights, U))
             for i, (out, ref) in enumerate(zip(reads, refs)):
                 name = "y_t = M_t phi*(q_t)" if i == 0 else "M_t phi*(x) at another query"
                 compare(name, torch.stack(out, dim=2), ref, 1e-8)
@@ -161,7 +162,8 @@ def normaliser(fn, gen):
                 raise CheckFailed("o is not finite (inf or NaN): exp of a large score overflowed; subtract each "
                                   "row's largest visible score before exp (the factor cancels in the quotient)")
             compare("o", got.to(ref.dtype) if isinstance(got, torch.Tensor) else got, ref, TOL)
-    return f"y_t / (z_t^T phi*(q_t)) matches causal softmax attention on {len(cases)} random cases, large scores included"
+    return (f"y_t / (z_t^T phi*(q_t)) matches causal softmax attention on {len(cases)} random cases, "
+            "large scores included")
 
 
 @EXERCISES.check("triton_exp_read", title="A Triton kernel for the causal exp-kernel read of a tile", points=3,
@@ -190,7 +192,8 @@ def triton_exp_read(fn, gen):
             except CheckFailed as e:
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both
-    return f"the kernel matches atlaslib.deep's kernel-trick read on {len(cases)} odd-sized cases, with no stray loads or stores"
+    return (f"the kernel matches atlaslib.deep's kernel-trick read on {len(cases)} odd-sized cases, "
+            "with no stray loads or stores")
 
 
 __all__ = ["EXERCISES", "phi_star", "kernel_read", "dot_step", "normaliser", "triton_exp_read"]
