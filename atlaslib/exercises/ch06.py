@@ -15,11 +15,10 @@ import math
 
 import torch
 
-from ..core.attention import softmax_attention
+from ..core import softmax_attention
 from ..core.dispatch import interpreter_on
 from ..core.testing import random_gate, random_qkv
-from ..deep import exp_features
-from ..deep.recurrent import coefficient_recurrent, dot_coefficient_recurrent
+from ..deep import coefficient_recurrent, dot_coefficient_recurrent, exp_features
 from .ch01 import clones, triton_device
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_number,
                        guarded, guarded_output)
