@@ -43,7 +43,10 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
+from ..core.dispatch import matrix_kernel_limits
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.testing import empty
+from ..delta.kernel import unit_lower_inverse
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
 MAX_KEY = 256
@@ -165,3 +168,110 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
     if eta is not None:
         v = eta[..., None].to(torch.float32) * v.to(torch.float32)       # the write eta_t v_t
     return linear_attention_triton(fq, fk, v, alpha, initial_state, log_alpha)
+
+
+# ---------------------------------------------------------------------------------------
+# DOT with c = 1 (the delta rule on phi*): the coefficient solve, block by block
+# ---------------------------------------------------------------------------------------
+# Every program holds a block's keys, queries and an earlier block's keys at once, plus two score
+# tiles and two accumulators: K <= 128 (see DOT TILES in the module's docstring).
+DOT_MAX_KEY = 128
+
+
+@triton.jit
+def dot_kernel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr, o_ptr,
+    s_q, s_k, s_v, s_o, s_u,
+    T, H, K, V,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    u_ptr = at_head(u_ptr, s_u, i_b, i_h)   # fp32 coefficients u_j, written block by block
+
+    o_i = tl.arange(0, BT)                  # rows of a block
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
+
+    for start in range(0, T, BT):
+        o_t = start + o_i                   # the block's tokens
+        m_t = o_t < T
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        if g_ptr is not None:
+            # g_t and g_{t-1} relative to g at the block's first row: subtracted in fp64, then fp32
+            b_gref = tl.load(g_ptr + i_bh * T + start)
+            b_gq = tl.where(m_t, (tl.load(g_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
+            b_gp = tl.where(m_t, (tl.load(gp_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
+        if eta_ptr is not None:
+            b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+        else:
+            b_eta = tl.where(m_t, 1.0, 0.0)  # rows past T write nothing
+
+        # the earlier blocks, whose coefficients are known: what they recall at k_t under the state
+        # M_{t-1} (weights e^{g_{t-1} - g_j} exp(k_j.k_t)) and what q_t reads of them (e^{g_t - g_j} exp(k_j.q_t))
+        b_recall = tl.zeros([BT, BV], dtype=tl.float32)
+        b_acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for kstart in range(0, start, BT):
+            o_s = kstart + o_i
+            m_s = o_s < T
+            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+            b_uj = load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v)
+            b_Sk = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
+            b_Sq = tl.dot(b_q, tl.trans(b_kj), input_precision=PRECISION)
+            if g_ptr is not None:
+                b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
+                b_Sk += b_gp[:, None] - b_gk[None, :]
+                b_Sq += b_gq[:, None] - b_gk[None, :]
+            b_recall += tl.dot(tl.exp(b_Sk), b_uj, input_precision=PRECISION)
+            b_acc += tl.dot(tl.exp(b_Sq), b_uj, input_precision=PRECISION)
+
+        # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower
+        b_Skk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        b_Sqk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_Skk += b_gp[:, None] - b_gq[None, :]
+            b_Sqk += b_gq[:, None] - b_gq[None, :]
+        # masked to -inf before the exponential; rows past T are zero, so their inverse rows stay finite
+        b_L = tl.exp(tl.where(m_strict & m_t[:, None], b_Skk, float("-inf")))
+        b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_Sqk, float("-inf")))
+        b_R = unit_lower_inverse(b_eta[:, None] * b_L, BT, 16, PRECISION)
+        b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_v - b_recall, 0.0), input_precision=PRECISION)
+        store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, b_u)
+        b_acc += tl.dot(b_P, b_u, input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
+        # the next blocks read these coefficients back: every thread's stores first
+        tl.debug_barrier()
+
+
+def dot_unsupported(q) -> str | None:
+    """What the DOT kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > DOT_MAX_KEY."""
+    return matrix_kernel_limits(q, DOT_MAX_KEY)
+
+
+def dot_kernel_triton(q, k, v, alpha=None, eta=None):
+    """Triton forward of DOT with c = 1 and phi_star="kernel"; returns (o [B, H, T, V] in q's dtype, None).
+
+    Same arguments and results as ``chunk.dot_chunk`` with kernel="exp" (without chunk_size: the
+    kernel's block is its own, and every block size gives the same function). alpha must be > 0.
+    """
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
+    BK = feature_tile(run.K, DOT_MAX_KEY)
+    BT = 64 if (run.precision != "ieee" and BK <= 64) else 32        # see DOT TILES above
+    logs = gate_logs(alpha, None, torch.float64)
+    g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
+    gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
+    U = empty(run.B, run.H, run.T, run.V, dtype=torch.float32, device=q.device)   # the coefficients u_t
+    dot_kernel_fwd_kernel[run.grid](
+        run.q, run.k, run.v, g, gp, as_fp32(eta), U, run.o, *run.strides, tuple(U.stride()),
+        run.T, run.H, run.K, run.V,
+        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+    )
+    return run.o, None
