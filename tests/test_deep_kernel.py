@@ -218,7 +218,8 @@ def test_what_auto_sends_to_the_chunk_form():
 def dot_inputs(gen, B=1, H=2, T=45, K=24, V=40, gates=True, dtype=torch.float32):
     """Keys with |k|^2 about 0.24, so |phi*(k)|^2 = e^{|k|^2} < 2 and the delta rule on phi* is stable
     even at eta = 1 (without gates the coefficients stay bounded too)."""
-    q, k = (0.1 * torch.randn(B, H, T, K, generator=gen) for _ in range(2))
+    scale = (0.24 / K) ** 0.5
+    q, k = (scale * torch.randn(B, H, T, K, generator=gen) for _ in range(2))
     v = torch.randn(B, H, T, V, generator=gen)
     alpha = random_gate(B, H, T, low=0.7, generator=gen) if gates else None
     eta = (0.1 + 0.9 * torch.rand(B, H, T, generator=gen)) if gates else None
@@ -234,7 +235,7 @@ def dot_definition(q, k, v, alpha, eta):
 
 @pytest.mark.parametrize("alpha_on, eta_on", [(False, False), (True, True), (True, False), (False, True)])
 def test_dot_triton_matches_the_definition_on_odd_shapes(gen, alpha_on, eta_on):
-    """T = 45 (one full block of 32 and a partial one; 64-row blocks are bf16's), K = 24, V = 40."""
+    """T = 45 (one full block of 32 and a partial one), K = 24, V = 40."""
     q, k, v, alpha, eta = dot_inputs(gen)
     alpha, eta = (alpha if alpha_on else None), (eta if eta_on else None)
     with poisoned_outputs():                                       # every coefficient is written before it is read
@@ -245,15 +246,17 @@ def test_dot_triton_matches_the_definition_on_odd_shapes(gen, alpha_on, eta_on):
     assert_close(got, chunk, tol=1e-5)
 
 
-def test_dot_triton_many_blocks_and_wide_values(gen):
-    """T = 75 (three blocks of 32) and V = 70 (two value blocks of 64, each solving the same system)."""
-    q, k, v, alpha, eta = dot_inputs(gen, B=2, H=1, T=75, K=5, V=70)
+@pytest.mark.parametrize("K", [5, 100])
+def test_dot_triton_many_blocks_and_wide_values(gen, K):
+    """T = 75: three blocks of 32 (K = 5), five of 16 (K = 100: fp32 halves the block at BK = 128);
+    V = 70: two value blocks of 64, each solving the same system on its own columns."""
+    q, k, v, alpha, eta = dot_inputs(gen, B=2, H=1, T=75, K=K, V=70)
     got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
     assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
 
 
 def test_dot_triton_bf16_and_views(gen):
-    """bf16 inputs take 64-row blocks (T = 70: two); [B, T, H, K] tensors transposed are read in place."""
+    """bf16 inputs (tf32 products; T = 70: three blocks); [B, T, H, K] tensors transposed are read in place."""
     q, k, v, alpha, eta = dot_inputs(gen, T=70, K=16, V=12, dtype=torch.bfloat16)
     got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
     assert got.dtype == torch.bfloat16

@@ -30,8 +30,9 @@ coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``
 block of tokens, the unit lower-triangular system of the coefficients solved in registers, the earlier
 blocks' coefficients read back from global memory (O(T^2), as attention); K <= 128.
 
-Not here: a kernel for SWDT on phi*_P and for ``dot`` with c > 1 or with phi*_P at c = 1, a chunk form of the deep memory with the exact phi* (and the normaliser or an SWDT
-window with a deep memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
+Not here: a kernel for SWDT on phi*_P and for ``dot`` with c > 1 (or with phi*_P at c = 1), a chunk
+form of the deep memory with the exact phi* (and the normaliser or an SWDT window with a deep
+memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
 gradients per chunk, as chapter 4's).
 """
 from __future__ import annotations

@@ -179,6 +179,12 @@ DOT_MAX_KEY = 128
 
 
 @triton.jit
+def log_decay_from(g_ptr, o_t, m_t, b_gref):
+    """g[o_t] - g_ref for the fp64 running log-decays g: subtracted in fp64, then fp32 (0 where masked)."""
+    return tl.where(m_t, (tl.load(g_ptr + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
+
+
+@triton.jit
 def dot_kernel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr, o_ptr,
     s_q, s_k, s_v, s_o, s_u,
@@ -202,52 +208,58 @@ def dot_kernel_fwd_kernel(
     for start in range(0, T, BT):
         o_t = start + o_i                   # the block's tokens
         m_t = o_t < T
-        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
         b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
-        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         if g_ptr is not None:
             # g_t and g_{t-1} relative to g at the block's first row: subtracted in fp64, then fp32
             b_gref = tl.load(g_ptr + i_bh * T + start)
-            b_gq = tl.where(m_t, (tl.load(g_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
-            b_gp = tl.where(m_t, (tl.load(gp_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
+            b_gq = log_decay_from(g_ptr + i_bh * T, o_t, m_t, b_gref)
+            b_gp = log_decay_from(gp_ptr + i_bh * T, o_t, m_t, b_gref)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
             b_eta = tl.where(m_t, 1.0, 0.0)  # rows past T write nothing
 
-        # the earlier blocks, whose coefficients are known: what they recall at k_t under the state
-        # M_{t-1} (weights e^{g_{t-1} - g_j} exp(k_j.k_t)) and what q_t reads of them (e^{g_t - g_j} exp(k_j.q_t))
+        # what the earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
+        # weights e^{g_{t-1} - g_j} exp(k_j.k_t). Two passes over them (this one with the keys, the
+        # read below with the queries) hold one [BT, BK] tile of the block at a time: fp32 spills otherwise
         b_recall = tl.zeros([BT, BV], dtype=tl.float32)
-        b_acc = tl.zeros([BT, BV], dtype=tl.float32)
         for kstart in range(0, start, BT):
             o_s = kstart + o_i
             m_s = o_s < T
             b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
-            b_uj = load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v)
-            b_Sk = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
-            b_Sq = tl.dot(b_q, tl.trans(b_kj), input_precision=PRECISION)
+            b_S = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
             if g_ptr is not None:
-                b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
-                b_Sk += b_gp[:, None] - b_gk[None, :]
-                b_Sq += b_gq[:, None] - b_gk[None, :]
-            b_recall += tl.dot(tl.exp(b_Sk), b_uj, input_precision=PRECISION)
-            b_acc += tl.dot(tl.exp(b_Sq), b_uj, input_precision=PRECISION)
+                b_S += b_gp[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
+            b_recall += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
 
-        # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower
-        b_Skk = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-        b_Sqk = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower; masked to
+        # -inf before the exponential, rows past T zero (so their rows of the inverse stay finite)
+        b_S = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
         if g_ptr is not None:
-            b_Skk += b_gp[:, None] - b_gq[None, :]
-            b_Sqk += b_gq[:, None] - b_gq[None, :]
-        # masked to -inf before the exponential; rows past T are zero, so their inverse rows stay finite
-        b_L = tl.exp(tl.where(m_strict & m_t[:, None], b_Skk, float("-inf")))
-        b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_Sqk, float("-inf")))
+            b_S += b_gp[:, None] - b_gq[None, :]
+        b_L = tl.exp(tl.where(m_strict & m_t[:, None], b_S, float("-inf")))
         b_R = unit_lower_inverse(b_eta[:, None] * b_L, BT, 16, PRECISION)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_v - b_recall, 0.0), input_precision=PRECISION)
         store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, b_u)
-        b_acc += tl.dot(b_P, b_u, input_precision=PRECISION)
+
+        # the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j.q_t) u_j: the diagonal block, then the earlier ones
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_S += b_gq[:, None] - b_gq[None, :]
+        b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_S, float("-inf")))
+        b_acc = tl.dot(b_P, b_u, input_precision=PRECISION)
+        for kstart in range(0, start, BT):
+            o_s = kstart + o_i
+            m_s = o_s < T
+            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+            b_S = tl.dot(b_q, tl.trans(b_kj), input_precision=PRECISION)
+            if g_ptr is not None:
+                b_S += b_gq[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
+            b_acc += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
-        # the next blocks read these coefficients back: every thread's stores first
+        # the next blocks read this block's coefficients back: every thread's stores first
         tl.debug_barrier()
 
 
@@ -264,7 +276,8 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
     BK = feature_tile(run.K, DOT_MAX_KEY)
-    BT = 64 if (run.precision != "ieee" and BK <= 64) else 32        # see DOT TILES above
+    fp32 = run.precision == "ieee"
+    BT = 16 if (fp32 and BK > 64) else 32                             # see DOT TILES above
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
@@ -272,6 +285,6 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     dot_kernel_fwd_kernel[run.grid](
         run.q, run.k, run.v, g, gp, as_fp32(eta), U, run.o, *run.strides, tuple(U.stride()),
         run.T, run.H, run.K, run.V,
-        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if fp32 else 4,
     )
     return run.o, None
