@@ -32,9 +32,33 @@ across programs, each recomputing the scores). Launched with num_stages=1, as ch
 ``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
 features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
 
-Forward only: ``deep_transformer(..., backend="triton")`` gets its gradients from
-``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, recomputed from the saved
-inputs; ``chunk.hebbian_chunk`` for the features). Runs under ``TRITON_INTERPRET=1`` on CPU.
+``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), the block
+solve of ``chunk.dot_chunk`` in one program per (batch*head, block of BV value channels). The
+coefficients solve u_t = eta_t (v_t - sum_{j<t} e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j), a system on
+tokens that never mixes value channels, so splitting V is exact (each value block solves the same
+system on its own columns). The program walks blocks of BT tokens in order; for each block:
+
+* recall: sum over the earlier blocks of e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j, their keys and their
+  coefficients read back from an fp32 buffer [B, H, T, V] in global memory (O(T^2), as attention);
+* the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L[t, j] = e^{g_{t-1} - g_j}
+  exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (blocked
+  forward substitution on the BT x BT tile); U is written to the buffer;
+* the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j: the diagonal block from registers, then
+  a second pass over the earlier blocks (two passes, so that only one of the block's [BT, BK] tiles,
+  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32);
+* a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
+
+Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
+refuses scores above MAX_EXPONENT first (``problem.check_exponents``, for k.q and k.k). The
+log-decays g_t and g_{t-1} come from the host in fp64 and are taken relative to g at the block's
+first row before rounding, as above. Rows past T get eta = 0 and zero rows of L, so they write
+nothing and their rows of the inverse stay finite. Tiles: K <= 128 (DOT_MAX_KEY), BV <= 64,
+BT = 32, or 16 for fp32 inputs at BK >= 64; 8 warps, or 4 for fp16/bf16 at BK <= 64 (DOT TILES below).
+
+Forward only: ``deep_transformer(..., backend="triton")`` and ``dot(..., backend="triton")`` get their
+gradients from ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, ``chunk.dot_chunk``,
+recomputed from the saved inputs; ``chunk.hebbian_chunk`` for the features). Runs under
+``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -277,7 +301,7 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
     BK = feature_tile(run.K, DOT_MAX_KEY)
     fp32 = run.precision == "ieee"
-    BT = 16 if (fp32 and BK > 64) else 32                             # see DOT TILES above
+    BT = 16 if (fp32 and BK >= 64) else 32                            # see DOT TILES above
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
@@ -285,6 +309,6 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     dot_kernel_fwd_kernel[run.grid](
         run.q, run.k, run.v, g, gp, as_fp32(eta), U, run.o, *run.strides, tuple(U.stride()),
         run.T, run.H, run.K, run.V,
-        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if fp32 else 4,
+        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if (fp32 or BK > 64) else 4,
     )
     return run.o, None
