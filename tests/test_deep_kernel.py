@@ -255,9 +255,11 @@ def test_dot_triton_many_blocks_and_wide_values(gen, K):
     assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
 
 
-def test_dot_triton_bf16_and_views(gen):
-    """bf16 inputs (tf32 products; T = 70: three blocks); [B, T, H, K] tensors transposed are read in place."""
-    q, k, v, alpha, eta = dot_inputs(gen, T=70, K=16, V=12, dtype=torch.bfloat16)
+@pytest.mark.parametrize("K", [16, 100])
+def test_dot_triton_bf16_and_views(gen, K):
+    """bf16 inputs (tf32 products; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);
+    [B, T, H, K] tensors transposed are read in place."""
+    q, k, v, alpha, eta = dot_inputs(gen, T=70, K=K, V=12, dtype=torch.bfloat16)
     got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
     assert got.dtype == torch.bfloat16
     assert_close(got, dot_definition(q, k, v, alpha, eta).bfloat16(), tol=2e-2)

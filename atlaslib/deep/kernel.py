@@ -53,7 +53,7 @@ refuses scores above MAX_EXPONENT first (``problem.check_exponents``, for k.q an
 log-decays g_t and g_{t-1} come from the host in fp64 and are taken relative to g at the block's
 first row before rounding, as above. Rows past T get eta = 0 and zero rows of L, so they write
 nothing and their rows of the inverse stay finite. Tiles: K <= 128 (DOT_MAX_KEY), BV <= 64,
-BT = 32, or 16 for fp32 inputs at BK >= 64; 8 warps, or 4 for fp16/bf16 at BK <= 64 (DOT TILES below).
+BT = 32, or 16 past BK = 32 (fp32) or BK = 64 (fp16/bf16); see DOT TILES below.
 
 Forward only: ``deep_transformer(..., backend="triton")`` and ``dot(..., backend="triton")`` get their
 gradients from ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, ``chunk.dot_chunk``,
@@ -197,9 +197,17 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
 # ---------------------------------------------------------------------------------------
 # DOT with c = 1 (the delta rule on phi*): the coefficient solve, block by block
 # ---------------------------------------------------------------------------------------
-# Every program holds a block's keys, queries and an earlier block's keys at once, plus two score
-# tiles and two accumulators: K <= 128 (see DOT TILES in the module's docstring).
+# Every program holds a block's keys (or queries) beside an earlier block's keys, the block's
+# inverse and two accumulators: K <= 128.
 DOT_MAX_KEY = 128
+# DOT TILES. Blocks of BT = 32 tokens, 16 for fp32 inputs at BK >= 64 and for fp16/bf16 at BK = 128;
+# 8 warps, 4 for fp16/bf16 up to BK = 64; BV <= 64. Measured by building for sm_80 and sm_90
+# (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 8-16 KB and no spills at K = 16,
+# 32 (fp32) and 64 (176-255 registers); at K = 128, fp32 (FMA products) spills 164-176 B a thread
+# whatever the tiles tried (BV 16-64, 8 or 16 warps), bf16 none with 16-row blocks (200 registers).
+# One pass over the earlier blocks holding both the block's keys and its queries spilled 2-5 KB at
+# fp32 K = 128 (16- or 32-row blocks, 4 or 8 warps), hence the two passes; 64-row blocks spilled
+# 28-728 B at bf16 K = 64. Speed has not been measured on a GPU.
 
 
 @triton.jit
@@ -301,7 +309,7 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
     BK = feature_tile(run.K, DOT_MAX_KEY)
     fp32 = run.precision == "ieee"
-    BT = 16 if (fp32 and BK >= 64) else 32                            # see DOT TILES above
+    BT = 16 if BK > (32 if fp32 else 64) else 32                      # see DOT TILES above
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
