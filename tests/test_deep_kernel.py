@@ -269,6 +269,17 @@ def test_dot_triton_bf16_and_views(gen, K):
     assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
 
 
+def test_dot_triton_numbers_and_window_gates(gen):
+    """alpha, eta as numbers, and gamma at c = 1 (a factor of the step, either layout), as ``dot`` passes them."""
+    q, k, v, _, eta = dot_inputs(gen, T=20, K=8, V=3)
+    gamma = torch.rand(1, 2, 20, generator=gen)
+    for kw in ({"alpha": 0.9, "eta": 0.5}, {"gamma": gamma, "eta": eta}, {"gamma": gamma[..., None]}):
+        got, _ = dot(q, k, v, backend="triton", **kw)
+        d = {key: x.double() if isinstance(x, torch.Tensor) else x for key, x in kw.items()}
+        want, _ = dot(q.double(), k.double(), v.double(), backend="recurrent", **d)
+        assert_close(got, want.float(), tol=1e-5)
+
+
 def test_dot_triton_gradients_through_the_chunk_form(gen):
     q, k, v, alpha, eta = dot_inputs(gen, T=21, K=6, V=5)
     grads = []
