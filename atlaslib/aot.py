@@ -299,7 +299,8 @@ def deep_cases():
 
 def dot_cases():
     """DOT with c = 1 and phi_star="kernel" (``dot_kernel_triton``): the coefficient solve, gates and
-    eta on, at the head sizes it takes (K <= 128) in fp32 and bf16 (16-row blocks: fp32 at K >= 64, bf16 at K = 128)."""
+    eta on, at the head sizes it takes (K <= 128) in fp32 and bf16, which change its blocks (16 rows
+    for fp32 at K >= 64 and bf16 at K = 128, else 32) and warps."""
     from .deep.kernel import dot_kernel_triton
 
     for K in (16, 64, 128):
