@@ -294,6 +294,21 @@ def deep_cases():
             q, k, v = _qkv(K, K, DTYPES[dt], T)
             deep_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5), None, window, normalize)
         yield "deep", f"normalize={normalize} window={window} K=V={K} {dt}", deep
+    yield from dot_cases()
+
+
+def dot_cases():
+    """DOT with c = 1 and phi_star="kernel" (``dot_kernel_triton``): the coefficient solve, gates and
+    eta on, at the head sizes it takes (K <= 128) in fp32 and bf16, which change its blocks (16 rows
+    for fp32 at K >= 64 and bf16 at K = 128, else 32) and warps."""
+    from .deep.kernel import dot_kernel_triton
+
+    for K in (16, 64, 128):
+        for dt in ("fp32", "bf16"):
+            def dot(T, K=K, dt=dt):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                dot_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5))
+            yield "deep", f"dot c=1 K=V={K} {dt}", dot
 
 
 # Momenta S [V, K] that chapter 5's Newton–Schulz kernel takes (``atlas.kernel.kernel_supports``):
@@ -336,7 +351,7 @@ def bare_cases(K=64, dt="bf16"):
     """Every kernel with its optional inputs absent (None pointers, compiled away) and q, k, v
     given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
     from .atlas.kernel import atlas_triton
-    from .deep.kernel import deep_kernel_triton
+    from .deep.kernel import deep_kernel_triton, dot_kernel_triton
     from .delta.kernel import delta_rule_triton
     from .linear.kernel import linear_attention_triton
     from .miras.kernel import titans_linear_triton
@@ -353,6 +368,7 @@ def bare_cases(K=64, dt="bf16"):
     yield "swla", f"c=8 b=16 {label}", lambda T: swla_triton(*qkv(T), 8, chunk_size=16)
     yield "atlas", f"c=8 {label}", lambda T: atlas_triton(*qkv(T), 8)
     yield "deep", f"normalize=True {label}", lambda T: deep_kernel_triton(*qkv(T), normalize=True)
+    yield "deep", f"dot c=1 {label}", lambda T: dot_kernel_triton(*qkv(T))
 
 
 def largest_grid(launches: list[Launch]) -> tuple:

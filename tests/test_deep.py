@@ -415,7 +415,8 @@ def test_dot_gradients_chunk_vs_recurrent(gen):
     ({"eta": -1.0}, ValueError, "eta"),
     ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -2)}, ValueError, "phi_star"),
-    ({"backend": "triton"}, ValueError, "Triton"),
+    ({"backend": "triton"}, TypeError, "float64"),             # these inputs are fp64; the kernel is fp32
+    ({"backend": "triton", "phi_star": ("taylor", 2)}, ValueError, "no Triton kernel"),
     ({"chunk_size": 0}, ValueError, "chunk_size"),
 ])
 def test_dot_bad_input(gen, kwargs, error, match):

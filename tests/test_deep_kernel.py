@@ -4,6 +4,8 @@ The kernel-trick DeepTransformer with backend="triton" must compute what backend
 (the chunk form is checked against dense references in test_deep.py): on odd shapes, with and
 without the normaliser, windows, gates, multi-block sequences, fp32 / bf16 inputs and views; stay
 finite on scores far beyond exp's range when normalised; and differentiate through the chunk form.
+DOT with c = 1 (``dot_kernel_triton``, the coefficient solve) is checked against its definition, the
+per-token coefficient loop in fp64, and against its chunk form.
 """
 import math
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 from atlaslib.core import assert_close, random_gate
-from atlaslib.deep import deep_transformer
-from atlaslib.deep.kernel import MAX_KEY, unsupported
+from atlaslib.core.testing import poisoned_outputs
+from atlaslib.deep import deep_transformer, dot, dot_chunk, dot_coefficient_recurrent
+from atlaslib.deep.kernel import DOT_MAX_KEY, MAX_KEY, dot_unsupported, unsupported
 
 F64 = torch.float64
 
@@ -208,3 +211,101 @@ def test_what_auto_sends_to_the_chunk_form():
     assert feature_kernel_limits(torch.zeros(1, 1, 2, 231)) is None
     assert "D=1771" in feature_kernel_limits(torch.zeros(1, 1, 2, 1771))
     assert "fp64" in feature_kernel_limits(torch.zeros(1, 1, 2, 21, dtype=F64))
+
+
+# ----------------------------------------------------------------------------- DOT, c = 1: the coefficient solve
+
+def dot_inputs(gen, B=1, H=2, T=45, K=24, V=40, gates=True, dtype=torch.float32):
+    """Keys with |k|^2 about 0.24, so |phi*(k)|^2 = e^{|k|^2} < 2 and the delta rule on phi* is stable
+    even at eta = 1 (without gates the coefficients stay bounded too)."""
+    scale = (0.24 / K) ** 0.5
+    q, k = (scale * torch.randn(B, H, T, K, generator=gen) for _ in range(2))
+    v = torch.randn(B, H, T, V, generator=gen)
+    alpha = random_gate(B, H, T, low=0.7, generator=gen) if gates else None
+    eta = (0.1 + 0.9 * torch.rand(B, H, T, generator=gen)) if gates else None
+    return q.to(dtype), k.to(dtype), v.to(dtype), alpha, eta
+
+
+def dot_definition(q, k, v, alpha, eta):
+    """``dot_coefficient_recurrent`` (per token, the definition) in fp64 on the same (rounded) inputs."""
+    d = (lambda x: None if x is None else x.double())
+    o, _ = dot_coefficient_recurrent(q.double(), k.double(), v.double(), d(alpha), d(eta), "exp")
+    return o
+
+
+@pytest.mark.parametrize("alpha_on, eta_on", [(False, False), (True, True), (True, False), (False, True)])
+def test_dot_triton_matches_the_definition_on_odd_shapes(gen, alpha_on, eta_on):
+    """T = 45 (one full block of 32 and a partial one), K = 24, V = 40."""
+    q, k, v, alpha, eta = dot_inputs(gen)
+    alpha, eta = (alpha if alpha_on else None), (eta if eta_on else None)
+    with poisoned_outputs():                                       # every coefficient is written before it is read
+        got, state = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
+    assert state is None and got.dtype == torch.float32 and got.shape == v.shape
+    assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
+    chunk, _ = dot_chunk(q, k, v, alpha, eta, "exp", 16)
+    assert_close(got, chunk, tol=1e-5)
+
+
+@pytest.mark.parametrize("K", [5, 100])
+def test_dot_triton_many_blocks_and_wide_values(gen, K):
+    """T = 75: three blocks of 32 (K = 5), five of 16 (K = 100: fp32 halves the block at BK = 128);
+    V = 70: two value blocks of 64, each solving the same system on its own columns."""
+    q, k, v, alpha, eta = dot_inputs(gen, B=2, H=1, T=75, K=K, V=70)
+    got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
+    assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
+
+
+@pytest.mark.parametrize("K", [16, 100])
+def test_dot_triton_bf16_and_views(gen, K):
+    """bf16 inputs (tf32 products; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);
+    [B, T, H, K] tensors transposed are read in place."""
+    q, k, v, alpha, eta = dot_inputs(gen, T=70, K=K, V=12, dtype=torch.bfloat16)
+    got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")
+    assert got.dtype == torch.bfloat16
+    assert_close(got, dot_definition(q, k, v, alpha, eta).bfloat16(), tol=2e-2)
+    qv, kv, vv = (x.float().transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qv.is_contiguous()
+    got, _ = dot(qv, kv, vv, alpha=alpha, eta=eta, backend="triton")
+    assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
+
+
+def test_dot_triton_numbers_and_window_gates(gen):
+    """alpha, eta as numbers, and gamma at c = 1 (a factor of the step, either layout), as ``dot`` passes them."""
+    q, k, v, _, eta = dot_inputs(gen, T=20, K=8, V=3)
+    gamma = torch.rand(1, 2, 20, generator=gen)
+    for kw in ({"alpha": 0.9, "eta": 0.5}, {"gamma": gamma, "eta": eta}, {"gamma": gamma[..., None]}):
+        got, _ = dot(q, k, v, backend="triton", **kw)
+        d = {key: x.double() if isinstance(x, torch.Tensor) else x for key, x in kw.items()}
+        want, _ = dot(q.double(), k.double(), v.double(), backend="recurrent", **d)
+        assert_close(got, want.float(), tol=1e-5)
+
+
+def test_dot_triton_gradients_through_the_chunk_form(gen):
+    q, k, v, alpha, eta = dot_inputs(gen, T=21, K=6, V=5)
+    grads = []
+    for backend in ("triton", "chunk"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, alpha, eta)]
+        o, _ = dot(xs[0], xs[1], xs[2], alpha=xs[3], eta=xs[4], backend=backend, chunk_size=5)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(0))
+        grads.append(torch.autograd.grad((o * w).sum(), xs))
+    for name, a, b in zip("q k v alpha eta".split(), *grads):
+        assert_close(a, b, tol=1e-5, name=f"d/d{name}")
+        assert b.abs().sum() > 0
+
+
+def test_dot_triton_refusals_and_auto(gen):
+    q, k, v, alpha, eta = dot_inputs(gen, T=9, K=4, V=3)
+    with pytest.raises(TypeError, match="float64"):
+        dot(q.double(), k.double(), v.double(), backend="triton")
+    wide = torch.zeros(1, 1, 3, DOT_MAX_KEY + 1)
+    with pytest.raises(ValueError, match=f"K <= {DOT_MAX_KEY}"):
+        dot(wide, wide, torch.zeros(1, 1, 3, 2), backend="triton")
+    assert dot_unsupported(q) is None
+    assert "fp64" in dot_unsupported(q.double()) and f"K={DOT_MAX_KEY + 1}" in dot_unsupported(wide)
+    with pytest.raises(ValueError, match="phi_star='kernel' with window=1 has one"):
+        dot(q, k, v, phi_star=("taylor", 2), backend="triton")
+    with pytest.raises(ValueError, match="with a window has no Triton kernel"):
+        dot(q, k, v, window=2, backend="triton")
+    auto, _ = dot(q, k, v, alpha=alpha, eta=eta)                   # CPU: the chunk form
+    chunk, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="chunk")
+    assert torch.equal(auto, chunk)

@@ -26,9 +26,13 @@ GD keeps W1 in the span of the past features (MATH.md §6). With ("taylor", P) `
 exact only at b = 1; "frozen_seq" is its oracle); with phi_star="kernel" both run per token with W1 as
 coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``, O(T^2), exact phi*).
 
-Not here: a kernel for SWDT on phi*_P and for ``dot`` (its c = 1 kernel form runs batched triangular
-solves in PyTorch), a chunk form of the deep memory with the exact phi* (and the normaliser or an SWDT
-window with a deep memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
+``kernel.py`` also holds ``dot``'s kernel for c = 1 and phi_star="kernel" (``dot_kernel_triton``): per
+block of tokens, the unit lower-triangular system of the coefficients solved in registers, the earlier
+blocks' coefficients read back from global memory (O(T^2), as attention); K <= 128.
+
+Not here: a kernel for SWDT on phi*_P and for ``dot`` with c > 1 (or with phi*_P at c = 1), a chunk
+form of the deep memory with the exact phi* (and the normaliser or an SWDT window with a deep
+memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
 gradients per chunk, as chapter 4's).
 """
 from __future__ import annotations
@@ -275,7 +279,11 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
         initial_state: "mlp" only, as ``deep_transformer`` takes it (``{"W2": ...}``, plus "W1" for
             the Taylor form; None: W1 = 0, W2 seeded, h = 4 K).
         backend: "recurrent" (per token: the definition), "chunk", "triton" or "auto".
-            c = 1: "recurrent" and "chunk" (both exact for every chunk_size), "auto" = chunk; no kernel.
+            c = 1, "kernel": "recurrent", "chunk" (both exact for every chunk_size) and "triton"
+            (``kernel.dot_kernel_triton``: the same block solve in one program per head; fp32/bf16/fp16
+            inputs, K <= 128; forward only, gradients through the chunk form); "auto" = the kernel on
+            CUDA where it takes the inputs, else chunk.
+            c = 1, ("taylor", P): "recurrent" and "chunk" (chapter 2's forms), "auto" = chunk; no kernel.
             c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
             gradients at each chunk's start state, so chunk(b > 1) is an *approximation* of the
             recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; see ``omega_rule``).
@@ -318,8 +326,14 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
                             missing="phi_star='kernel' with a window has no Triton kernel (use backend='recurrent' "
                                     "for the definition, or 'chunk' for the frozen-gradient form)")
             return o.to(q.dtype), None
-        table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
-                 "chunk": lambda: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size)}
+        # c = 1: the coefficient solve; the table's forms take (q, k, v, alpha, eta), so that the kernel's
+        # gradients come from autograd through the chunk form (core.with_chunk_backward)
+        table = {"recurrent": lambda *x: dot_coefficient_recurrent(*x, "exp"),
+                 "chunk": lambda *x: dot_chunk(*x, "exp", chunk_size),
+                 "triton": lazy(f"{__name__}.kernel", "dot_kernel_triton")}
+        o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, model="dot",
+                        unsupported=lambda: lazy(f"{__name__}.kernel", "dot_unsupported")(q))
+        return o.to(q.dtype), None
     else:
         fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
         if c > 1:                                   # the Omega rule on the features (chapter 4)
@@ -333,8 +347,9 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
         table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
                  "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
     o, _ = dispatch(backend, q, table, model="dot",
-                    missing="DOT with window=1 has no Triton kernel (with phi_star=('taylor', P) and window > 1 "
-                            "it runs on chapter 4's Omega kernel)")
+                    missing="DOT with phi_star=('taylor', P) and window=1 has no Triton kernel (phi_star='kernel' "
+                            "with window=1 has one; with ('taylor', P) and window > 1 it runs on chapter 4's Omega "
+                            "kernel)")
     return o.to(q.dtype), None
 
 

@@ -32,9 +32,33 @@ across programs, each recomputing the scores). Launched with num_stages=1, as ch
 ``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
 features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
 
-Forward only: ``deep_transformer(..., backend="triton")`` gets its gradients from
-``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, recomputed from the saved
-inputs; ``chunk.hebbian_chunk`` for the features). Runs under ``TRITON_INTERPRET=1`` on CPU.
+``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), the block
+solve of ``chunk.dot_chunk`` in one program per (batch*head, block of BV value channels). The
+coefficients solve u_t = eta_t (v_t - sum_{j<t} e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j), a system on
+tokens that never mixes value channels, so splitting V is exact (each value block solves the same
+system on its own columns). The program walks blocks of BT tokens in order; for each block:
+
+* recall: sum over the earlier blocks of e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j, their keys and their
+  coefficients read back from an fp32 buffer [B, H, T, V] in global memory (O(T^2), as attention);
+* the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L[t, j] = e^{g_{t-1} - g_j}
+  exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (blocked
+  forward substitution on the BT x BT tile); U is written to the buffer;
+* the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j: the diagonal block from registers, then
+  a second pass over the earlier blocks (two passes, so that only one of the block's [BT, BK] tiles,
+  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32);
+* a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
+
+Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
+refuses scores above MAX_EXPONENT first (``problem.check_exponents``, for k.q and k.k). The
+log-decays g_t and g_{t-1} come from the host in fp64 and are taken relative to g at the block's
+first row before rounding, as above. Rows past T get eta = 0 and zero rows of L, so they write
+nothing and their rows of the inverse stay finite. Tiles: K <= 128 (DOT_MAX_KEY), BV <= 64,
+BT = 32, or 16 past BK = 32 (fp32) or BK = 64 (fp16/bf16); see DOT TILES below.
+
+Forward only: ``deep_transformer(..., backend="triton")`` and ``dot(..., backend="triton")`` get their
+gradients from ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, ``chunk.dot_chunk``,
+recomputed from the saved inputs; ``chunk.hebbian_chunk`` for the features). Runs under
+``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -43,7 +67,10 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
+from ..core.dispatch import matrix_kernel_limits
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.testing import empty
+from ..delta.kernel import unit_lower_inverse
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
 MAX_KEY = 256
@@ -165,3 +192,131 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
     if eta is not None:
         v = eta[..., None].to(torch.float32) * v.to(torch.float32)       # the write eta_t v_t
     return linear_attention_triton(fq, fk, v, alpha, initial_state, log_alpha)
+
+
+# ---------------------------------------------------------------------------------------
+# DOT with c = 1 (the delta rule on phi*): the coefficient solve, block by block
+# ---------------------------------------------------------------------------------------
+# Every program holds a block's keys (or queries) beside an earlier block's keys, the block's
+# inverse and two accumulators: K <= 128.
+DOT_MAX_KEY = 128
+# DOT TILES. Blocks of BT = 32 tokens, 16 for fp32 inputs at BK >= 64 and for fp16/bf16 at BK = 128;
+# 8 warps, 4 for fp16/bf16 up to BK = 64; BV <= 64. Measured by building for sm_80 and sm_90
+# (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 8-16 KB and no spills at K = 16,
+# 32 (fp32) and 64 (176-255 registers); at K = 128, fp32 (FMA products) spills 164-176 B a thread
+# whatever the tiles tried (BV 16-64, 8 or 16 warps), bf16 none with 16-row blocks (200 registers).
+# One pass over the earlier blocks holding both the block's keys and its queries spilled 2-5 KB at
+# fp32 K = 128 (16- or 32-row blocks, 4 or 8 warps), hence the two passes; 64-row blocks spilled
+# 28-728 B at bf16 K = 64. Speed has not been measured on a GPU.
+
+
+@triton.jit
+def log_decay_from(g_ptr, o_t, m_t, b_gref):
+    """g[o_t] - g_ref for the fp64 running log-decays g: subtracted in fp64, then fp32 (0 where masked)."""
+    return tl.where(m_t, (tl.load(g_ptr + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32), 0.0)
+
+
+@triton.jit
+def dot_kernel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr, o_ptr,
+    s_q, s_k, s_v, s_o, s_u,
+    T, H, K, V,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    u_ptr = at_head(u_ptr, s_u, i_b, i_h)   # fp32 coefficients u_j, written block by block
+
+    o_i = tl.arange(0, BT)                  # rows of a block
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
+    m_strict = o_i[:, None] > o_i[None, :]
+
+    for start in range(0, T, BT):
+        o_t = start + o_i                   # the block's tokens
+        m_t = o_t < T
+        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        if g_ptr is not None:
+            # g_t and g_{t-1} relative to g at the block's first row: subtracted in fp64, then fp32
+            b_gref = tl.load(g_ptr + i_bh * T + start)
+            b_gq = log_decay_from(g_ptr + i_bh * T, o_t, m_t, b_gref)
+            b_gp = log_decay_from(gp_ptr + i_bh * T, o_t, m_t, b_gref)
+        if eta_ptr is not None:
+            b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+        else:
+            b_eta = tl.where(m_t, 1.0, 0.0)  # rows past T write nothing
+
+        # what the earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
+        # weights e^{g_{t-1} - g_j} exp(k_j.k_t). Two passes over them (this one with the keys, the
+        # read below with the queries) hold one [BT, BK] tile of the block at a time: fp32 spills otherwise
+        b_recall = tl.zeros([BT, BV], dtype=tl.float32)
+        for kstart in range(0, start, BT):
+            o_s = kstart + o_i
+            m_s = o_s < T
+            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+            b_S = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
+            if g_ptr is not None:
+                b_S += b_gp[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
+            b_recall += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
+
+        # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower; masked to
+        # -inf before the exponential, rows past T zero (so their rows of the inverse stay finite)
+        b_S = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_S += b_gp[:, None] - b_gq[None, :]
+        b_L = tl.exp(tl.where(m_strict & m_t[:, None], b_S, float("-inf")))
+        b_R = unit_lower_inverse(b_eta[:, None] * b_L, BT, 16, PRECISION)
+        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_v - b_recall, 0.0), input_precision=PRECISION)
+        store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, b_u)
+
+        # the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j.q_t) u_j: the diagonal block, then the earlier ones
+        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_S += b_gq[:, None] - b_gq[None, :]
+        b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_S, float("-inf")))
+        b_acc = tl.dot(b_P, b_u, input_precision=PRECISION)
+        for kstart in range(0, start, BT):
+            o_s = kstart + o_i
+            m_s = o_s < T
+            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+            b_S = tl.dot(b_q, tl.trans(b_kj), input_precision=PRECISION)
+            if g_ptr is not None:
+                b_S += b_gq[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
+            b_acc += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
+        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
+        # the next blocks read this block's coefficients back: every thread's stores first
+        tl.debug_barrier()
+
+
+def dot_unsupported(q) -> str | None:
+    """What the DOT kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > DOT_MAX_KEY."""
+    return matrix_kernel_limits(q, DOT_MAX_KEY)
+
+
+def dot_kernel_triton(q, k, v, alpha=None, eta=None):
+    """Triton forward of DOT with c = 1 and phi_star="kernel"; returns (o [B, H, T, V] in q's dtype, None).
+
+    Same arguments and results as ``chunk.dot_chunk`` with kernel="exp" (without chunk_size: the
+    kernel's block is its own, and every block size gives the same function). alpha must be > 0.
+    """
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
+    BK = feature_tile(run.K, DOT_MAX_KEY)
+    fp32 = run.precision == "ieee"
+    BT = 16 if BK > (32 if fp32 else 64) else 32                      # see DOT TILES above
+    logs = gate_logs(alpha, None, torch.float64)
+    g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
+    gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
+    U = empty(run.B, run.H, run.T, run.V, dtype=torch.float32, device=q.device)   # the coefficients u_t
+    dot_kernel_fwd_kernel[run.grid](
+        run.q, run.k, run.v, g, gp, as_fp32(eta), U, run.o, *run.strides, tuple(U.stride()),
+        run.T, run.H, run.K, run.V,
+        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if (fp32 or BK > 64) else 4,
+    )
+    return run.o, None
