@@ -416,7 +416,7 @@ def test_dot_gradients_chunk_vs_recurrent(gen):
     ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -2)}, ValueError, "phi_star"),
     ({"backend": "triton"}, TypeError, "float64"),             # these inputs are fp64; the kernel is fp32
-    ({"backend": "triton", "phi_star": ("taylor", 2)}, ValueError, "no Triton kernel"),
+    ({"backend": "triton", "phi_star": ("taylor", 2)}, TypeError, "float64"),   # chapter 2's kernel: fp32 too
     ({"chunk_size": 0}, ValueError, "chunk_size"),
 ])
 def test_dot_bad_input(gen, kwargs, error, match):

@@ -302,10 +302,28 @@ def test_dot_triton_refusals_and_auto(gen):
         dot(wide, wide, torch.zeros(1, 1, 3, 2), backend="triton")
     assert dot_unsupported(q) is None
     assert "fp64" in dot_unsupported(q.double()) and f"K={DOT_MAX_KEY + 1}" in dot_unsupported(wide)
-    with pytest.raises(ValueError, match="phi_star='kernel' with window=1 has one"):
-        dot(q, k, v, phi_star=("taylor", 2), backend="triton")
     with pytest.raises(ValueError, match="with a window has no Triton kernel"):
         dot(q, k, v, window=2, backend="triton")
     auto, _ = dot(q, k, v, alpha=alpha, eta=eta)                   # CPU: the chunk form
     chunk, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="chunk")
     assert torch.equal(auto, chunk)
+
+
+def test_dot_taylor_c1_runs_chapter_2s_kernel_on_the_features(gen):
+    """phi_star=("taylor", P), c = 1: chapter 2's delta-rule kernel on phi*_P == the fp64 delta rule
+    written here from the definition on the same features (decay after the step, as DOT's)."""
+    from atlaslib.deep import exp_features
+    B, H, T, K, V = 1, 2, 37, 4, 6
+    q, k = (torch.randn(B, H, T, K, generator=gen) / 2 for _ in range(2))
+    v = torch.randn(B, H, T, V, generator=gen)
+    alpha = random_gate(B, H, T, low=0.8, high=1.0, generator=gen)
+    eta = random_gate(B, H, T, low=0.05, high=0.2, generator=gen)
+    tri, _ = dot(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", 2), backend="triton")
+    fq, fk = exp_features(q.double(), 2), exp_features(k.double(), 2)
+    M = torch.zeros(B, H, V, fk.shape[-1], dtype=torch.float64)
+    ref = []
+    for t in range(T):       # M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi(k_t) - v_t) phi(k_t)^T
+        err = torch.einsum("bhvd,bhd->bhv", M, fk[:, :, t]) - v[:, :, t].double()
+        M = alpha[:, :, t, None, None].double() * M - eta[:, :, t, None, None].double() * err[..., None] * fk[:, :, t, None, :]
+        ref.append(torch.einsum("bhvd,bhd->bhv", M, fq[:, :, t]))
+    assert_close(tri.double(), torch.stack(ref, 2), tol=1e-5, name="dot taylor c=1 triton vs definition")

@@ -44,7 +44,7 @@ from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import _value_check, gate_or_number
-from ..delta import delta_rule_chunk, delta_rule_recurrent
+from ..delta import delta_rule
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..omega.problem import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
@@ -283,7 +283,8 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
             (``kernel.dot_kernel_triton``: the same block solve in one program per head; fp32/bf16/fp16
             inputs, K <= 128; forward only, gradients through the chunk form); "auto" = the kernel on
             CUDA where it takes the inputs, else chunk.
-            c = 1, ("taylor", P): "recurrent" and "chunk" (chapter 2's forms), "auto" = chunk; no kernel.
+            c = 1, ("taylor", P): chapter 2's ``delta_rule`` on the features, with its backends (its
+            kernel where it takes the D = C(K + P, P) feature channels).
             c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
             gradients at each chunk's start state, so chunk(b > 1) is an *approximation* of the
             recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; see ``omega_rule``).
@@ -334,22 +335,17 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
         o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, model="dot",
                         unsupported=lambda: lazy(f"{__name__}.kernel", "dot_unsupported")(q))
         return o.to(q.dtype), None
-    else:
-        fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
-        if c > 1:                                   # the Omega rule on the features (chapter 4)
-            o, _ = omega_rule(fq, fk, v.to(cd), window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
-                              chunk_size=chunk_size)
-            return o.to(q.dtype), None
-        beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
-        vv = v.to(cd)
-        if alpha is not None:                       # Gated DeltaNet decays before its step: undo it
-            beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
-        table = {"recurrent": lambda: delta_rule_recurrent(fq, fk, vv, beta, alpha),
-                 "chunk": lambda: delta_rule_chunk(fq, fk, vv, beta, alpha, None, chunk_size)}
-    o, _ = dispatch(backend, q, table, model="dot",
-                    missing="DOT with phi_star=('taylor', P) and window=1 has no Triton kernel (phi_star='kernel' "
-                            "with window=1 has one; with ('taylor', P) and window > 1 it runs on chapter 4's Omega "
-                            "kernel)")
+    fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
+    if c > 1:                                       # the Omega rule on the features (chapter 4)
+        o, _ = omega_rule(fq, fk, v.to(cd), window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
+                          chunk_size=chunk_size)
+        return o.to(q.dtype), None
+    beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
+    vv = v.to(cd)
+    if alpha is not None:                           # Gated DeltaNet decays before its step: undo it
+        beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
+    # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit)
+    o, _ = delta_rule(fq, fk, vv, beta, alpha=alpha, backend=backend, chunk_size=chunk_size)
     return o.to(q.dtype), None
 
 
