@@ -28,9 +28,10 @@ coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``
 
 ``kernel.py`` also holds ``dot``'s kernel for c = 1 and phi_star="kernel" (``dot_kernel_triton``): per
 block of tokens, the unit lower-triangular system of the coefficients solved in registers, the earlier
-blocks' coefficients read back from global memory (O(T^2), as attention); K <= 128.
+blocks' coefficients read back from global memory (O(T^2), as attention); K <= 128. With phi*_P and
+c = 1, ``dot`` is chapter 2's ``delta_rule`` on the features, its kernel included.
 
-Not here: a kernel for SWDT on phi*_P and for ``dot`` with c > 1 (or with phi*_P at c = 1), a chunk
+Not here: a kernel for SWDT on phi*_P and for ``dot``'s kernel form with c > 1, a chunk
 form of the deep memory with the exact phi* (and the normaliser or an SWDT window with a deep
 memory), an exact chunk form of ``dot`` with c > 1 (both phi* forms freeze the
 gradients per chunk, as chapter 4's).
