@@ -41,18 +41,42 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, window) -> torch.Tensor:
     return ok
 
 
-def kernel_weights(x, k, kernel, logdecay, ok, shift=False):
-    """W[t, j] = e^{logdecay[t, j]} kappa(k_j, x_t) where ``ok``, else 0 [.., n, m].
+def mask_invisible_(S: torch.Tensor, top: int, lo: int, window, value: float) -> torch.Tensor:
+    """In place: S[..., r, j] = value where key lo + j is not in the memory of position top + r.
 
-    exp kernel: one exponent k_j^T x_t + logdecay, masked to -inf *before* the exponential; ``shift``
-    subtracts each row's max (a factor that cancels in a normalised output)."""
+    Only the ragged columns are written: with n rows, the keys [top + n - c, top] (every key up to
+    top without a window) are in every row's memory, so a long block of keys costs no mask."""
+    n, m = S.shape[-2:]
+    rows, cols = torch.arange(top, top + n, device=S.device), torch.arange(lo, lo + m, device=S.device)
+    shared = lo if window is None else max(lo, top + n - window)      # first key every row sees
+    if shared > top:                                                  # no key seen by all: mask it all
+        return S.masked_fill_(~visible(rows, cols, window), value)
+    head, tail = shared - lo, top + 1 - lo                            # ragged: [0, head) and [tail, m)
+    if head > 0:
+        S[..., :head].masked_fill_(~visible(rows, cols[:head], window), value)
+    if tail < m:
+        S[..., tail:].masked_fill_(~visible(rows, cols[tail:], window), value)
+    return S
+
+
+def kernel_weights(x, k, kernel, logdecay, top, lo, window=None, shift=False):
+    """W[r, j] = e^{logdecay[r, j]} kappa(k_j, x_r) where key lo + j is in the memory of position
+    top + r (``visible``), else 0 [.., n, m].
+
+    exp kernel: one exponent k_j^T x_r + logdecay, masked to -inf *before* the exponential, all in
+    place on the score block; ``shift`` subtracts each row's max (a factor that cancels in a
+    normalised output)."""
     S = x @ k.mT
     if kernel == "exp":
-        S = (S if logdecay is None else S + logdecay).masked_fill(~ok, float("-inf"))
+        if logdecay is not None:
+            S.add_(logdecay)
+        mask_invisible_(S, top, lo, window, float("-inf"))
         if shift:
-            S = S - S.amax(-1, keepdim=True).detach()
-        return torch.exp(S)
-    return S * (ok.to(S.dtype) if logdecay is None else torch.exp(logdecay.masked_fill(~ok, float("-inf"))))
+            S.sub_(S.detach().amax(-1, keepdim=True))
+        return S.exp_()
+    if logdecay is None:
+        return mask_invisible_(S, top, lo, window, 0.0)
+    return S * torch.exp(mask_invisible_(logdecay, top, lo, window, float("-inf")))
 
 
 def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift=False, chunk_size=64,
@@ -61,17 +85,16 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
     B, H, T, _ = q.shape
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if eta is not None:
+        v = eta[..., None].to(cd) * v                             # the written values eta_i v_i, once
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1)        # fp64: differences of a long sum keep their digits
     outputs = []
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
         lo = 0 if window is None else max(0, s - window + 1)      # the oldest key this block sees
-        ok = visible(torch.arange(s, e, device=q.device), torch.arange(lo, e, device=q.device), window)
         decay = None if g is None else (g[:, :, s:e, None] - g[:, :, None, lo:e]).to(cd)
-        W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, ok, shift)
-        if eta is not None:
-            W = W * eta[:, :, None, lo:e].to(cd)
+        W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, s, lo, window, shift)
         outputs.append(W @ v[:, :, lo:e])
     return torch.cat(outputs, dim=2).to(out_dtype), None
 
@@ -96,15 +119,14 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     outputs = []
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
-        rows, cols = torch.arange(s, e, device=q.device), torch.arange(0, e, device=q.device)
         # log-decays g_{t-1} - g_j (the state a token corrects) and g_t - g_j (the state it reads)
         gate_prev = None if g is None else ((g - logs)[:, :, s:e, None] - g[:, :, None, :e]).to(cd)
         gate_now = None if g is None else (g[:, :, s:e, None] - g[:, :, None, :e]).to(cd)
-        Kmat = kernel_weights(k[:, :, s:e], k[:, :, :e], kernel, gate_prev, cols[None, :] < rows[:, None])
+        Kmat = kernel_weights(k[:, :, s:e], k[:, :, :e], kernel, gate_prev, s - 1, 0)   # j < t: one row up
         rhs = eta[:, :, s:e, None] * (v[:, :, s:e] - Kmat[..., :s] @ U)          # earlier blocks: known
         system = torch.eye(e - s, dtype=cd, device=q.device) + eta[:, :, s:e, None] * Kmat[..., s:]
         U = torch.cat([U, torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)], dim=2)
-        W = kernel_weights(q[:, :, s:e], k[:, :, :e], kernel, gate_now, cols[None, :] <= rows[:, None])
+        W = kernel_weights(q[:, :, s:e], k[:, :, :e], kernel, gate_now, s, 0)
         outputs.append(W @ U)
     return torch.cat(outputs, dim=2).to(out_dtype), None
 
