@@ -72,8 +72,8 @@ def exp_flushed(S: torch.Tensor) -> torch.Tensor:
     hands the products after it subnormal numbers. So the exponent is clamped one unit inside the
     range and the entries that were below it are zeroed: the same weights down to 3.2e-38, 0 below."""
     floor = math.log(torch.finfo(S.dtype).tiny) + 1
-    kept = S > floor
-    W = S.clamp_min_(floor).exp_()
+    kept = torch.gt(S, floor, out=torch.empty_like(S))      # 1.0 / 0.0, not a bool mask:
+    W = S.clamp_min_(floor).exp_()                                  # a bool factor costs a conversion
     return W * kept if W.requires_grad else W.mul_(kept)           # exp's backward keeps its output
 
 
