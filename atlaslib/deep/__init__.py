@@ -62,13 +62,13 @@ def kernel_table(chunk_size: int) -> dict:
     def exact(form):
         def run(q, k, v, alpha, eta, log_alpha, window, normalize):
             cd = compute_dtype(q)
+            if form == "chunk":                   # the quotient taken block by block (see masked_chunk)
+                return masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha,
+                                    normalize)
             if normalize:
                 v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
-            if form == "recurrent":
-                o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
-                                             normalize)
-            else:
-                o, _ = masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha)
+            o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
+                                         normalize)
             if normalize:
                 o = o[..., :-1].to(cd) / o[..., -1:].to(cd)
             return o.to(q.dtype), None

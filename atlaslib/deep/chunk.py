@@ -108,13 +108,20 @@ def kernel_weights(x, k, kernel, decay, top, lo, window=None, shift=False):
 
 
 def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift=False, chunk_size=64,
-                 log_alpha=None):
-    """Same arguments and results as ``coefficient_recurrent`` (plus chunk_size, log_alpha). O(T * span)."""
+                 log_alpha=None, normalize=False):
+    """Same arguments and results as ``coefficient_recurrent`` (plus chunk_size, log_alpha). O(T * span).
+
+    ``normalize``: return y_t / z_t instead, z_t the same sum with v = 1 (eta_i included), divided per
+    block in fp32/fp64. Without eta, z is the row sum of the block's weights, cheaper than the extra
+    column of ones a caller would add to v (a 65th column slows every product); with eta, eta_i rides
+    along as that last column."""
     B, H, T, _ = q.shape
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     if eta is not None:
         v = eta[..., None].to(cd) * v                             # the written values eta_i v_i, once
+        if normalize:
+            v = torch.cat([v, eta[..., None].to(cd)], dim=-1)     # and z's weights eta_i
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1)        # fp64: differences of a long sum keep their digits
     outputs = []
@@ -123,7 +130,10 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
         lo = 0 if window is None else max(0, s - window + 1)      # the oldest key this block sees
         decay = None if g is None else split_decay(g, g, slice(s, e), slice(lo, e), cd)
         W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, s, lo, window, shift)
-        outputs.append(W @ v[:, :, lo:e])
+        o = W @ v[:, :, lo:e]
+        if normalize:
+            o = o / W.sum(-1, keepdim=True) if eta is None else o[..., :-1] / o[..., -1:]
+        outputs.append(o)
     return torch.cat(outputs, dim=2).to(out_dtype), None
 
 
