@@ -239,8 +239,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--models", nargs="+", default=None, help=f"bench cases (default all: {', '.join(BENCH_CASES)})")
-    p.add_argument("--backends", nargs="+", default=None, help="default: each case's own (recurrent chunk, + triton on CUDA; "
-                   "deep_vs_sdpa: sdpa and the kernel-trick forms)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="default: each case's own (recurrent chunk, + triton on CUDA; deep_vs_sdpa: sdpa and "
+                        "the kernel-trick forms)")
     p.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunk backend")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
