@@ -315,6 +315,22 @@ def test_large_scores(gen):
     assert torch.isfinite(small).all() and MAX_EXPONENT == 80.0
 
 
+def test_long_vectors_with_small_scores_are_allowed(gen):
+    """|q| |k| = 900 fails the cheap bound (max|q| max|k| <= MAX_EXPONENT), so the exact check decides:
+    q along e_1, k along e_2, every score k_i^T q_t small; allowed, and exact. Turned to e_1, refused."""
+    q, k, v, _, _ = make_inputs(gen, T=15, K=5)
+    q[..., 0], k[..., 1] = 30.0, 30.0
+    q[..., 1], k[..., 0] = 0.0, 0.0
+    s = (q @ k.mT).masked_fill(~torch.ones(15, 15, dtype=torch.bool).tril(), -math.inf)
+    assert s.max() < 5 and s.tril().abs().max() < 5
+    for backend in ("recurrent", "chunk"):
+        got, _ = deep_transformer(q, k, v, backend=backend, chunk_size=4)
+        assert_close(got, s.exp() @ v, tol=1e-12)
+    k[..., 0] = 30.0                                                  # scores near 900
+    with pytest.raises(ValueError, match="overflow"):
+        deep_transformer(q, k, v)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"memory": "mlp"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -1)}, ValueError, "phi_star"),
