@@ -16,7 +16,9 @@ For every registered model (a *bench case*) and every backend it prints
   running sum of those sizes in time order is the memory held at each moment, and its
   maximum is the peak. (This counts tensor storage only, not Python objects, which is
   what grows with T.)
-* ``speedup``: recurrent-loop time / this backend's time, for the same model and shape.
+* ``speedup``: recurrent-loop time / this backend's time, for the same model and shape (or,
+  for a case that registers another ``reference`` backend, that one's time: ``deep_vs_sdpa``
+  divides PyTorch's ``scaled_dot_product_attention`` by chapter 6's kernel-trick forms).
 * On CUDA also ``TFLOP/s`` (the case's FLOP count for its chunkwise algorithm, divided
   by the time) and ``GB/s`` (bytes of inputs read plus outputs written, divided by the
   time); the footer prints the card's measured matmul and copy peaks to compare with.
@@ -134,9 +136,14 @@ def peak_memory_mib(fn, device) -> float:
     return peak / 2**20
 
 
-def default_backends(device) -> list[str]:
+def case_backends(case: BenchCase, backends, device) -> list[str]:
+    """The backends of ``case`` to time: those of ``backends`` it has, in that order; by default
+    (``backends`` None) every one it registers, baselines such as "sdpa" included, the Triton
+    ones ("triton", "triton_...") on CUDA only."""
+    if backends:
+        return [b for b in backends if b in case.backends]
     on_gpu = str(device).startswith("cuda")
-    return ["recurrent", "chunk"] + (["triton"] if on_gpu else [])
+    return [b for b in case.backends if on_gpu or not b.startswith("triton")]
 
 
 def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu", dtype=torch.float32,
@@ -148,7 +155,6 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
     unknown = [m for m in models if m not in BENCH_CASES]
     if unknown:
         raise ValueError(f"unknown bench case(s) {unknown}; registered: {sorted(BENCH_CASES)}")
-    backends = backends or default_backends(device)
     on_gpu = str(device).startswith("cuda")
     jobs = [(m, T) for m in models for T in Ts]
     rows = []
@@ -156,11 +162,11 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
         case = BENCH_CASES[name]
         shape = BenchShape(B, H, T, K, V, str(device), dtype, chunk_size)
         call = case.builder(shape, torch.Generator().manual_seed(seed))
-        fns = {b: (lambda b=b: call(b)) for b in backends if b in case.backends}
+        fns = {b: (lambda b=b: call(b)) for b in case_backends(case, backends, device)}
         with torch.no_grad():
             times = time_calls(fns, device, warmup=warmup, repeats=repeats)      # backends interleaved
             peaks = {b: peak_memory_mib(fn, device) for b, fn in fns.items()}
-        ref = times.get("recurrent")
+        ref = times.get(case.reference)
         for backend, ms in times.items():
             row = {"model": name, "backend": backend, "device": str(device),
                    "dtype": str(dtype).replace("torch.", ""), "B": B, "H": H, "T": T, "K": K, "V": V,
@@ -233,7 +239,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--models", nargs="+", default=None, help=f"bench cases (default all: {', '.join(BENCH_CASES)})")
-    p.add_argument("--backends", nargs="+", default=None, help="default: recurrent chunk (+ triton on CUDA)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="default: each case's own (recurrent chunk, + triton on CUDA; deep_vs_sdpa: sdpa and "
+                        "the kernel-trick forms)")
     p.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunk backend")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)

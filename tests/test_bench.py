@@ -72,3 +72,59 @@ def test_atlas_rows_and_the_newton_schulz_share():
     assert {"atlas", "atlas_c4", "atlas_c8"} <= set(bench.BENCH_CASES)
     share = ns_share(bench.BenchShape(1, 2, 24, 8, 8, chunk_size=8), window=8, repeats=1)
     assert 0 < share < 1
+
+
+DEEP_ROWS = {"deep_kernel": ("recurrent", "chunk"), "deep_kernel_norm": ("recurrent", "chunk"),
+             "deep_taylor2": ("recurrent", "chunk"), "swdt_c512": ("recurrent", "chunk"),
+             "dot_kernel": ("recurrent", "chunk"), "dot_taylor2": ("recurrent", "chunk"),
+             "deep_vs_sdpa": ("sdpa", "chunk", "chunk_normalize")}
+
+
+def test_deep_rows_run_with_their_own_backends():
+    """Chapter 6's rows: loop vs chunk, and SDPA as the reference of the kernel-trick forms (no triton on CPU)."""
+    rows = bench.run_benchmarks(list(DEEP_ROWS), [12], B=1, H=2, K=4, V=3, chunk_size=4, warmup=0, repeats=1,
+                                progress=False)
+    assert {(r["model"], r["backend"]) for r in rows} == {(m, b) for m, bs in DEEP_ROWS.items() for b in bs}
+    for r in rows:
+        reference = "sdpa" if r["model"] == "deep_vs_sdpa" else "recurrent"
+        assert r["time_ms"] > 0 and r["speedup"] > 0
+        if r["backend"] == reference:
+            assert r["speedup"] == 1.0
+
+
+def test_deep_vs_sdpa_computes_what_it_compares():
+    """On the case's own inputs: chunk_normalize is SDPA's softmax attention, and chunk the same exp
+    scores without the normaliser (checked against exp(q k^T) built here, in fp64)."""
+    bench.load_chapter_cases()
+    shape = bench.BenchShape(2, 3, 33, 8, 5, dtype=torch.float64, chunk_size=8)
+    call = bench.BENCH_CASES["deep_vs_sdpa"].builder(shape, torch.Generator().manual_seed(1))
+    sdpa = call("sdpa")
+    torch.testing.assert_close(call("chunk_normalize"), sdpa, rtol=1e-10, atol=1e-12)
+    from atlaslib.core import random_qkv
+    q, k, v = random_qkv(2, 3, 33, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    scores = torch.exp(q @ k.mT).tril()
+    torch.testing.assert_close(call("chunk"), scores @ v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(sdpa, (scores @ v) / scores.sum(-1, keepdim=True), rtol=1e-10, atol=1e-12)
+
+
+def test_case_backends_default_to_the_case_and_keep_triton_for_cuda():
+    case = bench.BenchCase("_x", None, backends=("sdpa", "chunk", "triton", "triton_normalize"), reference="sdpa")
+    assert bench.case_backends(case, None, "cpu") == ["sdpa", "chunk"]
+    assert bench.case_backends(case, None, "cuda") == ["sdpa", "chunk", "triton", "triton_normalize"]
+    assert bench.case_backends(case, ["chunk", "recurrent", "sdpa"], "cpu") == ["chunk", "sdpa"]
+
+
+def test_deep_kernel_flops_count_the_visible_span():
+    """The masked chunk form's FLOPs: every query block times the keys from its oldest visible one to
+    its last row, 2 (K + V) each; the span counted here from ``visible``'s mask of every block."""
+    from atlaslib.deep.bench_cases import kernel_flops
+    from atlaslib.deep.chunk import visible
+    s = bench.BenchShape(2, 3, 37, 4, 5, chunk_size=8)
+    for window in (None, 5, 100):
+        pairs = 0
+        for start in range(0, s.T, s.chunk_size):
+            rows = torch.arange(start, min(start + s.chunk_size, s.T))
+            seen = visible(rows, torch.arange(s.T), window).any(0).nonzero()
+            pairs += len(rows) * (int(seen.max()) - int(seen.min()) + 1)
+        assert kernel_flops(window)(s) == s.B * s.H * pairs * 2 * (s.K + s.V)
+        assert kernel_flops(window, passes=2)(s) == 2 * kernel_flops(window)(s)

@@ -233,6 +233,40 @@ def test_fp32_inputs(gen):
             assert_close(got, want.float(), tol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_strong_decays_in_fp32(gen, window):
+    """Gates in [0.05, 0.3]: the exponents of old keys fall hundreds below exp's range, where the chunk
+    forms flush the weights to 0 (``exp_flushed``); the outputs still match the fp64 definition."""
+    q, k, v = random_qkv(1, 2, 90, 5, 3, dtype=F64, generator=gen)
+    alpha = random_gate(1, 2, 90, low=0.05, high=0.3, dtype=F64, generator=gen)
+    eta = 0.2 + torch.rand(1, 2, 90, generator=gen, dtype=F64)
+    assert torch.log(alpha).sum(-1).max() < -100                    # old keys reach the flushed range
+    for normalize in (False, True):
+        want = dense_reference(q, k, v, alpha, eta, window, kappa_of("kernel"), normalize)
+        for b in (1, 16, 64):
+            got, _ = deep_transformer(q.float(), k.float(), v.float(), alpha=alpha.float(), eta=eta.float(),
+                                      normalize=normalize, window=window, backend="chunk", chunk_size=b)
+            assert_close(got, want.float(), tol=1e-5, name=f"chunk({b})")
+    want, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="recurrent")
+    for b in (1, 16, 64):
+        got, _ = dot(q.float(), k.float(), v.float(), alpha=alpha.float(), eta=eta.float(), backend="chunk",
+                     chunk_size=b)
+        assert_close(got, want.float(), tol=1e-5, name=f"dot chunk({b})")
+
+
+def test_exp_flushed_zeroes_only_below_the_normal_range():
+    from atlaslib.deep.chunk import exp_flushed
+    for dtype in (torch.float32, F64):
+        tiny = torch.finfo(dtype).tiny
+        S = torch.tensor([0.0, 3.5, -1.0, -80.0, math.log(tiny) + 1.5, math.log(tiny) + 0.5, math.log(tiny),
+                          -200.0, -1000.0, -math.inf], dtype=dtype)
+        want = torch.exp(S.double())
+        want[want < math.e * tiny] = 0
+        got = exp_flushed(S.clone())
+        assert torch.equal(got == 0, want == 0) and int((want == 0).sum()) >= 4      # -inf, and below the edge
+        assert_close(got.double(), want, tol=1e-6 if dtype == torch.float32 else 1e-14)
+
+
 @pytest.mark.parametrize("B, H, T, K, V", [(1, 1, 1, 3, 2), (1, 3, 2, 1, 4), (3, 1, 9, 6, 1)])
 def test_odd_shapes(gen, B, H, T, K, V):
     """T = 1, T < chunk, K = 1, V = 1, B*H > 1: recurrent == chunk for both models and both phi*."""
@@ -279,6 +313,22 @@ def test_large_scores(gen):
         assert_close(got32, (s.softmax(-1) @ v).float(), tol=1e-4)
     small, _ = deep_transformer(q / 40, k / 40, v)                    # unit q, k: allowed
     assert torch.isfinite(small).all() and MAX_EXPONENT == 80.0
+
+
+def test_long_vectors_with_small_scores_are_allowed(gen):
+    """|q| |k| = 900 fails the cheap bound (max|q| max|k| <= MAX_EXPONENT), so the exact check decides:
+    q along e_1, k along e_2, every score k_i^T q_t small; allowed, and exact. Turned to e_1, refused."""
+    q, k, v, _, _ = make_inputs(gen, T=15, K=5)
+    q[..., 0], k[..., 1] = 30.0, 30.0
+    q[..., 1], k[..., 0] = 0.0, 0.0
+    s = (q @ k.mT).masked_fill(~torch.ones(15, 15, dtype=torch.bool).tril(), -math.inf)
+    assert s.max() < 5 and s.tril().abs().max() < 5
+    for backend in ("recurrent", "chunk"):
+        got, _ = deep_transformer(q, k, v, backend=backend, chunk_size=4)
+        assert_close(got, s.exp() @ v, tol=1e-12)
+    k[..., 0] = 30.0                                                  # scores near 900
+    with pytest.raises(ValueError, match="overflow"):
+        deep_transformer(q, k, v)
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -14,7 +14,8 @@ normalize and window) is causal exp-kernel attention with log-decays and eta, ti
 FlashAttention (online max and sum with the normaliser); phi_star=("taylor", P) without a window
 runs chapter 1's kernel on the features (D <= 256). Backward through the chunk form, as in every
 chapter; ``backend="auto"`` runs the kernel on CUDA where it takes the inputs (not fp64, K <= 256).
-Built ahead of time by ``python -m atlaslib.aot --family deep``.
+Built ahead of time by ``python -m atlaslib.aot --family deep``. ``bench_cases.py`` holds the chapter's
+rows of ``python -m atlaslib.bench`` (loop vs chunk, and the kernel trick vs PyTorch's SDPA).
 
 ``dot`` with a window c > 1 and phi_star=("taylor", P) is chapter 4's ``omega_rule`` on the features;
 with phi_star="kernel" it is ``dot_coefficient_recurrent`` (per token) or ``dot_window_chunk``. Both
@@ -92,13 +93,13 @@ def kernel_table(chunk_size: int) -> dict:
     def exact(form):
         def run(q, k, v, alpha, eta, log_alpha, window, normalize):
             cd = compute_dtype(q)
+            if form == "chunk":                   # the quotient taken block by block (see masked_chunk)
+                return masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha,
+                                    normalize)
             if normalize:
                 v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
-            if form == "recurrent":
-                o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
-                                             normalize)
-            else:
-                o, _ = masked_chunk(q, k, v, alpha, eta, window, "exp", normalize, chunk_size, log_alpha)
+            o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
+                                         normalize)
             if normalize:
                 o = o[..., :-1].to(cd) / o[..., -1:].to(cd)
             return o.to(q.dtype), None

@@ -14,10 +14,14 @@ are exact for every chunk size, like chapter 1's; so is ``dot_chunk`` (c = 1, a 
   with kappa(k, q) = exp(k^T q) (exact phi*) or the dot product of features. For exp, the decay
   joins the exponent, exp(k^T q + g_t - g_i), masked to -inf outside the window *before* the
   exponential; the optional shift subtracts each row's max (it cancels in the normalised output).
+  The decay enters as a row part plus a column part (``split_decay``), and with a decay weights
+  below e times the smallest normal number become 0 (``exp_flushed``: exp is slow down there).
 * ``dot_chunk`` (DOT, c = 1: exact, a triangular solve per block) and ``dot_window_chunk`` (DOT with a
   window c: the errors frozen at each chunk's start, chapter 4's approximation).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -41,38 +45,95 @@ def visible(rows: torch.Tensor, cols: torch.Tensor, window) -> torch.Tensor:
     return ok
 
 
-def kernel_weights(x, k, kernel, logdecay, ok, shift=False):
-    """W[t, j] = e^{logdecay[t, j]} kappa(k_j, x_t) where ``ok``, else 0 [.., n, m].
+def mask_invisible_(S: torch.Tensor, top: int, lo: int, window, value: float) -> torch.Tensor:
+    """In place: S[..., r, j] = value where key lo + j is not in the memory of position top + r.
 
-    exp kernel: one exponent k_j^T x_t + logdecay, masked to -inf *before* the exponential; ``shift``
-    subtracts each row's max (a factor that cancels in a normalised output)."""
+    Only the ragged columns are written: with n rows, the keys [top + n - c, top] (every key up to
+    top without a window) are in every row's memory, so a long block of keys costs no mask."""
+    n, m = S.shape[-2:]
+    rows, cols = torch.arange(top, top + n, device=S.device), torch.arange(lo, lo + m, device=S.device)
+    shared = lo if window is None else max(lo, top + n - window)      # first key every row sees
+    if shared > top:                                                  # no key seen by all: mask it all
+        return S.masked_fill_(~visible(rows, cols, window), value)
+    head, tail = shared - lo, top + 1 - lo                            # ragged: [0, head) and [tail, m)
+    if head > 0:
+        S[..., :head].masked_fill_(~visible(rows, cols[:head], window), value)
+    if tail < m:
+        S[..., tail:].masked_fill_(~visible(rows, cols[tail:], window), value)
+    return S
+
+
+def exp_flushed(S: torch.Tensor) -> torch.Tensor:
+    """exp(S) in place, with 0 wherever it would be below e times the dtype's smallest normal number
+    (3.2e-38 in fp32, 6e-308 in fp64).
+
+    Decays push the exponents of old keys far below exp's range (-200 and less); there, and at the
+    edge of the range itself, the CPU's vectorised exp takes a slow path, some 20-70x slower, and it
+    hands the products after it subnormal numbers. So the exponent is clamped one unit inside the
+    range and the entries that were below it are zeroed: the same weights down to 3.2e-38, 0 below."""
+    floor = math.log(torch.finfo(S.dtype).tiny) + 1
+    kept = torch.gt(S, floor, out=torch.empty_like(S))      # 1.0 / 0.0, not a bool mask:
+    W = S.clamp_min_(floor).exp_()                                  # a bool factor costs a conversion
+    return W * kept if W.requires_grad else W.mul_(kept)           # exp's backward keeps its output
+
+
+def split_decay(row_logs, g, rows: slice, cols: slice, cd):
+    """The log-decays row_logs[t] - g[j] of a block (t in rows, j in cols) as a row part and a column part
+    about the block's first row t0: (row_logs[t] - g[t0], g[t0] - g[j]), each an fp64 difference of
+    the long sums, then in cd. Added to the scores one broadcast at a time, they spare building (and
+    rounding) an [n, m] matrix of fp64 differences per block."""
+    ref = g[..., rows.start, None]
+    return (row_logs[..., rows] - ref).to(cd), (ref - g[..., cols]).to(cd)
+
+
+def kernel_weights(x, k, kernel, decay, top, lo, window=None, shift=False):
+    """W[r, j] = e^{row[r] + col[j]} kappa(k_j, x_r) where key lo + j is in the memory of position
+    top + r (``visible``), else 0 [.., n, m]; ``decay`` is None or the log-decay's (row, col) parts.
+
+    exp kernel: one exponent k_j^T x_r + row[r] + col[j], masked to -inf *before* the exponential,
+    all in place on the score block; ``shift`` subtracts each row's max (a factor that cancels in a
+    normalised output)."""
     S = x @ k.mT
+    logdecay = None if decay is None else (decay[0][..., :, None], decay[1][..., None, :])
     if kernel == "exp":
-        S = (S if logdecay is None else S + logdecay).masked_fill(~ok, float("-inf"))
+        if logdecay is not None:
+            S.add_(logdecay[0]).add_(logdecay[1])
+        mask_invisible_(S, top, lo, window, float("-inf"))
         if shift:
-            S = S - S.amax(-1, keepdim=True).detach()
-        return torch.exp(S)
-    return S * (ok.to(S.dtype) if logdecay is None else torch.exp(logdecay.masked_fill(~ok, float("-inf"))))
+            S.sub_(S.detach().amax(-1, keepdim=True))
+        return S.exp_() if logdecay is None else exp_flushed(S)
+    if logdecay is None:
+        return mask_invisible_(S, top, lo, window, 0.0)
+    return S * torch.exp(mask_invisible_(logdecay[0] + logdecay[1], top, lo, window, float("-inf")))
 
 
 def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift=False, chunk_size=64,
-                 log_alpha=None):
-    """Same arguments and results as ``coefficient_recurrent`` (plus chunk_size, log_alpha). O(T * span)."""
+                 log_alpha=None, normalize=False):
+    """Same arguments and results as ``coefficient_recurrent`` (plus chunk_size, log_alpha). O(T * span).
+
+    ``normalize``: return y_t / z_t instead, z_t the same sum with v = 1 (eta_i included), divided per
+    block in fp32/fp64. Without eta, z is the row sum of the block's weights, cheaper than the extra
+    column of ones a caller would add to v (a 65th column slows every product); with eta, eta_i rides
+    along as that last column."""
     B, H, T, _ = q.shape
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
+    if eta is not None:
+        v = eta[..., None].to(cd) * v                             # the written values eta_i v_i, once
+        if normalize:
+            v = torch.cat([v, eta[..., None].to(cd)], dim=-1)     # and z's weights eta_i
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1)        # fp64: differences of a long sum keep their digits
     outputs = []
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
         lo = 0 if window is None else max(0, s - window + 1)      # the oldest key this block sees
-        ok = visible(torch.arange(s, e, device=q.device), torch.arange(lo, e, device=q.device), window)
-        decay = None if g is None else (g[:, :, s:e, None] - g[:, :, None, lo:e]).to(cd)
-        W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, ok, shift)
-        if eta is not None:
-            W = W * eta[:, :, None, lo:e].to(cd)
-        outputs.append(W @ v[:, :, lo:e])
+        decay = None if g is None else split_decay(g, g, slice(s, e), slice(lo, e), cd)
+        W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, s, lo, window, shift)
+        o = W @ v[:, :, lo:e]
+        if normalize:
+            o = o / W.sum(-1, keepdim=True) if eta is None else o[..., :-1] / o[..., -1:]
+        outputs.append(o)
     return torch.cat(outputs, dim=2).to(out_dtype), None
 
 
@@ -91,20 +152,20 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1)
+    g_prev = None if logs is None else g - logs                          # g_{t-1}
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     U = v[:, :, :0]
     outputs = []
     for s in range(0, T, chunk_size):
         e = min(s + chunk_size, T)
-        rows, cols = torch.arange(s, e, device=q.device), torch.arange(0, e, device=q.device)
         # log-decays g_{t-1} - g_j (the state a token corrects) and g_t - g_j (the state it reads)
-        gate_prev = None if g is None else ((g - logs)[:, :, s:e, None] - g[:, :, None, :e]).to(cd)
-        gate_now = None if g is None else (g[:, :, s:e, None] - g[:, :, None, :e]).to(cd)
-        Kmat = kernel_weights(k[:, :, s:e], k[:, :, :e], kernel, gate_prev, cols[None, :] < rows[:, None])
+        gate_prev = None if g is None else split_decay(g_prev, g, slice(s, e), slice(0, e), cd)
+        gate_now = None if g is None else split_decay(g, g, slice(s, e), slice(0, e), cd)
+        Kmat = kernel_weights(k[:, :, s:e], k[:, :, :e], kernel, gate_prev, s - 1, 0)   # j < t: one row up
         rhs = eta[:, :, s:e, None] * (v[:, :, s:e] - Kmat[..., :s] @ U)          # earlier blocks: known
         system = torch.eye(e - s, dtype=cd, device=q.device) + eta[:, :, s:e, None] * Kmat[..., s:]
         U = torch.cat([U, torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)], dim=2)
-        W = kernel_weights(q[:, :, s:e], k[:, :, :e], kernel, gate_now, cols[None, :] <= rows[:, None])
+        W = kernel_weights(q[:, :, s:e], k[:, :, :e], kernel, gate_now, s, 0)
         outputs.append(W @ U)
     return torch.cat(outputs, dim=2).to(out_dtype), None
 

@@ -162,8 +162,8 @@ def unsupported(q) -> str | None:
 def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=None, normalize=False):
     """Triton forward of the kernel-trick DeepTransformer; returns (o [B, H, T, V] in q's dtype, None).
 
-    Same function as ``chunk.masked_chunk`` with kernel="exp" (and, with ``normalize``, the quotient
-    by its normaliser column that ``deep_transformer`` takes): v holds the values only.
+    Same function as ``chunk.masked_chunk`` with kernel="exp" and, with ``normalize``, its shift and
+    quotient by the normaliser: v holds the values only.
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DeepTransformer kernel")
     BK = feature_tile(run.K, MAX_KEY)
