@@ -37,24 +37,32 @@ def segment_states(base, q, k, v, kw, layout: Layout, mode, initial_state, chunk
 
 
 def token_weights(u_t, pooled_i: list, pooled_s, aggregate, top_k):
-    """(gamma_i for the cached segments i, gamma_s) of one token, from the scores <u_t, pool>."""
-    r = [float((u_t * p).sum()) for p in pooled_i]
-    r_s = float((u_t * pooled_s).sum())
+    """(gamma_i for the cached segments i, gamma_s) of one token, from the scores <u_t, pool>.
+    Unselected segments of SSC get the weight 0."""
+    r = [(u_t * p).sum() for p in pooled_i]
+    r_s = (u_t * pooled_s).sum()
     if aggregate == "residual":
         return [1.0] * len(r), 1.0
     chosen = list(range(len(r)))
     if aggregate == "ssc" and top_k is not None:
-        chosen = sorted(chosen, key=lambda i: -r[i])[:top_k]
-    z = max([r[i] for i in chosen] + [r_s])
-    e = {i: math.exp(r[i] - z) for i in chosen}
-    e_s = math.exp(r_s - z)
-    total = sum(e.values()) + e_s
-    return [e.get(i, 0.0) / total for i in range(len(r))], e_s / total
+        chosen = sorted(chosen, key=lambda i: -float(r[i]))[:top_k]
+    p = torch.softmax(torch.stack([r[i] for i in chosen] + [r_s]), dim=0)
+    weight = dict(zip(chosen, p[:-1]))
+    return [weight.get(i, 0.0) for i in range(len(r))], p[-1]
 
 
 def pool_keys(k_seg, pool):
     """pool(S): the mean (library choice) or the sum ([MC] eq. 16) of a segment's keys [B, H, L, K]."""
     return k_seg.mean(2) if pool == "mean" else k_seg.sum(2)
+
+
+def weights_at(u, kc, layout: Layout, b, h, t, pool, aggregate, top_k):
+    """(gamma_i over the cached segments token t sees, gamma_s) for batch row b, head h."""
+    a = layout.online[t][0]
+    pooled_i = [pool_keys(kc[b:b + 1, h:h + 1, i:j], pool)[0, 0] for i, j in (layout.cached[n]
+                                                                            for n in layout.visible[t])]
+    return token_weights(u[b, h, t], pooled_i, pool_keys(kc[b:b + 1, h:h + 1, a:t + 1], pool)[0, 0], aggregate,
+                         top_k)
 
 
 def memory_caching_recurrent(q, k, v, base, layout: Layout, mode, aggregate, top_k, u, pool, kw,
@@ -65,30 +73,28 @@ def memory_caching_recurrent(q, k, v, base, layout: Layout, mode, aggregate, top
     cd = compute_dtype(q)
     runs = segment_states(base, q, k, v, kw, layout, mode, initial_state, chunk_size)
     cache = [runs[s][1] for s in layout.cached]
-    # the readout of each cached memory at every query (the base's own readout, learning off)
-    reads = [probe(base, M, q, V, kw, chunk_size, "recurrent").to(cd) for M in cache]
     u = (q if u is None else u).to(cd)
     kc = k.to(cd)
-    y = torch.empty(B, H, T, V, dtype=cd, device=q.device)
-    count = 0
+    vis_reads = sum(len(vis) if aggregate != "ssc" or top_k is None else min(top_k, len(vis))
+                    for vis in layout.visible)
+    if stats is not None:
+        stats["reads"] = stats.get("reads", 0) + T + vis_reads
+    if aggregate == "soup":
+        y = soup_recurrent(base, q, k, v, kw, layout, runs, cache, u, kc, pool, chunk_size)
+        return y.to(runs[layout.online[0]][0].dtype), runs[layout.online[-1]][1]
+    # the readout of each cached memory at every query (the base's own readout, learning off)
+    reads = [probe(base, M, q, V, kw, chunk_size, "recurrent").to(cd) for M in cache]
+    rows = []
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 a, e = layout.online[t]
-                vis = layout.visible[t]
-                g, g_s = token_weights(u[b, h, t], [pool_keys(kc[b:b + 1, h:h + 1, i:j], pool)[0, 0]
-                                                    for i, j in (layout.cached[n] for n in vis)],
-                                       pool_keys(kc[b:b + 1, h:h + 1, a:t + 1], pool)[0, 0], aggregate, top_k)
-                count += 1 + (len(vis) if aggregate != "ssc" or top_k is None else min(top_k, len(vis)))
-                if aggregate == "soup":
-                    continue
-                online_t = runs[(a, e)][0][b, h, t - a].to(cd)
-                y[b, h, t] = g_s * online_t + sum((w * reads[n][b, h, t] for n, w in zip(vis, g)),
-                                                  torch.zeros(V, dtype=cd, device=q.device))
-    if aggregate == "soup":
-        y = soup_recurrent(base, q, k, v, kw, layout, runs, cache, u, kc, pool, chunk_size)
-    if stats is not None:
-        stats["reads"] = stats.get("reads", 0) + count
+                g, g_s = weights_at(u, kc, layout, b, h, t, pool, aggregate, top_k)
+                y_t = g_s * runs[(a, e)][0][b, h, t - a].to(cd)
+                for n, w in zip(layout.visible[t], g):
+                    y_t = y_t + w * reads[n][b, h, t]
+                rows.append(y_t)
+    y = torch.stack(rows).reshape(B, H, T, V)
     return y.to(runs[layout.online[0]][0].dtype), runs[layout.online[-1]][1]
 
 
@@ -103,13 +109,9 @@ def soup_recurrent(base, q, k, v, kw, layout, runs, cache, u, kc, pool, chunk_si
         vis = layout.visible[t]
         _, online_state = run_base(base, q[:, :, a:t + 1], k[:, :, a:t + 1], v[:, :, a:t + 1],
                                    slice_kwargs(kw, (B, H, T), a, t + 1), runs[(a, e)][2], "recurrent", chunk_size)
-        weights = torch.zeros(B, H, len(vis) + 1, dtype=cd)
-        for b in range(B):
-            for h in range(H):
-                g, g_s = token_weights(u[b, h, t], [pool_keys(kc[b:b + 1, h:h + 1, i:j], pool)[0, 0]
-                                                    for i, j in (layout.cached[n] for n in vis)],
-                                       pool_keys(kc[b:b + 1, h:h + 1, a:t + 1], pool)[0, 0], "grm", None)
-                weights[b, h] = torch.tensor(g + [g_s], dtype=cd)
+        weights = torch.stack([torch.stack([torch.stack(list(g) + [g_s]) for g, g_s in
+                                            (weights_at(u, kc, layout, b, h, t, pool, "grm", None) for h in range(H))])
+                               for b in range(B)])
         mixed = mix_states(weights, [cache[n] for n in vis] + [online_state])
         ys.append(probe(base, mixed, q[:, :, t:t + 1], v.shape[-1], slice_kwargs(kw, (B, H, T), t, t + 1),
                         chunk_size, "recurrent").to(cd))
