@@ -17,7 +17,9 @@ import torch
 
 from atlaslib.caching import (cached_readout, dyadic_blocks, log_layout, make_layout, memory_caching,
                               memory_reads)
+from atlaslib.atlas import atlas
 from atlaslib.core import random_gate, random_qkv, rel_rmse, softmax_attention
+from atlaslib.deep import dla
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 from atlaslib.miras import miras
@@ -152,8 +154,10 @@ BASES = {
     "linear_attention": (linear_attention, lambda g, B, H, T, K: dict(alpha=random_gate(B, H, T, generator=g, **F64))),
     "delta_rule": (delta_rule, lambda g, B, H, T, K: dict(beta=torch.rand(B, H, T, generator=g, **F64),
                                                           alpha=random_gate(B, H, T, K, generator=g, **F64))),
-    "swla": (swla, lambda g, B, H, T, K: dict(window=2, eta=torch.rand(B, H, T, generator=g, **F64))),
+    "swla": (swla, lambda g, B, H, T, K: dict(window=2, eta=torch.rand(B, H, T, generator=g, **F64), phi="elu+1")),
     "omega": (omega_rule, lambda g, B, H, T, K: dict(window=2, eta=0.5 * torch.rand(B, H, T, generator=g, **F64))),
+    "atlas_linear": (atlas, lambda g, B, H, T, K: dict(memory="linear", eta=0.1, theta=0.5, alpha=0.9)),
+    "dla_mlp": (dla, lambda g, B, H, T, K: dict(memory="mlp", eta=0.1)),
     "titans_mlp": (miras, lambda g, B, H, T, K: dict(preset="titans", memory="mlp", eta=0.2, theta=0.5, alpha=0.9)),
 }
 
@@ -296,7 +300,7 @@ def test_memory_reads_are_counted(gen, segments, aggregate, top_k):
 @pytest.mark.parametrize("B,H,T,K,V,segments", [(1, 1, 1, 3, 2, 4), (2, 2, 13, 5, 5, 5), (1, 3, 10, 6, 6, "log")])
 def test_recurrent_equals_chunk(gen, name, B, H, T, K, V, segments):
     base, make_kw = BASES[name]
-    if name == "titans_mlp" and H * T > 13:
+    if name in ("titans_mlp", "dla_mlp") and H * T > 13:
         H = 1
     q, k, v = random_qkv(B, H, T, K, V, generator=gen, **F64)
     kw = make_kw(gen, B, H, T, K)
