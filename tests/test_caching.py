@@ -408,3 +408,39 @@ def test_bad_input(gen):
         memory_caching(q, k, v, backend="triton", **call)
     with pytest.raises(TypeError, match="base"):
         memory_caching(q, k, v, base="linear_attention")
+
+
+# ---- deep memories: read and mixed by their definition ----
+
+def mlp_read(params, x, K, V):
+    """M_theta(x) of Titans' MLP memory, from chapter 3's memory module (x [B, H, R, K])."""
+    from atlaslib.miras import build_memory, make_config
+    memory = build_memory(make_config("titans", memory="mlp"), K, V)
+    B, H = x.shape[:2]
+    flat = {n: w.reshape(B * H, *w.shape[2:]) for n, w in params.items()}
+    return memory(flat, x.reshape(B * H, -1, K)).reshape(B, H, -1, V)
+
+
+def test_deep_grm_and_soup_by_definition(gen):
+    """Two segments of Titans (MLP memory): cached parameters theta^(1), online theta_t; GRM reads
+    both memories and mixes the outputs, soup mixes the parameters and reads once."""
+    B, H, T, K, V, C = 1, 2, 6, 4, 4, 3
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen, **F64)
+    kw = dict(preset="titans", memory="mlp", eta=0.3, theta=0.5, alpha=0.9)
+    _, s1 = miras(q[:, :, :C], k[:, :, :C], v[:, :, :C], output_final_state=True, backend="recurrent", **kw)
+    want = {agg: torch.zeros(B, H, T - C, V, **F64) for agg in ("grm", "soup")}
+    for t in range(C, T):
+        _, st = miras(q[:, :, C:t + 1], k[:, :, C:t + 1], v[:, :, C:t + 1], initial_state=s1,
+                      output_final_state=True, backend="recurrent", **kw)
+        r = torch.stack([(q[:, :, t] * k[:, :, :C].mean(2)).sum(-1), (q[:, :, t] * k[:, :, C:t + 1].mean(2)).sum(-1)])
+        g = torch.softmax(r, dim=0)[..., None, None]          # [2, B, H, 1, 1]
+        qt = q[:, :, t:t + 1]
+        want["grm"][:, :, t - C] = (g[0, ..., 0] * mlp_read(s1.memory, qt, K, V)[:, :, 0]
+                                    + g[1, ..., 0] * mlp_read(st.memory, qt, K, V)[:, :, 0])
+        mixed = {n: g[0] * s1.memory[n] + g[1] * st.memory[n] for n in s1.memory}
+        want["soup"][:, :, t - C] = mlp_read(mixed, qt, K, V)[:, :, 0]
+    for agg in ("grm", "soup"):
+        for backend in ("recurrent", "chunk"):
+            got, _ = memory_caching(q, k, v, base=miras, segments=C, aggregate=agg, base_kwargs=kw,
+                                    backend=backend, chunk_size=1)
+            assert rel_rmse(got[:, :, C:], want[agg]) < 1e-12, (agg, backend)

@@ -151,9 +151,10 @@ def compress(base, q, k, v, kw, layout: Layout, mode, initial_state, backend, ch
             o, states = run_batched(base, q, k, v, kw, initial_state, group, backend, chunk_size)
             for i, s in enumerate(group):
                 out[s], finals[s] = o[i], states[i]
-    online = torch.empty(B, H, T, out[spans[0]].shape[-1], dtype=out[spans[0]].dtype, device=q.device)
-    for t, (a, b) in enumerate(layout.online):
-        online[:, :, t] = out[(a, b)][:, :, t - a]
+    if layout.log:                                  # t is the last token of its own block
+        online = torch.stack([out[s][:, :, -1] for s in layout.online], dim=2)
+    else:                                           # the segments tile the sequence
+        online = torch.cat([out[s] for s in sorted(set(layout.online))], dim=2)
     inits = segment_inits(layout, mode, finals, initial_state)
     return online, [finals[s] for s in layout.cached], finals[layout.online[-1]], inits
 
