@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..core import check_chunk_size, check_qkv
-from ..core.dispatch import resolve_backend
+from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
 from .base import base_name, check_base
 from .chunk import AGGREGATES, cached_readout, check_top_k, memory_caching_chunk, readout_weights
 from .recurrent import memory_caching_recurrent
@@ -26,7 +26,13 @@ from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks,
 DEFAULT_CHUNK_SIZE = 64
 MODES = ("checkpoint", "independent")
 POOLS = ("mean", "sum")
-BACKENDS = ("recurrent", "chunk", "auto")
+# The readout of cached matrix memories on the GPU: a Triton kernel with cached_readout's contract.
+READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
+
+
+def kernel_readout(*args):
+    """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel)."""
+    return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 
 
 def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="residual", top_k=None, u=None,
@@ -66,7 +72,10 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
             independent mode). output_final_state: also return the state after the last token
             (of the last segment; for "log", of the last token's own block).
         backend: "recurrent" (the definition, with the base's per-token loop), "chunk" (the base's
-            chunk form, batched readout) or "auto" (the base's "auto", batched readout).
+            chunk form, batched readout in PyTorch), "triton" (the base's "auto", i.e. its kernel on
+            CUDA, and the readout kernel ``kernel.cached_readout_triton`` for matrix memories) or
+            "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
+            PyTorch readout).
         chunk_size: the base's chunk length.
         stats: optional dict; the recurrent backend adds the number of memory reads under "reads".
 
@@ -98,14 +107,15 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
     if layout.log and mode != "independent":
         raise ValueError("segments='log' caches overlapping dyadic blocks, each compressed from the start "
                          "state: use mode='independent' (Log-Linear++)")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} for memory_caching (the base's kernel runs under "
-                         f"'auto' on CUDA), got {backend!r}")
+    table = {"recurrent": None, "chunk": None, "triton": None}
+    name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="memory_caching")
     args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)
-    if backend == "recurrent":
+    if name == "recurrent":
         o, state = memory_caching_recurrent(*args, chunk_size, stats)
-    else:
-        o, state = memory_caching_chunk(*args, backend, chunk_size)
+    elif name == "chunk":
+        o, state = memory_caching_chunk(*args, "auto" if backend == "auto" else "chunk", chunk_size)
+    else:                       # the base's own kernel where it has one, the readout kernel
+        o, state = memory_caching_chunk(*args, "auto", chunk_size, readout=kernel_readout)
     return o, (state if output_final_state else None)
 
 

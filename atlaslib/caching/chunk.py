@@ -190,8 +190,9 @@ def pooled_keys(k, layout: Layout, pool: str):
 # ---- step 2: the readout ----
 
 def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, u, pool, kw, initial_state,
-                         backend, chunk_size):
-    """Memory Caching with the base's chunk form (``backend`` is the base's) and batched readouts."""
+                         backend, chunk_size, readout=None):
+    """Memory Caching with the base's chunk form (``backend`` is the base's) and batched readouts.
+    ``readout``: the matrix-memory readout, a function with ``cached_readout``'s signature (default)."""
     cd = compute_dtype(q)
     online, cached, final, inits = compress(base, q, k, v, kw, layout, mode, initial_state, backend, chunk_size)
     pooled, online_pool = pooled_keys(k.to(cd), layout, pool)
@@ -201,7 +202,8 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
     fq = linear_features(base, kw, final, q, k)
     if fq is not None and cached:
         states = torch.stack([memory_part(s).to(cd) for s in cached], dim=2)
-        return cached_readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate).to(online.dtype), final
+        read = readout or cached_readout
+        return read(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate).to(online.dtype), final
     if fq is not None:                                  # one segment: MC is the base itself
         return online, final
     W, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)

@@ -61,15 +61,16 @@ def segment_lengths(T: int, segments) -> list:
 
 
 def consecutive_layout(lengths: list) -> Layout:
-    """Token t of segment s reads the cached final states of segments 0..s-1."""
+    """Token t of segment s reads the cached final states of segments 0..s-1 (so N = segments - 1
+    states are cached: the last segment is only ever online)."""
     starts = [sum(lengths[:s]) for s in range(len(lengths))]
-    cached = [(a, a + n) for a, n in zip(starts, lengths)]
+    spans = [(a, a + n) for a, n in zip(starts, lengths)]
     visible, online = [], []
-    for s, (a, b) in enumerate(cached):
+    for s, (a, b) in enumerate(spans):
         for _ in range(a, b):
             visible.append(list(range(s)))
             online.append((a, b))
-    return Layout(cached, visible, online, False)
+    return Layout(spans[:-1], visible, online, False)     # no token reads the last segment as a cache
 
 
 def dyadic_blocks(position: int) -> list:
