@@ -343,9 +343,12 @@ def test_gradients(gen):
 # ---- cached_readout (the kernel's contract) ----
 
 @pytest.mark.parametrize("aggregate,top_k", [("residual", None), ("grm", None), ("soup", None), ("ssc", 2)])
-def test_cached_readout_against_a_loop(gen, aggregate, top_k):
-    B, H, T, K, V = 2, 1, 11, 5, 3
-    layout = make_layout(T, "log")
+@pytest.mark.parametrize("segments", ["log", 3])
+def test_cached_readout_against_a_loop(gen, aggregate, top_k, segments):
+    """Against a per-token loop; T = 20 with log-linear segments takes the gathered path (N = 9 > 2J = 6),
+    constant segments the dense contraction."""
+    B, H, T, K, V = 2, 1, 20, 5, 3
+    layout = make_layout(T, segments)
     N = len(layout.cached)
     q, u = torch.randn(B, H, T, K, generator=gen, **F64), torch.randn(B, H, T, K, generator=gen, **F64)
     states = torch.randn(B, H, N, V, K, generator=gen, **F64)

@@ -30,28 +30,22 @@ AGGREGATES = ("residual", "grm", "soup", "ssc")
 
 
 def readout_weights(u, pooled, online_score, blocks, top_k=None, aggregate="grm"):
-    """Weights of the cached states and of the online memory.
+    """Weights of the cached states each token reads, and of its online memory.
 
     u [B, H, T, K], pooled [B, H, N, K], online_score [B, H, T] (r_s), blocks int64 [T, J] (-1 padded).
-    Returns (W [B, H, T, N], gamma_s [B, H, T]): residual gives 1 to every visible state and to the
-    online memory; grm/soup the softmax of r over the visible states and s; ssc the same softmax over
-    the top_k visible states and s.
+    Returns (w [B, H, T, J], the weight of the state blocks[t, j] (0 on padding), gamma_s [B, H, T]):
+    residual gives 1 to every visible state and to the online memory; grm/soup the softmax of r over
+    the visible states and s; ssc the same softmax over the top_k visible states and s.
     """
     B, H, T = u.shape[:3]
-    N = pooled.shape[2]
-    cd = u.dtype
-    if aggregate == "residual":
-        W = torch.zeros(B, H, T, N, dtype=cd, device=u.device)
-        if N:
-            ones = (blocks >= 0).to(cd).expand(B, H, T, blocks.shape[1])
-            W = W.scatter_add(-1, blocks.clamp(min=0).expand(B, H, T, blocks.shape[1]), ones)
-        return W, torch.ones(B, H, T, dtype=cd, device=u.device)
-    if N == 0:                                          # one segment: the online memory alone
-        return u.new_zeros(B, H, T, 0), torch.ones(B, H, T, dtype=cd, device=u.device)
     J = blocks.shape[1]
-    idx = blocks.clamp(min=0).expand(B, H, T, J)
+    cd = u.dtype
     valid = (blocks >= 0).expand(B, H, T, J)
-    r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, idx)
+    if aggregate == "residual":
+        return valid.to(cd), torch.ones(B, H, T, dtype=cd, device=u.device)
+    if pooled.shape[2] == 0:                            # one segment: the online memory alone
+        return u.new_zeros(B, H, T, J), torch.ones(B, H, T, dtype=cd, device=u.device)
+    r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, blocks.clamp(min=0).expand(B, H, T, J))
     logits = r.masked_fill(~valid, float("-inf"))
     if aggregate == "ssc" and top_k is not None and top_k < J:
         # only the top_k most relevant cached states take part ([MC] eq. 16-17); padding has -inf
@@ -59,8 +53,14 @@ def readout_weights(u, pooled, online_score, blocks, top_k=None, aggregate="grm"
         keep = torch.zeros_like(valid).scatter(-1, chosen, True) & valid
         logits = logits.masked_fill(~keep, float("-inf"))
     p = torch.softmax(torch.cat([logits, online_score[..., None].to(cd)], dim=-1), dim=-1)
-    W = torch.zeros(B, H, T, N, dtype=cd, device=u.device).scatter_add(-1, idx, p[..., :J] * valid)
-    return W, p[..., J]
+    return p[..., :J] * valid, p[..., J]
+
+
+def dense_weights(w, blocks, N):
+    """W [B, H, T, N] with W_tn the weight of cached state n for token t (0 where t does not read n)."""
+    B, H, T, J = w.shape
+    W = w.new_zeros(B, H, T, N)
+    return W.scatter_add(-1, blocks.clamp(min=0).expand(B, H, T, J), w) if N else W
 
 
 def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
@@ -71,17 +71,32 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     base's output inside the current segment), online_score [B, H, T] (r_s = <u_t, pooled online
     keys>), blocks int64 [T, J] (the cached states token t reads, -1 padded). aggregate: "residual",
     "grm", "soup" (== grm for a matrix memory) or "ssc" (with top_k). Returns y [B, H, T, V] in q's
-    dtype; computed in fp32 (fp64 for fp64 inputs). Exact: the N readouts of every token are one
-    contraction over the dense weight matrix W [T, N].
+    dtype; computed in fp32 (fp64 for fp64 inputs). Exact: the readouts of every token are one
+    contraction with the dense weight matrix W [T, N] (or, when each token reads few of many states,
+    a gather of its J states).
     """
     u = q if u is None else u
     B, H, T, K = q.shape
     check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     cd = compute_dtype(q)
-    W, g_s = readout_weights(u.to(cd), pooled.to(cd), online_score.to(cd), blocks.to(q.device), top_k,
+    blocks = blocks.to(q.device)
+    w, g_s = readout_weights(u.to(cd), pooled.to(cd), online_score.to(cd), blocks, top_k,
                              "grm" if aggregate == "soup" else aggregate)
-    y = g_s[..., None] * online.to(cd) + torch.einsum("bhtn,bhnvk,bhtk->bhtv", W, states.to(cd), q.to(cd))
+    y = g_s[..., None] * online.to(cd) + weighted_reads(w, states.to(cd), q.to(cd), blocks)
     return y.to(q.dtype)
+
+
+def weighted_reads(w, states, q, blocks):
+    """sum_j w_tj M^(blocks[t, j]) q_t. Few states (constant segments, N <= 2J): one dense contraction
+    over n. Many states that each token reads a few of (log-linear, N ~ 2T, J ~ log T): gather the J
+    states of every token, column by column, so the cost is O(T J V K), not O(T N V K)."""
+    N, J = states.shape[2], blocks.shape[1]
+    if N <= 2 * J:
+        return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
+    y = q.new_zeros(*q.shape[:3], states.shape[3])
+    for j in range(J):
+        y = y + w[..., j, None] * torch.einsum("bhtvk,bhtk->bhtv", states[:, :, blocks[:, j].clamp(min=0)], q)
+    return y
 
 
 def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
@@ -206,8 +221,8 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
         return read(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate).to(online.dtype), final
     if fq is not None:                                  # one segment: MC is the base itself
         return online, final
-    W, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)
-    V = v.shape[-1]
+    w, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)
+    W, V = dense_weights(w, blocks, len(cached)), v.shape[-1]
     if aggregate == "soup":
         return soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size), final
     y = g_s[..., None] * online.to(cd)
