@@ -467,3 +467,19 @@ def test_triton_backend_calls_the_readout_kernel(gen, monkeypatch):
     g_want, = torch.autograd.grad(want.sum(), q)
     g_got, = torch.autograd.grad(got.sum(), q)
     assert rel_rmse(g_got, g_want) < 1e-6
+
+
+def test_checkpoint_states_are_chunk_end_states(gen):
+    """A frozen-gradient base (Titans, MLP memory): with segment lengths that are multiples of the chunk
+    size, the checkpoint chain of segments is the base's own chunk form over the whole sequence, so its
+    final state is the base's; with other lengths the chunk grid moves and the state differs."""
+    B, H, T, K, V = 1, 2, 8, 4, 4
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen, **F64)
+    kw = dict(preset="titans", memory="mlp", eta=0.3, theta=0.5, alpha=0.9)
+    _, want = miras(q, k, v, output_final_state=True, backend="chunk", chunk_size=2, **kw)
+    _, got = memory_caching(q, k, v, base=miras, segments=4, base_kwargs=kw, backend="chunk", chunk_size=2,
+                            output_final_state=True)
+    assert rel_rmse(leaves(got), leaves(want)) < 1e-12
+    _, moved = memory_caching(q, k, v, base=miras, segments=[3, 5], base_kwargs=kw, backend="chunk", chunk_size=2,
+                              output_final_state=True)
+    assert rel_rmse(leaves(moved), leaves(want)) > 1e-6
