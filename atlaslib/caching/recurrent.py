@@ -56,6 +56,14 @@ def pool_keys(k_seg, pool):
     return k_seg.mean(2) if pool == "mean" else k_seg.sum(2)
 
 
+def caching_step(online_t, cached_t: list, g: list, g_s):
+    """One token's output: y_t = gamma_s M^(s)_t(q_t) + sum_i gamma_i M^(i)(q_t)."""
+    y_t = g_s * online_t
+    for read, w in zip(cached_t, g):
+        y_t = y_t + w * read
+    return y_t
+
+
 def weights_at(u, kc, layout: Layout, b, h, t, pool, aggregate, top_k):
     """(gamma_i over the cached segments token t sees, gamma_s) for batch row b, head h."""
     a = layout.online[t][0]
@@ -90,10 +98,8 @@ def memory_caching_recurrent(q, k, v, base, layout: Layout, mode, aggregate, top
             for t in range(T):
                 a, e = layout.online[t]
                 g, g_s = weights_at(u, kc, layout, b, h, t, pool, aggregate, top_k)
-                y_t = g_s * runs[(a, e)][0][b, h, t - a].to(cd)
-                for n, w in zip(layout.visible[t], g):
-                    y_t = y_t + w * reads[n][b, h, t]
-                rows.append(y_t)
+                rows.append(caching_step(runs[(a, e)][0][b, h, t - a].to(cd),
+                                         [reads[n][b, h, t] for n in layout.visible[t]], g, g_s))
     y = torch.stack(rows).reshape(B, H, T, V)
     return y.to(runs[layout.online[0]][0].dtype), runs[layout.online[-1]][1]
 
