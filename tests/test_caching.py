@@ -483,3 +483,19 @@ def test_checkpoint_states_are_chunk_end_states(gen):
     _, moved = memory_caching(q, k, v, base=miras, segments=[3, 5], base_kwargs=kw, backend="chunk", chunk_size=2,
                               output_final_state=True)
     assert rel_rmse(leaves(moved), leaves(want)) > 1e-6
+
+
+@pytest.mark.parametrize("aggregate", ["grm", "soup"])
+def test_gradients_deep(gen, aggregate):
+    """Deep memory (Titans, MLP): gradients of the chunk form (b = 1) equal the definition's."""
+    q, k, v = random_qkv(1, 1, 6, 4, 4, generator=gen, **F64)
+    w = torch.randn(1, 1, 6, 4, generator=gen, **F64)
+    kw = dict(preset="titans", memory="mlp", eta=0.3, theta=0.5, alpha=0.9)
+    grads = {}
+    for backend in ("recurrent", "chunk"):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        o, _ = memory_caching(*xs, base=miras, segments=2, aggregate=aggregate, base_kwargs=kw, backend=backend,
+                              chunk_size=1)
+        grads[backend] = torch.autograd.grad((o * w).sum(), xs)
+    for g_r, g_c in zip(grads["recurrent"], grads["chunk"]):
+        assert g_c.abs().sum() > 0 and rel_rmse(g_c, g_r) < 1e-10

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import compute_dtype
-from .base import (linear_features, memory_part, mix_states, probe, run_base, slice_kwargs, state_bh,
-                   without_momentum)
+from .base import linear_features, memory_part, mix_states, probe, run_base, slice_kwargs, state_bh
 from .segments import Layout
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
@@ -226,9 +225,22 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
     if aggregate == "soup":
         return soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size), final
     y = g_s[..., None] * online.to(cd)
-    for n, M in enumerate(cached):                      # one memory pass per cached state (p N L in all)
-        y = y + W[..., n, None] * probe(base, M, q, V, kw, chunk_size, backend).to(cd)
+    B, H, T = q.shape[:3]
+    for n, (a, b) in enumerate(reader_spans(layout)):   # one memory pass per cached state and reader
+        read = probe(base, cached[n], q[:, :, a:b], V, slice_kwargs(kw, (B, H, T), a, b), chunk_size, backend)
+        y[:, :, a:b] = y[:, :, a:b] + W[:, :, a:b, n, None] * read.to(cd)
     return y.to(online.dtype), final
+
+
+def reader_spans(layout: Layout) -> list:
+    """For each cached state, the token range [first, last + 1) of the tokens that read it (so a deep
+    memory is run on those queries only: O(T log T) passes for log-linear, not O(T^2))."""
+    first, last = {}, {}
+    for t, vis in enumerate(layout.visible):
+        for n in vis:
+            first.setdefault(n, t)
+            last[n] = t
+    return [(first[n], last[n] + 1) for n in range(len(layout.cached))]
 
 
 def soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size):
