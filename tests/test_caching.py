@@ -411,6 +411,12 @@ def test_bad_input(gen):
         memory_caching(q, k, v, backend="fast", **call)
     with pytest.raises(TypeError, match="base"):
         memory_caching(q, k, v, base="linear_attention")
+    with pytest.raises(ValueError, match="pool"):
+        memory_caching(q, k, v, pool="max", **call)
+    with pytest.raises(ValueError, match="normalize"):
+        memory_caching(q, k, v, base_kwargs=dict(normalize=True), **call)
+    with pytest.raises(ValueError, match="alpha"):                  # the base's own checks still apply
+        memory_caching(q, k, v, base_kwargs=dict(alpha=torch.ones(1, 1, 5)), segments=4, **call)
 
 
 # ---- deep memories: read and mixed by their definition ----
