@@ -505,3 +505,13 @@ def test_gradients_deep(gen, aggregate):
         grads[backend] = torch.autograd.grad((o * w).sum(), xs)
     for g_r, g_c in zip(grads["recurrent"], grads["chunk"]):
         assert g_c.abs().sum() > 0 and rel_rmse(g_c, g_r) < 1e-10
+
+
+def test_log_linear_pp_is_grm_over_log_segments(gen):
+    from atlaslib.caching import log_linear_pp
+    q, k, v, alpha, _ = inputs(gen, T=13)
+    want = mc_reference(q, k, v, alpha, None, "log", "independent", "grm")
+    got, _ = log_linear_pp(q, k, v, base=linear_attention, base_kwargs=dict(alpha=alpha), chunk_size=2)
+    assert rel_rmse(got, want) < 1e-12
+    with pytest.raises(ValueError, match="segments"):
+        log_linear_pp(q, k, v, base=linear_attention, segments=4)

@@ -119,6 +119,16 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
     return o, (state if output_final_state else None)
 
 
-__all__ = ["memory_caching", "memory_caching_recurrent", "memory_caching_chunk", "cached_readout",
+def log_linear_pp(q, k, v, *, base, **options):
+    """Log-Linear++ ([MC] §4.3): GRM over the log-linear segmentation with independent compressors,
+    i.e. ``memory_caching(segments="log", mode="independent", aggregate="grm")``; other options
+    (u, pool, base_kwargs, initial_state, output_final_state, backend, chunk_size) as there."""
+    for name in ("segments", "mode", "aggregate", "top_k"):
+        if name in options:
+            raise ValueError(f"log_linear_pp fixes {name}; call memory_caching to choose it")
+    return memory_caching(q, k, v, base=base, segments="log", mode="independent", aggregate="grm", **options)
+
+
+__all__ = ["memory_caching", "log_linear_pp", "memory_caching_recurrent", "memory_caching_chunk", "cached_readout",
            "readout_weights", "Layout", "make_layout", "consecutive_layout", "log_layout", "dyadic_blocks",
            "segment_lengths", "memory_reads", "AGGREGATES", "MODES", "SEGMENTATIONS", "base_name"]
