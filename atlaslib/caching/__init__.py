@@ -9,7 +9,20 @@ Rooms: ``segments.py`` (constant, list and log-linear segmentations, the table o
 reads, the count of memory reads), ``base.py`` (how a base model is called per segment and how a
 cached state is read), ``recurrent.py`` (the definition: per token, an explicit list of cached
 states) and ``chunk.py`` (the base's chunk form per segment, all segments of a length at once in
-independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract).
+independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract:
+``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
+
+Exactness (MATH.md §8): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
+readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
+every chunk size over linear attention, its gated family, the delta family and SWLA; only at
+chunk_size = 1 for the frozen-gradient bases. Exact identities (tests/test_caching.py): one segment
+is the base; residual + independent + zero start over linear attention is linear attention;
+checkpoint residual is its closed form; soup is GRM for a matrix memory; SSC with top_k at least
+the number of visible states is GRM.
+
+Not here: an exact chunk form inside a segment for frozen-gradient bases beyond their own, a
+checkpoint mode for the log-linear segmentation, and a batched readout for deep memories (they are
+read one cached state at a time, soup one token at a time).
 """
 from __future__ import annotations
 
@@ -77,7 +90,9 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
             "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
             PyTorch readout).
         chunk_size: the base's chunk length.
-        stats: optional dict; the recurrent backend adds the number of memory reads under "reads".
+        stats: optional dict; "reads" is increased by the number of memory passes of the readout
+            (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
+            The recurrent backend counts them as it reads; the others take ``memory_reads``.
 
     Exactness (MATH.md §8): all segment operations are exact, so "chunk" equals "recurrent" to
     rounding for bases whose chunk form is exact (linear attention and its gated family, the delta
@@ -116,6 +131,8 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
         o, state = memory_caching_chunk(*args, "auto" if backend == "auto" else "chunk", chunk_size)
     else:                       # the base's own kernel where it has one, the readout kernel
         o, state = memory_caching_chunk(*args, "auto", chunk_size, readout=kernel_readout)
+    if stats is not None and name != "recurrent":         # the definition counts its reads one by one
+        stats["reads"] = stats.get("reads", 0) + memory_reads(layout, top_k if aggregate == "ssc" else None)
     return o, (state if output_final_state else None)
 
 
