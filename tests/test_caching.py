@@ -108,7 +108,7 @@ def mc_reference(q, k, v, alpha, M0, segments, mode, aggregate, top_k=None, u=No
     return y
 
 
-def inputs(gen, B=2, H=1, T=11, K=5, V=4, h0=False):
+def inputs(gen, B=2, H=2, T=11, K=5, V=4, h0=False):
     q, k, v = random_qkv(B, H, T, K, V, generator=gen, **F64)
     alpha = random_gate(B, H, T, low=0.7, generator=gen, **F64)
     M0 = torch.randn(B, H, V, K, generator=gen, **F64) if h0 else None
@@ -515,3 +515,18 @@ def test_log_linear_pp_is_grm_over_log_segments(gen):
     assert rel_rmse(got, want) < 1e-12
     with pytest.raises(ValueError, match="segments"):
         log_linear_pp(q, k, v, base=linear_attention, segments=4)
+
+
+def test_gates_of_zero_and_one_and_non_contiguous_inputs(gen):
+    """Retention gates of exactly 0 (forget everything) and 1, an initial state, and inputs that are
+    transposed views."""
+    q, k, v, alpha, M0 = inputs(gen, T=12, h0=True)
+    alpha[..., 3] = 0.0
+    alpha[..., 5:9] = 1.0
+    want = mc_reference(q, k, v, alpha, M0, 5, "checkpoint", "grm")
+    qt, kt, vt = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    assert not qt.is_contiguous() or q.shape[1] == 1
+    for backend in ("recurrent", "chunk"):
+        got, _ = memory_caching(qt, kt, vt, base=linear_attention, segments=5, aggregate="grm",
+                                base_kwargs=dict(alpha=alpha), initial_state=M0, backend=backend, chunk_size=2)
+        assert rel_rmse(got, want) < 1e-12
