@@ -1,0 +1,151 @@
+"""Chapter 7: Memory Caching (MC), RNNs whose memory grows with the sequence ([MC], MATH.md §7).
+
+The sequence is cut into segments; any base model of the book compresses each segment into its
+memory state, the final state of every segment is cached, and each token reads its own segment's
+running memory together with the cached ones, mixed by an aggregator (residual, GRM, soup, SSC).
+With the log-linear (Fenwick) segmentation and GRM this is Log-Linear++.
+
+Rooms: ``segments.py`` (constant, list and log-linear segmentations, the table of what each token
+reads, the count of memory reads), ``base.py`` (how a base model is called per segment and how a
+cached state is read), ``recurrent.py`` (the definition: per token, an explicit list of cached
+states) and ``chunk.py`` (the base's chunk form per segment, all segments of a length at once in
+independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract:
+``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
+
+Exactness (MATH.md §8): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
+readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
+every chunk size over linear attention, its gated family, the delta family and SWLA; only at
+chunk_size = 1 for the frozen-gradient bases. Exact identities (tests/test_caching.py): one segment
+is the base; residual + independent + zero start over linear attention is linear attention;
+checkpoint residual is its closed form; soup is GRM for a matrix memory; SSC with top_k at least
+the number of visible states is GRM.
+
+Not here: an exact chunk form inside a segment for frozen-gradient bases beyond their own, a
+checkpoint mode for the log-linear segmentation, and a batched readout for deep memories (they are
+read one cached state at a time, soup one token at a time).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core import check_chunk_size, check_qkv
+from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
+from .base import base_name, check_base
+from .chunk import AGGREGATES, cached_readout, check_top_k, memory_caching_chunk, readout_weights
+from .recurrent import memory_caching_recurrent
+from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks, log_layout, make_layout,
+                       memory_reads, segment_lengths)
+
+DEFAULT_CHUNK_SIZE = 64
+MODES = ("checkpoint", "independent")
+POOLS = ("mean", "sum")
+# The readout of cached matrix memories on the GPU: a Triton kernel with cached_readout's contract.
+READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
+
+
+def kernel_readout(*args):
+    """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel)."""
+    return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
+
+
+def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="residual", top_k=None, u=None,
+                   pool="mean", base_kwargs=None, initial_state=None, output_final_state=False, backend="auto",
+                   chunk_size=DEFAULT_CHUNK_SIZE, stats=None):
+    """Memory Caching over any base model ([MC] eqs. 4-17).
+
+    Within segment s the base runs as usual, M^(s)_t = f(M^(s)_{t-1}; k_t, v_t); the final state of
+    each segment is cached. A token t of segment s reads
+        y_t = gamma_s(t) M^(s)_t(q_t) + sum_i gamma_i(t) M^(i)(q_t)
+    over the cached segments i it sees, with r_i = <u_t, pool(S^(i))> and r_s = <u_t, pool of the
+    keys of segment s up to t> (causal):
+        residual: all gammas 1 (for a matrix memory (M^(s)_t + sum_i M^(i)) q_t, [MC] eq. 13);
+        grm: gamma = softmax of r over the visible segments and s ([MC] eq. 9-10);
+        soup: the memory whose parameters are sum gamma_i theta^(i) + gamma_s theta^(s)_t reads q_t
+              ([MC] eq. 14-15); for a matrix memory exactly GRM;
+        ssc: GRM over the top_k most relevant cached segments and s ([MC] eq. 16-17; top_k at least
+             the number visible is GRM).
+
+    Args:
+        q, k: [B, H, T, K]; v: [B, H, T, V]. Passed to the base as they are.
+        base: a model function of the book that takes ``initial_state`` and returns its final state:
+            ``linear_attention``, ``delta_rule``, ``miras`` (with a preset, e.g. Titans), ``omega_rule``,
+            ``swla``, ``atlas``, ``dla``. A function without initial_state: ValueError naming it.
+        segments: an int C (segments of C tokens, the last one shorter), a list of lengths summing
+            to T, or "log" (log-linear: position t sees the popcount(t) aligned dyadic blocks of its
+            binary expansion; independent mode only). Lengths that are multiples of chunk_size keep
+            the base's chunk grid of the whole sequence; each segment is chunked from its own start.
+        mode: "checkpoint" (segment s starts from segment s-1's final state: the plain RNN with
+            snapshots) or "independent" (every segment starts from ``initial_state``).
+        aggregate: "residual", "grm", "soup" or "ssc". top_k: SSC's k >= 1 (None: all).
+        u: [B, H, T, K] relevance queries (None: q). pool: "mean" of the keys (the library's
+            choice) or "sum" ([MC] eq. 16).
+        base_kwargs: the base's other arguments (gates, preset, window, phi, ...). Tensors whose
+            first dims are [B, H, T] are cut with the segments.
+        initial_state: the base's start state (first segment in checkpoint mode, every segment in
+            independent mode). output_final_state: also return the state after the last token
+            (of the last segment; for "log", of the last token's own block).
+        backend: "recurrent" (the definition, with the base's per-token loop), "chunk" (the base's
+            chunk form, batched readout in PyTorch), "triton" (the base's "auto", i.e. its kernel on
+            CUDA, and the readout kernel ``kernel.cached_readout_triton`` for matrix memories) or
+            "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
+            PyTorch readout).
+        chunk_size: the base's chunk length.
+        stats: optional dict; "reads" is increased by the number of memory passes of the readout
+            (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
+            The recurrent backend counts them as it reads; the others take ``memory_reads``.
+
+    Exactness (MATH.md §8): all segment operations are exact, so "chunk" equals "recurrent" to
+    rounding for bases whose chunk form is exact (linear attention and its gated family, the delta
+    family, SWLA) and at chunk_size = 1 for the frozen-gradient ones (Titans, MIRAS deep presets,
+    OmegaNet, ATLAS, deep DLA). One segment (N = 1) is the base model itself; residual + independent
+    + zero start over linear attention is linear attention; soup is GRM for a matrix memory.
+
+    Returns:
+        (o [B, H, T, V], final state or None).
+    """
+    B, H, T, K, V = check_qkv(q, k, v)
+    kw = check_base(base, base_kwargs)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    check_top_k(top_k)
+    if top_k is not None and aggregate != "ssc":
+        raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
+    check_chunk_size(chunk_size)
+    if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):
+        raise ValueError(f"u must be a tensor [B, H, T, K] = [{B}, {H}, {T}, {K}], "
+                         f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")
+    layout = make_layout(T, segments)
+    if layout.log and mode != "independent":
+        raise ValueError("segments='log' caches overlapping dyadic blocks, each compressed from the start "
+                         "state: use mode='independent' (Log-Linear++)")
+    table = {"recurrent": None, "chunk": None, "triton": None}
+    name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="memory_caching")
+    args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)
+    if name == "recurrent":
+        o, state = memory_caching_recurrent(*args, chunk_size, stats)
+    elif name == "chunk":
+        o, state = memory_caching_chunk(*args, "auto" if backend == "auto" else "chunk", chunk_size)
+    else:                       # the base's own kernel where it has one, the readout kernel
+        o, state = memory_caching_chunk(*args, "auto", chunk_size, readout=kernel_readout)
+    if stats is not None and name != "recurrent":         # the definition counts its reads one by one
+        stats["reads"] = stats.get("reads", 0) + memory_reads(layout, top_k if aggregate == "ssc" else None)
+    return o, (state if output_final_state else None)
+
+
+def log_linear_pp(q, k, v, *, base, **options):
+    """Log-Linear++ ([MC] §4.3): GRM over the log-linear segmentation with independent compressors,
+    i.e. ``memory_caching(segments="log", mode="independent", aggregate="grm")``; other options
+    (u, pool, base_kwargs, initial_state, output_final_state, backend, chunk_size) as there."""
+    for name in ("segments", "mode", "aggregate", "top_k"):
+        if name in options:
+            raise ValueError(f"log_linear_pp fixes {name}; call memory_caching to choose it")
+    return memory_caching(q, k, v, base=base, segments="log", mode="independent", aggregate="grm", **options)
+
+
+__all__ = ["memory_caching", "log_linear_pp", "memory_caching_recurrent", "memory_caching_chunk", "cached_readout",
+           "readout_weights", "Layout", "make_layout", "consecutive_layout", "log_layout", "dyadic_blocks",
+           "segment_lengths", "memory_reads", "AGGREGATES", "MODES", "SEGMENTATIONS", "base_name"]

@@ -1,0 +1,159 @@
+"""The base model of Memory Caching: any function of the book that starts from ``initial_state`` and
+returns its final state (``linear_attention``, ``delta_rule``, ``miras`` and its presets,
+``omega_rule``, ``swla``, ``atlas``, ``dla``).
+
+A base is called as ``base(q, k, v, initial_state=..., output_final_state=True, backend=...,
+chunk_size=..., **base_kwargs)``. Per-token tensors in ``base_kwargs`` (gates whose first three
+dims are [B, H, T]) are cut with the segment; everything else is passed as is. Each segment is
+its own sequence for the base, so the base's chunks start at each segment start: the cached states
+are exact chunk-end states of the base's chunk form (MATH.md §7, "chunking interaction").
+
+The readout of a cached state on the queries is one of two things:
+
+* linear memory (state a matrix [B, H, V, D]): M phi(q_t), a contraction (see ``linear_features``);
+* any other memory: the base itself, started at the cached state with learning switched off
+  (eta = 0 or beta = 0, zero values, no retention gate, no momentum), so every step leaves the
+  state unchanged and y_t = M(phi(q_t)) is the base's own readout (``probe``).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..core import apply_feature_map
+from ..miras import MirasConfig, MirasState, make_config, miras
+
+# Gates that only change the state (they are dropped for a probe, whose state must not move).
+WRITE_GATES = ("alpha", "log_alpha", "theta")
+# Retentions whose raw state is not the weights, or memories with a layer norm: no contraction.
+NONLINEAR_READ = ("kl", "lq")
+
+
+def base_name(base) -> str:
+    return getattr(base, "__name__", type(base).__name__)
+
+
+def check_base(base, base_kwargs) -> dict:
+    """The base must be callable and take initial_state and output_final_state. Returns its kwargs."""
+    if not callable(base):
+        raise TypeError(f"base must be a model function of the book (e.g. atlaslib.linear.linear_attention), "
+                        f"got {type(base).__name__}")
+    try:
+        params = inspect.signature(base).parameters
+    except (TypeError, ValueError):
+        params = {}
+    missing = [p for p in ("initial_state", "output_final_state") if p not in params]
+    if missing:
+        raise ValueError(f"base {base_name(base)!r} does not take {' and '.join(missing)}: memory caching starts "
+                         "each segment from a state and caches the state it ends in, so the base must accept "
+                         "initial_state and return its final state (output_final_state=True)")
+    kw = dict(base_kwargs or {})
+    bad = [n for n in ("q", "k", "v", "initial_state", "output_final_state", "backend", "chunk_size") if n in kw]
+    if bad:
+        raise ValueError(f"base_kwargs must not set {bad}: memory caching passes them itself")
+    if kw.get("normalize"):
+        raise ValueError("base_kwargs normalize=True is not supported: the normaliser z^T q makes the readout "
+                         "of a cached state nonlinear; cache unnormalised memories")
+    return kw
+
+
+def takes(base, name: str) -> bool:
+    return name in inspect.signature(base).parameters
+
+
+def slice_kwargs(kw: dict, shape3: tuple, a: int, b: int) -> dict:
+    """Cut the per-token tensors ([B, H, T, ...]) of ``kw`` to tokens [a, b)."""
+    return {n: (x[:, :, a:b] if isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) == shape3
+                else x) for n, x in kw.items()}
+
+
+def run_base(base, q, k, v, kw: dict, initial_state, backend: str, chunk_size: int):
+    """(o, final state) of the base over one sequence (or a batch of segments)."""
+    extra = {"chunk_size": chunk_size} if takes(base, "chunk_size") else {}
+    if takes(base, "backend"):
+        extra["backend"] = backend
+    o, state = base(q, k, v, initial_state=initial_state, output_final_state=True, **kw, **extra)
+    if state is None:
+        raise ValueError(f"base {base_name(base)!r} returned no final state with output_final_state=True")
+    return o, state
+
+
+def memory_part(state):
+    """The memory of a state: the tensor itself, or the memory of a MirasState / (M, S) pair."""
+    return state[0] if isinstance(state, tuple) else state
+
+
+def without_momentum(state):
+    """The state with no optimizer momentum (a cached memory is read, never trained further)."""
+    return MirasState(memory_part(state), None) if isinstance(state, tuple) else state
+
+
+def miras_config(base, kw: dict) -> MirasConfig | None:
+    """The MIRAS configuration a ``miras`` call would build from kw (None for other bases)."""
+    if base is not miras:
+        return None
+    over = {n: x for n, x in kw.items() if n in MirasConfig._fields}
+    return make_config(kw.get("config") if kw.get("config") is not None else kw.get("preset"), **over)
+
+
+def linear_features(base, kw: dict, state, q, k):
+    """phi(q) [B, H, T, D] when the cached memory is a matrix read as M phi(q); else None (use ``probe``)."""
+    M = memory_part(state)
+    if not isinstance(M, torch.Tensor) or "phi_star" in kw and kw["phi_star"] is not None:
+        return None
+    cfg = miras_config(base, kw)
+    if cfg is not None and (cfg.retention in NONLINEAR_READ or cfg.layer_norm):
+        return None
+    fq = apply_feature_map(kw.get("phi"), q, k)[0] if "phi" in kw else q
+    return fq if fq.shape[-1] == M.shape[-1] else None
+
+
+def probe(base, state, q, V: int, kw: dict, chunk_size: int, backend: str):
+    """M(phi(q_t)) for every t: the base from ``state`` with learning off (eta = 0 / beta = 0, v = 0,
+    no retention gate or momentum), so the state never moves. Exact for every base whose step with a
+    zero step size is the identity (all but the elastic-net retention, whose threshold still acts)."""
+    B, H, T = q.shape[:3]
+    kw = {n: x for n, x in kw.items() if n not in WRITE_GATES and n != "beta"}
+    zero = torch.zeros(B, H, T, dtype=q.dtype, device=q.device)
+    if takes(base, "eta"):
+        kw["eta"] = zero
+    if takes(base, "beta"):
+        kw["beta"] = zero
+    v0 = torch.zeros(B, H, T, V, dtype=q.dtype, device=q.device)
+    o, _ = run_base(base, q, q, v0, kw, without_momentum(state), backend, chunk_size)
+    return o
+
+
+# ---- states as vectors: scaling and adding (soup mixes parameters, [MC] eq. 14-15) ----
+
+def state_map(f, *states):
+    """Apply f leaf-wise over states of one structure (tensor, dict, MirasState/tuple with None)."""
+    first = states[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        return f(*states)
+    if isinstance(first, dict):
+        return {n: state_map(f, *[s[n] for s in states]) for n in first}
+    if isinstance(first, MirasState):
+        return MirasState(*[state_map(f, *[s[i] for s in states]) for i in range(2)])
+    if isinstance(first, tuple):
+        return tuple(state_map(f, *[s[i] for s in states]) for i in range(len(first)))
+    raise TypeError(f"unsupported state type {type(first).__name__}")
+
+
+def state_bh(state, fn):
+    """Apply fn to every tensor of a state (e.g. select or repeat along the batch)."""
+    return state_map(fn, state)
+
+
+def mix_states(weights: torch.Tensor, states: list):
+    """sum_n weights[..., n] * states[n] leaf-wise; weights [B, H] broadcast over each weight matrix."""
+    def mix(*leaves):
+        return sum(w_n(weights[..., n], x) for n, x in enumerate(leaves))
+    return state_map(mix, *[without_momentum(s) for s in states])
+
+
+def w_n(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return w.to(x.dtype).reshape(*w.shape, *([1] * (x.dim() - w.dim()))) * x

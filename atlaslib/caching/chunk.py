@@ -1,0 +1,261 @@
+"""Memory Caching, the algorithm: the base's own chunk form per segment, then one batched readout.
+
+1. **Compress.** Each segment is one call of the base (its chunk form, or its kernel on CUDA). In
+   independent mode all segments of one length run as one batch (the segments become batch rows);
+   the log-linear segmentation runs one batch per block length 2^j (its ~2T aligned blocks). In
+   checkpoint mode the segments run one after the other, each from the previous final state.
+2. **Read out.** The relevance of cached state n to token t is r_tn = <u_t, pool(S^(n))> (one
+   product [T, K] x [K, N]); the aggregator turns the visible scores into weights (``readout_weights``);
+   for a matrix memory the N cached readouts of all tokens are one contraction
+   y_t = gamma_s online_t + sum_n W_tn M^(n) phi(q_t) (``cached_readout``, the contract of the Triton
+   kernel). Deep memories are read by running the base from each cached state with learning off
+   (``base.probe``), and soup mixes their parameters token by token.
+
+Exactness (MATH.md §8): every step after the base's chunk form is exact (segment bookkeeping, scores,
+softmax, contraction), so MC over X is exactly as exact as X's chunk form: exact for every chunk
+size over linear attention, its gated family, DeltaNet/Gated DeltaNet/KDA and SWLA; for the
+frozen-gradient bases (Titans and the MIRAS deep presets, OmegaNet, ATLAS, deep DLA) it equals the
+recurrent definition only at chunk_size = 1 (each segment is chunked from its own start).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core.chunking import compute_dtype
+from .base import linear_features, memory_part, mix_states, probe, run_base, slice_kwargs, state_bh
+from .segments import Layout
+
+AGGREGATES = ("residual", "grm", "soup", "ssc")
+
+
+def readout_weights(u, pooled, online_score, blocks, top_k=None, aggregate="grm"):
+    """Weights of the cached states each token reads, and of its online memory.
+
+    u [B, H, T, K], pooled [B, H, N, K], online_score [B, H, T] (r_s), blocks int64 [T, J] (-1 padded).
+    Returns (w [B, H, T, J], the weight of the state blocks[t, j] (0 on padding), gamma_s [B, H, T]):
+    residual gives 1 to every visible state and to the online memory; grm/soup the softmax of r over
+    the visible states and s; ssc the same softmax over the top_k visible states and s.
+    """
+    B, H, T = u.shape[:3]
+    J = blocks.shape[1]
+    cd = u.dtype
+    valid = (blocks >= 0).expand(B, H, T, J)
+    if aggregate == "residual":
+        return valid.to(cd), torch.ones(B, H, T, dtype=cd, device=u.device)
+    if pooled.shape[2] == 0:                            # one segment: the online memory alone
+        return u.new_zeros(B, H, T, J), torch.ones(B, H, T, dtype=cd, device=u.device)
+    r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, blocks.clamp(min=0).expand(B, H, T, J))
+    logits = r.masked_fill(~valid, float("-inf"))
+    if aggregate == "ssc" and top_k is not None and top_k < J:
+        # only the top_k most relevant cached states take part ([MC] eq. 16-17); padding has -inf
+        chosen = logits.topk(top_k, dim=-1).indices
+        keep = torch.zeros_like(valid).scatter(-1, chosen, True) & valid
+        logits = logits.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(torch.cat([logits, online_score[..., None].to(cd)], dim=-1), dim=-1)
+    return p[..., :J] * valid, p[..., J]
+
+
+def dense_weights(w, blocks, N):
+    """W [B, H, T, N] with W_tn the weight of cached state n for token t (0 where t does not read n)."""
+    B, H, T, J = w.shape
+    W = w.new_zeros(B, H, T, N)
+    return W.scatter_add(-1, blocks.clamp(min=0).expand(B, H, T, J), w) if N else W
+
+
+def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
+    """y_t = gamma_s(t) online_t + sum_{n in blocks[t]} gamma_n(t) M^(n) q_t for matrix memories.
+
+    q [B, H, T, K] (features phi(q)), u [B, H, T, Ku] (None: q), states [B, H, N, V, K] (cached final
+    states, fp32), pooled [B, H, N, Ku] (pooled keys of each cached segment), online [B, H, T, V] (the
+    base's output inside the current segment), online_score [B, H, T] (r_s = <u_t, pooled online
+    keys>), blocks int64 [T, J] (the cached states token t reads, -1 padded). aggregate: "residual",
+    "grm", "soup" (== grm for a matrix memory) or "ssc" (with top_k). Returns y [B, H, T, V] in q's
+    dtype; computed in fp32 (fp64 for fp64 inputs). Exact: the readouts of every token are one
+    contraction with the dense weight matrix W [T, N] (or, when each token reads few of many states,
+    a gather of its J states).
+    """
+    u = q if u is None else u
+    B, H, T, K = q.shape
+    check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
+    cd = compute_dtype(q)
+    blocks = blocks.to(q.device)
+    w, g_s = readout_weights(u.to(cd), pooled.to(cd), online_score.to(cd), blocks, top_k,
+                             "grm" if aggregate == "soup" else aggregate)
+    y = g_s[..., None] * online.to(cd) + weighted_reads(w, states.to(cd), q.to(cd), blocks)
+    return y.to(q.dtype)
+
+
+def weighted_reads(w, states, q, blocks):
+    """sum_j w_tj M^(blocks[t, j]) q_t. Few states (constant segments, N <= 2J): one dense contraction
+    over n. Many states that each token reads a few of (log-linear, N ~ 2T, J ~ log T): gather the J
+    states of every token, column by column, so the cost is O(T J V K), not O(T N V K)."""
+    N, J = states.shape[2], blocks.shape[1]
+    if N <= 2 * J:
+        return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
+    y = q.new_zeros(*q.shape[:3], states.shape[3])
+    for j in range(J):
+        y = y + w[..., j, None] * torch.einsum("bhtvk,bhtk->bhtv", states[:, :, blocks[:, j].clamp(min=0)], q)
+    return y
+
+
+def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
+    """Shapes of ``cached_readout``'s arguments, with the expected shape in the message."""
+    B, H, T, K = q.shape
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+    if states.dim() != 5 or tuple(states.shape[:2]) != (B, H) or states.shape[-1] != K:
+        raise ValueError(f"states must be [B, H, N, V, K] = [{B}, {H}, N, V, {K}], got {list(states.shape)}")
+    N, V = states.shape[2:4]
+    want = {"u": (u, (B, H, T, u.shape[-1])), "pooled": (pooled, (B, H, N, u.shape[-1])),
+            "online": (online, (B, H, T, V)), "online_score": (online_score, (B, H, T))}
+    for name, (x, shape) in want.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+    if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[0] != T:
+        raise ValueError(f"blocks must be an int64 tensor [T, J] = [{T}, J], got {blocks.dtype} {list(blocks.shape)}")
+    if blocks.numel() and (blocks.max() >= N or blocks.min() < -1):
+        raise ValueError(f"blocks must hold indices in [0, {N}) or -1 (padding)")
+    check_top_k(top_k)
+
+
+def check_top_k(top_k):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None: all visible states), got {top_k!r}")
+
+
+# ---- step 1: the segments' states ----
+
+def batch_rows(x, spans, shape3):
+    """Tokens of each span as extra batch rows: [B, H, T, ...] -> [n B, H, L, ...] (spans of one length L)."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) == shape3:
+        return torch.cat([x[:, :, a:b] for a, b in spans], dim=0)
+    return x
+
+
+def run_batched(base, q, k, v, kw, initial_state, spans, backend, chunk_size):
+    """The base over spans of one length, all at once from ``initial_state``. Returns the outputs
+    [n, B, H, L, V] and the final state of each span."""
+    shape3, B, n = tuple(q.shape[:3]), q.shape[0], len(spans)
+    qs, ks, vs = (batch_rows(x, spans, shape3) for x in (q, k, v))
+    kws = {name: batch_rows(x, spans, shape3) for name, x in kw.items()}
+    init = state_bh(initial_state, lambda x: torch.cat([x] * n, dim=0))
+    o, state = run_base(base, qs, ks, vs, kws, init, backend, chunk_size)
+    finals = [state_bh(state, lambda x, i=i: x[i * B:(i + 1) * B]) for i in range(n)]
+    return o.reshape(n, B, *o.shape[1:]), finals
+
+
+def compress(base, q, k, v, kw, layout: Layout, mode, initial_state, backend, chunk_size):
+    """(online outputs [B, H, T, V], cached final states, final state, init of each online segment).
+
+    Every span the layout names (cached segments and the tokens' own segments) is run once.
+    """
+    B, H, T = q.shape[:3]
+    spans = sorted(set(layout.cached) | set(layout.online))
+    out, finals = {}, {}
+    if mode == "checkpoint":
+        state = initial_state
+        for a, b in spans:                          # consecutive segments, in order
+            o, new = run_base(base, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b),
+                              state, backend, chunk_size)
+            out[(a, b)], finals[(a, b)] = o, new
+            state = new
+    else:
+        for L in sorted({b - a for a, b in spans}):
+            group = [s for s in spans if s[1] - s[0] == L]
+            o, states = run_batched(base, q, k, v, kw, initial_state, group, backend, chunk_size)
+            for i, s in enumerate(group):
+                out[s], finals[s] = o[i], states[i]
+    if layout.log:                                  # t is the last token of its own block
+        online = torch.stack([out[s][:, :, -1] for s in layout.online], dim=2)
+    else:                                           # the segments tile the sequence
+        online = torch.cat([out[s] for s in sorted(set(layout.online))], dim=2)
+    inits = segment_inits(layout, mode, finals, initial_state)
+    return online, [finals[s] for s in layout.cached], finals[layout.online[-1]], inits
+
+
+def segment_inits(layout: Layout, mode, finals, initial_state) -> dict:
+    """The start state of every online segment: the previous segment's final state (checkpoint) or
+    the shared initial state (independent)."""
+    spans = sorted(set(layout.online))
+    if mode == "independent":
+        return {s: initial_state for s in spans}
+    prev = [initial_state] + [finals[s] for s in spans[:-1]]
+    return dict(zip(spans, prev))
+
+
+def pooled_keys(k, layout: Layout, pool: str):
+    """pool(S^(n)) [B, H, N, K] of the cached segments and the causal pool of each token's online
+    segment (tokens of the segment up to t) [B, H, T, K], from one prefix sum."""
+    P = torch.cat([torch.zeros_like(k[:, :, :1]), k.cumsum(2)], dim=2)
+    def pooled(a, b):
+        s = P[:, :, b] - P[:, :, a]
+        return s / (b - a) if pool == "mean" else s
+    B, H, T, K = k.shape
+    cached = (torch.stack([pooled(a, b) for a, b in layout.cached], dim=2) if layout.cached
+              else k.new_zeros(B, H, 0, K))
+    a = torch.tensor([s[0] for s in layout.online], device=k.device)
+    t1 = torch.arange(1, T + 1, device=k.device)
+    online = P[:, :, t1] - P[:, :, a]
+    if pool == "mean":
+        online = online / (t1 - a).to(k.dtype)[:, None]
+    return cached, online
+
+
+# ---- step 2: the readout ----
+
+def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, u, pool, kw, initial_state,
+                         backend, chunk_size, readout=None):
+    """Memory Caching with the base's chunk form (``backend`` is the base's) and batched readouts.
+    ``readout``: the matrix-memory readout, a function with ``cached_readout``'s signature (default)."""
+    cd = compute_dtype(q)
+    online, cached, final, inits = compress(base, q, k, v, kw, layout, mode, initial_state, backend, chunk_size)
+    pooled, online_pool = pooled_keys(k.to(cd), layout, pool)
+    u = (q if u is None else u).to(cd)
+    r_s = (u * online_pool).sum(-1)
+    blocks = layout.blocks(q.device)
+    fq = linear_features(base, kw, final, q, k)
+    if fq is not None and cached:
+        states = torch.stack([memory_part(s).to(cd) for s in cached], dim=2)
+        read = readout or cached_readout
+        return read(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate).to(online.dtype), final
+    if fq is not None:                                  # one segment: MC is the base itself
+        return online, final
+    w, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)
+    W, V = dense_weights(w, blocks, len(cached)), v.shape[-1]
+    if aggregate == "soup":
+        return soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size), final
+    y = g_s[..., None] * online.to(cd)
+    B, H, T = q.shape[:3]
+    for n, (a, b) in enumerate(reader_spans(layout)):   # one memory pass per cached state and reader
+        read = probe(base, cached[n], q[:, :, a:b], V, slice_kwargs(kw, (B, H, T), a, b), chunk_size, backend)
+        y[:, :, a:b] = y[:, :, a:b] + W[:, :, a:b, n, None] * read.to(cd)
+    return y.to(online.dtype), final
+
+
+def reader_spans(layout: Layout) -> list:
+    """For each cached state, the token range [first, last + 1) of the tokens that read it (so a deep
+    memory is run on those queries only: O(T log T) passes for log-linear, not O(T^2))."""
+    first, last = {}, {}
+    for t, vis in enumerate(layout.visible):
+        for n in vis:
+            first.setdefault(n, t)
+            last[n] = t
+    return [(first[n], last[n] + 1) for n in range(len(layout.cached))]
+
+
+def soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size):
+    """Memory soup for any memory ([MC] eq. 14-15): token t reads the memory whose parameters are
+    sum_n W_tn theta^(n) + gamma_s theta^(s)_t, where theta^(s)_t is its online state after token t
+    (the base over the segment's prefix)."""
+    B, H, T = q.shape[:3]
+    ys = []
+    for t in range(T):
+        a, _ = layout.online[t]
+        _, online_state = run_base(base, q[:, :, a:t + 1], k[:, :, a:t + 1], v[:, :, a:t + 1],
+                                   slice_kwargs(kw, (B, H, T), a, t + 1), inits[layout.online[t]], backend,
+                                   chunk_size)
+        weights = torch.cat([W[:, :, t], g_s[:, :, t, None]], dim=-1)
+        mixed = mix_states(weights, cached + [online_state])
+        ys.append(probe(base, mixed, q[:, :, t:t + 1], v.shape[-1], slice_kwargs(kw, (B, H, T), t, t + 1),
+                        chunk_size, backend))
+    return torch.cat(ys, dim=2)

@@ -1,0 +1,117 @@
+"""Segmentations of a sequence for Memory Caching (MATH.md §7).
+
+Two kinds, both described by one ``Layout``:
+
+* **consecutive segments** (a constant length C, or a user list of lengths): segment s covers
+  tokens [start_s, end_s); a token of segment s reads the cached final states of all earlier
+  segments i < s, and its own segment's running state (the "online" memory).
+* **log-linear** (Fenwick / dyadic, [MC] §4.2): write the 1-based position t = sum_j 2^{b_j} with
+  b_1 > b_2 > ...; the segments of t are the consecutive blocks of those lengths, largest first.
+  Every block is aligned (its 0-based start is a multiple of its length), so only the ~2T aligned
+  dyadic blocks exist; t's own block is the last one (length lowbit(t)), and t is its last token.
+
+Positions here are 0-based token indices: token index i is the 1-based position i + 1.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+SEGMENTATIONS = ("constant", "list", "log")
+
+
+class Layout(NamedTuple):
+    """Which cached states each token reads.
+
+    ``cached``: the cached segments as (start, end) half-open token ranges, index n = 0..N-1.
+    ``visible``: per token, the indices n of the cached states it reads (earlier segments only).
+    ``online``: per token, the (start, end) range of its own (online) segment; end > token.
+    ``log``: True for the log-linear segmentation.
+    """
+    cached: list
+    visible: list
+    online: list
+    log: bool
+
+    def blocks(self, device="cpu") -> torch.Tensor:
+        """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded."""
+        J = max([len(v) for v in self.visible] + [1])
+        out = torch.full((len(self.visible), J), -1, dtype=torch.int64)
+        for t, vis in enumerate(self.visible):
+            out[t, :len(vis)] = torch.tensor(vis, dtype=torch.int64)
+        return out.to(device)
+
+
+def segment_lengths(T: int, segments) -> list:
+    """The lengths of consecutive segments: an int C (the last segment takes the remainder) or a list
+    that must sum to T."""
+    if isinstance(segments, bool) or not isinstance(segments, (int, list, tuple)):
+        raise ValueError(f"segments must be an int >= 1, a list of lengths summing to T, or 'log'; got {segments!r}")
+    if isinstance(segments, int):
+        if segments < 1:
+            raise ValueError(f"segments (the segment length) must be >= 1, got {segments}")
+        return [segments] * (T // segments) + ([T % segments] if T % segments else [])
+    lengths = list(segments)
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"segments as a list must hold positive int lengths, got {segments!r}")
+    if sum(lengths) != T:
+        raise ValueError(f"the segment lengths {lengths} sum to {sum(lengths)}, but the sequence has T = {T} tokens")
+    return lengths
+
+
+def consecutive_layout(lengths: list) -> Layout:
+    """Token t of segment s reads the cached final states of segments 0..s-1 (so N = segments - 1
+    states are cached: the last segment is only ever online)."""
+    starts = [sum(lengths[:s]) for s in range(len(lengths))]
+    spans = [(a, a + n) for a, n in zip(starts, lengths)]
+    visible, online = [], []
+    for s, (a, b) in enumerate(spans):
+        for _ in range(a, b):
+            visible.append(list(range(s)))
+            online.append((a, b))
+    return Layout(spans[:-1], visible, online, False)     # no token reads the last segment as a cache
+
+
+def dyadic_blocks(position: int) -> list:
+    """The log-linear segments of a 1-based position: aligned blocks (start, end) 0-based half-open,
+    largest first; their lengths are the powers of two of ``position``'s binary expansion."""
+    if position < 1:
+        raise ValueError(f"positions are 1-based, got {position}")
+    out, start = [], 0
+    for bit in reversed(range(position.bit_length())):
+        if position >> bit & 1:
+            out.append((start, start + (1 << bit)))
+            start += 1 << bit
+    return out
+
+
+def log_layout(T: int) -> Layout:
+    """The Fenwick layout: every complete aligned block that some token reads as a cached state."""
+    index, cached, visible, online = {}, [], [], []
+    for t in range(T):
+        blocks = dyadic_blocks(t + 1)
+        vis = []
+        for blk in blocks[:-1]:
+            if blk not in index:
+                index[blk] = len(cached)
+                cached.append(blk)
+            vis.append(index[blk])
+        visible.append(vis)
+        online.append(blocks[-1])
+    return Layout(cached, visible, online, True)
+
+
+def make_layout(T: int, segments) -> Layout:
+    """Layout for ``segments`` = int | list of lengths | "log"."""
+    if isinstance(segments, str):
+        if segments != "log":
+            raise ValueError(f"segments must be an int, a list of lengths or 'log', got {segments!r}")
+        return log_layout(T)
+    return consecutive_layout(segment_lengths(T, segments))
+
+
+def memory_reads(layout: Layout, top_k=None) -> int:
+    """Memory passes the readout makes: one online read per token plus one per cached state it reads
+    (at most top_k with SSC). [MC] §3.1 bounds it by O(L + N L)."""
+    return sum(1 + (len(v) if top_k is None else min(top_k, len(v))) for v in layout.visible)
