@@ -89,7 +89,8 @@ def cached_readout_fwd_kernel(
     q_ptr, u_ptr, states_ptr, pooled_ptr, online_ptr, score_ptr, blocks_ptr, y_ptr,
     s_q, s_u, s_on, s_y,
     T, H, N, K, V, J, TOP_K, NT,
-    AGG: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BJ: tl.constexpr,
+    AGG: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+    BJ: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     i_p = tl.program_id(0).to(tl.int64)     # int64: offsets of later heads can exceed 2^31
@@ -106,7 +107,7 @@ def cached_readout_fwd_kernel(
     m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
 
     # the block's state indices [BT, BJ] (int64: idx * V * K can pass 2^31), -1 where none
-    b_idx = tl.load(blocks_ptr + o_t[:, None] * J + o_j[None, :], mask=m_t[:, None] & (o_j < J)[None, :],
+    b_idx = tl.load(blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_j[None, :], mask=m_t[:, None] & (o_j < J)[None, :],
                     other=-1).to(tl.int64)
     m_vis = b_idx >= 0
 
@@ -137,14 +138,21 @@ def cached_readout_fwd_kernel(
 
     # pass 2: y = gamma_s online + sum over the block's distinct states of (its weight per row) M q
     b_y = load_tile(online_ptr, s_on, o_t, o_v, m_t, m_v) * b_ws[:, None]
-    b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
     b_idx = tl.where(b_W != 0.0, b_idx, -1)                 # zero weights load nothing (SSC's dropped slots)
-    m_vk = m_v[:, None] & m_k[None, :]
+    o_c = tl.arange(0, BKC)
     i_cur = tl.min(tl.where(b_idx >= 0, b_idx, N), axis=None)
     while i_cur < N:
         b_w = tl.sum(tl.where(b_idx == i_cur, b_W, 0.0), axis=1)
-        b_M = tl.load(states_ptr + i_cur * V * K + o_v[:, None] * K + o_k[None, :], mask=m_vk, other=0.0)
-        b_y += b_w[:, None] * tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
+        b_Mq = tl.zeros([BT, BV], dtype=tl.float32)
+        for k0 in tl.static_range(0, BK, BKC):
+            # K in slices of BKC: fp32 products run on FMA units, which hold a whole slice per thread
+            o_kc = k0 + o_c
+            m_kc = o_kc < K
+            b_q = load_tile(q_ptr, s_q, o_t, o_kc, m_t, m_kc)
+            b_M = tl.load(states_ptr + i_cur * V * K + o_v[:, None] * K + o_kc[None, :],
+                          mask=m_v[:, None] & m_kc[None, :], other=0.0)
+            b_Mq += tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
+        b_y += b_w[:, None] * b_Mq
         i_cur = tl.min(tl.where(b_idx > i_cur, b_idx, N), axis=None)
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
 
@@ -201,7 +209,7 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
         run.q, run.k, contiguous(states), contiguous(pooled), run.v,
         contiguous(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
         T, H, N, K, V, J, top, NT,
-        AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BV=run.BV, BJ=max(2, triton.next_power_of_2(J)),
-        PRECISION=run.precision,
+        AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=max(2, triton.next_power_of_2(J)),
+        PRECISION=run.precision, num_warps=8,
     )
     return run.o
