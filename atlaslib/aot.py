@@ -314,7 +314,7 @@ def dot_cases():
 
 def caching_cases():
     """Chapter 7's readout of cached linear memories (``cached_readout_triton``): each aggregate at
-    K = V in {16, 64, 128}, fp32 and bf16. The table ``blocks`` has MAX_SLOTS columns (the widest
+    K = V in {16, 64, 128, 256} (256: BV = 32), fp32 and bf16. The table ``blocks`` has MAX_SLOTS columns (the widest
     score tile, BJ = 32), -1 padded: token t sees the segments of 8 tokens before its own. Residual
     passes no u, pooled keys or online scores (None pointers) and q as a [B, T, H, K] view.
     """
@@ -331,7 +331,7 @@ def caching_cases():
         else:
             cached_readout_triton(q, u, states, pooled, online, torch.zeros(1, 2, T), blocks, top_k, aggregate)
 
-    for K in (16, 64, 128):
+    for K in HEAD_SIZES:
         for dt in ("fp32", "bf16"):
             for aggregate, top_k in (("residual", None), ("grm", None), ("ssc", 2)):
                 label = f"{aggregate}{'' if top_k is None else f' top_k={top_k}'} K=V={K} J<={MAX_SLOTS} {dt}"

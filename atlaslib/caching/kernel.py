@@ -27,29 +27,49 @@ no recurrence left, so the tokens are independent:
   max over the kept scores and r_s (no running rescale needed): stable for scores of any size;
 * pass 2, the read: the program walks the *distinct* states its block uses, in increasing index
   order (a ``while`` loop: next = the least index above the current one). Each state's [BV, BK]
-  tile is loaded once and multiplied with all BT queries on tensor cores (tl.dot), and each row adds
-  the product with its weight for that state (0 for the rows that do not use it). Slots whose weight
-  is 0 (SSC's dropped ones, softmax underflow) are skipped, so SSC loads only what it selected.
+  tile is loaded once and multiplied with all BT queries (tl.dot, K in slices of BKC = 32), and
+  each row adds the product with its weight for that state (0 for the rows that do not use it).
+  Slots whose weight is 0 (SSC's dropped ones, softmax underflow) are skipped, so SSC loads only
+  the states some token of the block selected.
 
 Cost per block of BT tokens: D distinct states loaded ([BV, BK] fp32 each) and D products of
 BT x BK x BV, where D is the number of distinct states the block's tokens use. With constant
 segments all tokens of a block share their earlier segments (D <= J, one more at a segment
 boundary inside the block); with log-linear segments the blocks of length >= 16 are shared and the
-shorter ones differ per token (D <= J + 15: 8 + 4 + 2 + 1 blocks below 16 tokens in one block of 16).
-The order of a token's slots does not matter. So total state traffic is about (T / 16) * D * V * K *
-4 bytes per head, against N * V * K for reading each cached state once: the price of a grid over
-tokens (BT = 16, the least tl.dot takes, keeps D small under log-linear segmentation).
+shorter ones differ per token (D about J + 15: 8 + 4 + 2 + 1 blocks below 16 tokens in one block
+of 16). The order of a token's slots does not matter. So the state traffic is about (T / 16) * D * V *
+K * 4 bytes per head, against N * V * K * 4 for reading each cached state once: the price of a grid
+over tokens (BT = 16, the least tl.dot takes, keeps D small under log-linear segmentation). Pass 1
+gathers T * J pooled keys, J / V of that.
 
-Limits: J <= MAX_SLOTS = 32 slots per token (log-linear needs floor(log2 T) + 1 <= 32 for any T below
-2^32; constant segments of length C need T / C): more are refused with a ValueError naming
-backend="chunk". K <= MAX_KEY = 256 (every program holds whole queries and state rows), BV <= 64
-(32 at BK = 256). fp64 is refused (fp32 accumulation). q, u, online are read through their strides;
-states, pooled, online_score and blocks are made contiguous (states and scores in fp32, blocks in
-int32). State offsets are 64-bit: B*H*N*V*K passes 2^31 easily (N = 1024 segments, V = K = 128).
+Limits: J <= MAX_SLOTS = 32 slots per token (log-linear needs floor(log2 T) + 1, <= 32 for any T
+below 2^32; constant segments of length C need about T / C): more are refused with a ValueError
+naming backend="chunk". K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
+(32 at BK = 256; a wider V is split across programs). fp64 is refused (fp32 accumulation). q, u,
+online are read through their strides; states, pooled and online_score are made contiguous fp32,
+blocks contiguous int32. Offsets of states, of heads and of the block table are 64-bit (B*H*N*V*K
+passes 2^31 easily: N = 1024 segments at V = K = 128 and B*H = 128).
 
-Built ahead of time (``python -m atlaslib.aot --family caching``, Triton 3.7.1, 4 warps), per
-target; see BUILDS below. Forward only: the library takes gradients through the PyTorch form.
-Runs under ``TRITON_INTERPRET=1`` on CPU.
+BUILDS (``python -m atlaslib.aot --family caching``, Triton 3.7.1, 8 warps, blocks with J = 32
+columns so the score tiles are the widest, BJ = 32; sm_80 and sm_90 agree within a few registers):
+
+    K = V   dtype   shared     registers (residual / GRM / SSC)    spills
+    16      fp32    2 KB       40-48 / 40-47 / 40-47               0
+    16      bf16    1 KB       48 / 48-60 / 48-60                  0
+    64      fp32    10 KB      140-144 / 143-184 / 144-180         0
+    64      bf16    8 KB       78-80 / 96-108 / 80-94              4 B (SSC, sm_80)
+    128     fp32    10 KB      145-151 / 191-192 / 191-193         0
+    128     bf16    8 KB       80 / 152 / 152                      4 B (residual)
+    256     fp32    6 KB       146-150 / 195-198 / 195-198         0
+    256     bf16    4 KB       80-98 / 152-154 / 154               0
+
+Why 8 warps and K slices: fp32 inputs take exact fp32 products (FMA units), which hold a whole
+K slice of their operands per thread. At 4 warps and BK = 128 in one piece the build spilled 4-5 KB a
+thread; slicing K by 32 at 4 warps still used all 255 registers; 8 warps and slices of 32 bring it to
+the table's. Speed has not been measured on a GPU (none was lent to this task).
+
+Forward only: the library takes gradients through the PyTorch form. Runs under
+``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -58,8 +78,6 @@ import triton
 import triton.language as tl
 
 from ..core.kernels import at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
-
-# BUILDS (sm_80 / sm_90, ``python -m atlaslib.aot --family caching``): filled in from the table.
 
 MAX_KEY = 256
 MAX_SLOTS = 32
