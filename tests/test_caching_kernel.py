@@ -47,12 +47,12 @@ def random_blocks(gen, T=T, J=J, N=N):
 
 
 def random_inputs(gen, dtype=torch.float32, score_scale=1.0):
-    """q as a [B, T, H, K] view (read through its strides), the rest contiguous."""
+    """q and online as [B, T, H, C] views (read through their strides), the rest contiguous."""
     q = torch.randn(B, T, H, K, generator=gen).to(dtype).transpose(1, 2)
     u = (score_scale * torch.randn(B, H, T, K, generator=gen)).to(dtype)
     states = torch.randn(B, H, N, V, K, generator=gen) / K ** 0.5
     pooled = torch.randn(B, H, N, K, generator=gen).to(dtype)
-    online = torch.randn(B, H, T, V, generator=gen).to(dtype)
+    online = torch.randn(B, T, H, V, generator=gen).to(dtype).transpose(1, 2)
     online_score = score_scale * torch.randn(B, H, T, generator=gen) * 2
     return q, u, states, pooled, online, online_score, random_blocks(gen)
 
@@ -111,6 +111,43 @@ def test_a_block_of_tokens_sharing_its_states(gen):
     online, score = torch.randn(B, H, Tc, V, generator=gen), torch.randn(B, H, Tc, generator=gen)
     inputs = (q, u, states, pooled, online, score, blocks)
     assert_close(cached_readout_triton(*inputs), readout_reference(*inputs, None, "grm"))
+
+
+def log_linear_blocks(T):
+    """[T, J]: token t reads the dyadic blocks of its prefix 0..t-1, largest first (37 = 32 + 4 + 1),
+    each aligned block numbered once (a Fenwick tree's nodes); returns (blocks, number of blocks)."""
+    index, rows = {}, []
+    for t in range(T):
+        start, row = 0, []
+        for bit in reversed(range(t.bit_length())):
+            if t >> bit & 1:
+                row.append(index.setdefault((start, 2 ** bit), len(index)))
+                start += 2 ** bit
+        rows.append(row)
+    J = max(len(r) for r in rows)
+    return torch.tensor([r + [-1] * (J - len(r)) for r in rows]), len(index)
+
+
+@pytest.mark.parametrize("aggregate,top_k", [("grm", None), ("ssc", 2)])
+def test_log_linear_segments(gen, aggregate, top_k):
+    # tokens of one block of 16 read different short blocks: many distinct states per program
+    Tl = 67
+    blocks, Nl = log_linear_blocks(Tl)
+    assert blocks.shape[1] == 6 and Nl > 16
+    q, u = torch.randn(2, B, H, Tl, K, generator=gen)
+    states, pooled = torch.randn(B, H, Nl, V, K, generator=gen), torch.randn(B, H, Nl, K, generator=gen)
+    online, score = torch.randn(B, H, Tl, V, generator=gen), torch.randn(B, H, Tl, generator=gen)
+    inputs = (q, u, states, pooled, online, score, blocks)
+    assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate),
+                 readout_reference(*inputs, top_k, aggregate))
+
+
+@pytest.mark.parametrize("aggregate", ["residual", "grm"])
+def test_no_cached_state_gives_the_online_output(gen, aggregate):
+    q, u, states, pooled, online, online_score, _ = random_inputs(gen)
+    none = torch.empty(T, 0, dtype=torch.int64)
+    assert torch.equal(cached_readout_triton(q, u, states, pooled, online, online_score, none, aggregate=aggregate),
+                       online)
 
 
 def test_bad_inputs_are_refused(gen):
