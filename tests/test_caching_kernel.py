@@ -8,7 +8,7 @@ sets of states in a random order with -1 padding anywhere, fresh random inputs e
 import pytest
 import torch
 
-from atlaslib.caching.kernel import MAX_SLOTS, cached_readout_triton
+from atlaslib.caching.kernel import MAX_KEY, MAX_SLOTS, cached_readout_triton, unsupported
 from atlaslib.core.testing import TOLERANCE, assert_close
 
 B, H, T, K, V, N, J = 1, 2, 37, 24, 40, 5, 6
@@ -173,3 +173,11 @@ def test_bad_inputs_are_refused(gen):
         cached_readout_triton(q, u, states[..., :-1], pooled, online, online_score, blocks)
     with pytest.raises(TypeError, match="float64"):
         cached_readout_triton(*(x.double() for x in args), blocks)
+
+
+def test_unsupported_names_what_the_kernel_refuses():
+    q, blocks = torch.zeros(1, 1, 4, K), torch.full((4, J), -1)
+    assert unsupported(q, blocks) is None
+    assert "fp64" in unsupported(q.double(), blocks)
+    assert "K=" in unsupported(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
+    assert "J=" in unsupported(q, torch.full((4, MAX_SLOTS + 1), -1))

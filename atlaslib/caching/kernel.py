@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
 
 MAX_KEY = 256
 MAX_SLOTS = 32
@@ -125,8 +125,8 @@ def cached_readout_fwd_kernel(
     m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
 
     # the block's state indices [BT, BJ] (int64: idx * V * K can pass 2^31), -1 where none
-    b_idx = tl.load(blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_j[None, :], mask=m_t[:, None] & (o_j < J)[None, :],
-                    other=-1).to(tl.int64)
+    p_idx = blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_j[None, :]
+    b_idx = tl.load(p_idx, mask=m_t[:, None] & (o_j < J)[None, :], other=-1).to(tl.int64)
     m_vis = b_idx >= 0
 
     # pass 1: the weights gamma_i [BT, BJ] and gamma_s [BT]
@@ -173,6 +173,17 @@ def cached_readout_fwd_kernel(
         b_y += b_w[:, None] * b_Mq
         i_cur = tl.min(tl.where(b_idx > i_cur, b_idx, N), axis=None)
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
+
+
+def unsupported(q, blocks) -> str | None:
+    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY, J > MAX_SLOTS."""
+    if q.dtype == torch.float64:
+        return "fp64 inputs (it computes in fp32)"
+    if q.shape[-1] > MAX_KEY:
+        return f"head size K={q.shape[-1]} (at most {MAX_KEY})"
+    if blocks.shape[-1] > MAX_SLOTS:
+        return f"J={blocks.shape[-1]} cached states per token (at most {MAX_SLOTS})"
+    return None
 
 
 def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
@@ -222,10 +233,9 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
     BK = feature_tile(K, MAX_KEY)
     run = forward_launch(q, q if u is None else u, online, BV=value_tile(V, 64 if BK <= 128 else 32))
     NT = triton.cdiv(T, TOKENS_PER_PROGRAM)
-    contiguous = (lambda x: None if x is None else x.to(torch.float32).contiguous())
     cached_readout_fwd_kernel[(B * H * NT, run.grid[1])](
-        run.q, run.k, contiguous(states), contiguous(pooled), run.v,
-        contiguous(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
+        run.q, run.k, as_fp32(states), as_fp32(pooled), run.v,
+        as_fp32(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
         T, H, N, K, V, J, top, NT,
         AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=max(2, triton.next_power_of_2(J)),
         PRECISION=run.precision, num_warps=8,
