@@ -279,6 +279,7 @@ def cases():
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
     yield from atlas_cases()
     yield from deep_cases()
+    yield from caching_cases()
     yield from bare_cases()
 
 
@@ -309,6 +310,32 @@ def dot_cases():
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
                 dot_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5))
             yield "deep", f"dot c=1 K=V={K} {dt}", dot
+
+
+def caching_cases():
+    """Chapter 7's readout of cached linear memories (``cached_readout_triton``): each aggregate at
+    K = V in {16, 64, 128, 256} (256: BV = 32), fp32 and bf16. The table ``blocks`` has MAX_SLOTS columns (the widest
+    score tile, BJ = 32), -1 padded: token t sees the segments of 8 tokens before its own. Residual
+    passes no u, pooled keys or online scores (None pointers) and q as a [B, T, H, K] view.
+    """
+    from .caching.kernel import MAX_SLOTS, cached_readout_triton
+
+    def readout(T, K, dt, aggregate, top_k):
+        q, u, online = _qkv(K, K, DTYPES[dt], T, views=aggregate == "residual")
+        N = -(-T // 8)
+        slots = torch.arange(MAX_SLOTS)
+        blocks = torch.where(slots[None, :] < torch.arange(T)[:, None] // 8, slots[None, :], -1)
+        states, pooled = torch.zeros(1, 2, N, K, K), torch.zeros(1, 2, N, K, dtype=DTYPES[dt])
+        if aggregate == "residual":
+            cached_readout_triton(q, None, states, None, online, None, blocks, aggregate="residual")
+        else:
+            cached_readout_triton(q, u, states, pooled, online, torch.zeros(1, 2, T), blocks, top_k, aggregate)
+
+    for K in HEAD_SIZES:
+        for dt in ("fp32", "bf16"):
+            for aggregate, top_k in (("residual", None), ("grm", None), ("ssc", 2)):
+                label = f"{aggregate}{'' if top_k is None else f' top_k={top_k}'} K=V={K} J<={MAX_SLOTS} {dt}"
+                yield "caching", label, (lambda T, K=K, dt=dt, a=aggregate, k=top_k: readout(T, K, dt, a, k))
 
 
 # Momenta S [V, K] that chapter 5's Newton–Schulz kernel takes (``atlas.kernel.kernel_supports``):
@@ -432,7 +459,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
     parser.add_argument("--family", action="append", help="only these kernel families (linear, delta, titans, "
-                        "omega, swla, atlas, deep)")
+                        "omega, swla, atlas, deep, caching)")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     args = parser.parse_args(argv)
     from .core.dispatch import interpreter_on

@@ -20,10 +20,13 @@ import torch
 from atlaslib import aot
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
-FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas", "deep"}
+FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas", "deep", "caching"}
 # Families whose grid is one program per matrix rather than one per head: chapter 5's
 # Newton-Schulz kernel, launched once per chunk on that chunk's B*H*b momenta.
 ONE_PROGRAM_PER_MATRIX = {"atlas"}
+# Families with one program per block of tokens: chapter 7's readout of cached states, where no
+# state runs from one token to the next.
+ONE_PROGRAM_PER_TOKEN_BLOCK = {"caching"}
 
 
 def family(build):
@@ -56,14 +59,15 @@ def test_every_kernel_family_and_target_is_built(builds):
     from triton.runtime.jit import JITFunction
 
     import atlaslib.atlas.kernel as a
+    import atlaslib.caching.kernel as c
     import atlaslib.deep.kernel as dk
     import atlaslib.delta.kernel as d
     import atlaslib.linear.kernel as li
     import atlaslib.miras.kernel as m
     import atlaslib.omega.kernel as o
-    launched = {name for mod in (li, d, m, o, a, dk) for name, obj in vars(mod).items()
+    launched = {name for mod in (li, d, m, o, a, dk, c) for name, obj in vars(mod).items()
                 if isinstance(obj, JITFunction) and name.endswith("_kernel")}
-    assert "newton_schulz_kernel" in launched
+    assert {"newton_schulz_kernel", "cached_readout_fwd_kernel"} <= launched
     assert launched <= {b["kernel"] for b in builds}
 
 
@@ -93,8 +97,8 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
 def test_grid_does_not_grow_with_the_sequence(builds):
     # programs loop over chunks, so T = 1M launches the grid of T = 40: B*H on axis 0
     # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the Newton-Schulz kernel is
-    # the one exemption, checked on its own below
-    per_head = [b for b in builds if family(b) not in ONE_PROGRAM_PER_MATRIX]
+    # and the caching readout are the exemptions, checked on their own below
+    per_head = [b for b in builds if family(b) not in ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
@@ -114,6 +118,19 @@ def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):
     through_the_chunk_form = [x for x in per_matrix if "newton_schulz_triton" not in x["config"]]
     assert through_the_chunk_form
     assert all(x["launches"] == [-(-40 // b), -(-400 // b)] for x in through_the_chunk_form)
+
+
+@slow_builds
+def test_caching_grid_is_one_program_per_block_of_tokens(builds):
+    # Exemption: the readout carries no state between tokens, so its grid is (B*H * cdiv(T, BT),
+    # cdiv(V, BV)): axis 0 grows with T (limit 2^31 - 1, T up to 2^31 * BT / (B*H) tokens), axis 1
+    # holds the value tiles as elsewhere; one launch per call
+    from atlaslib.caching.kernel import TOKENS_PER_PROGRAM as bt
+    per_block = [b for b in builds if family(b) in ONE_PROGRAM_PER_TOKEN_BLOCK]
+    assert per_block
+    assert all(b["grid"][0] == 2 * -(-40 // bt) and len(b["grid"]) == 2 and b["grid"][1] <= 65535
+               for b in per_block)
+    assert all(not b["grid_fixed_in_T"] and b["launches"] == [1, 1] for b in per_block)
 
 
 @slow_builds

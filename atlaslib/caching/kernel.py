@@ -1,0 +1,243 @@
+"""The GPU kernel: Memory Caching's readout for linear memories (residual, GRM, SSC) in Triton.
+
+Token t of segment s reads its own segment's memory (the base's output, computed beforehand)
+and the cached final states M^(i) of the earlier segments it sees:
+
+    y_t = gamma_s online_t + sum_{i visible to t} gamma_i M^(i) q_t,
+
+    r_i = <u_t, p_i> (p_i: segment i's mean key),   r_s = online_score_t
+    residual: every gamma = 1
+    GRM:      gamma = softmax over {visible i} and the online segment of (r_i, r_s)
+    SSC:      the same softmax over the top_k visible r_i and the online segment only.
+
+Which states a token sees is a table ``blocks`` [T, J] of indices into the N cached states, -1
+padded, shared over batch and heads: constant segments (token t sees every earlier segment) and
+log-linear ones (t sees the popcount(t) dyadic blocks of its prefix) are both such a table. There is
+no recurrence left, so the tokens are independent:
+
+* one program per (batch*head, block of BT = 16 tokens) on grid axis 0 and block of BV value
+  channels on axis 1. The grid grows with T (B*H*cdiv(T, 16) programs, axis 0 takes 2^31 - 1):
+  unlike the other chapters' kernels there is no state to carry from one block to the next, and a
+  grid over tokens keeps a card busy at small B*H (tests/test_aot.py exempts the family);
+* pass 1, the weights: for each of the J slots, the token's pooled key p_i is gathered row by row
+  ([BT, BK]) and r_i = <u_t, p_i> kept in a [BT, BJ] register tile (BJ = next power of two >= J), with
+  the block's state indices beside it. SSC keeps the top_k visible scores of each row by selection:
+  top_k rounds of "take the row's largest remaining score" (ties go to the lowest slot), O(top_k * BJ)
+  per row. Every score is known before any weight is formed, so the softmax subtracts the exact row
+  max over the kept scores and r_s (no running rescale needed): stable for scores of any size;
+* pass 2, the read: the program walks the *distinct* states its block uses, in increasing index
+  order (a ``while`` loop: next = the least index above the current one). Each state's [BV, BK]
+  tile is loaded once and multiplied with all BT queries (tl.dot, K in slices of BKC = 32), and
+  each row adds the product with its weight for that state (0 for the rows that do not use it).
+  Slots whose weight is 0 (SSC's dropped ones, softmax underflow) are skipped, so SSC loads only
+  the states some token of the block selected.
+
+Cost per block of BT tokens: D distinct states loaded ([BV, BK] fp32 each) and D products of
+BT x BK x BV, where D is the number of distinct states the block's tokens use. With constant
+segments all tokens of a block share their earlier segments (D <= J, one more at a segment
+boundary inside the block); with log-linear segments the blocks of length >= 16 are shared and the
+shorter ones differ per token (D about J + 15: 8 + 4 + 2 + 1 blocks below 16 tokens in one block
+of 16). The order of a token's slots does not matter. So the state traffic is about (T / 16) * D * V *
+K * 4 bytes per head, against N * V * K * 4 for reading each cached state once: the price of a grid
+over tokens (BT = 16, the least tl.dot takes, keeps D small under log-linear segmentation). Pass 1
+gathers T * J pooled keys, J / V of that.
+
+Limits: J <= MAX_SLOTS = 32 slots per token (log-linear needs floor(log2 T) + 1, <= 32 for any T
+below 2^32; constant segments of length C need about T / C): more are refused with a ValueError
+naming backend="chunk". K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
+(32 at BK = 256; a wider V is split across programs). fp64 is refused (fp32 accumulation). q, u,
+online are read through their strides; states, pooled and online_score are made contiguous fp32,
+blocks contiguous int32. Offsets of states, of heads and of the block table are 64-bit (B*H*N*V*K
+passes 2^31 easily: N = 1024 segments at V = K = 128 and B*H = 128).
+
+BUILDS (``python -m atlaslib.aot --family caching``, Triton 3.7.1, 8 warps, blocks with J = 32
+columns so the score tiles are the widest, BJ = 32; sm_80 and sm_90 agree within a few registers):
+
+    K = V   dtype   shared     registers (residual / GRM / SSC)    spills
+    16      fp32    2 KB       40-48 / 40-47 / 40-47               0
+    16      bf16    1 KB       48 / 48-60 / 48-60                  0
+    64      fp32    10 KB      140-144 / 143-184 / 144-180         0
+    64      bf16    8 KB       78-80 / 96-108 / 80-94              4 B (SSC, sm_80)
+    128     fp32    10 KB      145-151 / 191-192 / 191-193         0
+    128     bf16    8 KB       80 / 152 / 152                      4 B (residual)
+    256     fp32    6 KB       146-150 / 195-198 / 195-198         0
+    256     bf16    4 KB       80-98 / 152-154 / 154               0
+
+Why 8 warps and K slices: fp32 inputs take exact fp32 products (FMA units), which hold a whole
+K slice of their operands per thread. At 4 warps and BK = 128 in one piece the build spilled 4-5 KB a
+thread; slicing K by 32 at 4 warps still used all 255 registers; 8 warps and slices of 32 bring it to
+the table's. Speed has not been measured on a GPU (none was lent to this task).
+
+Forward only: the library takes gradients through the PyTorch form. Runs under
+``TRITON_INTERPRET=1`` on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+
+MAX_KEY = 256
+MAX_SLOTS = 32
+TOKENS_PER_PROGRAM = 16          # BT: the least tl.dot takes; keeps the distinct states per block few
+
+AGG_RESIDUAL = tl.constexpr(0)
+AGG_GRM = tl.constexpr(1)
+AGG_SSC = tl.constexpr(2)
+AGGREGATES = {"residual": AGG_RESIDUAL.value, "grm": AGG_GRM.value, "ssc": AGG_SSC.value}
+
+
+@triton.jit
+def top_k_rows(b_R, b_keep, o_j, TOP_K, BJ: tl.constexpr):
+    """The TOP_K largest entries of each row of b_R among those in b_keep (ties: the lowest column)."""
+    b_sel = tl.zeros_like(b_keep)
+    for _ in range(TOP_K):
+        b_cand = tl.where(b_keep & ~b_sel, b_R, float("-inf"))
+        b_best = tl.max(b_cand, axis=1)
+        m_best = b_keep & ~b_sel & (b_cand == b_best[:, None])
+        b_first = tl.min(tl.where(m_best, o_j[None, :], BJ), axis=1)   # BJ: the row has none left
+        b_sel = b_sel | (o_j[None, :] == b_first[:, None])
+    return b_sel
+
+
+@triton.jit
+def cached_readout_fwd_kernel(
+    q_ptr, u_ptr, states_ptr, pooled_ptr, online_ptr, score_ptr, blocks_ptr, y_ptr,
+    s_q, s_u, s_on, s_y,
+    T, H, N, K, V, J, TOP_K, NT,
+    AGG: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+    BJ: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)     # int64: offsets of later heads can exceed 2^31
+    i_bh, i_tb = i_p // NT, (i_p % NT).to(tl.int32)
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    q_ptr, online_ptr, y_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(online_ptr, s_on, i_b, i_h), \
+        at_head(y_ptr, s_y, i_b, i_h)
+    states_ptr += i_bh * N * V * K
+
+    o_t = i_tb * BT + tl.arange(0, BT)      # the block's tokens
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_j = tl.arange(0, BJ)
+    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
+
+    # the block's state indices [BT, BJ] (int64: idx * V * K can pass 2^31), -1 where none
+    p_idx = blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_j[None, :]
+    b_idx = tl.load(p_idx, mask=m_t[:, None] & (o_j < J)[None, :], other=-1).to(tl.int64)
+    m_vis = b_idx >= 0
+
+    # pass 1: the weights gamma_i [BT, BJ] and gamma_s [BT]
+    if AGG == AGG_RESIDUAL:
+        b_W = tl.where(m_vis, 1.0, 0.0)
+        b_ws = tl.full([BT], 1.0, tl.float32)
+    else:
+        u_ptr = at_head(u_ptr, s_u, i_b, i_h)
+        pooled_ptr += i_bh * N * K
+        b_u = load_tile(u_ptr, s_u, o_t, o_k, m_t, m_k)
+        b_R = tl.zeros([BT, BJ], dtype=tl.float32)          # r_i = <u_t, p_i> per slot
+        for j in range(J):
+            b_col = tl.sum(tl.where(o_j[None, :] == j, b_idx, 0), axis=1)
+            m_col = m_vis & (o_j[None, :] == j)
+            b_p = tl.load(pooled_ptr + b_col[:, None] * K + o_k[None, :],
+                          mask=(b_col >= 0)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_R = tl.where(m_col, tl.sum(b_u * b_p, axis=1)[:, None], b_R)
+        if AGG == AGG_SSC:
+            m_vis = top_k_rows(b_R, m_vis, o_j, TOP_K, BJ)
+        b_rs = tl.load(score_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+        # softmax over the kept scores and r_s, shifted by the row's exact max (no overflow)
+        b_max = tl.maximum(tl.max(tl.where(m_vis, b_R, float("-inf")), axis=1), b_rs)
+        b_W = tl.exp(tl.where(m_vis, b_R - b_max[:, None], float("-inf")))   # -inf first: no overflow
+        b_ws = tl.exp(b_rs - b_max)
+        b_z = b_ws + tl.sum(b_W, axis=1)
+        b_W, b_ws = b_W / b_z[:, None], b_ws / b_z
+
+    # pass 2: y = gamma_s online + sum over the block's distinct states of (its weight per row) M q
+    b_y = load_tile(online_ptr, s_on, o_t, o_v, m_t, m_v) * b_ws[:, None]
+    b_idx = tl.where(b_W != 0.0, b_idx, -1)                 # zero weights load nothing (SSC's dropped slots)
+    o_c = tl.arange(0, BKC)
+    i_cur = tl.min(tl.where(b_idx >= 0, b_idx, N), axis=None)
+    while i_cur < N:
+        b_w = tl.sum(tl.where(b_idx == i_cur, b_W, 0.0), axis=1)
+        b_Mq = tl.zeros([BT, BV], dtype=tl.float32)
+        for k0 in tl.static_range(0, BK, BKC):
+            # K in slices of BKC: fp32 products run on FMA units, which hold a whole slice per thread
+            o_kc = k0 + o_c
+            m_kc = o_kc < K
+            b_q = load_tile(q_ptr, s_q, o_t, o_kc, m_t, m_kc)
+            b_M = tl.load(states_ptr + i_cur * V * K + o_v[:, None] * K + o_kc[None, :],
+                          mask=m_v[:, None] & m_kc[None, :], other=0.0)
+            b_Mq += tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
+        b_y += b_w[:, None] * b_Mq
+        i_cur = tl.min(tl.where(b_idx > i_cur, b_idx, N), axis=None)
+    store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
+
+
+def unsupported(q, blocks) -> str | None:
+    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY, J > MAX_SLOTS."""
+    if q.dtype == torch.float64:
+        return "fp64 inputs (it computes in fp32)"
+    if q.shape[-1] > MAX_KEY:
+        return f"head size K={q.shape[-1]} (at most {MAX_KEY})"
+    if blocks.shape[-1] > MAX_SLOTS:
+        return f"J={blocks.shape[-1]} cached states per token (at most {MAX_SLOTS})"
+    return None
+
+
+def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
+    """Refuse what the kernel cannot read; returns (AGG, TOP_K) for the launch (SSC with top_k >= J is GRM)."""
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {sorted(AGGREGATES)}, got {aggregate!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_k is not None and aggregate != "ssc":
+        raise ValueError(f"top_k selects cached states for aggregate='ssc' only, got aggregate={aggregate!r}")
+    if q.dim() != 4 or states.dim() != 5:
+        raise ValueError(f"q must be [B, H, T, K] and states [B, H, N, V, K], got {tuple(q.shape)}, "
+                         f"{tuple(states.shape)}")
+    B, H, T, K = q.shape
+    N, V = states.shape[2], states.shape[3]
+    expected = {"states": (states, (B, H, N, V, K)), "online": (online, (B, H, T, V))}
+    if aggregate != "residual":
+        expected.update(u=(u, (B, H, T, K)), pooled=(pooled, (B, H, N, K)), online_score=(online_score, (B, H, T)))
+    for name, (x, shape) in expected.items():
+        if x is None or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {None if x is None else tuple(x.shape)}")
+    if blocks.dim() != 2 or blocks.shape[0] != T or blocks.dtype.is_floating_point or blocks.dtype == torch.bool:
+        raise ValueError(f"blocks must be an integer tensor [T={T}, J], got {blocks.dtype} {tuple(blocks.shape)}")
+    J = blocks.shape[1]
+    if J > MAX_SLOTS:
+        raise ValueError(f"the Triton kernel reads at most {MAX_SLOTS} cached states per token, got J={J}; "
+                         f"use backend='chunk'")
+    if blocks.numel() and (int(blocks.min()) < -1 or int(blocks.max()) >= N):
+        raise ValueError(f"blocks must hold indices in [0, N={N}) or -1, got [{int(blocks.min())}, "
+                         f"{int(blocks.max())}]")
+    if aggregate == "ssc" and (top_k is None or top_k >= J):
+        return AGG_GRM.value, 0                             # every visible state kept: GRM
+    return AGGREGATES[aggregate], top_k or 0
+
+
+def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
+    """Memory Caching's readout y [B, H, T, V] (in q's dtype) from the cached states of linear memories.
+
+    q, u [B, H, T, K]; states [B, H, N, V, K] (the cached final states); pooled [B, H, N, K] (mean keys);
+    online [B, H, T, V] (the base's output inside the token's own segment); online_score [B, H, T]
+    (r_s); blocks [T, J] (the states each token reads, -1 padded); top_k for aggregate="ssc". For
+    "residual", u, pooled and online_score are not read and may be None. See the module docstring.
+    """
+    agg, top = check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
+    B, H, T, K = q.shape
+    N, V, J = states.shape[2], states.shape[3], blocks.shape[1]
+    BK = feature_tile(K, MAX_KEY)
+    run = forward_launch(q, q if u is None else u, online, BV=value_tile(V, 64 if BK <= 128 else 32))
+    NT = triton.cdiv(T, TOKENS_PER_PROGRAM)
+    cached_readout_fwd_kernel[(B * H * NT, run.grid[1])](
+        run.q, run.k, as_fp32(states), as_fp32(pooled), run.v,
+        as_fp32(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
+        T, H, N, K, V, J, top, NT,
+        AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=max(2, triton.next_power_of_2(J)),
+        PRECISION=run.precision, num_warps=8,
+    )
+    return run.o

@@ -1,0 +1,183 @@
+"""Chapter 7's Triton readout (``caching.kernel``) against the formula, written here in fp64.
+
+y_t = gamma_s online_t + sum_i gamma_i M^(i) q_t over the cached states token t sees (its row of
+``blocks``), with residual (all weights 1), GRM (softmax of <u_t, p_i> and r_s) or SSC (the same
+softmax over the top_k scores and r_s). Odd sizes (T = 37, K = 24, V = 40), per-token different
+sets of states in a random order with -1 padding anywhere, fresh random inputs each run.
+"""
+import pytest
+import torch
+
+from atlaslib.caching.kernel import MAX_KEY, MAX_SLOTS, cached_readout_triton, unsupported
+from atlaslib.core.testing import TOLERANCE, assert_close
+
+B, H, T, K, V, N, J = 1, 2, 37, 24, 40, 5, 6
+
+
+def readout_reference(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
+    """The readout token by token in fp64, from the definition."""
+    q, u, states, pooled, online, online_score = (None if x is None else x.double()
+                                                  for x in (q, u, states, pooled, online, online_score))
+    y = torch.empty(*online.shape, dtype=torch.float64)
+    for t in range(q.shape[2]):
+        seen = [i for i in blocks[t].tolist() if i >= 0]
+        reads = torch.einsum("bhnvk,bhk->bhnv", states[:, :, seen], q[:, :, t])          # M^(i) q_t
+        if aggregate == "residual":
+            y[:, :, t] = online[:, :, t] + reads.sum(2)
+            continue
+        r = torch.einsum("bhnk,bhk->bhn", pooled[:, :, seen], u[:, :, t])                 # <u_t, p_i>
+        if aggregate == "ssc" and top_k is not None and top_k < len(seen):
+            kept = torch.zeros_like(r, dtype=torch.bool).scatter(2, r.topk(top_k, dim=2).indices, True)
+            r = r.masked_fill(~kept, float("-inf"))
+        gamma = torch.softmax(torch.cat([r, online_score[:, :, t, None]], 2), 2)
+        y[:, :, t] = gamma[..., -1:] * online[:, :, t] + (gamma[..., :-1, None] * reads).sum(2)
+    return y
+
+
+def random_blocks(gen, T=T, J=J, N=N):
+    """[T, J]: each token a random set of distinct states (0 to J of them) in random order, -1 elsewhere."""
+    blocks = torch.full((T, J), -1, dtype=torch.int64)
+    for t in range(1, T):                       # token 0 sees no cached state
+        n = int(torch.randint(0, min(J, N) + 1, (1,), generator=gen))
+        states = torch.randperm(N, generator=gen)[:n]
+        slots = torch.randperm(J, generator=gen)[:n]
+        blocks[t, slots] = states
+    blocks[T - 1, :min(J, N)] = torch.arange(min(J, N))   # one token sees every state
+    return blocks
+
+
+def random_inputs(gen, dtype=torch.float32, score_scale=1.0):
+    """q and online as [B, T, H, C] views (read through their strides), the rest contiguous."""
+    q = torch.randn(B, T, H, K, generator=gen).to(dtype).transpose(1, 2)
+    u = (score_scale * torch.randn(B, H, T, K, generator=gen)).to(dtype)
+    states = torch.randn(B, H, N, V, K, generator=gen) / K ** 0.5
+    pooled = torch.randn(B, H, N, K, generator=gen).to(dtype)
+    online = torch.randn(B, T, H, V, generator=gen).to(dtype).transpose(1, 2)
+    online_score = score_scale * torch.randn(B, H, T, generator=gen) * 2
+    return q, u, states, pooled, online, online_score, random_blocks(gen)
+
+
+CASES = [("residual", None), ("grm", None), ("ssc", 1), ("ssc", 2), ("ssc", J), ("ssc", 100), ("ssc", None)]
+
+
+@pytest.mark.parametrize("aggregate,top_k", CASES)
+def test_readout_matches_the_formula(gen, aggregate, top_k):
+    inputs = random_inputs(gen)
+    y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
+    assert y.dtype == torch.float32 and y.shape == (B, H, T, V)
+    assert_close(y, readout_reference(*inputs, top_k, aggregate), name=f"{aggregate} top_k={top_k}")
+
+
+def test_residual_reads_only_the_states_and_online(gen):
+    q, u, states, pooled, online, online_score, blocks = random_inputs(gen)
+    y = cached_readout_triton(q, None, states, None, online, None, blocks, aggregate="residual")
+    assert_close(y, readout_reference(q, u, states, pooled, online, online_score, blocks, None, "residual"))
+
+
+def test_ssc_keeping_every_state_is_grm_and_keeping_one_is_not(gen):
+    inputs = random_inputs(gen)
+    grm = cached_readout_triton(*inputs, aggregate="grm")
+    assert torch.equal(cached_readout_triton(*inputs, top_k=J, aggregate="ssc"), grm)
+    assert (cached_readout_triton(*inputs, top_k=1, aggregate="ssc") - grm).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("aggregate,top_k", [("grm", None), ("ssc", 2)])
+def test_large_scores_stay_finite(gen, aggregate, top_k):
+    # scores of order 1e3-1e4: exp without the max shift would overflow fp32
+    inputs = random_inputs(gen, score_scale=300.0)
+    y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
+    assert torch.isfinite(y).all()
+    assert_close(y, readout_reference(*inputs, top_k, aggregate))
+
+
+@pytest.mark.parametrize("aggregate,top_k", [("residual", None), ("grm", None), ("ssc", 2)])
+def test_bf16_inputs(gen, aggregate, top_k):
+    inputs = random_inputs(gen, dtype=torch.bfloat16)
+    y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
+    assert y.dtype == torch.bfloat16
+    # the reference reads the same bf16 inputs; SSC's selection can flip on near ties after
+    # rounding the scores, so the tolerance is bf16's
+    assert_close(y, readout_reference(*inputs, top_k, aggregate), tol=TOLERANCE[torch.bfloat16])
+
+
+def test_a_block_of_tokens_sharing_its_states(gen):
+    # constant segments of 8 tokens: every token sees all earlier segments, in order
+    Tc, Nc = 40, 5
+    blocks = torch.full((Tc, Nc), -1, dtype=torch.int64)
+    for t in range(Tc):
+        blocks[t, :t // 8] = torch.arange(t // 8)
+    q, u = torch.randn(2, B, H, Tc, K, generator=gen)
+    states, pooled = torch.randn(B, H, Nc, V, K, generator=gen), torch.randn(B, H, Nc, K, generator=gen)
+    online, score = torch.randn(B, H, Tc, V, generator=gen), torch.randn(B, H, Tc, generator=gen)
+    inputs = (q, u, states, pooled, online, score, blocks)
+    assert_close(cached_readout_triton(*inputs), readout_reference(*inputs, None, "grm"))
+
+
+def log_linear_blocks(T):
+    """[T, J]: token t reads the dyadic blocks of its prefix 0..t-1, largest first (37 = 32 + 4 + 1),
+    each aligned block numbered once (a Fenwick tree's nodes); returns (blocks, number of blocks)."""
+    index, rows = {}, []
+    for t in range(T):
+        start, row = 0, []
+        for bit in reversed(range(t.bit_length())):
+            if t >> bit & 1:
+                row.append(index.setdefault((start, 2 ** bit), len(index)))
+                start += 2 ** bit
+        rows.append(row)
+    J = max(len(r) for r in rows)
+    return torch.tensor([r + [-1] * (J - len(r)) for r in rows]), len(index)
+
+
+@pytest.mark.parametrize("aggregate,top_k", [("grm", None), ("ssc", 2)])
+def test_log_linear_segments(gen, aggregate, top_k):
+    # tokens of one block of 16 read different short blocks: many distinct states per program
+    Tl = 67
+    blocks, Nl = log_linear_blocks(Tl)
+    assert blocks.shape[1] == 6 and Nl > 16
+    q, u = torch.randn(2, B, H, Tl, K, generator=gen)
+    states, pooled = torch.randn(B, H, Nl, V, K, generator=gen), torch.randn(B, H, Nl, K, generator=gen)
+    online, score = torch.randn(B, H, Tl, V, generator=gen), torch.randn(B, H, Tl, generator=gen)
+    inputs = (q, u, states, pooled, online, score, blocks)
+    assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate),
+                 readout_reference(*inputs, top_k, aggregate))
+
+
+@pytest.mark.parametrize("aggregate", ["residual", "grm"])
+def test_no_cached_state_gives_the_online_output(gen, aggregate):
+    q, u, states, pooled, online, online_score, _ = random_inputs(gen)
+    none = torch.empty(T, 0, dtype=torch.int64)
+    assert torch.equal(cached_readout_triton(q, u, states, pooled, online, online_score, none, aggregate=aggregate),
+                       online)
+
+
+def test_bad_inputs_are_refused(gen):
+    q, u, states, pooled, online, online_score, blocks = random_inputs(gen)
+    args = (q, u, states, pooled, online, online_score)
+    wide = torch.full((T, MAX_SLOTS + 1), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="backend='chunk'"):
+        cached_readout_triton(*args, wide)
+    for top_k in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="top_k"):
+            cached_readout_triton(*args, blocks, top_k=top_k, aggregate="ssc")
+    with pytest.raises(ValueError, match="top_k"):
+        cached_readout_triton(*args, blocks, top_k=2, aggregate="grm")
+    with pytest.raises(ValueError, match="aggregate"):
+        cached_readout_triton(*args, blocks, aggregate="soup")
+    with pytest.raises(ValueError, match=r"\[0, N=5\)"):
+        cached_readout_triton(*args, blocks.clamp(max=N - 1) + 1)
+    with pytest.raises(ValueError, match="blocks"):
+        cached_readout_triton(*args, blocks[:-1])
+    with pytest.raises(ValueError, match="pooled"):
+        cached_readout_triton(q, u, states, None, online, online_score, blocks)
+    with pytest.raises(ValueError, match="states"):
+        cached_readout_triton(q, u, states[..., :-1], pooled, online, online_score, blocks)
+    with pytest.raises(TypeError, match="float64"):
+        cached_readout_triton(*(x.double() for x in args), blocks)
+
+
+def test_unsupported_names_what_the_kernel_refuses():
+    q, blocks = torch.zeros(1, 1, 4, K), torch.full((4, J), -1)
+    assert unsupported(q, blocks) is None
+    assert "fp64" in unsupported(q.double(), blocks)
+    assert "K=" in unsupported(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
+    assert "J=" in unsupported(q, torch.full((4, MAX_SLOTS + 1), -1))
