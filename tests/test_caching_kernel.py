@@ -181,3 +181,20 @@ def test_unsupported_names_what_the_kernel_refuses():
     assert "fp64" in unsupported(q.double(), blocks)
     assert "K=" in unsupported(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
     assert "J=" in unsupported(q, torch.full((4, MAX_SLOTS + 1), -1))
+
+
+@pytest.mark.parametrize("segments, aggregate, top_k", [(8, "soup", None), (8, "ssc", 2), ("log", "grm", None),
+                                                         (2, "grm", None)])
+def test_memory_caching_runs_the_kernel_and_falls_back_where_it_cannot(segments, aggregate, top_k):
+    """memory_caching(backend="triton") == its chunk form: soup over matrix memories as GRM, and with
+    more cached states per token than the kernel holds (segments of 2 over 70 tokens: 34) the
+    PyTorch readout instead of an error."""
+    from atlaslib.caching import memory_caching
+    from atlaslib.linear import linear_attention
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    q, k, v = (torch.randn(1, 2, 70, n, generator=gen) / 3 for n in (8, 8, 6))
+    kw = dict(base=linear_attention, segments=segments, aggregate=aggregate, top_k=top_k, mode="independent",
+              chunk_size=2 if segments == 2 else 8)
+    tri, _ = memory_caching(q, k, v, backend="triton", **kw)
+    ref, _ = memory_caching(q.double(), k.double(), v.double(), backend="recurrent", **kw)
+    assert torch.allclose(tri.double(), ref, atol=1e-5, rtol=1e-4), (tri.double() - ref).abs().max()

@@ -43,8 +43,14 @@ POOLS = ("mean", "sum")
 READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 
 
-def kernel_readout(*args):
-    """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel)."""
+def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
+    """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel).
+    Soup over matrix memories is GRM; a readout the kernel refuses (more cached states per token than
+    it holds, K too large, fp64) runs ``cached_readout`` instead, the same function."""
+    aggregate = "grm" if aggregate == "soup" else aggregate
+    args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
+    if lazy(f"{__name__}.kernel", "unsupported")(q, blocks) is not None:
+        return cached_readout(*args)
     return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 
 
