@@ -11,6 +11,9 @@ cached state is read), ``recurrent.py`` (the definition: per token, an explicit 
 states) and ``chunk.py`` (the base's chunk form per segment, all segments of a length at once in
 independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract:
 ``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
+``kernel.py``: that Triton readout for matrix memories (the residual/GRM/SSC weights, top-k by
+iterated selection, and the weighted sum of the cached states' reads), at most 32 cached states per
+token; beyond that, or for fp64, ``memory_caching`` runs ``cached_readout`` instead.
 
 Exactness (MATH.md §8): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
 readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
