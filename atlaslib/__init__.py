@@ -8,4 +8,4 @@ __version__ = "0.1.0"
 
 # The chapter packages in the book's order: the one list that the benchmark, the exercises and
 # the import-order test read (a new chapter adds its line here; see CONTRIBUTING.md).
-CHAPTERS = {"linear": 1, "delta": 2, "miras": 3, "omega": 4, "atlas": 5, "deep": 6}
+CHAPTERS = {"linear": 1, "delta": 2, "miras": 3, "omega": 4, "atlas": 5, "deep": 6, "caching": 7}
