@@ -128,3 +128,37 @@ def test_deep_kernel_flops_count_the_visible_span():
             pairs += len(rows) * (int(seen.max()) - int(seen.min()) + 1)
         assert kernel_flops(window)(s) == s.B * s.H * pairs * 2 * (s.K + s.V)
         assert kernel_flops(window, passes=2)(s) == 2 * kernel_flops(window)(s)
+
+
+CACHING_ROWS = ("mc_gdn_c64", "mc_gdn_c256", "mc_gdn_log")
+
+
+def test_caching_rows_run_loop_and_chunk():
+    """Chapter 7's rows: Memory Caching over Gated DeltaNet per segmentation, loop vs chunk (no triton on CPU)."""
+    rows = bench.run_benchmarks(list(CACHING_ROWS), [12], B=1, H=2, K=4, V=3, chunk_size=4, warmup=0, repeats=1,
+                                progress=False)
+    assert {(r["model"], r["backend"]) for r in rows} == {(m, b) for m in CACHING_ROWS for b in ("recurrent", "chunk")}
+    for r in rows:
+        assert r["time_ms"] > 0 and r["speedup"] > 0
+        if r["backend"] == "recurrent":
+            assert r["speedup"] == 1.0
+    assert bench.case_notes(list(CACHING_ROWS), [12]) == [f"{m} T=12: recurrent and chunk on the same tokens"
+                                                          for m in CACHING_ROWS]
+
+
+@pytest.mark.parametrize("segments", [4, "log"])
+def test_caching_rows_compute_memory_caching_and_cap_the_loop(segments):
+    """The rows' builder on fp64 inputs, with segments shorter than T: the chunk form is the definition,
+    and beyond its token budget the loop runs the first loop_t tokens, which (MC is causal) give the
+    chunk form's first loop_t outputs; the note says at which T the loop ran."""
+    from atlaslib.caching.bench_cases import loop_note, mc_builder
+    shape = bench.BenchShape(1, 2, 33, 6, 5, dtype=torch.float64, chunk_size=4)
+    call = mc_builder(segments, 33)(shape, torch.Generator().manual_seed(3))
+    chunk = call("chunk")
+    torch.testing.assert_close(call("recurrent"), chunk, rtol=1e-10, atol=1e-12)
+    capped = mc_builder(segments, 20)(shape, torch.Generator().manual_seed(3))
+    loop = capped("recurrent")
+    assert loop.shape == (1, 2, 20, 5) and capped("chunk").shape == (1, 2, 33, 5)
+    torch.testing.assert_close(loop, chunk[:, :, :20], rtol=1e-10, atol=1e-12)
+    assert "first 20 tokens" in loop_note(20)(shape) and "T=20" in loop_note(20)(shape)
+    assert loop_note(33)(shape) == "recurrent and chunk on the same tokens"
