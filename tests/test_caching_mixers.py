@@ -179,6 +179,13 @@ def test_bad_options_raise(bad, match):
         make_mixer("memory_caching", D, H, **bad)
 
 
+def test_a_cached_class_refuses_another_base():
+    with pytest.raises(ValueError, match="caches 'gla', not 'deltanet'"):
+        CACHED["gla"](D, H, base="deltanet")
+    assert type(CACHED["gla"](D, H, base="gla")) is type(CACHED["gla"](D, H)) is CACHED["gla"]
+    assert CACHED["gla"](D, H).base == "gla" and make_mixer("memory_caching", D, H).base == "gated_deltanet"
+
+
 # ---------------------------------------------------------------- generation and training
 
 @pytest.mark.parametrize("kw", [dict(segments=3), dict(segments=2, mode="checkpoint", base="gla")])

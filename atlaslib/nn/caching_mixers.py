@@ -81,18 +81,23 @@ class MemoryCaching(TokenMixer):
 
     library = None                     # the base's library function (set by each subclass)
 
-    def __new__(cls, *args, base: str = "gated_deltanet", **kw):
+    def __new__(cls, *args, base: str | None = None, **kw):
         if cls is MemoryCaching:       # pick the subclass that caches ``base``
+            base = "gated_deltanet" if base is None else base
             if base not in CACHED:
                 raise ValueError(f"memory_caching base must be one of {sorted(CACHED)}, got {base!r}")
             cls = CACHED[base]
         return super().__new__(cls)
 
-    def __init__(self, d_model, n_heads, *, base: str = "gated_deltanet", segments=16, mode: str = "independent",
+    def __init__(self, d_model, n_heads, *, base: str | None = None, segments=16, mode: str = "independent",
                  aggregate: str = "grm", top_k: int | None = None, pool: str = "mean", **kw):
         if kw.get("normalize"):
             raise ValueError("memory_caching over linear attention needs normalize=False: the normaliser "
                              "z^T q makes the read of a cached state nonlinear")
+        base = self.base_name() if base is None else base
+        if CACHED.get(base) is not type(self):
+            raise ValueError(f"{type(self).__name__} caches {self.base_name()!r}, not {base!r}: build it with "
+                             f"make_mixer('memory_caching', ..., base={base!r})")
         super().__init__(d_model, n_heads, **kw)
         check_segments(segments)
         if mode not in MODES:
@@ -109,6 +114,10 @@ class MemoryCaching(TokenMixer):
         self.base, self.segments, self.mode, self.aggregate, self.top_k, self.pool = \
             base, segments, mode, aggregate, top_k, pool
         self.u_proj = nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)     # u_t = x_t W_u
+
+    @classmethod
+    def base_name(cls) -> str:
+        return next(name for name, c in CACHED.items() if c is cls)
 
     def base_gates(self, q, x) -> dict:
         """The base's gates as keywords of its library function ([B, H, T, ...] tensors)."""
