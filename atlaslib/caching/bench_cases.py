@@ -7,27 +7,31 @@ Rows, one per segmentation (time and peak memory against the segment length):
 * ``mc_gdn_c64``, ``mc_gdn_c256``: constant segments of 64 and 256 tokens;
 * ``mc_gdn_log``: the log-linear (Fenwick) segmentation, i.e. Log-Linear++ over Gated DeltaNet.
 
-Backends: "recurrent" (the definition, ``caching.recurrent``: the base's per-token loop per segment, then
-per token an explicit list of cached states, each read by running the base from it with learning off),
-"chunk" (the base's chunk form, all segments of one length in one batched call, and one batched
-readout) and "triton" on CUDA (the base's kernel and the readout kernel).
+Backends: "chunk" (the base's chunk form, all segments of one length in one batched call, then one
+batched readout) and "triton" on CUDA (the base's kernel and the readout kernel); the speedup column
+divides the chunk form's time by each backend's.
 
-The loop is too slow for the long rows: its readout runs the base from every cached state over all T
-queries, N T per-token steps (T^2 / C for constant segments, ~2 T^2 for log-linear), plus per token a
-Python loop over the states it sees; and the benchmark runs it five times, once under the profiler
-that measures CPU memory, which records every one of its ~10^5-10^6 small operations (60-150 times
-slower than the plain call: ~45 s for C = 64 at T = 512). So the loop runs on the first
-``LOOP_T[segments]`` tokens only (512 for C = 64 and 256, 64 for "log"; under a second each) and the
-chunk form on all T. Where T is longer, the recurrent row's time_ms and peak_MiB are those of the
-shorter run and its speedup (loop on LOOP_T tokens / chunk on T) is not a speedup at T; the note under
-the table says so. Where T <= LOOP_T both run the same tokens and the speedup is exact.
+The per-token loop (backend "recurrent", the definition in ``caching.recurrent``) is compared in the
+note under the table, not in the table: its readout runs the base from every cached state over all T
+queries (N T per-token steps: T^2 / C for constant segments, ~2 T^2 for log-linear), plus a Python
+loop per token over the states it sees, so at T = 4096 it takes over a minute for C = 64 (64 s in
+one call, below) and far longer for log-linear; and the benchmark would run it five times, once under
+the profiler that measures CPU memory, which records each of its 10^5-10^6 small operations (60-150
+times slower than the plain call: 45 s for C = 64 at T = 512). So each note times the loop and the
+chunk form once each on the same first min(T, LOOP_T[segments]) tokens (1024 for C = 64 and 256,
+256 for log-linear: a few seconds each) and prints both times and their ratio; where T is longer,
+it says so. MC is causal, so the first n outputs of a run on T tokens are those of the run on n.
 
     python -m atlaslib.bench --threads 1 --T 1024 4096 --models mc_gdn_c64 mc_gdn_c256 mc_gdn_log
 
-Measured with that command: see the README's chapter 7 line and the table below (filled in from one
-run on a shared 2-core CPU sandbox loaded by other jobs, one thread; ratios only).
+Measured with that command on a shared 2-core CPU sandbox loaded by other jobs (one thread; B = 1,
+H = 4, K = V = 64, fp32, chunk length 64): see the table below.
 """
 from __future__ import annotations
+
+import time
+
+import torch
 
 from ..core import random_gate, random_qkv
 from ..core.benchcases import BenchShape, register_bench_case
@@ -35,39 +39,57 @@ from ..delta import delta_rule
 from . import memory_caching
 
 # the loop's token budget per segmentation (a few seconds on one CPU core, see the module docstring)
-LOOP_T = {64: 512, 256: 512, "log": 64}
+LOOP_T = {64: 1024, 256: 1024, "log": 256}
 
 
-def mc_builder(segments, loop_t: int):
-    """call(backend): Memory Caching over Gated DeltaNet, GRM, independent, with ``segments``; the
-    recurrent backend on the first min(T, loop_t) tokens, the others on all T."""
+def mc_inputs(s: BenchShape, gen):
+    """q, k, v (unit keys), Gated DeltaNet's gates (beta, log alpha) and the relevance queries u."""
+    q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
+    beta = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, dtype=s.dtype, device=s.device, generator=gen)
+    log_alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=s.dtype, device=s.device, generator=gen).log()
+    u = random_qkv(s.B, s.H, s.T, s.K, 1, dtype=s.dtype, device=s.device, generator=gen)[0]
+    return q, k, v, beta, log_alpha, u
+
+
+def mc_builder(segments):
+    """call(backend, n=T): Memory Caching over Gated DeltaNet, GRM, independent, on the first n tokens."""
     def build(s: BenchShape, gen):
-        q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
-        beta = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, dtype=s.dtype, device=s.device, generator=gen)
-        log_alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=s.dtype, device=s.device, generator=gen).log()
-        u = random_qkv(s.B, s.H, s.T, s.K, 1, dtype=s.dtype, device=s.device, generator=gen)[0]
-        n = min(s.T, loop_t)
+        q, k, v, beta, log_alpha, u = mc_inputs(s, gen)
 
-        def call(backend):
-            m = n if backend == "recurrent" else s.T
-            return memory_caching(q[:, :, :m], k[:, :, :m], v[:, :, :m], base=delta_rule,
-                                  base_kwargs=dict(beta=beta[:, :, :m], log_alpha=log_alpha[:, :, :m]),
-                                  u=u[:, :, :m], segments=segments, mode="independent", aggregate="grm",
+        def call(backend, n=s.T):
+            return memory_caching(q[:, :, :n], k[:, :, :n], v[:, :, :n], base=delta_rule,
+                                  base_kwargs=dict(beta=beta[:, :, :n], log_alpha=log_alpha[:, :, :n]),
+                                  u=u[:, :, :n], segments=segments, mode="independent", aggregate="grm",
                                   backend=backend, chunk_size=s.chunk_size)[0]
         return call
     return build
 
 
-def loop_note(loop_t: int):
+def seconds(fn, device) -> float:
+    """Wall time of one call of fn (CUDA synchronised before the clock stops)."""
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def loop_note(segments, loop_t: int):
+    """The note: the loop and the chunk form timed once each on the same first min(T, loop_t) tokens."""
     def note(s: BenchShape) -> str:
         n = min(s.T, loop_t)
-        if n == s.T:
-            return "recurrent and chunk on the same tokens"
-        return (f"recurrent ran on the first {n} tokens only (LOOP_T; the loop's cost grows as T^2), chunk on all "
-                f"{s.T}: the recurrent row's time and memory are at T={n} and its speedup compares different T; "
-                f"--T {n} times both on the same tokens")
+        call = mc_builder(segments)(s, torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            call("chunk", n)                                                    # warm-up
+            t_chunk = seconds(lambda: call("chunk", n), s.device)
+            t_loop = seconds(lambda: call("recurrent", n), s.device)
+        where = "all tokens" if n == s.T else f"the first {n} tokens only (LOOP_T: the loop's cost grows as T^2)"
+        return (f"loop (recurrent) {t_loop:.3g} s vs chunk {t_chunk:.3g} s on {where}: {t_loop / t_chunk:.1f}x "
+                f"(one call each)")
     return note
 
 
 for name, segments in (("mc_gdn_c64", 64), ("mc_gdn_c256", 256), ("mc_gdn_log", "log")):
-    register_bench_case(name, mc_builder(segments, LOOP_T[segments]), note=loop_note(LOOP_T[segments]))
+    register_bench_case(name, mc_builder(segments), backends=("chunk", "triton"), reference="chunk",
+                        note=loop_note(segments, LOOP_T[segments]))
