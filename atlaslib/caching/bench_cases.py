@@ -17,8 +17,8 @@ queries (N T per-token steps: T^2 / C for constant segments, ~2 T^2 for log-line
 loop per token over the states it sees, so at T = 4096 it takes over a minute for C = 64 (64 s in
 one call, below) and far longer for log-linear; and the benchmark would run it five times, once under
 the profiler that measures CPU memory, which records each of its 10^5-10^6 small operations (60-150
-times slower than the plain call: 45 s for C = 64 at T = 512). So each note times the loop and the
-chunk form once each on the same first min(T, LOOP_T[segments]) tokens (1024 for C = 64 and 256,
+times slower than the plain call: 45 s for C = 64 at T = 512). So each note times the loop (one call)
+and the chunk form (median of 3) on the same first min(T, LOOP_T[segments]) tokens (1024 for C = 64 and 256,
 256 for log-linear: a few seconds each) and prints both times and their ratio; where T is longer,
 it says so. MC is causal, so the first n outputs of a run on T tokens are those of the run on n.
 
@@ -29,6 +29,7 @@ H = 4, K = V = 64, fp32, chunk length 64): see the table below.
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -76,17 +77,17 @@ def seconds(fn, device) -> float:
 
 
 def loop_note(segments, loop_t: int):
-    """The note: the loop and the chunk form timed once each on the same first min(T, loop_t) tokens."""
+    """The note: the loop (one call) and the chunk form (median of 3) on the same first min(T, loop_t) tokens."""
     def note(s: BenchShape) -> str:
         n = min(s.T, loop_t)
         call = mc_builder(segments)(s, torch.Generator().manual_seed(0))
         with torch.no_grad():
             call("chunk", n)                                                    # warm-up
-            t_chunk = seconds(lambda: call("chunk", n), s.device)
+            t_chunk = statistics.median(seconds(lambda: call("chunk", n), s.device) for _ in range(3))
             t_loop = seconds(lambda: call("recurrent", n), s.device)
         where = "all tokens" if n == s.T else f"the first {n} tokens only (LOOP_T: the loop's cost grows as T^2)"
         return (f"loop (recurrent) {t_loop:.3g} s vs chunk {t_chunk:.3g} s on {where}: {t_loop / t_chunk:.1f}x "
-                f"(one call each)")
+                f"(loop: one call; chunk: median of 3)")
     return note
 
 
