@@ -128,3 +128,36 @@ def test_deep_kernel_flops_count_the_visible_span():
             pairs += len(rows) * (int(seen.max()) - int(seen.min()) + 1)
         assert kernel_flops(window)(s) == s.B * s.H * pairs * 2 * (s.K + s.V)
         assert kernel_flops(window, passes=2)(s) == 2 * kernel_flops(window)(s)
+
+
+CACHING_ROWS = ("mc_gdn_c64", "mc_gdn_c256", "mc_gdn_log")
+
+
+def test_caching_rows_time_the_chunk_form_and_note_the_loop():
+    """Chapter 7's rows: the chunk form per segmentation in the table (no triton on CPU), the loop
+    against it in the note, timed on the same tokens."""
+    rows = bench.run_benchmarks(list(CACHING_ROWS), [12], B=1, H=2, K=4, V=3, chunk_size=4, warmup=0, repeats=1,
+                                progress=False)
+    assert [(r["model"], r["backend"], r["speedup"]) for r in rows] == [(m, "chunk", 1.0) for m in CACHING_ROWS]
+    assert all(r["time_ms"] > 0 and r["peak_MiB"] > 0 for r in rows)
+    notes = bench.case_notes(list(CACHING_ROWS), [12], B=1, H=2, K=4, V=3, chunk_size=4)
+    assert len(notes) == 3
+    for m, line in zip(CACHING_ROWS, notes):
+        assert line.startswith(f"{m} T=12: loop (recurrent) ") and "on all tokens" in line
+        assert line.endswith("(loop: one call; chunk: median of 3)")
+
+
+@pytest.mark.parametrize("segments", [4, "log"])
+def test_caching_rows_compute_memory_caching_on_the_first_tokens(segments):
+    """The rows' builder on fp64 inputs, with segments shorter than T: the chunk form is the definition,
+    and a run on the first n tokens gives the first n outputs (MC is causal), so the note's loop on
+    LOOP_T tokens times the same function; the note says when it ran fewer tokens than T."""
+    from atlaslib.caching.bench_cases import loop_note, mc_builder
+    shape = bench.BenchShape(1, 2, 33, 6, 5, dtype=torch.float64, chunk_size=4)
+    call = mc_builder(segments)(shape, torch.Generator().manual_seed(3))
+    chunk = call("chunk")
+    assert chunk.shape == (1, 2, 33, 5)
+    torch.testing.assert_close(call("recurrent"), chunk, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(call("recurrent", 20), chunk[:, :, :20], rtol=1e-10, atol=1e-12)
+    assert "on the first 20 tokens only" in loop_note(segments, 20)(shape)
+    assert "on all tokens" in loop_note(segments, 33)(shape)

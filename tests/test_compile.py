@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from atlaslib.caching import memory_caching
 from atlaslib.core import assert_close, random_gate, random_qkv
 from atlaslib.core import validation
 from atlaslib.delta import delta_rule
@@ -85,6 +86,20 @@ def test_miras_chunk(gen, memory):
                       backend="chunk", chunk_size=CHUNK)
     parts, *args = problem.args
     compiled_equals_eager(lambda *a: miras_chunk(parts, *a, chunk_size=CHUNK), *args)
+
+
+@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
+                   reason="caching.chunk.check_readout branches on blocks.max() / blocks.min() (a host sync) "
+                          "on the table memory_caching builds itself; remove this mark when that check leaves "
+                          "the hot path")
+def test_memory_caching_chunk(gen):
+    """Memory Caching over Gated DeltaNet (chapter 7, the memory_caching mixer's call): GRM, independent."""
+    q, k, v, alpha, _ = inputs(gen, "scalar")
+    beta = torch.rand(B, H, T, generator=gen)
+    u = torch.randn(B, H, T, K, generator=gen)
+    compiled_equals_eager(lambda q, k, v, b, a, u: memory_caching(
+        q, k, v, base=delta_rule, base_kwargs=dict(beta=b, log_alpha=a.log()), u=u, segments=16,
+        mode="independent", aggregate="grm", backend="chunk", chunk_size=8)[0], q, k, v, beta, alpha, u)
 
 
 def test_public_functions_compile_with_their_checks(gen):

@@ -58,9 +58,9 @@ def test_the_defaults_are_declared_once():
 
 
 LIBRARY_CALLS = ("linear_attention", "delta_rule", "miras", "omega_rule", "swla", "atlas", "deep_transformer", "dot",
-                 "dla")
+                 "dla", "memory_caching")
 GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "yaad", "memora",
-         "atlas", "atlas++", "mag", "mal", "deep_transformer", "swdt", "dla")
+         "atlas", "atlas++", "mag", "mal", "deep_transformer", "swdt", "dla", "memory_caching")
 ATTENTION = ("softmax", "swa")                       # no chunk form, no retention gate
 HYBRIDS = ("mag", "mal")                             # their memory branch (atlas by default) makes the call
 # dot takes its retention as alpha in (0, 1] (no log_alpha: its c = 1 forms divide by alpha); it must
@@ -68,17 +68,26 @@ HYBRIDS = ("mag", "mal")                             # their memory branch (atla
 ALPHA_IN_FP32 = ("dot",)
 
 
+def spy(seen, real):
+    """``real`` that records its keywords (a base's gates in base_kwargs among them) in ``seen``."""
+    def call(*args, **kw):
+        seen.append({**kw, **(kw.get("base_kwargs") or {})})
+        return real(*args, **kw)
+    return call
+
+
 @pytest.mark.parametrize("name", [n for n in sorted(MIXERS) if n not in ATTENTION])
 def test_every_mixer_passes_its_chunk_size_and_a_log_gate(monkeypatch, gen, name):
     """Spy on the library function the mixer's module calls: chunk_size is the mixer's (5 is nobody's
     default), and a retention gate arrives as fp32 log_alpha from a bf16 model, never as alpha.
-    A hybrid passes its keywords to its memory mixer, whose module is spied on."""
+    A hybrid passes its keywords to its memory mixer, whose module is spied on; memory_caching hands the
+    gates to its base in base_kwargs, which are checked as if passed directly."""
     module = sys.modules[MIXERS["atlas" if name in HYBRIDS else name].__module__]
     seen = []
     for fn in LIBRARY_CALLS:
         if hasattr(module, fn):
             real = getattr(module, fn)
-            monkeypatch.setattr(module, fn, lambda *a, _real=real, **kw: (seen.append(kw), _real(*a, **kw))[1])
+            monkeypatch.setattr(module, fn, spy(seen, real))
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     mixer = make_mixer(name, 16, 2, backend="chunk", chunk_size=5).to(torch.bfloat16)
     with torch.no_grad():

@@ -283,6 +283,14 @@ MIXER_CASES = [
     ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "source", "phi_star": ("taylor", 2)}),
     ("dla", {"backend": "chunk", "chunk_size": 1}),
     ("dla", {"backend": "chunk", "chunk_size": 1, "phi_star": ("taylor", 2), "memory": "linear"}),
+    # chapter 7: the online memory is the base's step, cached states and pooled keys grow per segment
+    ("memory_caching", {"backend": "chunk", "segments": 3}),
+    ("memory_caching", {"backend": "chunk", "segments": 2, "mode": "checkpoint", "base": "deltanet"}),
+    ("memory_caching", {"backend": "chunk", "segments": 2, "aggregate": "ssc", "top_k": 1, "base": "kda"}),
+    ("memory_caching", {"backend": "chunk", "segments": 3, "aggregate": "residual", "base": "linear"}),
+    ("memory_caching", {"backend": "chunk", "segments": 2, "aggregate": "soup", "base": "gla", "pool": "sum"}),
+    ("memory_caching", {"backend": "chunk", "segments": 4, "mode": "checkpoint", "base": "mamba2",
+                        "chunk_size": 2}),
     ("swa", {"window": 3}),
     ("mal", {"memory": "atlas", "window": 3, "backend": "chunk", "chunk_size": 1}),
     ("mag", {"memory": "gla", "window": 4, "backend": "chunk", "chunk_size": 4}),
@@ -346,6 +354,8 @@ def test_mixer_without_a_step_says_so():
             cls(8, 2).step(torch.randn(1, 8))
     with pytest.raises(ValueError, match=r"\[B, 8\]"):
         make_mixer("linear", 8, 2).step(torch.randn(1, 3, 8))
+    with pytest.raises(NotImplementedError, match="segments='log' has no one-token step"):
+        make_mixer("memory_caching", 8, 2, segments="log").step(torch.randn(1, 8))
 
 
 # ---------------------------------------------------------------- TinyLM
