@@ -88,10 +88,6 @@ def test_miras_chunk(gen, memory):
     compiled_equals_eager(lambda *a: miras_chunk(parts, *a, chunk_size=CHUNK), *args)
 
 
-@pytest.mark.xfail(raises=torch._dynamo.exc.Unsupported, strict=True,
-                   reason="caching.chunk.check_readout branches on blocks.max() / blocks.min() (a host sync) "
-                          "on the table memory_caching builds itself; remove this mark when that check leaves "
-                          "the hot path")
 def test_memory_caching_chunk(gen):
     """Memory Caching over Gated DeltaNet (chapter 7, the memory_caching mixer's call): GRM, independent."""
     q, k, v, alpha, _ = inputs(gen, "scalar")
