@@ -530,3 +530,21 @@ def test_gates_of_zero_and_one_and_non_contiguous_inputs(gen):
         got, _ = memory_caching(qt, kt, vt, base=linear_attention, segments=5, aggregate="grm",
                                 base_kwargs=dict(alpha=alpha), initial_state=M0, backend=backend, chunk_size=2)
         assert rel_rmse(got, want) < 1e-12
+
+
+def test_log_segments_readout_and_gradients_on_a_longer_sequence(gen):
+    """Log-linear over T = 40 caches 19 blocks, each token reads at most 4: the readout's per-state
+    path (each state times the run of tokens that read it). Outputs and gradients equal the definition."""
+    q, k, v, alpha, _ = inputs(gen, B=1, H=2, T=40, K=4, V=3)
+    u = torch.randn(q.shape, generator=gen, **F64)
+    w = torch.randn(1, 2, 40, 3, generator=gen, **F64)
+    want = mc_reference(q, k, v, alpha, None, "log", "independent", "grm", None, u)
+    grads = {}
+    for backend in ("recurrent", "chunk"):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, u)]
+        o, _ = memory_caching(*xs[:3], base=linear_attention, segments="log", mode="independent", aggregate="grm",
+                              u=xs[3], base_kwargs=dict(alpha=alpha), backend=backend, chunk_size=4)
+        assert rel_rmse(o, want) < 1e-12, backend
+        grads[backend] = torch.autograd.grad((o * w).sum(), xs)
+    for g_r, g_c in zip(grads["recurrent"], grads["chunk"]):
+        assert g_c.abs().sum() > 0 and rel_rmse(g_c, g_r) < 1e-10

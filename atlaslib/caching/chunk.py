@@ -87,15 +87,37 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
 
 def weighted_reads(w, states, q, blocks):
     """sum_j w_tj M^(blocks[t, j]) q_t. Few states (constant segments, N <= 2J): one dense contraction
-    over n. Many states that each token reads a few of (log-linear, N ~ 2T, J ~ log T): gather the J
-    states of every token, column by column, so the cost is O(T J V K), not O(T N V K)."""
+    over n. Many states that each token reads a few of (log-linear, N ~ T / 2, J ~ log T): each state
+    reads only the tokens that see it, ``readers_of`` (a contiguous run of tokens in the library's
+    layouts), as one product per state; the states whose runs have one length go as one batch. So the
+    cost is O(T J V K), not O(T N V K), and no state is copied once per token."""
     N, J = states.shape[2], blocks.shape[1]
     if N <= 2 * J:
         return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
-    y = q.new_zeros(*q.shape[:3], states.shape[3])
-    for j in range(J):
-        y = y + w[..., j, None] * torch.einsum("bhtvk,bhtk->bhtv", states[:, :, blocks[:, j].clamp(min=0)], q)
+    B, H, T, _ = q.shape
+    y = q.new_zeros(B, H, T, states.shape[3])
+    first, length = readers_of(blocks, N)
+    for n_len in length.unique().tolist():
+        ns = (length == n_len).nonzero().flatten()                           # states read by n_len tokens
+        tokens = first[ns, None] + torch.arange(n_len, device=q.device)      # [g, n_len]
+        seen = blocks[tokens] == ns[:, None, None]                          # [g, n_len, J]: slot j holds n
+        weight = (w[:, :, tokens] * seen).sum(-1)                            # [B, H, g, n_len]
+        reads = torch.einsum("bhgvk,bhglk->bhglv", states[:, :, ns], q[:, :, tokens])
+        y.index_add_(2, tokens.flatten(), (weight[..., None] * reads).flatten(2, 3))
     return y
+
+
+def readers_of(blocks, N):
+    """(first token, number of tokens) of the run of tokens that read each cached state, from the
+    table [T, J]. The run from the first reader to the last covers every reader; a token inside it
+    that does not read the state gets the weight 0."""
+    T, J = blocks.shape
+    t = torch.arange(T, device=blocks.device)[:, None].expand(T, J)
+    seen = blocks >= 0
+    n, t = blocks[seen], t[seen]
+    first = torch.full((N,), T, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amin")
+    last = torch.full((N,), -1, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amax")
+    return first.clamp(max=T - 1), (last - first + 1).clamp(min=0)
 
 
 def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
