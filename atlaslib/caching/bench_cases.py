@@ -25,32 +25,35 @@ is longer, it says so. MC is causal, so the first n outputs of a run on T tokens
     python -m atlaslib.bench --threads 1 --T 1024 4096 --models mc_gdn_c64 mc_gdn_c256 mc_gdn_log
 
 Measured once with that command (B = 1, H = 4, K = V = 64, fp32, chunk length 64, one thread of a
-2-core CPU sandbox shared with other jobs, load average ~1.1-1.3 during the run; absolute times drift
-with the neighbours' load). The chunk form, median of 3 interleaved calls, and its peak memory:
+2-core CPU sandbox shared with other jobs; absolute times drift with the neighbours' load). The chunk
+form, median of 3 interleaved calls, and its peak memory (log-linear re-measured on 2026-11-26 after
+the readout stopped copying a state per token: it was 470 ms / 134 MiB and 2307 ms / 536 MiB):
 
     segments       T = 1024            T = 4096
-    C = 64         68 ms,  16 MiB      304 ms,  64 MiB
-    C = 256        61 ms,  17 MiB      246 ms,  68 MiB
-    log-linear    470 ms, 134 MiB     2307 ms, 536 MiB
+    C = 64         66 ms,  16 MiB      295 ms,  64 MiB
+    C = 256        57 ms,  17 MiB      238 ms,  68 MiB
+    log-linear    164 ms,  85 MiB      815 ms, 395 MiB
 
-Log-linear costs more in time and memory because it caches every aligned dyadic block, ~2T states of
-V x K (at T = 4096: 8191 x 64 x 64 fp32 per head, 512 MiB for H = 4), against T / C for constant
-segments. The notes, loop (one call) vs chunk (median of 3) on the same tokens:
+Log-linear costs more in time and memory because it compresses every aligned dyadic block from the
+start state (each token about log2 T times, ~2T blocks in all) and caches T / 2 - 1 of them, states of
+V x K (at T = 4096: 2047 x 64 x 64 fp32 per head, 128 MiB for H = 4, plus the blocks' outputs and
+the states of the blocks that are only read online), against T / C states for constant segments.
+The notes, loop (one call) vs chunk (median of 3) on the same tokens:
 
     segments       tokens   loop      chunk      loop / chunk
-    C = 64         1024     1.49 s    0.056 s    26.6x
-    C = 256        1024     0.45 s    0.056 s     7.9x
-    C = 256        4096     6.32 s    0.248 s    25.5x
-    log-linear      256     1.90 s    0.057 s    33.6x
+    C = 64         1024     1.56 s    0.058 s    26.8x
+    C = 256        1024     0.45 s    0.056 s     8.0x
+    C = 256        4096     6.48 s    0.231 s    28.1x
+    log-linear      256     1.90 s    0.030 s    63.0x
 
-The target, chunk >= 10x faster than the loop at T = 4096: met for C = 256 in the note (25.5x). For
+The target, chunk >= 10x faster than the loop at T = 4096: met for C = 256 in the note (28.1x). For
 C = 64 the loop at T = 4096 was timed once outside the benchmark (``mc_builder(64)`` called directly,
 same inputs and thread count, before the run above): 64.2 s in one call against 0.31 s for the chunk
 form (median of 3 just before; 0.87 s in 3 calls just after, on a busier stretch), ~200x (74x against
 the slower chunk median). The log-linear loop was not timed at T = 4096: ~4 s at T = 256 and ~12 s at
 512 (one call each) grow about threefold per doubling, i.e. minutes at 4096; at 256 tokens it is
-already 34x slower than the chunk form. At T = 1024 with C = 256 (3 cached states) the loop has little
-readout to do and the chunk form wins only 7.9x.
+already 63x slower than the chunk form. At T = 1024 with C = 256 (3 cached states) the loop has little
+readout to do and the chunk form wins only 8x.
 """
 from __future__ import annotations
 
