@@ -211,17 +211,14 @@ def pooled_keys(k, layout: Layout, pool: str):
     """pool(S^(n)) [B, H, N, K] of the cached segments and the causal pool of each token's online
     segment (tokens of the segment up to t) [B, H, T, K], from one prefix sum."""
     P = torch.cat([torch.zeros_like(k[:, :, :1]), k.cumsum(2)], dim=2)
-    def pooled(a, b):
+    T = k.shape[2]
+
+    def pooled(starts, ends):                    # keys of tokens [start, end) pooled, one row per span
+        a, b = (torch.tensor(x, dtype=torch.int64, device=k.device).reshape(-1) for x in (starts, ends))
         s = P[:, :, b] - P[:, :, a]
-        return s / (b - a) if pool == "mean" else s
-    B, H, T, K = k.shape
-    cached = (torch.stack([pooled(a, b) for a, b in layout.cached], dim=2) if layout.cached
-              else k.new_zeros(B, H, 0, K))
-    a = torch.tensor([s[0] for s in layout.online], device=k.device)
-    t1 = torch.arange(1, T + 1, device=k.device)
-    online = P[:, :, t1] - P[:, :, a]
-    if pool == "mean":
-        online = online / (t1 - a).to(k.dtype)[:, None]
+        return s / (b - a).to(k.dtype)[:, None] if pool == "mean" else s
+    cached = pooled([a for a, _ in layout.cached], [b for _, b in layout.cached])
+    online = pooled([a for a, _ in layout.online], list(range(1, T + 1)))
     return cached, online
 
 

@@ -37,10 +37,7 @@ class Layout(NamedTuple):
     def blocks(self, device="cpu") -> torch.Tensor:
         """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded."""
         J = max([len(v) for v in self.visible] + [1])
-        out = torch.full((len(self.visible), J), -1, dtype=torch.int64)
-        for t, vis in enumerate(self.visible):
-            out[t, :len(vis)] = torch.tensor(vis, dtype=torch.int64)
-        return out.to(device)
+        return torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
 
 
 def segment_lengths(T: int, segments) -> list:
