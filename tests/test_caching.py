@@ -116,7 +116,9 @@ def inputs(gen, B=2, H=2, T=11, K=5, V=4, h0=False):
 
 
 @pytest.mark.parametrize("segments,mode", [(4, "checkpoint"), (4, "independent"), ([2, 6, 3], "checkpoint"),
-                                           ("log", "independent")])
+                                           ("log", "independent"),
+                                           # equal lengths evenly spaced with gaps, and unevenly spaced
+                                           ([2, 3, 2, 3, 1], "independent"), ([2, 5, 2, 2], "independent")])
 @pytest.mark.parametrize("aggregate", AGGS)
 def test_matches_definition(gen, segments, mode, aggregate):
     q, k, v, alpha, M0 = inputs(gen, h0=True)
