@@ -550,3 +550,16 @@ def test_log_segments_readout_and_gradients_on_a_longer_sequence(gen):
         grads[backend] = torch.autograd.grad((o * w).sum(), xs)
     for g_r, g_c in zip(grads["recurrent"], grads["chunk"]):
         assert g_c.abs().sum() > 0 and rel_rmse(g_c, g_r) < 1e-10
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_a_diverged_segment_is_named_in_checkpoint_mode(gen, backend):
+    """A base whose state blows up in segment 1 hands segment 2 a non-finite start state: the error says
+    the earlier segment diverged, rather than blaming an initial_state the caller never passed."""
+    q, k, v = random_qkv(1, 1, 8, 3, 2, generator=gen, **F64)
+    alpha = torch.full((1, 1, 8), 0.9, **F64)
+    v = v.clone()
+    v[:, :, 1] = float("nan")                                   # the first segment's final state holds NaN
+    with pytest.raises(ValueError, match=r"segment \[4, 8\) starts from the final state of the segment before"):
+        memory_caching(q, k, v, base=linear_attention, segments=4, mode="checkpoint", base_kwargs=dict(alpha=alpha),
+                       backend=backend)

@@ -79,6 +79,22 @@ def run_base(base, q, k, v, kw: dict, initial_state, backend: str, chunk_size: i
     return o, state
 
 
+def run_segment(base, q, k, v, kw: dict, a: int, b: int, init, carried: bool, backend: str, chunk_size: int):
+    """(o, final state) of the base over tokens [a, b) from ``init``. ``carried``: init is the final state
+    of the segment before (checkpoint mode), so a state the base refuses (NaN, inf) is an earlier
+    segment's divergence, and the error says so instead of naming an initial_state nobody passed."""
+    B, H, T = q.shape[:3]
+    try:
+        return run_base(base, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b), init,
+                        backend, chunk_size)
+    except ValueError as err:
+        if not carried or "initial_state" not in str(err):
+            raise
+        raise ValueError(f"segment [{a}, {b}) starts from the final state of the segment before it "
+                         f"(mode='checkpoint') and the base {base_name(base)!r} refused that state ({err}): the base "
+                         "diverged in an earlier segment (too large a step size, or non-finite inputs there)") from err
+
+
 def memory_part(state):
     """The memory of a state: the tensor itself, or the memory of a MirasState / (M, S) pair."""
     return state[0] if isinstance(state, tuple) else state

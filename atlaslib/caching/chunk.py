@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import compute_dtype
-from .base import linear_features, memory_part, mix_states, probe, run_base, slice_kwargs, state_bh
-from .segments import Layout
+from .base import linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
+from .segments import Layout, reader_spans, readers_of
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
 
@@ -107,19 +107,6 @@ def weighted_reads(w, states, q, blocks):
     return y
 
 
-def readers_of(blocks, N):
-    """(first token, number of tokens) of the run of tokens that read each cached state, from the
-    table [T, J]. The run from the first reader to the last covers every reader; a token inside it
-    that does not read the state gets the weight 0."""
-    T, J = blocks.shape
-    t = torch.arange(T, device=blocks.device)[:, None].expand(T, J)
-    seen = blocks >= 0
-    n, t = blocks[seen], t[seen]
-    first = torch.full((N,), T, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amin")
-    last = torch.full((N,), -1, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amax")
-    return first.clamp(max=T - 1), (last - first + 1).clamp(min=0)
-
-
 def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
     """Shapes of ``cached_readout``'s arguments, with the expected shape in the message."""
     B, H, T, K = q.shape
@@ -185,8 +172,7 @@ def compress(base, q, k, v, kw, layout: Layout, mode, initial_state, backend, ch
     if mode == "checkpoint":
         state = initial_state
         for a, b in spans:                          # consecutive segments, in order
-            o, new = run_base(base, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b),
-                              state, backend, chunk_size)
+            o, new = run_segment(base, q, k, v, kw, a, b, state, state is not initial_state, backend, chunk_size)
             out[(a, b)], finals[(a, b)] = o, new
             state = new
     else:
@@ -257,17 +243,6 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
         read = probe(base, cached[n], q[:, :, a:b], V, slice_kwargs(kw, (B, H, T), a, b), chunk_size, backend)
         y[:, :, a:b] = y[:, :, a:b] + W[:, :, a:b, n, None] * read.to(cd)
     return y.to(online.dtype), final
-
-
-def reader_spans(layout: Layout) -> list:
-    """For each cached state, the token range [first, last + 1) of the tokens that read it (so a deep
-    memory is run on those queries only: O(T log T) passes for log-linear, not O(T^2))."""
-    first, last = {}, {}
-    for t, vis in enumerate(layout.visible):
-        for n in vis:
-            first.setdefault(n, t)
-            last[n] = t
-    return [(first[n], last[n] + 1) for n in range(len(layout.cached))]
 
 
 def soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size):

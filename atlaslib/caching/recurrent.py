@@ -19,8 +19,8 @@ import math
 import torch
 
 from ..core.chunking import compute_dtype
-from .base import mix_states, probe, run_base, slice_kwargs
-from .segments import Layout
+from .base import mix_states, probe, run_base, run_segment, slice_kwargs
+from .segments import Layout, reader_spans
 
 
 def segment_states(base, q, k, v, kw, layout: Layout, mode, initial_state, chunk_size):
@@ -29,8 +29,7 @@ def segment_states(base, q, k, v, kw, layout: Layout, mode, initial_state, chunk
     runs, state = {}, initial_state
     for a, b in sorted(set(layout.cached) | set(layout.online)):
         init = state if mode == "checkpoint" else initial_state
-        o, final = run_base(base, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b),
-                            init, "recurrent", chunk_size)
+        o, final = run_segment(base, q, k, v, kw, a, b, init, init is not initial_state, "recurrent", chunk_size)
         runs[(a, b)] = (o, final, init)
         state = final
     return runs
@@ -90,8 +89,10 @@ def memory_caching_recurrent(q, k, v, base, layout: Layout, mode, aggregate, top
     if aggregate == "soup":
         y = soup_recurrent(base, q, k, v, kw, layout, runs, cache, u, kc, pool, chunk_size)
         return y.to(runs[layout.online[0]][0].dtype), runs[layout.online[-1]][1]
-    # the readout of each cached memory at every query (the base's own readout, learning off)
-    reads = [probe(base, M, q, V, kw, chunk_size, "recurrent").to(cd) for M in cache]
+    # the readout of each cached memory at the queries that see it (the base's own readout, learning off)
+    spans = reader_spans(layout)
+    reads = [probe(base, M, q[:, :, a:e], V, slice_kwargs(kw, (B, H, T), a, e), chunk_size, "recurrent").to(cd)
+             for M, (a, e) in zip(cache, spans)]
     rows = []
     for b in range(B):
         for h in range(H):
@@ -99,7 +100,7 @@ def memory_caching_recurrent(q, k, v, base, layout: Layout, mode, aggregate, top
                 a, e = layout.online[t]
                 g, g_s = weights_at(u, kc, layout, b, h, t, pool, aggregate, top_k)
                 rows.append(caching_step(runs[(a, e)][0][b, h, t - a].to(cd),
-                                         [reads[n][b, h, t] for n in layout.visible[t]], g, g_s))
+                                         [reads[n][b, h, t - spans[n][0]] for n in layout.visible[t]], g, g_s))
     y = torch.stack(rows).reshape(B, H, T, V)
     return y.to(runs[layout.online[0]][0].dtype), runs[layout.online[-1]][1]
 

@@ -108,6 +108,26 @@ def make_layout(T: int, segments) -> Layout:
     return consecutive_layout(segment_lengths(T, segments))
 
 
+def readers_of(blocks, N):
+    """(first token, number of tokens) of the run of tokens that read each cached state, from the
+    table [T, J]. The run from the first reader to the last covers every reader; a token inside it
+    that does not read the state gets the weight 0."""
+    T, J = blocks.shape
+    t = torch.arange(T, device=blocks.device)[:, None].expand(T, J)
+    seen = blocks >= 0
+    n, t = blocks[seen], t[seen]
+    first = torch.full((N,), T, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amin")
+    last = torch.full((N,), -1, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amax")
+    return first.clamp(max=T - 1), (last - first + 1).clamp(min=0)
+
+
+def reader_spans(layout: Layout) -> list:
+    """For each cached state, the token range [first, last + 1) of the tokens that read it (so a memory
+    is run on those queries only: O(T log T) passes for log-linear, not O(T^2))."""
+    first, length = readers_of(layout.blocks(), len(layout.cached))
+    return [(a, a + n) for a, n in zip(first.tolist(), length.tolist())]
+
+
 def memory_reads(layout: Layout, top_k=None) -> int:
     """Memory passes the readout makes: one online read per token plus one per cached state it reads
     (at most top_k with SSC). [MC] §3.1 bounds it by O(L + N L)."""
