@@ -88,7 +88,8 @@ def mqar_accuracy(model, inputs, labels, batch_size: int = 256) -> float:
     """Fraction of labelled positions (label != -100) whose argmax prediction is the label.
 
     Under ``torch.distributed`` rank r scores the rows r::N and the counts are summed over
-    ranks, so every rank returns the same number, the one a single process would.
+    ranks, so every rank returns the same number, the one a single process would. Call it
+    on every rank then (a call on rank 0 alone would wait for the others forever).
     """
     rank, world = _world()
     inputs, labels = inputs[rank::world], labels[rank::world]
