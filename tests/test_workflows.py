@@ -122,3 +122,14 @@ def test_checks_catch_a_broken_workflow(name, tmp_path):
     broken = tmp_path / "broken.yml"
     broken.write_text(text.replace(old, new), encoding="utf-8")
     assert findings(broken), f"the checks passed a workflow with a broken {name}"
+
+
+def test_config_points_the_buttons_at_the_branch_the_workflow_publishes():
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    repo = config["repository"]
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repo["url"]), repo["url"]
+    assert config["html"]["use_repository_button"] and config["html"]["use_issues_button"]
+    assert config["html"]["use_download_button"]
+    # PyYAML reads the bare key `on` as True (YAML 1.1).
+    triggers = yaml.safe_load(BOOK.read_text(encoding="utf-8"))[True]
+    assert triggers["push"]["branches"] == [repo["branch"]]
