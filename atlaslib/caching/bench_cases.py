@@ -12,48 +12,46 @@ batched readout) and "triton" on CUDA (the base's kernel and the readout kernel)
 divides the chunk form's time by each backend's.
 
 The per-token loop (backend "recurrent", the definition in ``caching.recurrent``) is compared in the
-note under the table, not in the table: its readout runs the base from every cached state over all T
-queries (N T per-token steps: T^2 / C for constant segments, ~2 T^2 for log-linear), plus a Python
-loop per token over the states it sees, so at T = 4096 it takes over a minute for C = 64 (64 s in
-one call, see below) and far longer for log-linear; and the benchmark would run it five times, once under
-the profiler that measures CPU memory, which records each of its 10^5-10^6 small operations (60-150
-times slower than the plain call: 45 s for C = 64 at T = 512). So each note times the loop (one call)
-and the chunk form (median of 3) on the same first min(T, LOOP_T[segments]) tokens (1024 for C = 64, 4096
-for C = 256, 256 for log-linear: at most ~10 s each) and prints both times and their ratio; where T
-is longer, it says so. MC is causal, so the first n outputs of a run on T tokens are those of the run on n.
+note under the table, not in the table: its readout runs the base from each cached state over the
+tokens that read it (sum_t n_t per-token steps: ~T^2 / (2C) for constant segments, ~T log2 T / 2 for
+log-linear), plus a Python loop per token over the states it sees, so at T = 4096 it takes ~25 s for
+C = 64; and the benchmark would run it five times, once under the profiler that measures CPU memory,
+which records each of its 10^5-10^6 small operations (60-150 times slower than the plain call). So
+each note times the loop (one call) and the chunk form (median of 3) on the same first
+min(T, LOOP_T[segments]) tokens (1024 for C = 64, all 4096 for C = 256 and log-linear: at most ~10 s
+each) and prints both times and their ratio; where T is longer, it says so. MC is causal, so the first
+n outputs of a run on T tokens are those of the run on n.
 
     python -m atlaslib.bench --threads 1 --T 1024 4096 --models mc_gdn_c64 mc_gdn_c256 mc_gdn_log
 
-Measured once with that command (B = 1, H = 4, K = V = 64, fp32, chunk length 64, one thread of a
-2-core CPU sandbox shared with other jobs; absolute times drift with the neighbours' load). The chunk
-form, median of 3 interleaved calls, and its peak memory (log-linear re-measured on 2026-11-26 after
-the readout stopped copying a state per token: it was 470 ms / 134 MiB and 2307 ms / 536 MiB):
+Measured with that command on 2026-11-26 (B = 1, H = 4, K = V = 64, fp32, chunk length 64, one thread
+of a 2-core CPU sandbox, load average ~0.8; absolute times drift with the neighbours' load). The
+chunk form, median of 3 interleaved calls, and its peak memory:
 
     segments       T = 1024            T = 4096
-    C = 64         66 ms,  16 MiB      295 ms,  64 MiB
-    C = 256        57 ms,  17 MiB      238 ms,  68 MiB
-    log-linear    164 ms,  85 MiB      815 ms, 395 MiB
+    C = 64         58 ms,  16 MiB      289 ms,  64 MiB
+    C = 256        51 ms,  17 MiB      235 ms,  68 MiB
+    log-linear    151 ms,  85 MiB      746 ms, 395 MiB
 
 Log-linear costs more in time and memory because it compresses every aligned dyadic block from the
-start state (each token about log2 T times, ~2T blocks in all) and caches T / 2 - 1 of them, states of
-V x K (at T = 4096: 2047 x 64 x 64 fp32 per head, 128 MiB for H = 4, plus the blocks' outputs and
-the states of the blocks that are only read online), against T / C states for constant segments.
-The notes, loop (one call) vs chunk (median of 3) on the same tokens:
+start state (each token about log2 T times, ~2T blocks in all, each with a V x K final state) and
+caches T / 2 - 1 of them, against T / C states for constant segments. The notes, loop (one call) vs
+chunk (median of 3) on the same tokens:
 
     segments       tokens   loop      chunk      loop / chunk
-    C = 64         1024     1.56 s    0.058 s    26.8x
-    C = 256        1024     0.45 s    0.056 s     8.0x
-    C = 256        4096     6.48 s    0.231 s    28.1x
-    log-linear      256     1.90 s    0.030 s    63.0x
+    C = 64         1024     1.12 s    0.056 s    20.1x
+    C = 256        1024     0.37 s    0.053 s     7.0x
+    C = 256        4096     4.84 s    0.220 s    22.0x
+    log-linear     1024     1.27 s    0.155 s     8.2x
+    log-linear     4096     6.19 s    0.744 s     8.3x
 
-The target, chunk >= 10x faster than the loop at T = 4096: met for C = 256 in the note (28.1x). For
-C = 64 the loop at T = 4096 was timed once outside the benchmark (``mc_builder(64)`` called directly,
-same inputs and thread count, before the run above): 64.2 s in one call against 0.31 s for the chunk
-form (median of 3 just before; 0.87 s in 3 calls just after, on a busier stretch), ~200x (74x against
-the slower chunk median). The log-linear loop was not timed at T = 4096: ~4 s at T = 256 and ~12 s at
-512 (one call each) grow about threefold per doubling, i.e. minutes at 4096; at 256 tokens it is
-already 63x slower than the chunk form. At T = 1024 with C = 256 (3 cached states) the loop has little
-readout to do and the chunk form wins only 8x.
+The target, chunk >= 10x faster than the loop at T = 4096: met for C = 256 (22x, in the note) and for
+C = 64 (the loop timed once outside the benchmark, ``mc_builder(64)`` called directly with the same
+inputs and thread count on a busier stretch: 24.2 s against 0.28-0.43 s for the chunk form, 57-86x).
+Not met for log-linear: 8.3x. Its chunk form does the loop's base work too (every block compressed
+from the start state, T log2 T tokens in short blocks), so the loop's overhead is a smaller share; a
+linear base could sum the large blocks' states from the small ones, the delta rule cannot. At T = 1024
+with C = 256 (3 cached states) the loop has little readout to do and the chunk form wins only 7x.
 """
 from __future__ import annotations
 
@@ -68,7 +66,7 @@ from ..delta import delta_rule
 from . import memory_caching
 
 # the loop's token budget per segmentation (at most ~10 s on one CPU core, see the module docstring)
-LOOP_T = {64: 1024, 256: 4096, "log": 256}
+LOOP_T = {64: 1024, 256: 4096, "log": 4096}
 
 
 def mc_inputs(s: BenchShape, gen):
