@@ -1,0 +1,307 @@
+"""The experiment: one MQAR protocol over every mixer of the book, in the spirit of Zoology.
+
+    python -m atlaslib.experiments mqar --size small                 # 2 CPU cores, about 30 min (see SIZES)
+    python -m atlaslib.experiments mqar --size small --shard 0/2     # one of two processes
+    torchrun --nproc_per_node=8 -m atlaslib.experiments mqar --size paper   # shards from RANK / WORLD_SIZE
+    python -m atlaslib.experiments mqar --size small --report        # the leaderboard
+
+The grid is (sequence length, key-value pairs, d_model) x mixer x learning rate x seed, every
+cell one ``train_mqar`` run of a ``TinyLM``. After every run one JSON line is appended to the
+results file, holding the cell's full key and its outcome, so an interrupted sweep resumes: a cell
+whose key is already in a results file is skipped. N processes split the grid by cell index
+(cell i goes to shard i mod N); each writes ``<out>.rank<i>.jsonl`` and the report reads them all.
+Under torchrun every process trains its own cells on its own device (no DDP, no process group).
+
+The report keeps, per mixer, task and seed, the best accuracy over the learning rates, then
+averages over seeds (Zoology's protocol: each architecture gets its own best learning rate).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata
+import itertools
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .nn import TinyLM
+from .train import MQARTask, format_table, train_mqar
+
+
+def mixer_specs(window: int) -> list[tuple[str, str, dict]]:
+    """(label, registered name, kwargs) for every mixer of the book; ``window`` is the sliding
+    window of the attention-like mixers (swa, swdt, the attention branch of mag / mal), chosen
+    smaller than the sequence so that they cannot see every pair. The Omega windows (c = 8) and
+    Memory Caching's segments (16) follow chapters 4, 5 and 7."""
+    return [
+        # chapter 1
+        ("softmax", "softmax", {}),
+        ("linear", "linear", {}),
+        ("retnet", "retnet", {}),
+        ("mamba2", "mamba2", {}),
+        ("gla", "gla", {}),
+        # chapter 2
+        ("deltanet", "deltanet", {}),
+        ("gated_deltanet", "gated_deltanet", {}),
+        ("kda", "kda", {}),
+        # chapter 3
+        ("ttt_linear", "ttt_linear", {}),
+        ("ttt_mlp", "ttt_mlp", {}),
+        ("titans", "titans", {}),
+        ("moneta", "moneta", {}),
+        ("yaad", "yaad", {}),
+        ("memora", "memora", {}),
+        # chapter 4
+        ("omeganet", "omeganet", {"window": 8}),
+        ("swla", "swla", {"window": 8}),
+        # chapter 5
+        ("atlas", "atlas", {"window": 8}),
+        ("atlas++", "atlas++", {"window": 8}),
+        # chapter 6
+        ("deep_transformer", "deep_transformer", {}),
+        ("swdt", "swdt", {"window": window}),
+        ("dot", "dot", {}),
+        ("dla", "dla", {}),
+        # chapter 7
+        ("memory_caching", "memory_caching", {"base": "gated_deltanet", "segments": 16}),
+        # hybrids
+        ("swa", "swa", {"window": window}),
+        ("mag", "mag", {"memory": "atlas", "window": window, "memory_window": 8}),
+        ("mal", "mal", {"memory": "atlas", "window": window, "memory_window": 8}),
+    ]
+
+
+@dataclass(frozen=True)
+class Size:
+    """One grid: the task configurations, model shape, learning rates, seeds and training budget."""
+
+    tasks: tuple            # (seq_len, num_kv_pairs, d_model) triples
+    lrs: tuple
+    seeds: tuple
+    steps: int
+    batch_size: int
+    window: int             # the sliding window of swa / swdt / mag / mal
+    vocab_size: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    num_train: int = 20_000
+    num_test: int = 1_000
+    warmup: int = 50
+
+
+SIZES = {
+    # 2 CPU cores: 26 mixers x 3 tasks x 2 lrs x 1 seed = 156 runs of 150 steps. Measured (1 thread,
+    # 2 shards on 2 cores) in the module's report: see README / the commit message for the estimate.
+    "small": Size(tasks=((64, 4, 32), (64, 8, 32), (64, 16, 32)), lrs=(3e-3, 1e-2), seeds=(0,),
+                  steps=150, batch_size=32, window=16, num_train=4_000, num_test=256, warmup=15),
+    # A GPU: Zoology-like lengths, pairs and widths, 4 learning rates, 3 seeds (defined, not run here).
+    "paper": Size(tasks=tuple((t, kv, d) for t, kv in ((256, 16), (256, 64), (512, 64), (512, 128), (1024, 256))
+                              for d in (64, 128, 256)),
+                  lrs=(1e-4, 3e-4, 1e-3, 3e-3), seeds=(0, 1, 2), steps=5_000, batch_size=64, window=64,
+                  vocab_size=8_192, num_train=100_000, num_test=3_000, warmup=500),
+    # Tests only: one tiny task, two steps.
+    "tiny": Size(tasks=((16, 2, 16),), lrs=(1e-2,), seeds=(0,), steps=2, batch_size=4, window=4,
+                 vocab_size=32, n_layers=1, num_train=16, num_test=8, warmup=1),
+}
+
+
+def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -> list[dict]:
+    """Every cell of the protocol as its key (a JSON-able dict), in a fixed order.
+
+    ``mixers`` keeps only those labels (in the protocol's order); ``steps`` overrides the budget.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+    s = SIZES[size]
+    specs = mixer_specs(s.window)
+    if mixers is not None:
+        labels = [label for label, _, _ in specs]
+        unknown = [m for m in mixers if m not in labels]
+        if unknown:
+            raise ValueError(f"unknown mixers {unknown}; the protocol has {labels}")
+        specs = [spec for spec in specs if spec[0] in mixers]
+    steps = s.steps if steps is None else steps
+    cells = []
+    for (seq_len, pairs, d_model), (label, name, kw), lr, seed in itertools.product(s.tasks, specs, s.lrs, s.seeds):
+        cells.append({"size": size, "vocab_size": s.vocab_size, "seq_len": seq_len, "num_kv_pairs": pairs,
+                      "num_train": s.num_train, "num_test": s.num_test, "d_model": d_model,
+                      "n_layers": s.n_layers, "n_heads": s.n_heads, "mixer": label, "mixer_name": name,
+                      "mixer_kwargs": kw, "lr": lr, "seed": seed, "steps": steps,
+                      "batch_size": s.batch_size, "warmup": min(s.warmup, steps)})
+    return cells
+
+
+KEY_FIELDS = ("size", "vocab_size", "seq_len", "num_kv_pairs", "num_train", "num_test", "d_model", "n_layers",
+              "n_heads", "mixer", "mixer_name", "mixer_kwargs", "lr", "seed", "steps", "batch_size", "warmup")
+
+
+def cell_key(record: dict) -> str:
+    """The identity of a cell (a results record or a grid cell): its key fields as canonical JSON."""
+    return json.dumps({f: record[f] for f in KEY_FIELDS}, sort_keys=True)
+
+
+def shard(cells: list[dict], index: int, count: int) -> list[dict]:
+    """Shard ``index`` of ``count``: the cells i with i mod count == index (a partition of the grid)."""
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: need 0 <= index < count")
+    return cells[index::count]
+
+
+def library_version() -> str:
+    from . import __version__ as v
+    return v or importlib.metadata.version("atlaslib")
+
+
+def run_cell(cell: dict, device: str | torch.device = "cpu", progress: bool = True) -> dict:
+    """Train one cell; return its record (the key plus the outcome)."""
+    task = MQARTask(cell["vocab_size"], cell["seq_len"], cell["num_kv_pairs"], cell["num_train"], cell["num_test"])
+    data = tuple(t.to(device) for t in task.data(cell["seed"]))
+    torch.manual_seed(cell["seed"])
+    model = TinyLM(task.vocab_size, cell["d_model"], cell["n_layers"], cell["mixer_name"], cell["n_heads"],
+                   **cell["mixer_kwargs"]).to(device)
+    res = train_mqar(model, data, steps=cell["steps"], batch_size=cell["batch_size"], lr=cell["lr"],
+                     warmup=cell["warmup"], seed=cell["seed"], progress=progress,
+                     name=f"{cell['mixer']} T={cell['seq_len']} kv={cell['num_kv_pairs']} "
+                          f"d={cell['d_model']} lr={cell['lr']:g} seed={cell['seed']}")
+    tail = res.losses[-10:]
+    return {**{f: cell[f] for f in KEY_FIELDS}, "accuracy": res.accuracy, "final_loss": sum(tail) / len(tail),
+            "seconds": res.seconds, "state_size": res.state_size, "params": res.n_params,
+            "device": str(device), "torch": torch.__version__, "atlaslib": library_version()}
+
+
+def shard_path(out: str, index: int, count: int) -> str:
+    """``results.jsonl`` for one process, ``results.rank<i>.jsonl`` for shard i of several."""
+    if count == 1:
+        return out
+    root, ext = os.path.splitext(out)
+    return f"{root}.rank{index}{ext or '.jsonl'}"
+
+
+def result_files(out: str) -> list[str]:
+    """The results file and every shard's file of ``out``."""
+    root, ext = os.path.splitext(out)
+    return sorted(p for p in {out, *glob.glob(f"{glob.escape(root)}.rank*{ext or '.jsonl'}")} if os.path.exists(p))
+
+
+def read_results(out: str) -> list[dict]:
+    """Every record of every results file of ``out`` (a torn last line, from a kill mid-write, is skipped)."""
+    records = []
+    for path in result_files(out):
+        with open(path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return records
+
+
+def sweep(size: str, out: str, *, mixers=None, steps=None, shard_index=0, shard_count=1, device="cpu",
+          progress=True) -> list[dict]:
+    """Run this shard's cells that no results file of ``out`` holds yet; return the new records."""
+    done = {cell_key(r) for r in read_results(out)}
+    todo = [c for c in shard(grid(size, mixers, steps), shard_index, shard_count) if cell_key(c) not in done]
+    path = shard_path(out, shard_index, shard_count)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = []
+    for i, cell in enumerate(todo):
+        if progress:
+            print(f"[shard {shard_index}/{shard_count}] run {i + 1}/{len(todo)}", flush=True)
+        record = run_cell(cell, device, progress)
+        with open(path, "a") as f:                       # after every run: an interrupted sweep loses one run
+            f.write(json.dumps(record) + "\n")
+        new.append(record)
+    return new
+
+
+def leaderboard(records: list[dict]) -> list[dict]:
+    """One row per mixer: per task (T, pairs, d_model) the best accuracy over learning rates, mean over seeds."""
+    best = {}                                            # (mixer, task, seed) -> max accuracy over lrs
+    for r in records:
+        k = (r["mixer"], (r["seq_len"], r["num_kv_pairs"], r["d_model"]), r["seed"])
+        best[k] = max(best.get(k, -1.0), r["accuracy"])
+    tasks = sorted({t for _, t, _ in best})
+    rows = []
+    for mixer in dict.fromkeys(m for m, _, _ in best):   # first-seen order
+        row = {"mixer": mixer}
+        for t in tasks:
+            accs = [a for (m, tt, _), a in best.items() if m == mixer and tt == t]
+            row[f"T{t[0]} kv{t[1]} d{t[2]}"] = sum(accs) / len(accs) if accs else None
+        rows.append(row)
+    return rows
+
+
+def report(out: str) -> str:
+    records = read_results(out)
+    if not records:
+        return f"no results in {out} (nor its .rank* files)"
+    rows = leaderboard(records)
+    text = format_table(rows, digits=3).replace("grows with T", "-")
+    return (f"MQAR accuracy: best learning rate per mixer, task and seed, mean over seeds "
+            f"({len(records)} runs from {', '.join(result_files(out))})\n{text}")
+
+
+def reproduce(record: dict, tol: float = 1e-6, device="cpu", progress: bool = False) -> dict:
+    """Re-run one stored cell with its seed; compare the accuracy with the stored one.
+
+    Returns {"stored", "accuracy", "diff", "ok"} with ok = |accuracy - stored| <= tol.
+    """
+    new = run_cell(record, device, progress)
+    diff = abs(new["accuracy"] - record["accuracy"])
+    return {"stored": record["accuracy"], "accuracy": new["accuracy"], "diff": diff, "ok": diff <= tol}
+
+
+def _parse_shard(text: str | None) -> tuple[int, int]:
+    """``--shard i/N``, else torchrun's RANK / WORLD_SIZE, else 0/1."""
+    if text:
+        try:
+            i, n = (int(p) for p in text.split("/"))
+        except ValueError:
+            raise ValueError(f"--shard wants i/N (e.g. 0/2), got {text!r}") from None
+        return i, n
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m atlaslib.experiments", description=__doc__.split("\n\n")[0])
+    p.add_argument("experiment", choices=["mqar"])
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--mixers", help="comma-separated labels (default: every mixer of the protocol)")
+    p.add_argument("--steps", type=int, help="override the size's step budget")
+    p.add_argument("--out", help="results file (default results/mqar_<size>.jsonl)")
+    p.add_argument("--shard", help="i/N: run the cells i, i+N, ... (default: torchrun's RANK/WORLD_SIZE)")
+    p.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
+    p.add_argument("--report", action="store_true", help="print the leaderboard of the results and exit")
+    p.add_argument("--merge", action="store_true", help="write every shard's records into --out and exit")
+    p.add_argument("--list", action="store_true", help="print this shard's cells and exit")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
+    if args.report:
+        print(report(out))
+        return
+    if args.merge:
+        records = {cell_key(r): r for r in read_results(out)}
+        with open(out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records.values())
+        print(f"{len(records)} records merged into {out}")
+        return
+    mixers = args.mixers.split(",") if args.mixers else None
+    index, count = _parse_shard(args.shard)
+    if args.list:
+        for c in shard(grid(args.size, mixers, args.steps), index, count):
+            print(cell_key(c))
+        return
+    device = args.device or (f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    new = sweep(args.size, out, mixers=mixers, steps=args.steps, shard_index=index, shard_count=count,
+                device=device, progress=not args.no_progress)
+    print(f"{len(new)} new runs written to {shard_path(out, index, count)}")
+    if count == 1:
+        print(report(out))
+
+
+if __name__ == "__main__":
+    main()

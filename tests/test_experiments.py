@@ -1,0 +1,109 @@
+"""The MQAR sweep runner: protocol coverage, resume, shards, the report and reproduction."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from atlaslib import experiments as ex
+from atlaslib.nn import available_mixers
+
+TWO = ["linear", "swa"]          # two cheap mixers for the real runs
+
+
+def test_every_registered_mixer_is_in_the_protocol():
+    names = {name for _, name, _ in ex.mixer_specs(window=16)}
+    assert set(available_mixers()) <= names, f"missing from the protocol: {set(available_mixers()) - names}"
+    for size in ex.SIZES:
+        assert {c["mixer_name"] for c in ex.grid(size)} >= set(available_mixers())
+
+
+def test_grid_is_the_product_and_keys_are_unique():
+    s = ex.SIZES["small"]
+    cells = ex.grid("small")
+    assert len(cells) == len(s.tasks) * len(ex.mixer_specs(s.window)) * len(s.lrs) * len(s.seeds)
+    assert len({ex.cell_key(c) for c in cells}) == len(cells)
+    with pytest.raises(ValueError, match="unknown mixers"):
+        ex.grid("small", mixers=["nope"])
+    with pytest.raises(ValueError, match="unknown size"):
+        ex.grid("huge")
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_shards_partition_the_grid(count):
+    cells = ex.grid("paper")
+    parts = [ex.shard(cells, i, count) for i in range(count)]
+    keys = [ex.cell_key(c) for part in parts for c in part]
+    assert sorted(keys) == sorted(ex.cell_key(c) for c in cells)       # every cell once, no cell twice
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError):
+        ex.shard(cells, count, count)
+
+
+def test_shard_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert ex._parse_shard(None) == (3, 4)
+    assert ex._parse_shard("1/2") == (1, 2)
+    with pytest.raises(ValueError, match="i/N"):
+        ex._parse_shard("1-2")
+
+
+def _record(mixer, seq_len, pairs, lr, seed, acc):
+    cell = dict(ex.grid("tiny")[0], mixer=mixer, seq_len=seq_len, num_kv_pairs=pairs, lr=lr, seed=seed)
+    return {**cell, "accuracy": acc}
+
+
+def test_report_keeps_the_best_lr_and_averages_seeds(tmp_path):
+    import random
+    rng = random.Random(0)
+    acc = {(m, p, lr, s): rng.random() for m in ("a", "b") for p in (2, 4) for lr in (1e-3, 1e-2, 1e-1)
+           for s in (0, 1, 2)}
+    out = tmp_path / "r.jsonl"
+    rank1 = tmp_path / "r.rank1.jsonl"           # a shard's file is read as well
+    with open(out, "w") as f, open(rank1, "w") as g:
+        for i, ((m, p, lr, s), a) in enumerate(acc.items()):
+            (f if i % 2 else g).write(json.dumps(_record(m, 16, p, lr, s, a)) + "\n")
+    rows = {r["mixer"]: r for r in ex.leaderboard(ex.read_results(str(out)))}
+    for m in ("a", "b"):
+        for p in (2, 4):
+            expected = sum(max(acc[m, p, lr, s] for lr in (1e-3, 1e-2, 1e-1)) for s in (0, 1, 2)) / 3
+            assert rows[m][f"T16 kv{p} d16"] == pytest.approx(expected, abs=1e-12)
+    text = ex.report(str(out))
+    assert "kv2" in text and "kv4" in text and f"{rows['a']['T16 kv2 d16']:.3f}" in text
+
+
+def test_real_tiny_runs_resume_and_reproduce(tmp_path):
+    out = str(tmp_path / "res.jsonl")
+    new = ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False)
+    assert [r["mixer"] for r in new] == TWO
+    lines = [json.loads(x) for x in open(out)]
+    assert lines == json.loads(json.dumps(new))
+    for r in lines:
+        for f in (*ex.KEY_FIELDS, "accuracy", "final_loss", "seconds", "state_size", "params", "torch", "atlaslib"):
+            assert f in r, f
+        assert 0 <= r["accuracy"] <= 1 and r["final_loss"] > 0 and r["params"] > 0 and r["steps"] == 3
+
+    assert ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False) == []     # nothing re-runs
+    with open(out, "w") as f:                                                    # drop the first line
+        f.write(json.dumps(lines[1]) + "\n")
+    again = ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False)
+    assert [ex.cell_key(r) for r in again] == [ex.cell_key(lines[0])]           # exactly that run
+    assert len(open(out).readlines()) == 2
+
+    check = ex.reproduce(lines[0], tol=1e-6)
+    assert check["ok"] and check["diff"] <= 1e-6
+    assert not ex.reproduce(dict(lines[0], accuracy=lines[0]["accuracy"] + 0.5), tol=1e-6)["ok"]
+
+
+def test_command_line_shards_and_report(tmp_path):
+    out = str(tmp_path / "cli.jsonl")
+    base = [sys.executable, "-m", "atlaslib.experiments", "mqar", "--size", "tiny", "--mixers", ",".join(TWO),
+            "--steps", "2", "--out", out, "--no-progress"]
+    for i in range(2):
+        subprocess.run(base + ["--shard", f"{i}/2"], check=True, capture_output=True)
+    files = ex.result_files(out)
+    assert [p.rsplit(".", 2)[-2] for p in files] == ["rank0", "rank1"]
+    assert sorted(r["mixer"] for r in ex.read_results(out)) == sorted(TWO)
+    text = subprocess.run(base + ["--report"], check=True, capture_output=True, text=True).stdout
+    assert all(m in text for m in TWO)
