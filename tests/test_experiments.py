@@ -85,11 +85,14 @@ def test_real_tiny_runs_resume_and_reproduce(tmp_path):
         assert 0 <= r["accuracy"] <= 1 and r["final_loss"] > 0 and r["params"] > 0 and r["steps"] == 3
 
     assert ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False) == []     # nothing re-runs
+    with open(out, "a") as f:
+        f.write(json.dumps(lines[0])[:40])                                       # a torn line is ignored
+    assert ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False) == []
     with open(out, "w") as f:                                                    # drop the first line
-        f.write(json.dumps(lines[1]) + "\n")
+        f.write(json.dumps(lines[1]) + "\n" + json.dumps(lines[0])[:40])        # and tear the last
     again = ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False)
     assert [ex.cell_key(r) for r in again] == [ex.cell_key(lines[0])]           # exactly that run
-    assert len(open(out).readlines()) == 2
+    assert len(open(out).readlines()) == 3 and len(ex.read_results(out)) == 2  # the re-run is readable
 
     check = ex.reproduce(lines[0], tol=1e-6)
     assert check["ok"] and check["diff"] <= 1e-6
@@ -106,4 +109,6 @@ def test_command_line_shards_and_report(tmp_path):
     assert [p.rsplit(".", 2)[-2] for p in files] == ["rank0", "rank1"]
     assert sorted(r["mixer"] for r in ex.read_results(out)) == sorted(TWO)
     text = subprocess.run(base + ["--report"], check=True, capture_output=True, text=True).stdout
-    assert all(m in text for m in TWO)
+    assert all(m in text for m in TWO) and "(2 runs" in text
+    subprocess.run(base + ["--merge"], check=True, capture_output=True)
+    assert len(open(out).readlines()) == 2 and len(ex.read_results(out)) == 2     # merged, not doubled
