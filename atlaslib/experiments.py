@@ -1,7 +1,7 @@
 """The experiment: one MQAR protocol over every mixer of the book, in the spirit of Zoology.
 
-    python -m atlaslib.experiments mqar --size small                 # 2 CPU cores, about 30 min (see SIZES)
-    python -m atlaslib.experiments mqar --size small --shard 0/2     # one of two processes
+    python -m atlaslib.experiments mqar --size small                 # one process: ~50 min of one core
+    python -m atlaslib.experiments mqar --size small --shard 0/2     # one of two (make experiments: ~25 min)
     torchrun --nproc_per_node=8 -m atlaslib.experiments mqar --size paper   # shards from RANK / WORLD_SIZE
     python -m atlaslib.experiments mqar --size small --report        # the leaderboard
 
@@ -19,7 +19,8 @@ Time of ``--size small`` (measured on this project's 2-core CPU machine, two pro
 each, every mixer once at T=32, 8 pairs, d_model=32, lr 1e-2, 300 steps, evaluation included):
 493 s for the 26 runs, of which atlas++ 171 s, moneta 41, memora 36, mag 33, mal 32, atlas 30,
 titans 14, yaad 13, kda 11, dla 10, memory_caching 10, ttt_mlp 10, dot 9, the other 13 mixers
-4-8 s each. The cost does not depend on the number of pairs or the learning rate, so the
+4-8 s each. Every task has the same length and the cost of a step does not depend on the number
+of pairs or the learning rate (not measured separately), so the
 156 runs take 6 x 493 s = 49 min of one core, about 25 min on two shards (each mixer's two learning
 rates fall into different shards, so the shards are balanced). At this budget MQAR is only
 starting to be learned (softmax 0.56, deep_transformer 0.34, most recurrent mixers near chance at
