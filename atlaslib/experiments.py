@@ -107,7 +107,7 @@ SIZES = {
     # 2 CPU cores: 26 mixers x 3 tasks x 2 lrs x 1 seed = 156 runs of 300 steps, split over 2 shards
     # (one thread each): about 25 min (measured, see the module docstring).
     "small": Size(tasks=((32, 2, 32), (32, 4, 32), (32, 8, 32)), lrs=(1e-2, 3e-2), seeds=(0,),
-                  steps=300, batch_size=32, window=8, num_train=4_000, num_test=256, warmup=30),
+                  steps=300, batch_size=32, window=8, n_heads=2, num_train=4_000, num_test=256, warmup=30),
     # A GPU (defined, not run here): Zoology-like lengths, pairs (T / kv >= 8) and widths, 4 log-spaced
     # learning rates, 2 seeds: 12 tasks x 26 mixers x 4 lrs x 2 seeds = 2496 runs.
     "paper": Size(tasks=tuple((t, kv, d) for t, kv in ((128, 8), (256, 16), (512, 32), (512, 64))
@@ -120,13 +120,82 @@ SIZES = {
 }
 
 
+# The inversion study (chapter 8): chapter 2's MQAR setting, the same data, model and schedule as
+# its ``compare_mixers`` table (T=64, 8 pairs, vocabulary 128, TinyLM d_model=64 with 4 heads of
+# 16 x 16, batch 32, warm-up 50), varied one knob at a time around a base of 1000 steps at lr 1e-2.
+CHAPTER2 = Size(tasks=((64, 8, 64),), lrs=(1e-2,), seeds=(0, 1), steps=1000, batch_size=32, window=16,
+                num_train=20_000, num_test=1_000, warmup=50)
+INVERSION_MIXERS = (("linear", "linear", {}), ("deltanet", "deltanet", {}),
+                    ("gated_deltanet", "gated_deltanet", {}))
+INVERSION_KNOBS = {
+    "random_filler": (False,),                # filler = token 0: the delta rule's writes of noise vanish
+    "steps": (500, 2000),                     # the budget: does the ranking move with training time?
+    "num_kv_pairs": (16, 4),                  # pairs per key dimension: 1 or 1/4 (base 1/2)
+    "lr": (3e-2, 3e-3),                       # each mixer's best learning rate may differ
+    "qk_norm": (True,),                       # linear attention with l2-normalised q, k, as the delta rule
+}
+
+
+def inversion_cell(spec: tuple, seed: int, *, steps: int = 1000, lr: float = 1e-2, num_kv_pairs: int = 8,
+                   random_filler: bool = True, qk_norm: bool = False) -> dict:
+    """One run of the inversion study: chapter 2's setting with the given knobs."""
+    s = CHAPTER2
+    if qk_norm:
+        label, name, kw = spec
+        spec = (f"{label}+qk_norm", name, {**kw, "qk_norm": True})
+    return make_cell("inversion", s, (64, num_kv_pairs, 64), spec, lr, seed, steps, random_filler)
+
+
+def inversion_grid() -> list[dict]:
+    """The base runs and one-knob variations (seeds 0 and 1), the most telling first: qk_norm for linear
+    attention only (the delta rule needs unit keys to be stable), Gated DeltaNet for the budget and the
+    filler only (it costs as much as DeltaNet and moves with it)."""
+    conditions = [{}] + [{knob: v} for knob, values in INVERSION_KNOBS.items() for v in values]
+    cells = []
+    for cond, spec, seed in itertools.product(conditions, INVERSION_MIXERS, CHAPTER2.seeds):
+        knob = next(iter(cond), None)
+        if (knob == "qk_norm" and spec[0] != "linear") or (
+                spec[0] == "gated_deltanet" and knob not in (None, "steps", "random_filler")):
+            continue
+        cells.append(inversion_cell(spec, seed, **cond))
+    return cells
+
+
+def inversion_table(records: list[dict]) -> list[dict]:
+    """One row per condition (the base and each knob value), one column per mixer: mean accuracy over
+    seeds, with the per-seed values."""
+    def condition(r):
+        diffs = [f"{k}={v}" for k, v, base in (("steps", r["steps"], 1000), ("lr", r["lr"], 1e-2),
+                                             ("num_kv_pairs", r["num_kv_pairs"], 8),
+                                             ("random_filler", r["random_filler"], True)) if v != base]
+        if r["mixer_kwargs"].get("qk_norm"):
+            diffs.append("qk_norm=True")
+        return ", ".join(diffs) or "base (1000 steps, lr 1e-2, 8 pairs)"
+
+    cells = {}
+    for r in records:
+        cells.setdefault(condition(r), {}).setdefault(r["mixer"].removesuffix("+qk_norm"), []).append(r["accuracy"])
+    rows = []
+    for cond, by_mixer in cells.items():
+        row = {"condition": cond}
+        for label, _, _ in INVERSION_MIXERS:
+            accs = by_mixer.get(label)
+            row[label] = (f"{sum(accs) / len(accs):.2f} (" + " ".join(f"{a:.2f}" for a in accs) + ")"
+                          if accs else "-")
+        rows.append(row)
+    return rows
+
+
 def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -> list[dict]:
     """Every cell of the protocol as its key (a JSON-able dict), in a fixed order.
 
     ``mixers`` keeps only those labels (in the protocol's order); ``steps`` overrides the budget.
     """
+    if size == "inversion":
+        cells = inversion_grid()
+        return [dict(c, steps=steps or c["steps"]) for c in cells if mixers is None or c["mixer"] in mixers]
     if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)} or 'inversion'")
     s = SIZES[size]
     specs = mixer_specs(s.window)
     if mixers is not None:
@@ -136,17 +205,22 @@ def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -
             raise ValueError(f"unknown mixers {unknown}; the protocol has {labels}")
         specs = [spec for spec in specs if spec[0] in mixers]
     steps = s.steps if steps is None else steps
-    cells = []
-    for (seq_len, pairs, d_model), (label, name, kw), lr, seed in itertools.product(s.tasks, specs, s.lrs, s.seeds):
-        cells.append({"size": size, "vocab_size": s.vocab_size, "seq_len": seq_len, "num_kv_pairs": pairs,
-                      "num_train": s.num_train, "num_test": s.num_test, "d_model": d_model,
-                      "n_layers": s.n_layers, "n_heads": s.n_heads, "mixer": label, "mixer_name": name,
-                      "mixer_kwargs": kw, "lr": lr, "seed": seed, "steps": steps,
-                      "batch_size": s.batch_size, "warmup": min(s.warmup, steps)})
-    return cells
+    return [make_cell(size, s, task, spec, lr, seed, steps)
+            for task, spec, lr, seed in itertools.product(s.tasks, specs, s.lrs, s.seeds)]
 
 
-KEY_FIELDS = ("size", "vocab_size", "seq_len", "num_kv_pairs", "num_train", "num_test", "d_model", "n_layers",
+def make_cell(size: str, s: Size, task: tuple, spec: tuple, lr: float, seed: int, steps: int,
+              random_filler: bool = True) -> dict:
+    """One cell's key: the grid ``size`` (its name and ``Size``), a (T, pairs, d_model) task, a mixer spec."""
+    (seq_len, pairs, d_model), (label, name, kw) = task, spec
+    return {"size": size, "vocab_size": s.vocab_size, "seq_len": seq_len, "num_kv_pairs": pairs,
+            "random_filler": random_filler, "num_train": s.num_train, "num_test": s.num_test,
+            "d_model": d_model, "n_layers": s.n_layers, "n_heads": s.n_heads, "mixer": label, "mixer_name": name,
+            "mixer_kwargs": kw, "lr": lr, "seed": seed, "steps": steps, "batch_size": s.batch_size,
+            "warmup": min(s.warmup, steps)}
+
+
+KEY_FIELDS = ("size", "vocab_size", "seq_len", "num_kv_pairs", "random_filler", "num_train", "num_test", "d_model", "n_layers",
               "n_heads", "mixer", "mixer_name", "mixer_kwargs", "lr", "seed", "steps", "batch_size", "warmup")
 
 
@@ -169,7 +243,8 @@ def library_version() -> str:
 
 def run_cell(cell: dict, device: str | torch.device = "cpu", progress: bool = True) -> dict:
     """Train one cell; return its record (the key plus the outcome)."""
-    task = MQARTask(cell["vocab_size"], cell["seq_len"], cell["num_kv_pairs"], cell["num_train"], cell["num_test"])
+    task = MQARTask(cell["vocab_size"], cell["seq_len"], cell["num_kv_pairs"], cell["num_train"], cell["num_test"],
+                    random_filler=cell["random_filler"])
     data = tuple(t.to(device) for t in task.data(cell["seed"]))
     torch.manual_seed(cell["seed"])
     model = TinyLM(task.vocab_size, cell["d_model"], cell["n_layers"], cell["mixer_name"], cell["n_heads"],
@@ -262,6 +337,9 @@ def report(out: str) -> str:
     records = read_results(out)
     if not records:
         return f"no results in {out} (nor its .rank* files)"
+    if records[0]["size"] == "inversion":
+        return (f"MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
+                + format_table(inversion_table(records)))
     rows = leaderboard(records)
     text = format_table(rows, digits=3).replace("grows with T", "-")
     return (f"MQAR accuracy: best learning rate per mixer, task and seed, mean over seeds "
@@ -291,7 +369,8 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m atlaslib.experiments", description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment", choices=["mqar"])
+    p.add_argument("experiment", choices=["mqar", "inversion"],
+                   help="mqar: the leaderboard grid (--size); inversion: the study of chapter 2's ranking")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--mixers", help="comma-separated labels (default: every mixer of the protocol)")
     p.add_argument("--steps", type=int, help="override the size's step budget")
@@ -303,6 +382,8 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print this shard's cells and exit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.experiment == "inversion":
+        args.size = "inversion"
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
     if args.report:
         print(report(out))

@@ -45,11 +45,12 @@ class MQARTask:
     num_train: int = 20_000
     num_test: int = 1_000
     power_a: float = 0.01
+    random_filler: bool = True            # filler = random tokens (Zoology); False: token 0 throughout
 
     def data(self, seed: int = 0):
         """(train_x, train_y, test_x, test_y); test data use a different seed than training data."""
         kw = dict(seq_len=self.seq_len, num_kv_pairs=self.num_kv_pairs, vocab_size=self.vocab_size,
-                  power_a=self.power_a)
+                  power_a=self.power_a, random_non_queries=self.random_filler)
         train = mqar(self.num_train, seed=2 * seed, **kw)
         test = mqar(self.num_test, seed=2 * seed + 1, **kw)
         return (*train, *test)

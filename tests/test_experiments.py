@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from atlaslib import experiments as ex
 from atlaslib.nn import available_mixers
@@ -112,3 +113,38 @@ def test_command_line_shards_and_report(tmp_path):
     assert all(m in text for m in TWO) and "(2 runs" in text
     subprocess.run(base + ["--merge"], check=True, capture_output=True)
     assert len(open(out).readlines()) == 2 and len(ex.read_results(out)) == 2     # merged, not doubled
+
+
+def test_inversion_grid_varies_one_knob_at_a_time():
+    cells = ex.grid("inversion")
+    assert len({ex.cell_key(c) for c in cells}) == len(cells)
+    base = dict(steps=1000, lr=1e-2, num_kv_pairs=8, random_filler=True)
+    for c in cells:
+        changed = [k for k, v in base.items() if c[k] != v] + (["qk_norm"] if c["mixer_kwargs"].get("qk_norm") else [])
+        assert len(changed) <= 1, (c["mixer"], changed)
+        assert (c["seq_len"], c["d_model"], c["n_heads"], c["vocab_size"]) == (64, 64, 4, 128)  # chapter 2's setting
+    for label, _, _ in ex.INVERSION_MIXERS:                      # every mixer has its base run for every seed
+        for seed in ex.CHAPTER2.seeds:
+            assert any(c["mixer"] == label and c["seed"] == seed and all(c[k] == v for k, v in base.items())
+                       for c in cells)
+    assert {c["mixer"] for c in cells if c["mixer_kwargs"].get("qk_norm")} == {"linear+qk_norm"}
+
+
+def test_inversion_table_averages_seeds_per_condition():
+    cells = ex.grid("inversion")
+    records = [dict(c, accuracy=0.1 * (c["seed"] + 1) + (0.5 if not c["random_filler"] else 0)) for c in cells]
+    rows = {r["condition"]: r for r in ex.inversion_table(records)}
+    assert rows["random_filler=False"]["deltanet"] == "0.65 (0.60 0.70)"
+    assert rows["qk_norm=True"]["linear"] == "0.15 (0.10 0.20)" and rows["qk_norm=True"]["deltanet"] == "-"
+    assert rows["lr=0.03"]["gated_deltanet"] == "-"
+    assert "random_filler=False" in ex.report.__globals__["format_table"](ex.inversion_table(records))
+
+
+def test_filler_knob():
+    from atlaslib.train import MQARTask
+    x, y, _, _ = MQARTask(vocab_size=64, seq_len=32, num_kv_pairs=4, num_train=50, num_test=5,
+                          random_filler=False).data(0)
+    filler = (y == -100) & (torch.arange(32) >= 8)                  # the query region, minus the queries
+    assert (x[filler] == 0).all()
+    xr, yr, _, _ = MQARTask(vocab_size=64, seq_len=32, num_kv_pairs=4, num_train=50, num_test=5).data(0)
+    assert (xr[filler] != 0).float().mean() > 0.9 and torch.equal(yr, y)      # same keys, values and queries
