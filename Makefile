@@ -27,7 +27,7 @@ help:
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
-	@echo "make experiments  the MQAR sweep over every mixer, --size small (2 shards on 2 cores, ~30 min; resumes)"
+	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small) and the inversion study (~1 h on 2 cores; resumes)"
 	@echo "make aot        build every Triton kernel for sm_80/sm_90 without a GPU (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: the compiled kernels against the chunk form, then the benchmark"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
@@ -55,12 +55,15 @@ lab: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m atlaslib.bench
 
-# Two shards, one thread each, on the two cores; results/mqar_small.rank{0,1}.jsonl, then the leaderboard.
+# Chapter 8's two sweeps, each as two shards of one thread on the two cores (results/mqar_<size>.rank{0,1}.jsonl,
+# merged into results/mqar_<size>.jsonl), then their reports. Cells already on file are skipped.
+EXPERIMENT = OMP_NUM_THREADS=1 $(PY) -m atlaslib.experiments
 experiments: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m atlaslib.experiments mqar --size small --shard 0/2 --no-progress & \
-	OMP_NUM_THREADS=1 $(PY) -m atlaslib.experiments mqar --size small --shard 1/2; s1=$$?; wait $$!; s0=$$?; \
-	[ $$s0 = 0 ] && [ $$s1 = 0 ]
-	$(PY) -m atlaslib.experiments mqar --size small --report
+	for e in "mqar --size small" "inversion"; do \
+	  $(EXPERIMENT) $$e --shard 0/2 --no-progress & \
+	  $(EXPERIMENT) $$e --shard 1/2; s1=$$?; wait $$!; s0=$$?; \
+	  [ $$s0 = 0 ] && [ $$s1 = 0 ] && $(EXPERIMENT) $$e --merge && $(EXPERIMENT) $$e --report || exit 1; \
+	done
 
 # The kernels compiled for the card (the interpreter explicitly off) against the chunk form, in
 # fp32/bf16/fp16 and at long T, then the benchmark on the card. Without CUDA: says so, succeeds.

@@ -1,30 +1,25 @@
-"""The experiment: one MQAR protocol over every mixer of the book, in the spirit of Zoology.
+"""Chapter 8's experiments: one MQAR protocol over every mixer of the book (in the spirit of Zoology),
+and the study of why chapter 2's ranking came out inverted.
 
-    python -m atlaslib.experiments mqar --size small                 # one process: ~50 min of one core
-    python -m atlaslib.experiments mqar --size small --shard 0/2     # one of two (make experiments: ~25 min)
+    python -m atlaslib.experiments mqar --size small                 # one process
+    python -m atlaslib.experiments mqar --size small --shard 0/2     # one of two (make experiments runs both)
     torchrun --nproc_per_node=8 -m atlaslib.experiments mqar --size paper   # shards from RANK / WORLD_SIZE
     python -m atlaslib.experiments mqar --size small --report        # the leaderboard
+    python -m atlaslib.experiments inversion                         # chapter 2's setting, one knob at a time
 
 The grid is (sequence length, key-value pairs, d_model) x mixer x learning rate x seed, every
 cell one ``train_mqar`` run of a ``TinyLM``. After every run one JSON line is appended to the
 results file, holding the cell's full key and its outcome, so an interrupted sweep resumes: a cell
 whose key is already in a results file is skipped. N processes split the grid by cell index
-(cell i goes to shard i mod N); each writes ``<out>.rank<i>.jsonl`` and the report reads them all.
-Under torchrun every process trains its own cells on its own device (no DDP, no process group).
+(cell i goes to shard i mod N); each writes ``<out>.rank<i>.jsonl``, the report reads them all, and
+``--merge`` moves them into ``<out>``. Under torchrun every process trains its own cells on its own
+device (no DDP, no process group).
 
 The report keeps, per mixer, task and seed, the best accuracy over the learning rates, then
 averages over seeds (Zoology's protocol: each architecture gets its own best learning rate).
 
-Time of ``--size small`` (measured on this project's 2-core CPU machine, two processes of one thread
-each, every mixer once at T=32, 8 pairs, d_model=32, lr 1e-2, 300 steps, evaluation included):
-493 s for the 26 runs, of which atlas++ 171 s, moneta 41, memora 36, mag 33, mal 32, atlas 30,
-titans 14, yaad 13, kda 11, dla 10, memory_caching 10, ttt_mlp 10, dot 9, the other 13 mixers
-4-8 s each. Every task has the same length and the cost of a step does not depend on the number
-of pairs or the learning rate (not measured separately), so the
-156 runs take 6 x 493 s = 49 min of one core, about 25 min on two shards (each mixer's two learning
-rates fall into different shards, so the shards are balanced). At this budget MQAR is only
-starting to be learned (softmax 0.56, deep_transformer 0.34, most recurrent mixers near chance at
-8 pairs): the small grid checks the protocol end to end; ``paper`` is the comparison.
+Time (this project's 2-core CPU machine, two shards of one thread each): SMALL_TIME. The inversion
+study, 42 runs of chapter 2's model at 500-2000 steps: INVERSION_TIME.
 """
 from __future__ import annotations
 
@@ -83,6 +78,39 @@ def mixer_specs(window: int) -> list[tuple[str, str, dict]]:
         ("mag", "mag", {"memory": "atlas", "window": window, "memory_window": 8}),
         ("mal", "mal", {"memory": "atlas", "window": window, "memory_window": 8}),
     ]
+
+
+# Where each mixer of the protocol sits: (chapter, memory, attentional bias, retention, algorithm),
+# the four MIRAS axes plus the chapter that builds it. "grows" marks memories whose size grows with
+# the sequence (a KV cache, or Memory Caching's one state per segment).
+MIXER_AXES = {
+    "softmax": (1, "grows: every pair", "attention", "none", "exact"),
+    "linear": (1, "matrix", "dot product", "none", "GD"),
+    "retnet": (1, "matrix", "dot product", "fixed decay", "GD"),
+    "mamba2": (1, "matrix", "dot product", "scalar gate", "GD"),
+    "gla": (1, "matrix", "dot product", "channel gate", "GD"),
+    "deltanet": (2, "matrix", "l2", "none", "GD"),
+    "gated_deltanet": (2, "matrix", "l2", "scalar gate", "GD"),
+    "kda": (2, "matrix", "l2", "channel gate", "GD"),
+    "ttt_linear": (3, "matrix", "l2", "none", "GD (mini-batch)"),
+    "ttt_mlp": (3, "MLP", "l2", "none", "GD (mini-batch)"),
+    "titans": (3, "MLP", "l2", "scalar gate", "GD + momentum"),
+    "moneta": (3, "MLP", "lp (p=3)", "lq normalisation", "GD"),
+    "yaad": (3, "MLP", "Huber", "scalar gate", "GD"),
+    "memora": (3, "MLP", "l2", "KL (simplex)", "mirror descent"),
+    "omeganet": (4, "matrix", "l2 over a window", "scalar gate", "GD"),
+    "swla": (4, "matrix", "dot product over a window", "scalar gate", "GD"),
+    "atlas": (5, "matrix", "l2 over a window", "scalar gate", "Muon"),
+    "atlas++": (5, "MLP", "l2 over a window", "scalar gate", "Muon"),
+    "deep_transformer": (6, "grows: every pair", "l2 in phi*", "none", "exact"),
+    "swdt": (6, "window of pairs", "l2 in phi*", "window", "exact"),
+    "dot": (6, "grows: every pair", "l2 over a window in phi*", "none", "exact"),
+    "dla": (6, "MLP", "dot product", "scalar gate", "GD"),
+    "memory_caching": (7, "grows: one matrix per segment", "l2", "scalar gate", "GD"),
+    "swa": ("hybrid", "window of pairs", "attention", "window", "exact"),
+    "mag": ("hybrid", "window + matrix", "attention + l2 over a window", "window + gate", "Muon"),
+    "mal": ("hybrid", "window + matrix", "attention + l2 over a window", "window + gate", "Muon"),
+}
 
 
 @dataclass(frozen=True)
@@ -378,7 +406,7 @@ def main(argv=None):
     p.add_argument("--shard", help="i/N: run the cells i, i+N, ... (default: torchrun's RANK/WORLD_SIZE)")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--report", action="store_true", help="print the leaderboard of the results and exit")
-    p.add_argument("--merge", action="store_true", help="write every shard's records into --out and exit")
+    p.add_argument("--merge", action="store_true", help="move every shard's records into --out and exit")
     p.add_argument("--list", action="store_true", help="print this shard's cells and exit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -392,6 +420,9 @@ def main(argv=None):
         records = read_results(out)
         with open(out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+        for path in result_files(out):               # the shards' files are now copies: one file to commit
+            if path != out:
+                os.remove(path)
         print(f"{len(records)} records merged into {out}")
         return
     mixers = args.mixers.split(",") if args.mixers else None
