@@ -55,11 +55,11 @@ lab: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m atlaslib.bench
 
-# Chapter 8's two sweeps, each as two shards of one thread on the two cores (results/mqar_<size>.rank{0,1}.jsonl,
+# Chapter 8's three sweeps, each as two shards of one thread on the two cores (results/mqar_<size>.rank{0,1}.jsonl,
 # merged into results/mqar_<size>.jsonl), then their reports. Cells already on file are skipped.
 EXPERIMENT = OMP_NUM_THREADS=1 $(PY) -m atlaslib.experiments
 experiments: $(STAMP)
-	for e in "mqar --size small" "inversion"; do \
+	for e in "mqar --size small" "inversion" "filler"; do \
 	  $(EXPERIMENT) $$e --shard 0/2 --no-progress & \
 	  $(EXPERIMENT) $$e --shard 1/2; s1=$$?; wait $$!; s0=$$?; \
 	  [ $$s0 = 0 ] && [ $$s1 = 0 ] && $(EXPERIMENT) $$e --merge && $(EXPERIMENT) $$e --report || exit 1; \

@@ -6,6 +6,7 @@ and the study of why chapter 2's ranking came out inverted.
     torchrun --nproc_per_node=8 -m atlaslib.experiments mqar --size paper   # shards from RANK / WORLD_SIZE
     python -m atlaslib.experiments mqar --size small --report        # the leaderboard
     python -m atlaslib.experiments inversion                         # chapter 2's setting, one knob at a time
+    python -m atlaslib.experiments filler                            # the small grid's 8 pairs, token-0 filler
 
 The grid is (sequence length, key-value pairs, d_model) x mixer x learning rate x seed, every
 cell one ``train_mqar`` run of a ``TinyLM``. After every run one JSON line is appended to the
@@ -214,6 +215,11 @@ def inversion_table(records: list[dict]) -> list[dict]:
     return rows
 
 
+# The filler check (chapter 8): the small grid's hardest task with token 0 as filler instead of random
+# tokens, every mixer but the five slowest (over 40 s a run; 3 min on two cores instead of 20).
+FILLER_SKIP = ("moneta", "memora", "atlas++", "mag", "mal")
+
+
 def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -> list[dict]:
     """Every cell of the protocol as its key (a JSON-able dict), in a fixed order.
 
@@ -222,6 +228,11 @@ def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -
     if size == "inversion":
         cells = inversion_grid()
         return [dict(c, steps=steps or c["steps"]) for c in cells if mixers is None or c["mixer"] in mixers]
+    if size == "filler":
+        s = SIZES["small"]
+        return [make_cell("filler", s, s.tasks[-1], spec, lr, seed, steps or s.steps, random_filler=False)
+                for spec, lr, seed in itertools.product(mixer_specs(s.window), s.lrs, s.seeds)
+                if spec[0] not in FILLER_SKIP and (mixers is None or spec[0] in mixers)]
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)} or 'inversion'")
     s = SIZES[size]
@@ -397,8 +408,9 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m atlaslib.experiments", description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment", choices=["mqar", "inversion"],
-                   help="mqar: the leaderboard grid (--size); inversion: the study of chapter 2's ranking")
+    p.add_argument("experiment", choices=["mqar", "inversion", "filler"],
+                   help="mqar: the leaderboard grid (--size); inversion: the study of chapter 2's ranking; "
+                        "filler: the small grid's hardest task with token-0 filler")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--mixers", help="comma-separated labels (default: every mixer of the protocol)")
     p.add_argument("--steps", type=int, help="override the size's step budget")
@@ -410,8 +422,8 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print this shard's cells and exit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.experiment == "inversion":
-        args.size = "inversion"
+    if args.experiment in ("inversion", "filler"):
+        args.size = args.experiment
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
     if args.report:
         print(report(out))

@@ -161,7 +161,7 @@ def test_every_mixer_has_its_axes():
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-@pytest.mark.parametrize("size", ["small", "inversion"])
+@pytest.mark.parametrize("size", ["small", "inversion", "filler"])
 def test_committed_results_cover_their_grid(size):
     records = ex.read_results(str(RESULTS / f"mqar_{size}.jsonl"))
     assert sorted(map(ex.cell_key, records)) == sorted(map(ex.cell_key, ex.grid(size)))   # every cell, once
