@@ -173,11 +173,12 @@ def test_committed_results_cover_their_grid(size):
         assert {r["mixer_name"] for r in records} >= set(available_mixers())
 
 
-# One committed cell, re-run from its key. On the machine that ran the sweep the accuracy is equal to
-# the last digit; REPLAY_TOL covers other CPUs (AVX2 vs AVX-512 vs ATEN_CPU_CAPABILITY=default), whose
-# last-bit differences training amplifies (measured: see REPLAY_MEASURED).
-REPLAY = dict(mixer="swa", num_kv_pairs=2, lr=3e-2)
-REPLAY_TOL = 0.0
+# One committed cell, re-run from its key. On the machine that ran the sweep the accuracy came back
+# equal, with 1 or 2 threads and with ATEN_CPU_CAPABILITY=default (measured on 4 cells: differences
+# 0, 0, 0 and, for softmax on the default code path, 0.002). REPLAY_TOL leaves room for other CPUs,
+# whose last-bit differences training amplifies.
+REPLAY = dict(mixer="linear", num_kv_pairs=2, lr=3e-2)
+REPLAY_TOL = 0.03
 
 
 def test_a_committed_cell_reproduces():
