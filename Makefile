@@ -27,7 +27,7 @@ help:
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
-	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small) and the inversion study (about 1 h 15 min on 2 cores; resumes)"
+	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study and the filler check (about 1 h 15 min on 2 cores; resumes)"
 	@echo "make aot        build every Triton kernel for sm_80/sm_90 without a GPU (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: the compiled kernels against the chunk form, then the benchmark"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
