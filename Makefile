@@ -28,7 +28,7 @@ help:
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
 	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study and the filler check (about 1 h 15 min on 2 cores; resumes)"
-	@echo "make aot        build every Triton kernel for sm_80/sm_90 without a GPU (slow: minutes per kernel)"
+	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90 without a GPU, registers included (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: the compiled kernels against the chunk form, then the benchmark"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
 
@@ -75,7 +75,8 @@ gpu-test: $(STAMP)
 	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter)"; \
 	fi
 
-# Not part of `make test` yet: ptxas needs minutes per kernel on 2 cores (cached in _build/aot).
+# `make test` checks every kernel on fast builds (stopped once shared memory is allocated, ~3 min);
+# this runs the same tests on full builds, ptxas included, for registers (minutes per kernel; cached in _build/aot).
 aot: $(STAMP)
 	ATLAS_AOT=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_aot.py
 
