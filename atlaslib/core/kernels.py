@@ -157,6 +157,17 @@ def feature_tile(K: int, limit: int, what: str = "K") -> int:
     return dot_tile(K)
 
 
+def rows_within_shared(width: int, element_size: int, most: int) -> int:
+    """Rows of a program's [rows, width] input tiles that keep it within an A100's shared memory.
+
+    AOT builds for sm_80 (163 KB a block; ``python -m atlaslib.aot --fast``) put the kernels' shared
+    memory near 16 KB per tile row of ``width * element_size`` bytes at 64 rows: chapter 1's kernel
+    needs 209 KB at 64 rows of 128 fp32 keys and 116 KB at 32. So 16384 // row bytes, as a power of
+    two between 16 and ``most``.
+    """
+    return max(16, min(most, 16384 // (width * element_size)))
+
+
 def value_tile(V: int, widest: int) -> int:
     """BV: value channels per program, dot_tile(V) but at most ``widest``; more programs share a wider V."""
     return max(16, min(widest, triton.next_power_of_2(V)))

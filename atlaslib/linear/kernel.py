@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..core.kernels import (GATE_NONE, GATE_SCALAR, as_fp32, at_head, chunk_gates, feature_tile, forward_launch,
-                            load_state, load_tile, state_slice, store_tile, value_tile)
+                            load_state, load_tile, rows_within_shared, state_slice, store_tile, value_tile)
 
 
 # Every program holds all K key channels of its state slice in registers: K <= 256.
@@ -95,10 +95,14 @@ def linear_attention_fwd_kernel(
 
 def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=None):
     """Triton forward; same arguments and results as ``linear_attention_recurrent`` (and ``log_alpha``)."""
-    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64))
-    BK = feature_tile(run.K, MAX_KEY)
-    # chunks of 64 tokens; 16 for per-channel gates, whose decays make [BT, BT, BK] tiles
-    gate, BT, g, Tp = chunk_gates(alpha, log_alpha, run.T, BT=64, BT_channel=16)
+    BK = feature_tile(q.shape[-1], MAX_KEY)
+    row_bytes = BK * q.element_size()
+    # fp32 rows of 256 keys: 187 KB with per-channel gates at BV = 64, 131 KB at 32 (sm_80 AOT builds)
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64 if row_bytes <= 512 else 32))
+    # chunks of up to 64 tokens, fewer for wide fp32 keys (shared memory); 16 for per-channel
+    # gates, whose decays make [BT, BT, BK] tiles
+    BT = rows_within_shared(BK, q.element_size(), 64)
+    gate, BT, g, Tp = chunk_gates(alpha, log_alpha, run.T, BT=BT, BT_channel=16)
     ht = run.state()
     linear_attention_fwd_kernel[run.grid](
         run.q, run.k, run.v, g, as_fp32(initial_state), run.o, ht, *run.strides,

@@ -214,10 +214,13 @@ def titans_linear_fwd_kernel(
     tl.store(st_ptr + o_s, b_S, mask=m_s)
 
 
-def tile_sizes(K: int, V: int, chunk_size: int) -> tuple[int, int, int]:
+def tile_sizes(K: int, V: int, chunk_size: int, element_size: int = 4) -> tuple[int, int, int]:
     """(BT, BK, BV): token rows, key channels and value channels of one program's tiles."""
     BK = dot_tile(K)
-    return dot_tile(chunk_size), BK, value_tile(V, 64 if BK <= 64 else 32)   # see the tile limits above
+    # see the tile limits above; fp32 rows of 256 keys at BT = 64 need BV = 16 on an A100
+    # (sm_80 AOT builds: 176 KB at BV = 32, 160 KB at 16)
+    widest = 64 if BK <= 64 else 32 if BK * element_size <= 512 else 16
+    return dot_tile(chunk_size), BK, value_tile(V, widest)
 
 
 def kernel_supports(K: int, V: int, chunk_size: int) -> bool:
@@ -249,7 +252,7 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     """
     B, H, T, K, V = check_qkv(q, k, v)
     chunk_size = check_chunk_size(chunk_size)
-    BT, BK, BV = tile_sizes(K, V, chunk_size)
+    BT, BK, BV = tile_sizes(K, V, chunk_size, q.element_size())
     run = forward_launch(q, k, v, BV, name="titans_linear_triton")
     if chunk_size > MAX_CHUNK:
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "

@@ -142,9 +142,16 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     """Triton forward of the chunk form; same arguments and results as ``chunk.windowed_chunk``."""
     b, c = chunk_size, window
     BW = dot_tile(b + c - 1)
-    # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk: narrower value blocks
-    # (more programs) keep them within shared memory on the GPU
-    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64 if BW <= 64 else 32))
+    # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk, and so do wide fp32 features:
+    # narrower value blocks (more programs) keep them within shared memory on the GPU (sm_80 AOT
+    # builds at BW = 64, D = 256, fp32: 192 KB at BV = 64, 160 KB at 32)
+    wide_rows = dot_tile(q.shape[-1]) * q.element_size() > 512
+    if hebbian and wide_rows and b > 32:
+        # SWLA's chunk form is exact for every chunk length, so the kernel may use shorter chunks:
+        # at b = 64, c = 1, D = 256 fp32 it needs 184 KB (164 KB at BV = 16), over an A100's 163 KB
+        b = 32
+        BW = dot_tile(b + c - 1)
+    run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 32 if BW > 64 or wide_rows else 64))
     B, H, T, D = run.B, run.H, run.T, run.K
     if b > MAX_CHUNK:
         raise ValueError(f"the Triton kernel supports chunk_size <= {MAX_CHUNK}, got {b}; use backend='chunk'")
