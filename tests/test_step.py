@@ -324,6 +324,11 @@ def test_mixer_step_is_its_forward(gen, dtype, name, kw):
     # ATLAS's Newton-Schulz (Muon's coefficients, not a contraction) amplifies fp32 rounding
     if name in ("atlas", "atlas++", "mag", "mal") and dtype == torch.float32:
         tol = 5e-4
+    # Moneta's l4 normalisation and Yaad's Huber switch amplify fp32 rounding on some draws: over 300
+    # draws the two orders of summation differed by up to 1.2e-5 (Moneta) and 5.5e-6 (Yaad), and one CI
+    # draw gave Yaad 1.3e-5, while in fp64 the same mixers agree to 5e-15 (rounding, not a mismatch)
+    if name in ("moneta", "yaad") and dtype == torch.float32:
+        tol = 1e-4
     assert_close(y, ref, tol=tol, name=f"{name}: step by step vs forward")
 
 
