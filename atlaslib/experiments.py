@@ -168,10 +168,14 @@ INVERSION_KNOBS = {
 }
 
 
-def inversion_cell(spec: tuple, seed: int, *, steps: int = 1000, lr: float = 1e-2, num_kv_pairs: int = 8,
-                   random_filler: bool = True, qk_norm: bool = False) -> dict:
-    """One run of the inversion study: chapter 2's setting with the given knobs."""
+# The study's base: chapter 2's run at 1000 steps; each other run changes one of these (or qk_norm).
+INVERSION_BASE = {"steps": 1000, "lr": 1e-2, "num_kv_pairs": 8, "random_filler": True}
+
+
+def inversion_cell(spec: tuple, seed: int, *, qk_norm: bool = False, **knobs) -> dict:
+    """One run of the inversion study: chapter 2's setting with the given knobs (INVERSION_BASE's keys)."""
     s = CHAPTER2
+    steps, lr, num_kv_pairs, random_filler = ({**INVERSION_BASE, **knobs}[k] for k in INVERSION_BASE)
     if qk_norm:
         label, name, kw = spec
         spec = (f"{label}+qk_norm", name, {**kw, "qk_norm": True})
@@ -197,9 +201,7 @@ def inversion_table(records: list[dict]) -> list[dict]:
     """One row per condition (the base and each knob value), one column per mixer: mean accuracy over
     seeds, with the per-seed values."""
     def condition(r):
-        diffs = [f"{k}={v}" for k, v, base in (("steps", r["steps"], 1000), ("lr", r["lr"], 1e-2),
-                                             ("num_kv_pairs", r["num_kv_pairs"], 8),
-                                             ("random_filler", r["random_filler"], True)) if v != base]
+        diffs = [f"{k}={r[k]}" for k, base in INVERSION_BASE.items() if r[k] != base]
         if r["mixer_kwargs"].get("qk_norm"):
             diffs.append("qk_norm=True")
         return ", ".join(diffs) or "base (1000 steps, lr 1e-2, 8 pairs)"

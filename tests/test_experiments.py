@@ -120,7 +120,7 @@ def test_command_line_shards_and_report(tmp_path):
 def test_inversion_grid_varies_one_knob_at_a_time():
     cells = ex.grid("inversion")
     assert len({ex.cell_key(c) for c in cells}) == len(cells)
-    base = dict(steps=1000, lr=1e-2, num_kv_pairs=8, random_filler=True)
+    base = ex.INVERSION_BASE
     for c in cells:
         changed = [k for k, v in base.items() if c[k] != v] + (["qk_norm"] if c["mixer_kwargs"].get("qk_norm") else [])
         assert len(changed) <= 1, (c["mixer"], changed)
