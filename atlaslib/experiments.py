@@ -85,8 +85,14 @@ def mixer_specs(window: int) -> list[tuple[str, str, dict]]:
 
 
 # Where each mixer of the protocol sits: (chapter, memory, attentional bias, retention, algorithm),
-# the four MIRAS axes plus the chapter that builds it. "grows" marks memories whose size grows with
-# the sequence (a KV cache, or Memory Caching's one state per segment).
+# the four MIRAS axes plus the chapter that builds it, for the mixer as ``mixer_specs`` builds it.
+# "grows" marks memories whose size grows with the sequence (a KV cache, or Memory Caching's one
+# state per segment). "in phi*" marks a bias on the exponential kernel's features (chapter 6): the
+# DeepTransformer and SWDT are chapter 1's Hebbian memory on phi* (normalised, with the forget gate
+# alpha_t that their mixers learn by default), DOT is the delta rule on phi* (window c = 1 here, with
+# the same gate). "window" as a retention means eviction (a pair older than the window is dropped);
+# the Omega window of OmegaNet, SWLA and ATLAS is a window of the *loss*, listed under the bias, and
+# evicts nothing. "gate" is a learned, data-dependent alpha_t.
 MIXER_AXES = {
     "softmax": (1, "grows: every pair", "attention", "none", "exact"),
     "linear": (1, "matrix", "dot product", "none", "GD"),
@@ -106,9 +112,9 @@ MIXER_AXES = {
     "swla": (4, "matrix", "dot product over a window", "scalar gate", "GD"),
     "atlas": (5, "matrix", "l2 over a window", "scalar gate", "Muon"),
     "atlas++": (5, "MLP", "l2 over a window", "scalar gate", "Muon"),
-    "deep_transformer": (6, "grows: every pair", "l2 in phi*", "none", "exact"),
-    "swdt": (6, "window of pairs", "l2 in phi*", "window", "exact"),
-    "dot": (6, "grows: every pair", "l2 over a window in phi*", "none", "exact"),
+    "deep_transformer": (6, "grows: every pair", "dot product in phi*", "scalar gate", "GD"),
+    "swdt": (6, "window of pairs", "dot product in phi*", "window + gate", "GD"),
+    "dot": (6, "grows: every pair", "l2 in phi*", "scalar gate", "GD"),
     "dla": (6, "MLP", "dot product", "scalar gate", "GD"),
     "memory_caching": (7, "grows: one matrix per segment", "l2", "scalar gate", "GD"),
     "swa": ("hybrid", "window of pairs", "attention", "window", "exact"),

@@ -158,6 +158,17 @@ def test_every_mixer_has_its_axes():
     assert all(len(axes) == 5 for axes in ex.MIXER_AXES.values())
 
 
+def test_retention_labels_match_the_built_mixers():
+    # A mixer labelled without a learned retention ("none", "fixed decay", or an evicting "window"
+    # alone) must build no gate projection; every other one must build one (for a hybrid, its memory's).
+    from atlaslib.nn import make_mixer
+    ungated = {"none", "fixed decay", "window"}
+    for label, name, kw in ex.mixer_specs(window=8):
+        mixer = make_mixer(name, 32, 2, **kw)
+        gated = any(n.split(".")[-2] == "gate_proj" for n, _ in mixer.named_parameters() if "." in n)
+        assert gated == (ex.MIXER_AXES[label][3] not in ungated), (label, ex.MIXER_AXES[label][3])
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
