@@ -1,4 +1,4 @@
-"""DLA, deep linear attention ([A] eq 19, [MC] eq 30): chapter 3's MIRAS engine with the preset "dla".
+"""DLA, deep linear attention ([A] eq 19, [MC] §4.3 eq 30): chapter 3's MIRAS engine with the preset "dla".
 
     M_t = alpha_t M_{t-1} - eta_t grad_M l(M_{t-1}; phi(k_t), v_t),   l(M; k, v) = -<M(k), v>,   y_t = M_t(phi(q_t))
 
