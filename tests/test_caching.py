@@ -1,9 +1,9 @@
 """Chapter 7: Memory Caching over the book's base models.
 
-The reference (``mc_reference``) is written here from the definition ([MC] eqs. 4-17, MATH.md §7)
+The reference (``mc_reference``) is written here from the definition ([MC] eqs. 4-17, chapter 7 §1–2)
 for a gated linear-attention base, in fp64 and token by token: its own segmentation (including the
 binary expansion of each position for log-linear), its own states, scores and softmax. Both backends
-of ``memory_caching`` are checked against it, then the exact identities of MATH.md §8: one segment
+of ``memory_caching`` are checked against it, then the exact identities of chapter 7: one segment
 is the base; residual + independent + zero start over linear attention is linear attention (and
 checkpoint residual is the closed form, not linear attention); soup is GRM for a matrix memory;
 SSC with top_k >= the number visible is GRM; constant gammas give residual; log-linear blocks are

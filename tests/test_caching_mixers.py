@@ -147,7 +147,7 @@ def test_one_segment_is_the_base_mixer(gen, base):
 
 
 def test_residual_independent_over_linear_attention_is_linear_attention(gen):
-    """MATH.md §7: residual MC with independent zero-start segments over linear attention is linear attention."""
+    """Chapter 7 §3: residual MC with independent zero-start segments over linear attention is linear attention."""
     seeded(gen)
     mixer = make_mixer("memory_caching", D, H, base="linear", segments=3, aggregate="residual").double()
     plain = make_mixer("linear", D, H).double()

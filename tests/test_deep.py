@@ -40,7 +40,7 @@ def test_exp_features_kernel_values(gen, d, P, compressed):
 
 
 def test_exp_features_dimensions_of_the_spec():
-    # MATH.md §6: d = 3, P = 1, 2, 3, 4, 6, 8 -> sum_n d^n = 4, 13, 40, 121, 1093, 9841
+    # chapter 6 §1: d = 3, P = 1, 2, 3, 4, 6, 8 -> sum_n d^n = 4, 13, 40, 121, 1093, 9841
     assert [exp_feature_dim(3, P, compressed=False) for P in (1, 2, 3, 4, 6, 8)] == [4, 13, 40, 121, 1093, 9841]
     assert exp_feature_dim(128, 2) == 8385
 

@@ -1,4 +1,4 @@
-"""Chapter 7: Memory Caching (MC), RNNs whose memory grows with the sequence ([MC], MATH.md §7).
+"""Chapter 7: Memory Caching (MC), RNNs whose memory grows with the sequence ([MC]; the book's chapter 7).
 
 The sequence is cut into segments; any base model of the book compresses each segment into its
 memory state, the final state of every segment is cached, and each token reads its own segment's
@@ -15,7 +15,7 @@ independent mode, then the batched readout; ``cached_readout`` is the Triton ker
 iterated selection, and the weighted sum of the cached states' reads), at most 32 cached states per
 token; beyond that, or for fp64, ``memory_caching`` runs ``cached_readout`` instead.
 
-Exactness (MATH.md §8): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
+Exactness (chapter 7 §1–4): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
 readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
 every chunk size over linear attention, its gated family, the delta family and SWLA; only at
 chunk_size = 1 for the frozen-gradient bases. Exact identities (tests/test_caching.py): one segment
@@ -103,7 +103,7 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
             (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
             The recurrent backend counts them as it reads; the others take ``memory_reads``.
 
-    Exactness (MATH.md §8): all segment operations are exact, so "chunk" equals "recurrent" to
+    Exactness (chapter 7 §1–4): all segment operations are exact, so "chunk" equals "recurrent" to
     rounding for bases whose chunk form is exact (linear attention and its gated family, the delta
     family, SWLA) and at chunk_size = 1 for the frozen-gradient ones (Titans, MIRAS deep presets,
     OmegaNet, ATLAS, deep DLA). One segment (N = 1) is the base model itself; residual + independent

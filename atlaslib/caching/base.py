@@ -6,7 +6,7 @@ A base is called as ``base(q, k, v, initial_state=..., output_final_state=True, 
 chunk_size=..., **base_kwargs)``. Per-token tensors in ``base_kwargs`` (gates whose first three
 dims are [B, H, T]) are cut with the segment; everything else is passed as is. Each segment is
 its own sequence for the base, so the base's chunks start at each segment start: the cached states
-are exact chunk-end states of the base's chunk form (MATH.md §7, "chunking interaction").
+are exact chunk-end states of the base's chunk form (chapter 7 §1).
 
 The readout of a cached state on the queries is one of two things:
 

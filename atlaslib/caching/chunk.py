@@ -11,7 +11,7 @@
    kernel). Deep memories are read by running the base from each cached state with learning off
    (``base.probe``), and soup mixes their parameters token by token.
 
-Exactness (MATH.md §8): every step after the base's chunk form is exact (segment bookkeeping, scores,
+Exactness (chapter 7 §1–4): every step after the base's chunk form is exact (segment bookkeeping, scores,
 softmax, contraction), so MC over X is exactly as exact as X's chunk form: exact for every chunk
 size over linear attention, its gated family, DeltaNet/Gated DeltaNet/KDA and SWLA; for the
 frozen-gradient bases (Titans and the MIRAS deep presets, OmegaNet, ATLAS, deep DLA) it equals the

@@ -1,4 +1,4 @@
-"""Memory Caching, the definition ([MC] eqs. 4-17, MATH.md §7): token by token, with an explicit list
+"""Memory Caching, the definition ([MC] eqs. 4-17, chapter 7 §1–2): token by token, with an explicit list
 of cached states.
 
 Segment by segment the base runs its own per-token loop (backend "recurrent"); at each segment end

@@ -1,4 +1,4 @@
-"""Segmentations of a sequence for Memory Caching (MATH.md §7).
+"""Segmentations of a sequence for Memory Caching (chapter 7 §1 and §4).
 
 Two kinds, both described by one ``Layout``:
 

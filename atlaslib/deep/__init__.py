@@ -22,7 +22,7 @@ with phi_star="kernel" it is ``dot_coefficient_recurrent`` (per token) or ``dot_
 chunk forms freeze the gradients per chunk: an approximation for b > 1, as OmegaNet's.
 
 ``memory="mlp"`` (``mlp.py``) is chapter 3's MLP memory W2 act(W1 phi*(x)) started at W1 = 0, so that
-GD keeps W1 in the span of the past features (MATH.md §6). With ("taylor", P) ``deep_transformer`` is
+GD keeps W1 in the span of the past features (chapter 6 §7). With ("taylor", P) ``deep_transformer`` is
 ``dla`` and ``dot`` the deep Omega rule, on chapter 3's engine (chunk form: gradients frozen per chunk,
 exact only at b = 1; "frozen_seq" is its oracle); with phi_star="kernel" both run per token with W1 as
 coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``, O(T^2), exact phi*).

@@ -1,4 +1,4 @@
-"""DLA, deep linear attention ([A] eq 19, [MC] eq 30): chapter 3's MIRAS engine with the preset "dla".
+"""DLA, deep linear attention ([A] eq 19, [MC] §4.3 eq 30): chapter 3's MIRAS engine with the preset "dla".
 
     M_t = alpha_t M_{t-1} - eta_t grad_M l(M_{t-1}; phi(k_t), v_t),   l(M; k, v) = -<M(k), v>,   y_t = M_t(phi(q_t))
 
@@ -8,7 +8,7 @@ its arguments into ``miras(preset="dla", ...)``. With ``memory="linear"`` the gr
 whatever the state, so DLA is gated linear attention (chapter 1) on the values eta_t v_t, and every
 chunk size is exact; with a deep memory the gradient depends on the state, so the chunk form
 (gradients frozen at each chunk start) equals ``frozen_seq`` for every b and the per-token
-definition only at b = 1 (MATH.md §6, §8).
+definition only at b = 1 (chapter 6 §7).
 
 ``phi_star=("taylor", P)`` uses phi = ``exp_features(., P)``: the DeepTransformer ([A] eq 25) on the
 truncated phi*_P, with any memory the engine has (a linear one gives ``deep_transformer``'s

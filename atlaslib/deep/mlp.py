@@ -2,7 +2,7 @@
 
 It is chapter 3's MLP memory (``miras.memory.MLPMemory``: two layers, no residual, GELU unless told
 otherwise, W2 ~ N(0, 1/h)) with one change: the first layer starts at zero, W1_0 = 0. GD then keeps
-W1 in the span of the past features (MATH.md §6), W1 = sum_j U_j phi*(k_j)^T, so the exact phi* needs
+W1 in the span of the past features (chapter 6 §7), W1 = sum_j U_j phi*(k_j)^T, so the exact phi* needs
 only exp(k_j^T x), and the Taylor form and the kernel form start from the same memory:
 
 * ``phi_star=("taylor", P)``: chapter 3's engine on ``exp_features(., P)`` -- ``deep_transformer`` is

@@ -93,7 +93,7 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     ([A] eq. 27 with the sign and side of eqs. 28-31 corrected). With M_{t-1} = sum_j u_j phi*(k_j)^T the
     error of window pair i is e_i = sum_j u_j kappa(k_j, k_i) - v_i, every one taken at M_{t-1}; so a step
     scales every u_j by alpha_t, appends u_t = 0 and adds -eta_t gamma_i^{(t)} e_i to u_i for each i in the
-    window (MATH.md §6, the kernel trick). With c = 1 that is u_t = -eta_t e_t (the delta rule on phi*).
+    window (the kernel trick, chapter 6 §2 and §5). With c = 1 that is u_t = -eta_t e_t (the delta rule on phi*).
 
     window: c >= 1 (c >= T: every past pair, the global window). gamma: None (ones), [B,H,T] per source
     token or [B,H,T,c] per offset, as ``omega_rule`` takes them.
@@ -130,7 +130,7 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     return torch.stack(outputs, dim=2).to(out_dtype), None
 
 
-# The deep ("mlp") memory M(x) = W2 act(W1 phi*(x)) in coefficient form (MATH.md §6). GD keeps the first
+# The deep ("mlp") memory M(x) = W2 act(W1 phi*(x)) in coefficient form (chapter 6 §7). GD keeps the first
 # layer in the span of the past features when it starts there (W1_0 = 0): W1 = sum_j U_j phi*(k_j)^T with
 # U_j in R^h, so W1 phi*(x) = sum_j U_j kappa(k_j, x), while W2 [V, h] stays an ordinary matrix.
 

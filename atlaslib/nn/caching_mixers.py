@@ -4,7 +4,7 @@ The layer is its base mixer (projections, short convolution, q/k normalisation, 
 classes, inherited) whose sequence mixing is ``atlaslib.caching.memory_caching`` over the base's library
 function and gates: the sequence is cut into segments, each segment's final memory is cached, and token
 t reads its own segment's running memory together with the cached ones, mixed by an aggregator
-([MC] eqs. 4-17, MATH.md §7):
+([MC] eqs. 4-17, chapter 7 §1–2):
 
     y_t = gamma_s(t) M^(s)_t q_t + sum_{i < s} gamma_i(t) M^(i) q_t,
     gamma = softmax_i <u_t, mean of the keys of segment i>   (GRM; the online segment: its keys up to t)
