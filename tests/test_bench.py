@@ -161,3 +161,20 @@ def test_caching_rows_compute_memory_caching_on_the_first_tokens(segments):
     torch.testing.assert_close(call("recurrent", 20), chunk[:, :, :20], rtol=1e-10, atol=1e-12)
     assert "on the first 20 tokens only" in loop_note(segments, 20)(shape)
     assert "on all tokens" in loop_note(segments, 33)(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_case_runs_in_half_precision(dtype):
+    """``--dtype bfloat16`` (or float16) must reach every registered row: each case's builder and each of
+    its CPU backends, once, at a tiny shape. (Chapter 7's rows once cast their log-gates to bf16, which
+    ``memory_caching`` refuses.) The outputs keep the activation dtype and are finite."""
+    bench.load_chapter_cases()
+    shape = bench.BenchShape(1, 2, 12, 8, 8, dtype=dtype, chunk_size=4)
+    for name, case in bench.BENCH_CASES.items():
+        if name.startswith("_"):
+            continue
+        call = case.builder(shape, torch.Generator().manual_seed(0))
+        for backend in bench.case_backends(case, None, "cpu"):
+            out = call(backend)
+            out = out[0] if isinstance(out, tuple) else out
+            assert out.dtype == dtype and torch.isfinite(out.float()).all(), (name, backend)
