@@ -249,9 +249,25 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
     p.add_argument("--scaling", action="store_true", help="chunk-form time and memory for T=1024..8192")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--vs", choices=["fla"], default=None,
+                   help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
+                        "PyTorch references at a small one; --T with --B --H --K --V --dtype: that shape instead)")
+    p.add_argument("--json", default=None, help="with --vs fla: also write the table and environment to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vs == "fla":
+        from . import bench_fla
+        shapes = None
+        if args.T:
+            shapes = [bench_fla.Shape(args.B, args.H, T, args.K, args.V, args.dtype) for T in args.T]
+        try:
+            bench_fla.run(args.device, shapes=shapes, warmup=args.warmup,
+                          repeats=None if args.repeats == p.get_default("repeats") else args.repeats,
+                          json_path=args.json)
+        except bench_fla.FlaMissing as e:
+            p.exit(2, f"{p.prog}: {e}\n")
+        return
     dtype = getattr(torch, args.dtype)
     kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
               warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
