@@ -302,3 +302,34 @@ def test_vs_fla_cuda_path_on_fakes(dtype, tmp_path):
     doc = bench_fla.write_json(tmp_path / "g.json", rows, [shape], {"card": "fake"}, device="cuda")
     assert json.loads((tmp_path / "g.json").read_text()) == json.loads(json.dumps(doc))
     assert doc["card"] == "fake" and doc["dtypes"] == [dtype] and len(doc["rows"]) == 6
+
+
+def test_cuda_event_times_interleave_and_take_medians(monkeypatch):
+    """The CUDA timer on a CPU with stand-in events: warm-up rounds untimed, then one call of each function per
+    round, each bracketed by its own pair of events, and the median of each function's elapsed times."""
+    from atlaslib import bench_fla
+    clock, order = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    costs = {"ours": iter([9, 9, 1.0, 5.0, 2.0]), "fla": iter([9, 9, 3.0, 3.0, 30.0])}
+
+    def fn(name):
+        def call():
+            order.append(name)
+            clock[0] += next(costs[name])
+        return call
+    times = bench_fla.cuda_event_times({"ours": fn("ours"), "fla": fn("fla")}, warmup=2, repeats=3)
+    assert order == ["ours", "fla"] * 5
+    assert times == {"ours": 2.0, "fla": 3.0}
