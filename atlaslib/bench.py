@@ -272,8 +272,11 @@ def main(argv=None):
         shapes = None
         if args.T:
             shapes = [bench_fla.Shape(args.B, args.H, T, args.K, args.V, args.dtype) for T in args.T]
+        unknown = [m for m in args.models or () if m not in bench_fla.MODELS]
+        if unknown:
+            p.error(f"--vs fla compares {', '.join(bench_fla.MODELS)}; not {', '.join(unknown)}")
         try:
-            bench_fla.run(args.device, shapes=shapes, warmup=args.warmup,
+            bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS, warmup=args.warmup,
                           repeats=None if args.repeats == p.get_default("repeats") else args.repeats,
                           json_path=args.json)
         except bench_fla.FlaMissing as e:

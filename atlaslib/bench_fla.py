@@ -8,13 +8,15 @@ Install it next to the pinned torch and triton without letting pip touch them::
 
 Six models, each against fla's own op:
 
-    model           ours                                    fla (CUDA)                 fla (CPU reference)
-    linear          linear_attention                        chunk_linear_attn          naive_chunk_linear_attn
-    scalar_gate     linear_attention, log_alpha [B,H,T]     chunk_simple_gla           naive_chunk_simple_gla
-    channel_gate    linear_attention, log_alpha [B,H,T,K]   chunk_gla                  naive_recurrent_gla
-    deltanet        delta_rule                              chunk_delta_rule (*)       delta_rule_chunkwise
-    gated_deltanet  delta_rule, log_alpha [B,H,T]           chunk_gated_delta_rule     naive_chunk_gated_delta_rule
-    kda             delta_rule, log_alpha [B,H,T,K]         chunk_kda                  naive_chunk_kda
+    model                ours                                    fla (CUDA)                 fla (CPU reference)
+    linear               linear_attention                        chunk_linear_attn          naive_chunk_linear_attn
+    linear_scalar_gate   linear_attention, log_alpha [B,H,T]     chunk_simple_gla           naive_chunk_simple_gla
+    linear_channel_gate  linear_attention, log_alpha [B,H,T,K]   chunk_gla                  naive_recurrent_gla
+    deltanet             delta_rule                              chunk_delta_rule (*)       delta_rule_chunkwise
+    gated_deltanet       delta_rule, log_alpha [B,H,T]           chunk_gated_delta_rule     naive_chunk_gated_delta_rule
+    kda                  delta_rule, log_alpha [B,H,T,K]         chunk_kda                  naive_chunk_kda
+
+(The names are those of the main table's rows; ``--models`` picks some of them.)
 
 (*) ``chunk_delta_rule`` refuses fp32 inputs, so in fp32 the DeltaNet row runs fla's
 ``chunk_gated_delta_rule`` with a zero log-gate (the same recurrence); the row's note says so.
@@ -63,16 +65,16 @@ import torch
 
 FLA_VERSION = "0.6.0"
 INSTALL = "pip install --no-deps -r requirements-fla.txt"
-MODELS = ("linear", "scalar_gate", "channel_gate", "deltanet", "gated_deltanet", "kda")
-GATES = {"linear": None, "scalar_gate": "scalar", "channel_gate": "channel", "deltanet": None,
+MODELS = ("linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda")
+GATES = {"linear": None, "linear_scalar_gate": "scalar", "linear_channel_gate": "channel", "deltanet": None,
          "gated_deltanet": "scalar", "kda": "channel"}
 DELTA = {"deltanet", "gated_deltanet", "kda"}
-FLA_CHUNK = {"linear": "linear_attn.chunk_linear_attn", "scalar_gate": "simple_gla.chunk_simple_gla",
-             "channel_gate": "gla.chunk_gla", "deltanet": "delta_rule.chunk_delta_rule",
+FLA_CHUNK = {"linear": "linear_attn.chunk_linear_attn", "linear_scalar_gate": "simple_gla.chunk_simple_gla",
+             "linear_channel_gate": "gla.chunk_gla", "deltanet": "delta_rule.chunk_delta_rule",
              "gated_deltanet": "gated_delta_rule.chunk_gated_delta_rule", "kda": "kda.chunk_kda"}
 FLA_NAIVE = {"linear": "linear_attn.naive.naive_chunk_linear_attn",
-             "scalar_gate": "simple_gla.naive.naive_chunk_simple_gla",
-             "channel_gate": "gla.naive.naive_recurrent_gla", "deltanet": "delta_rule.naive.delta_rule_chunkwise",
+             "linear_scalar_gate": "simple_gla.naive.naive_chunk_simple_gla",
+             "linear_channel_gate": "gla.naive.naive_recurrent_gla", "deltanet": "delta_rule.naive.delta_rule_chunkwise",
              "gated_deltanet": "gated_delta_rule.naive.naive_chunk_gated_delta_rule",
              "kda": "kda.naive.naive_chunk_kda"}
 
@@ -175,7 +177,7 @@ def fla_call(model: str, impl: str, dtype: torch.dtype, fns=None):
         fn = get(FLA_CHUNK[model])
         if model == "linear":
             call = lambda f: fn(f["q"], f["k"], f["v"], scale=1.0, normalize=False, **off)[0]        # noqa: E731
-        elif model in ("scalar_gate", "channel_gate"):
+        elif model in ("linear_scalar_gate", "linear_channel_gate"):
             call = lambda f: fn(f["q"], f["k"], f["v"], g=f["g"], scale=1.0, **off)[0]              # noqa: E731
         elif model == "deltanet":
             call = lambda f: fn(f["q"], f["k"], f["v"], f["beta"], scale=1.0,                         # noqa: E731
@@ -192,9 +194,9 @@ def fla_call(model: str, impl: str, dtype: torch.dtype, fns=None):
     name = FLA_NAIVE[model].split(".")[-1], None
     if model == "linear":
         return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], scale=1.0, normalize=False))), *name
-    if model == "scalar_gate":
+    if model == "linear_scalar_gate":
         return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], scale=1.0, **off)[0])), *name
-    if model == "channel_gate":                  # fixed scale K^-0.5: hand it q * K^0.5
+    if model == "linear_channel_gate":           # fixed scale K^-0.5: hand it q * K^0.5
         return (lambda f: from_fla(fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["g"], **off)[0])), *name
     if model == "deltanet":                      # head-first, fixed scale, 32-token chunks
         return (lambda f: fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["beta"], chunk_size=32)[0]), *name

@@ -183,7 +183,7 @@ def test_every_case_runs_in_half_precision(dtype):
 # ---------------------------------------------------------------------------- bench --vs fla
 
 FLA_SKIP = "fla-core is not installed (benchmark-only: pip install --no-deps -r requirements-fla.txt)"
-FLA_MODELS = ["linear", "scalar_gate", "channel_gate", "deltanet", "gated_deltanet", "kda"]
+FLA_MODELS = ["linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda"]
 
 
 def test_vs_fla_cpu_command(capsys, tmp_path):
