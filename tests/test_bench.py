@@ -1,4 +1,6 @@
-"""Smoke tests of ``python -m atlaslib.bench`` (no timing assertions) and of its memory meter."""
+"""Smoke tests of ``python -m atlaslib.bench`` (no timing assertions), its memory meter, and ``--vs fla``."""
+import re
+
 import pytest
 import torch
 
@@ -333,3 +335,20 @@ def test_cuda_event_times_interleave_and_take_medians(monkeypatch):
     times = bench_fla.cuda_event_times({"ours": fn("ours"), "fla": fn("fla")}, warmup=2, repeats=3)
     assert order == ["ours", "fla"] * 5
     assert times == {"ours": 2.0, "fla": 3.0}
+
+
+def test_fla_pins_are_exact_and_installed_by_the_venv():
+    """requirements-fla.txt pins exact versions (fla-core at the version the benchmark names), and the Makefile's
+    venv installs it with --no-deps (so torch and triton keep their pins) and reinstalls when it changes."""
+    from pathlib import Path
+
+    from atlaslib.bench_fla import FLA_VERSION
+    root = Path(__file__).resolve().parents[1]
+    pins = [line.split("#")[0].strip() for line in (root / "requirements-fla.txt").read_text().splitlines()]
+    pins = [p for p in pins if p]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in pins), pins
+    assert f"fla-core=={FLA_VERSION}" in pins and not any(p.startswith(("torch==", "triton==")) for p in pins)
+    make = (root / "Makefile").read_text()
+    rule = re.search(r"^\$\(STAMP\):([^\n]*)\n((?:\t[^\n]*\n)+)", make, flags=re.M)
+    assert rule and "requirements-fla.txt" in rule.group(1).split()
+    assert "--no-deps -r requirements-fla.txt" in rule.group(2)
