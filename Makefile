@@ -29,14 +29,17 @@ help:
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
 	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study and the filler check (about 1 h 15 min on 2 cores; resumes)"
 	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90 without a GPU, registers included (slow: minutes per kernel)"
-	@echo "make gpu-test   on a CUDA machine: the compiled kernels against the chunk form, then the benchmark"
+	@echo "make gpu-test   on a CUDA machine: every kernel against its chunk form, then bench --vs fla (results/gpu_bench.json)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+# requirements-fla.txt: fla-core, only for `python -m atlaslib.bench --vs fla` (make test runs its CPU side);
+# --no-deps so that it cannot move the torch and triton pinned above.
+$(STAMP): requirements.txt requirements-fla.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-fla.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -65,14 +68,18 @@ experiments: $(STAMP)
 	  [ $$s0 = 0 ] && [ $$s1 = 0 ] && $(EXPERIMENT) $$e --merge && $(EXPERIMENT) $$e --report || exit 1; \
 	done
 
-# The kernels compiled for the card (the interpreter explicitly off) against the chunk form, in
-# fp32/bf16/fp16 and at long T, then the benchmark on the card. Without CUDA: says so, succeeds.
+# Card, torch and triton first; then every kernel family compiled for the card (the interpreter explicitly
+# off) against its chunk form in fp32 and bf16/fp16 (tests/test_gpu.py), then chapters 1-2 against fla-core
+# (python -m atlaslib.bench --vs fla), written to results/gpu_bench.json. Without CUDA: says so, succeeds.
+GPU_BENCH_JSON := results/gpu_bench.json
 gpu-test: $(STAMP)
+	@$(PY) -c "from atlaslib.bench_fla import environment as e; d = e(); \
+	    print('card:', d['card'], '| torch', d['torch'], '(CUDA', str(d['cuda']) + ')', '| triton', d['triton'], '| fla-core', d['fla-core'])"
 	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	    TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py && \
-	    TRITON_INTERPRET=0 $(PY) -m atlaslib.bench --device cuda; \
+	    TRITON_INTERPRET=0 $(PY) -m atlaslib.bench --vs fla --json $(GPU_BENCH_JSON); \
 	else \
-	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter)"; \
+	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter, and the CPU side of bench --vs fla)"; \
 	fi
 
 # `make test` checks every kernel on fast builds (stopped once shared memory is allocated, ~3 min);

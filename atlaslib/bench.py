@@ -30,6 +30,17 @@ the chunk form's time spent in Newton–Schulz).
 see memory grow linearly in T (the state is constant; what grows is the output and the
 per-chunk work).
 
+``--vs fla`` instead compares chapters 1 and 2 with fla-core (``atlaslib.bench_fla`` has the details):
+linear attention, scalar and per-channel gates, DeltaNet, Gated DeltaNet and KDA. On CUDA, at B=4,
+H=16, T=4096, K=V=128 in bf16 and B=2, H=8, T=4096, K=V=64 in fp32, one row per model with our forward
+time (``backend="triton"``) and fla's Triton kernels' time, their ratio, the relative error against
+fla, the peak memory of each, and forward + backward times (ours: autograd through the chunk form);
+CUDA-event medians, the two sides interleaved. On a CPU: our chunk forms (and the relative error of our
+per-token loops) against fla's pure-PyTorch references at a small size. ``--json PATH`` writes the table
+with the card, versions, date and shapes. fla-core is optional and benchmark-only:
+``pip install --no-deps -r requirements-fla.txt`` (pinned; torch and triton stay as pinned). GPU numbers
+for the current kernels have not been measured yet.
+
 Every chapter adds its rows with ``core.benchcases.register_bench_case(name, builder,
 flops=...)`` in a module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases``
 imports (the chapters never import this module): the builder takes a ``BenchShape`` and a
@@ -249,9 +260,28 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
     p.add_argument("--scaling", action="store_true", help="chunk-form time and memory for T=1024..8192")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--vs", choices=["fla"], default=None,
+                   help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
+                        "PyTorch references at a small one; --T with --B --H --K --V --dtype: that shape instead)")
+    p.add_argument("--json", default=None, help="with --vs fla: also write the table and environment to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vs == "fla":
+        from . import bench_fla
+        shapes = None
+        if args.T:
+            shapes = [bench_fla.Shape(args.B, args.H, T, args.K, args.V, args.dtype) for T in args.T]
+        unknown = [m for m in args.models or () if m not in bench_fla.MODELS]
+        if unknown:
+            p.error(f"--vs fla compares {', '.join(bench_fla.MODELS)}; not {', '.join(unknown)}")
+        try:
+            bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS, warmup=args.warmup,
+                          repeats=None if args.repeats == p.get_default("repeats") else args.repeats,
+                          json_path=args.json)
+        except bench_fla.FlaMissing as e:
+            p.exit(2, f"{p.prog}: {e}\n")
+        return
     dtype = getattr(torch, args.dtype)
     kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
               warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)

@@ -1,4 +1,6 @@
-"""Smoke tests of ``python -m atlaslib.bench`` (no timing assertions) and of its memory meter."""
+"""Smoke tests of ``python -m atlaslib.bench`` (no timing assertions), its memory meter, and ``--vs fla``."""
+import re
+
 import pytest
 import torch
 
@@ -161,3 +163,192 @@ def test_caching_rows_compute_memory_caching_on_the_first_tokens(segments):
     torch.testing.assert_close(call("recurrent", 20), chunk[:, :, :20], rtol=1e-10, atol=1e-12)
     assert "on the first 20 tokens only" in loop_note(segments, 20)(shape)
     assert "on all tokens" in loop_note(segments, 33)(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_case_runs_in_half_precision(dtype):
+    """``--dtype bfloat16`` (or float16) must reach every registered row: each case's builder and each of
+    its CPU backends, once, at a tiny shape. (Chapter 7's rows once cast their log-gates to bf16, which
+    ``memory_caching`` refuses.) The outputs keep the activation dtype and are finite."""
+    bench.load_chapter_cases()
+    shape = bench.BenchShape(1, 2, 12, 8, 8, dtype=dtype, chunk_size=4)
+    for name, case in bench.BENCH_CASES.items():
+        if name.startswith("_"):
+            continue
+        call = case.builder(shape, torch.Generator().manual_seed(0))
+        for backend in bench.case_backends(case, None, "cpu"):
+            out = call(backend)
+            out = out[0] if isinstance(out, tuple) else out
+            assert out.dtype == dtype and torch.isfinite(out.float()).all(), (name, backend)
+
+
+# ---------------------------------------------------------------------------- bench --vs fla
+
+FLA_SKIP = "fla-core is not installed (benchmark-only: pip install --no-deps -r requirements-fla.txt)"
+FLA_MODELS = ["linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda"]
+
+
+def test_vs_fla_cpu_command(capsys, tmp_path):
+    """``python -m atlaslib.bench --vs fla`` on a CPU, small: our chunk forms and per-token loops against fla's
+    own PyTorch references, an implementation independent of ours (fp32: rounding only)."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    import json
+    path = tmp_path / "fla.json"
+    bench.main(["--vs", "fla", "--T", "64", "--B", "2", "--H", "3", "--K", "16", "--V", "8", "--repeats", "1",
+                "--warmup", "0", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "fla_ms" in out and "rel_err" in out and f"wrote {path}" in out
+    doc = json.loads(path.read_text())
+    assert doc["fla-core"] == "0.6.0" and doc["torch"] == torch.__version__ and doc["date"]
+    assert doc["shapes"] == [{"B": 2, "H": 3, "T": 64, "K": 16, "V": 8, "dtype": "float32"}]
+    rows = {r["model"]: r for r in doc["rows"]}
+    assert list(rows) == FLA_MODELS
+    for r in rows.values():
+        assert r["ours"] == "chunk" and r["fla"].startswith(("naive", "delta_rule_chunkwise")), r
+        assert r["rel_err"] < 2e-6 and r["loop_rel_err"] < 2e-6, r
+        assert r["ours_ms"] > 0 and r["fla_ms"] > 0 and r["speedup"] == pytest.approx(r["fla_ms"] / r["ours_ms"])
+        assert r["ours_MiB"] > 0 and r["fla_MiB"] > 0
+
+
+def test_vs_fla_without_fla_says_how_to_install(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "fla", None)                # import fla -> ImportError
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--vs", "fla"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install --no-deps -r requirements-fla.txt" in err
+
+
+def _fake_fla_chunk_ops():
+    """Stand-ins for fla's CUDA ops, with their signatures, built on fla's per-token references: each checks
+    the conventions the benchmark must pass (layout [B, T, H, K], scale 1, every optional transform off)."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from fla.ops.gla.naive import naive_recurrent_gla
+    from fla.ops.kda.naive import naive_recurrent_kda
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+    seen = []
+
+    def check(name, q, k, v, scale, initial_state, output_final_state, g=None, beta=None, **flags):
+        seen.append(name)
+        B, T, H, K = q.shape
+        assert k.shape == q.shape and v.shape[:3] == (B, T, H) and scale == 1.0
+        assert initial_state is None and output_final_state is False
+        assert not any(flags.values()), flags                      # l2-norm, normalize, in-kernel gates: off
+        if g is not None:
+            assert g.dtype == torch.float32 and g.shape[:3] == (B, T, H) and (g <= 0).all()
+        if beta is not None:
+            assert beta.shape == (B, T, H)
+
+    def linear(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+        check("linear", q, k, v, scale, initial_state, output_final_state, normalize=normalize)
+        g = torch.zeros(q.shape[:3])
+        return naive_recurrent_simple_gla(q, k, v, g, scale=scale, output_final_state=False)
+
+    def simple_gla(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False):
+        check("simple_gla", q, k, v, scale, initial_state, output_final_state, g=g)
+        return naive_recurrent_simple_gla(q, k, v, g, scale=scale, output_final_state=False)
+
+    def gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+        check("gla", q, k, v, scale, initial_state, output_final_state, g=g)
+        assert g.shape == q.shape
+        return naive_recurrent_gla(q * q.shape[-1] ** 0.5, k, v, g)                  # the reference scales by K^-0.5
+
+    def delta(q, k, v, beta, scale=None, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False):
+        assert q.dtype != torch.float32                                             # as fla's chunk_delta_rule
+        check("delta", q, k, v, scale, initial_state, output_final_state, beta=beta, l2=use_qk_l2norm_in_kernel)
+        return naive_recurrent_gated_delta_rule(q, k, v, beta, torch.zeros(beta.shape), scale=scale)
+
+    def gdn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False):
+        check("gdn", q, k, v, scale, initial_state, output_final_state, g=g, beta=beta,
+              l2=use_qk_l2norm_in_kernel, sigmoid=use_beta_sigmoid_in_kernel)
+        return naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=scale)
+
+    def kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False):
+        check("kda", q, k, v, scale, initial_state, output_final_state, g=g, beta=beta, l2=use_qk_l2norm_in_kernel,
+              gate=use_gate_in_kernel, sigmoid=use_beta_sigmoid_in_kernel)
+        assert g.shape == q.shape
+        return naive_recurrent_kda(q, k, v, g, beta, scale=scale)
+
+    from atlaslib.bench_fla import FLA_CHUNK
+    fakes = dict(zip(FLA_CHUNK.values(), (linear, simple_gla, gla, delta, gdn, kda)))
+    return fakes, seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vs_fla_cuda_path_on_fakes(dtype, tmp_path):
+    """The CUDA side's pure-Python parts on a CPU: arguments and layouts handed to fla's chunk ops (stand-ins that
+    check them and compute fla's reference), forward + backward, the table and the JSON file, with fake timings."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    import json
+    from atlaslib import bench_fla
+    fakes, seen = _fake_fla_chunk_ops()
+    shape = bench_fla.Shape(2, 3, 20, 8, 4, dtype)
+    times = iter(range(1, 1000))
+    timer = lambda fns, warmup, repeats: {name: float(next(times)) for name in fns}      # noqa: E731
+    rows = bench_fla.compare(bench_fla.MODELS, shape, impl="chunk", backend="chunk", backward=True, timer=timer,
+                             peak=lambda fn, device: 1.5, fns=fakes)
+    fp32 = dtype == "float32"
+    assert seen == ["linear", "simple_gla", "gla", "gdn" if fp32 else "delta", "gdn", "kda"]
+    assert [r["model"] for r in rows] == FLA_MODELS
+    for r in rows:
+        assert r["rel_err"] < (2e-6 if fp32 else 2e-2), r
+        assert r["speedup"] == r["fla_ms"] / r["ours_ms"] and r["fla_ms"] == r["ours_ms"] + 1
+        assert r["fwdbwd_speedup"] == r["fla_fwdbwd_ms"] / r["ours_fwdbwd_ms"] and r["ours_MiB"] == 1.5
+        assert ("note" in r) == (fp32 and r["model"] == "deltanet")
+    table = bench_fla.format_rows(rows).splitlines()
+    assert table[0].split()[:8] == ["model", "dtype", "B", "H", "T", "K", "V", "fla"]
+    assert "fwdbwd_speedup" in table[0] and len(table) == 2 + len(rows)
+    doc = bench_fla.write_json(tmp_path / "g.json", rows, [shape], {"card": "fake"}, device="cuda")
+    assert json.loads((tmp_path / "g.json").read_text()) == json.loads(json.dumps(doc))
+    assert doc["card"] == "fake" and doc["dtypes"] == [dtype] and len(doc["rows"]) == 6
+
+
+def test_cuda_event_times_interleave_and_take_medians(monkeypatch):
+    """The CUDA timer on a CPU with stand-in events: warm-up rounds untimed, then one call of each function per
+    round, each bracketed by its own pair of events, and the median of each function's elapsed times."""
+    from atlaslib import bench_fla
+    clock, order = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    costs = {"ours": iter([9, 9, 1.0, 5.0, 2.0]), "fla": iter([9, 9, 3.0, 3.0, 30.0])}
+
+    def fn(name):
+        def call():
+            order.append(name)
+            clock[0] += next(costs[name])
+        return call
+    times = bench_fla.cuda_event_times({"ours": fn("ours"), "fla": fn("fla")}, warmup=2, repeats=3)
+    assert order == ["ours", "fla"] * 5
+    assert times == {"ours": 2.0, "fla": 3.0}
+
+
+def test_fla_pins_are_exact_and_installed_by_the_venv():
+    """requirements-fla.txt pins exact versions (fla-core at the version the benchmark names), and the Makefile's
+    venv installs it with --no-deps (so torch and triton keep their pins) and reinstalls when it changes."""
+    from pathlib import Path
+
+    from atlaslib.bench_fla import FLA_VERSION
+    root = Path(__file__).resolve().parents[1]
+    pins = [line.split("#")[0].strip() for line in (root / "requirements-fla.txt").read_text().splitlines()]
+    pins = [p for p in pins if p]
+    assert pins and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][0-9A-Za-z.]*", p) for p in pins), pins
+    assert f"fla-core=={FLA_VERSION}" in pins and not any(p.startswith(("torch==", "triton==")) for p in pins)
+    make = (root / "Makefile").read_text()
+    rule = re.search(r"^\$\(STAMP\):([^\n]*)\n((?:\t[^\n]*\n)+)", make, flags=re.M)
+    assert rule and "requirements-fla.txt" in rule.group(1).split()
+    assert "--no-deps -r requirements-fla.txt" in rule.group(2)

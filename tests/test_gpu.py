@@ -1,93 +1,249 @@
-"""Kernel tests on a real GPU (skipped without CUDA; CI has none, the device machine does).
+"""Every Triton kernel family compiled for a real GPU, against its chunk form (skipped without CUDA).
 
-The same comparisons as the interpreter tests, but compiled for the card, in fp32 and in
-bf16/fp16, and at lengths the interpreter would take too long for.
+The same comparisons as the interpreter tests, compiled for the card, in fp32 and bf16 (fp16 once per
+family where the kernel takes it), at one or two shapes each, and at long T where error accumulates
+over many chunks (the state pass of chapters 1 and 2). Shapes are few on purpose: `make gpu-test`
+(this file, then ``bench --vs fla``) should take a few minutes on one H100, compilation included, so
+where possible the shapes are those the benchmark compiles anyway (K = V = 128 in bf16, 64 in fp32).
+
+``KERNEL_TESTS`` names, for every module of atlaslib that defines ``@triton.jit`` functions, the tests
+here that run its kernels. ``test_every_kernel_module_is_covered`` (no GPU needed, so ``make test`` runs
+it) fails when a module is missing from it, so a new kernel cannot go untested on the card; on the
+card, ``test_every_kernel_was_launched`` (last) checks that every ``*_kernel`` of those modules was
+actually launched by the tests above it, not bypassed by a fallback to the chunk form.
+
+``ATLAS_GPU_TESTS_ON_CPU=1`` (with ``TRITON_INTERPRET=1``) runs the same tests on the CPU in Triton's
+interpreter with T cut to ``DRY_T``: slow, and only a check of this file itself.
 """
+import os
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from atlaslib.core import assert_close, poisoned_outputs, random_gate, random_qkv
-from atlaslib.linear import linear_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU kernel tests skipped")
+DRY_RUN = os.environ.get("ATLAS_GPU_TESTS_ON_CPU") == "1"
+DEVICE = "cpu" if DRY_RUN else "cuda"
+DRY_T = 24
+gpu = pytest.mark.skipif(not (DRY_RUN or torch.cuda.is_available()),
+                         reason="no CUDA device: GPU kernel tests skipped")
 
-MODES = [None, "scalar", "channel"]
-SHAPES = [(1, 1, 1, 16, 16), (2, 3, 63, 60, 100), (2, 2, 75, 64, 64), (1, 4, 1000, 128, 128)]
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_TESTS = {
+    "atlaslib/core/kernels.py": ["test_linear_attention_kernel_on_gpu", "test_delta_rule_kernel_on_gpu"],
+    "atlaslib/linear/kernel.py": ["test_linear_attention_kernel_on_gpu", "test_linear_attention_long_bf16"],
+    "atlaslib/delta/kernel.py": ["test_delta_rule_kernel_on_gpu", "test_delta_rule_long_bf16"],
+    "atlaslib/deep/kernel.py": ["test_deep_transformer_kernel_on_gpu", "test_bench_case_kernel_on_gpu"],
+    "atlaslib/miras/kernel.py": ["test_bench_case_kernel_on_gpu"],
+    "atlaslib/omega/kernel.py": ["test_bench_case_kernel_on_gpu"],
+    "atlaslib/atlas/kernel.py": ["test_bench_case_kernel_on_gpu", "test_newton_schulz_kernel_on_gpu"],
+    "atlaslib/caching/kernel.py": ["test_bench_case_kernel_on_gpu"],
+}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-2}
+RAN: set = set()                    # the tests of this file that ran (the launch check needs them all)
+LAUNCHED: set = set()               # (module, kernel name) of every launch while they ran
+
+
+def length(T: int) -> int:
+    return min(T, DRY_T) if DRY_RUN else T
+
+
+@pytest.fixture(autouse=True, scope="module")
+def record_launches():
+    """Wrap ``run`` of compiled and interpreted Triton functions so each launch records its kernel."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def recording(original):
+        def run(self, *args, **kwargs):
+            LAUNCHED.add((self.fn.__module__, self.fn.__name__))
+            return original(self, *args, **kwargs)
+        return run
+    for cls, original in originals.items():
+        cls.run = recording(original)
+    yield
+    for cls, original in originals.items():
+        cls.run = original
+
+
+@pytest.fixture(autouse=True)
+def record_test(request):
+    yield
+    RAN.add(request.node.originalname)
+
+
+def kernel_modules() -> set:
+    """atlaslib's modules (paths from the repository root) that define a ``@triton.jit`` function."""
+    return {str(p.relative_to(ROOT)) for p in (ROOT / "atlaslib").rglob("*.py")
+            if re.search(r"^\s*@triton\.jit", p.read_text(), flags=re.M)}
+
+
+def test_every_kernel_module_is_covered():
+    """Runs without a GPU: every module with ``@triton.jit`` functions is in KERNEL_TESTS, with tests that
+    exist here (the eight families: chapters 1, 2, 4 (Titans), 4 (Omega/SWLA), 5, 6, 7 and the shared tiles)."""
+    import sys
+    assert set(KERNEL_TESTS) == kernel_modules(), "add the new kernel module to KERNEL_TESTS with tests that run it"
+    here = sys.modules[__name__]
+    for module, tests in KERNEL_TESTS.items():
+        assert tests and all(callable(getattr(here, t, None)) and t.startswith("test_") for t in tests), module
 
 
 def inputs(gen, B, H, T, K, V, mode, low=0.5):
     q, k, v = random_qkv(B, H, T, K, V, generator=gen)
     alpha = None if mode is None else random_gate(B, H, T, K if mode == "channel" else None, low=low, generator=gen)
     h0 = torch.randn(B, H, V, K, generator=gen)
-    return [None if x is None else x.cuda() for x in (q, k, v, alpha, h0)]
+    return [None if x is None else x.to(DEVICE) for x in (q, k, v, alpha, h0)]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+# (dtype, (B, H, T, K, V)): the benchmark's head sizes per dtype (compiled once for both), an odd shape
+# in fp32 (padded tiles, partial last chunk) and fp16 once
+CHAPTER_1_2_CASES = [(torch.float32, (2, 3, 75, 64, 64)), (torch.float32, (2, 3, 63, 60, 100)),
+                     (torch.bfloat16, (1, 4, 1000, 128, 128)), (torch.float16, (2, 3, 63, 64, 64))]
+MODES = [None, "scalar", "channel"]
+
+
+def cast(x, dtype):
+    return None if x is None else x.to(dtype)
+
+
+@gpu
+@pytest.mark.parametrize("dtype, shape", CHAPTER_1_2_CASES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_linear_attention_kernel_on_gpu(gen, shape, mode, dtype):
-    q, k, v, alpha, h0 = inputs(gen, *shape, mode)
+    from atlaslib.linear import linear_attention
+    B, H, T, K, V = shape
+    q, k, v, alpha, h0 = inputs(gen, B, H, length(T), K, V, mode)
     ref, ref_s = linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True, backend="chunk")
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
     with poisoned_outputs():
-        o, s = linear_attention(cast(q), cast(k), cast(v), alpha=cast(alpha), initial_state=h0,
-                                output_final_state=True, backend="triton")
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert_close(o.float(), ref, tol=tol)
-    assert_close(s, ref_s, tol=tol, name="final state")
+        o, s = linear_attention(cast(q, dtype), cast(k, dtype), cast(v, dtype), alpha=cast(alpha, dtype),
+                                initial_state=h0, output_final_state=True, backend="triton")
+    assert o.dtype == dtype
+    assert_close(o.float(), ref, tol=TOL[dtype])
+    assert_close(s, ref_s, tol=TOL[dtype], name="final state")
 
 
+@gpu
 def test_linear_attention_long_bf16(gen):
-    q, k, v, alpha, h0 = inputs(gen, 1, 2, 16384, 64, 64, "scalar", low=0.9)
-    ref, _ = linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend="chunk")
-    o, _ = linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), alpha=alpha, initial_state=h0,
+    """T = 16K in bf16 (256 chunks of state passing), scalar log-gates: finite and close to the fp32 chunk form."""
+    from atlaslib.linear import linear_attention
+    q, k, v, alpha, h0 = inputs(gen, 1, 2, length(16384), 128, 128, "scalar", low=0.9)
+    ref, _ = linear_attention(q, k, v, log_alpha=alpha.log(), initial_state=h0, backend="chunk")
+    o, _ = linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), log_alpha=alpha.log(), initial_state=h0,
                             backend="triton")
     assert torch.isfinite(o.float()).all()
     assert_close(o.float(), ref, tol=3e-2)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@gpu
+@pytest.mark.parametrize("dtype, shape", CHAPTER_1_2_CASES)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_delta_rule_kernel_on_gpu(gen, shape, mode, dtype):
     from atlaslib.delta import delta_rule
-    q, k, v, alpha, h0 = inputs(gen, *shape, mode)
-    beta = torch.rand(*shape[:3], generator=gen).cuda()
+    B, H, T, K, V = shape
+    q, k, v, alpha, h0 = inputs(gen, B, H, length(T), K, V, mode)
+    beta = torch.rand(B, H, length(T), generator=gen).to(DEVICE)
     ref, ref_s = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True, backend="chunk")
-    cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
     with poisoned_outputs():
-        o, s = delta_rule(cast(q), cast(k), cast(v), beta, alpha=cast(alpha), initial_state=h0,
-                          output_final_state=True, backend="triton")
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    assert_close(o.float(), ref, tol=tol)
-    assert_close(s, ref_s, tol=tol, name="final state")
+        o, s = delta_rule(cast(q, dtype), cast(k, dtype), cast(v, dtype), beta, alpha=cast(alpha, dtype),
+                          initial_state=h0, output_final_state=True, backend="triton")
+    assert o.dtype == dtype
+    assert_close(o.float(), ref, tol=TOL[dtype])
+    assert_close(s, ref_s, tol=TOL[dtype], name="final state")
 
 
+@gpu
 @pytest.mark.parametrize("mode", [None, "scalar"])
 def test_delta_rule_long_bf16(gen, mode):
     """T = 16K in bf16: the kernel stays finite and close to the fp32 chunk form."""
     from atlaslib.delta import delta_rule
-    q, k, v, alpha, h0 = inputs(gen, 1, 2, 16384, 64, 64, mode, low=0.9)
-    beta = torch.rand(1, 2, 16384, generator=gen).cuda()
-    ref, _ = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, backend="chunk")
-    o, _ = delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, alpha=alpha, initial_state=h0,
+    T = length(16384)
+    q, k, v, alpha, h0 = inputs(gen, 1, 2, T, 128, 128, mode, low=0.9)
+    beta = torch.rand(1, 2, T, generator=gen).to(DEVICE)
+    log_alpha = None if alpha is None else alpha.log()
+    ref, _ = delta_rule(q, k, v, beta, log_alpha=log_alpha, initial_state=h0, backend="chunk")
+    o, _ = delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), beta, log_alpha=log_alpha, initial_state=h0,
                       backend="triton")
     assert torch.isfinite(o.float()).all()
     assert_close(o.float(), ref, tol=3e-2)
 
 
-@pytest.mark.parametrize("T, K, V", [(1, 16, 16), (63, 60, 100), (1000, 128, 128), (300, 256, 64)])
-@pytest.mark.parametrize("normalize, window", [(True, None), (False, None), (True, 70), (False, 5)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_deep_transformer_kernel_on_gpu(gen, T, K, V, normalize, window, dtype):
+@gpu
+@pytest.mark.parametrize("dtype, T, K, V, normalize, window", [
+    (torch.float32, 300, 64, 64, True, None), (torch.float32, 63, 60, 100, False, 5),
+    (torch.bfloat16, 300, 128, 128, True, 70), (torch.float16, 300, 256, 64, False, None)])
+def test_deep_transformer_kernel_on_gpu(gen, dtype, T, K, V, normalize, window):
     from atlaslib.deep import deep_transformer
-    q, k, v = random_qkv(2, 2, T, K, V, generator=gen)
+    q, k, v = random_qkv(2, 2, length(T), K, V, generator=gen)
     q = q / K ** 0.5                                               # attention's scale, so exp stays in range
-    alpha, eta = random_gate(2, 2, T, low=0.9, generator=gen), 0.2 + torch.rand(2, 2, T, generator=gen)
-    q, k, v, alpha, eta = (x.cuda() for x in (q, k, v, alpha, eta))
+    alpha, eta = random_gate(2, 2, length(T), low=0.9, generator=gen), 0.2 + torch.rand(2, 2, length(T), generator=gen)
+    q, k, v, alpha, eta = (x.to(DEVICE) for x in (q, k, v, alpha, eta))
     ref, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window, backend="chunk")
     with poisoned_outputs():
         o, _ = deep_transformer(q.to(dtype), k.to(dtype), v.to(dtype), alpha=alpha, eta=eta, normalize=normalize,
                                 window=window, backend="triton")
     assert o.dtype == dtype
-    assert_close(o.float(), ref, tol=1e-4 if dtype == torch.float32 else 3e-2)
+    assert_close(o.float(), ref, tol=TOL[dtype])
+
+
+# The other families through their benchmark rows (the models' public calls with backend "triton" against
+# "chunk" on the same inputs): Titans with a linear memory (miras), the Omega rule and SWLA (omega), ATLAS
+# (atlas: Newton-Schulz on the kernel), DOT (deep: dot_kernel), Memory Caching over Gated DeltaNet (caching's
+# readout, on chapter 2's kernel), constant and log-linear segments.
+BENCH_ROWS = ["titans_linear", "omega", "swla", "atlas", "dot_kernel", "mc_gdn_c64", "mc_gdn_log"]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", BENCH_ROWS)
+def test_bench_case_kernel_on_gpu(case, dtype):
+    from atlaslib import bench
+    bench.load_chapter_cases()
+    shape = bench.BenchShape(1, 2, length(300), 64, 64, DEVICE, dtype, chunk_size=64)
+    call = bench.BENCH_CASES[case].builder(shape, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = call("chunk")
+        with poisoned_outputs():
+            out = call("triton")
+    ref, out = (x[0] if isinstance(x, tuple) else x for x in (ref, out))
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+    assert_close(out.float(), ref.float(), tol=TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_kernel_on_gpu(gen, dtype):
+    """Chapter 5's kernel called directly on a batch of momenta (its bf16 loads and stores; the ATLAS row above
+    hands it fp32), square and tall, against the PyTorch iteration."""
+    from atlaslib.atlas import newton_schulz
+    from atlaslib.atlas.kernel import newton_schulz_triton
+    for rows, cols in ((64, 64), (128, 64)):
+        G = torch.randn(2, 8, rows, cols, generator=gen).to(DEVICE)
+        ref = newton_schulz(G.to(dtype).float(), 5)
+        with poisoned_outputs():
+            out = newton_schulz_triton(G.to(dtype), 5)
+        assert out.dtype == dtype
+        assert_close(out.float(), ref, tol=TOL[dtype])
+
+
+@gpu
+def test_every_kernel_was_launched():
+    """Last: every ``*_kernel`` of every module in KERNEL_TESTS was launched by the tests above (a fallback
+    to the chunk form would leave it unrun)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    needed = {t for tests in KERNEL_TESTS.values() for t in tests}
+    if not needed <= RAN:
+        pytest.skip(f"run the whole file: {sorted(needed - RAN)} did not run")
+    import importlib
+    missing = []
+    for path in KERNEL_TESTS:
+        module = importlib.import_module(path[:-3].replace("/", "."))
+        kernels = {name for name, obj in vars(module).items()
+                   if isinstance(obj, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
+                   and obj.fn.__module__ == module.__name__}                       # defined there, not imported
+        launched = {name for mod, name in LAUNCHED if mod == module.__name__}
+        missing += [f"{module.__name__}.{name}" for name in sorted(kernels - launched)]
+    assert not missing, f"never launched: {missing}"

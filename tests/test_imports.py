@@ -17,7 +17,7 @@ import atlaslib
 # exercises): their imports are checked here all the same.
 IN_PROGRESS = {}
 CHAPTERS = {"core": 0, **atlaslib.CHAPTERS, **IN_PROGRESS}                   # package -> chapter
-TOOLS = {"bench", "aot", "grade", "train"}                                  # top-level tools, never imported by chapters
+TOOLS = {"bench", "bench_fla", "aot", "grade", "train"}                                 # top-level tools, never imported by chapters
 
 
 def package_of(module: str):

@@ -70,10 +70,14 @@ LOOP_T = {64: 1024, 256: 4096, "log": 4096}
 
 
 def mc_inputs(s: BenchShape, gen):
-    """q, k, v (unit keys), Gated DeltaNet's gates (beta, log alpha) and the relevance queries u."""
+    """q, k, v (unit keys), Gated DeltaNet's gates (beta, log alpha) and the relevance queries u, in the
+    shape's dtype except log alpha (fp32, or fp64 for fp64 runs)."""
     q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, dtype=s.dtype, device=s.device, generator=gen)
     beta = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, dtype=s.dtype, device=s.device, generator=gen)
-    log_alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=s.dtype, device=s.device, generator=gen).log()
+    # log-gates stay fp32 (fp64 for fp64 runs) whatever the activation dtype: memory_caching refuses a
+    # log-gate rounded to bf16/fp16, whose small decays would be lost
+    log_dtype = torch.float64 if s.dtype == torch.float64 else torch.float32
+    log_alpha = random_gate(s.B, s.H, s.T, low=0.9, dtype=log_dtype, device=s.device, generator=gen).log()
     u = random_qkv(s.B, s.H, s.T, s.K, 1, dtype=s.dtype, device=s.device, generator=gen)[0]
     return q, k, v, beta, log_alpha, u
 

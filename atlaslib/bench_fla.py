@@ -1,0 +1,367 @@
+"""Chapters 1 and 2 side by side with fla-core: ``python -m atlaslib.bench --vs fla``.
+
+fla-core (flash-linear-attention's kernels, https://github.com/fla-org/flash-linear-attention) is an
+optional, benchmark-only dependency pinned in ``requirements-fla.txt``; the library never imports it.
+Install it next to the pinned torch and triton without letting pip touch them::
+
+    pip install --no-deps -r requirements-fla.txt
+
+Six models, each against fla's own op:
+
+    model                ours                                    fla (CUDA)                 fla (CPU reference)
+    linear               linear_attention                        chunk_linear_attn          naive_chunk_linear_attn
+    linear_scalar_gate   linear_attention, log_alpha [B,H,T]     chunk_simple_gla           naive_chunk_simple_gla
+    linear_channel_gate  linear_attention, log_alpha [B,H,T,K]   chunk_gla                  naive_recurrent_gla
+    deltanet             delta_rule                              chunk_delta_rule (*)       delta_rule_chunkwise
+    gated_deltanet       delta_rule, log_alpha [B,H,T]           chunk_gated_delta_rule     naive_chunk_gated_delta_rule
+    kda                  delta_rule, log_alpha [B,H,T,K]         chunk_kda                  naive_chunk_kda
+
+(The names are those of the main table's rows; ``--models`` picks some of them.)
+
+(*) ``chunk_delta_rule`` refuses fp32 inputs, so in fp32 the DeltaNet row runs fla's
+``chunk_gated_delta_rule`` with a zero log-gate (the same recurrence); the row's note says so.
+
+Both sides get the same numbers in their own layout, converted once outside the timed calls:
+
+* ours takes ``[B, H, T, K]``, fla ``[B, T, H, K]`` (its only layout in 0.6.0: ``head_first`` was
+  removed; ``delta_rule_chunkwise``, the DeltaNet reference, is the exception and takes ``[B, H, T, K]``);
+* fla scales queries by ``K^-0.5`` unless told otherwise; ours never scales, so fla gets
+  ``scale=1.0`` (the two references without a ``scale`` argument get ``q * K^0.5`` instead);
+* gates are fla's ``g``, the log of the decay (per channel for GLA and KDA), in fp32 on both sides
+  (ours as ``log_alpha``); ``beta`` is the delta rule's step, in the activation dtype;
+* every optional transform of fla is off: ``normalize=False`` for linear attention, no in-kernel
+  l2-norm of q and k (the keys are already unit vectors), no in-kernel gate or beta activation;
+  no initial state, no final state.
+
+On CUDA, for each shape of ``GPU_SHAPES`` (B=4, H=16, T=4096, K=V=128 in bf16, and B=2, H=8, T=4096,
+K=V=64 in fp32) and each model, the table has our forward time (``backend="triton"``) and fla's,
+fla / ours (> 1: ours faster), the relative error of our output against fla's (Frobenius norm of the
+difference over fla's), the peak memory of each forward (beyond its inputs, as in the main table),
+and the same timing for forward + backward (gradients of q, k, v, beta and the gate, from a fixed
+random output gradient; our backward is autograd through the PyTorch chunk form). Times are medians
+of ``--repeats`` rounds measured with CUDA events, the two sides called in turn within each round,
+after ``--warmup`` untimed rounds (fla autotunes each op on its first call: 25-35 s each).
+
+On a CPU the same command compares our chunk forms (``backend="chunk"``) with fla's pure-PyTorch
+references at a small size (``CPU_SHAPE``), and also reports our per-token loop's error against the
+reference: a check of both models against an independent implementation.
+
+``--json PATH`` writes the table with the card, the versions, the date and the shapes.
+
+GPU numbers with the current kernels have not been measured yet.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import platform
+import statistics
+import warnings
+from dataclasses import asdict, dataclass
+
+import torch
+
+FLA_VERSION = "0.6.0"
+INSTALL = "pip install --no-deps -r requirements-fla.txt"
+MODELS = ("linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda")
+GATES = {"linear": None, "linear_scalar_gate": "scalar", "linear_channel_gate": "channel", "deltanet": None,
+         "gated_deltanet": "scalar", "kda": "channel"}
+DELTA = {"deltanet", "gated_deltanet", "kda"}
+FLA_CHUNK = {"linear": "linear_attn.chunk_linear_attn", "linear_scalar_gate": "simple_gla.chunk_simple_gla",
+             "linear_channel_gate": "gla.chunk_gla", "deltanet": "delta_rule.chunk_delta_rule",
+             "gated_deltanet": "gated_delta_rule.chunk_gated_delta_rule", "kda": "kda.chunk_kda"}
+FLA_NAIVE = {"linear": "linear_attn.naive.naive_chunk_linear_attn",
+             "linear_scalar_gate": "simple_gla.naive.naive_chunk_simple_gla",
+             "linear_channel_gate": "gla.naive.naive_recurrent_gla", "deltanet": "delta_rule.naive.delta_rule_chunkwise",
+             "gated_deltanet": "gated_delta_rule.naive.naive_chunk_gated_delta_rule",
+             "kda": "kda.naive.naive_chunk_kda"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    B: int
+    H: int
+    T: int
+    K: int
+    V: int
+    dtype: str = "float32"
+
+
+GPU_SHAPES = (Shape(4, 16, 4096, 128, 128, "bfloat16"), Shape(2, 8, 4096, 64, 64, "float32"))
+# T a multiple of 64: the references of linear attention and DeltaNet need whole chunks (64 and 32)
+CPU_SHAPE = Shape(1, 2, 128, 32, 32, "float32")
+
+
+class FlaMissing(RuntimeError):
+    pass
+
+
+def require_fla():
+    """Import fla, or raise FlaMissing with the one line that says how to install it."""
+    try:
+        with warnings.catch_warnings():                      # "Triton is not supported ... roll back to CPU"
+            warnings.simplefilter("ignore")
+            import fla
+    except ImportError as e:
+        raise FlaMissing(f"--vs fla needs fla-core=={FLA_VERSION} (benchmark only, not a dependency of atlaslib): "
+                         f"{INSTALL}   [{e}]") from None
+    return fla
+
+
+def fla_function(path: str):
+    """``fla.ops.<path>``, e.g. "gla.chunk_gla"."""
+    module, name = f"fla.ops.{path}".rsplit(".", 1)
+    with warnings.catch_warnings():                          # fla's "Triton is not supported ..." on a CPU
+        warnings.simplefilter("ignore")
+        return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------- inputs and calls
+
+def make_inputs(model: str, s: Shape, device="cpu", seed: int = 0) -> dict:
+    """Our layout: q, k (unit vectors), v [B,H,T,.] in s.dtype; beta [B,H,T] in [0.1, 1] (delta rule) in
+    s.dtype; g, the log-gate (log of a decay in [0.9, 1]) [B,H,T] or [B,H,T,K] in fp32."""
+    from .core import random_gate, random_qkv
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, s.dtype)
+    q, k, v = random_qkv(s.B, s.H, s.T, s.K, s.V, generator=gen)
+    x = {"q": q.to(device, dtype), "k": k.to(device, dtype), "v": v.to(device, dtype)}
+    if model in DELTA:
+        x["beta"] = random_gate(s.B, s.H, s.T, low=0.1, high=1.0, generator=gen).to(device, dtype)
+    gate = GATES[model]
+    if gate:
+        x["g"] = random_gate(s.B, s.H, s.T, s.K if gate == "channel" else None, low=0.9, generator=gen).log().to(device)
+    return x
+
+
+def to_fla(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, ...] -> [B, T, H, ...], contiguous (fla's layout)."""
+    return x.transpose(1, 2).contiguous()
+
+
+def from_fla(o: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, V] -> [B, H, T, V] (a view)."""
+    return o.transpose(1, 2)
+
+
+def ours(model: str, x: dict, backend: str) -> torch.Tensor:
+    """Our output [B, H, T, V] on inputs in our layout."""
+    from .delta import delta_rule
+    from .linear import linear_attention
+    if model in DELTA:
+        return delta_rule(x["q"], x["k"], x["v"], x["beta"], log_alpha=x.get("g"), backend=backend)[0]
+    return linear_attention(x["q"], x["k"], x["v"], log_alpha=x.get("g"), backend=backend)[0]
+
+
+def fla_inputs(model: str, x: dict, impl: str) -> dict:
+    """``x`` in the layout of fla's ``impl`` ("chunk": the CUDA ops, "naive": the CPU references)."""
+    if impl == "naive" and model == "deltanet":                # delta_rule_chunkwise is head-first
+        return {name: t.contiguous() for name, t in x.items()}
+    return {name: to_fla(t) for name, t in x.items()}
+
+
+def fla_call(model: str, impl: str, dtype: torch.dtype, fns=None):
+    """(call, name, note): ``call(f)`` runs fla's ``impl`` of ``model`` on ``f = fla_inputs(...)`` and returns
+    the output in our layout; ``name``: fla's function; ``note``: a caveat or None. ``fns`` maps an fla path
+    ("gla.chunk_gla") to the function (default: import it from fla.ops)."""
+    get = (lambda path: fns[path]) if fns is not None else fla_function
+    off = dict(initial_state=None, output_final_state=False)
+    if impl == "chunk":
+        if model == "deltanet" and dtype == torch.float32:
+            gdn = get(FLA_CHUNK["gated_deltanet"])
+            return (lambda f: from_fla(gdn(f["q"], f["k"], f["v"], g=torch.zeros_like(f["beta"], dtype=torch.float32),
+                                           beta=f["beta"], scale=1.0, use_qk_l2norm_in_kernel=False, **off)[0]),
+                    "chunk_gated_delta_rule", "g = 0: chunk_delta_rule refuses fp32")
+        fn = get(FLA_CHUNK[model])
+        if model == "linear":
+            call = lambda f: fn(f["q"], f["k"], f["v"], scale=1.0, normalize=False, **off)[0]        # noqa: E731
+        elif model in ("linear_scalar_gate", "linear_channel_gate"):
+            call = lambda f: fn(f["q"], f["k"], f["v"], g=f["g"], scale=1.0, **off)[0]              # noqa: E731
+        elif model == "deltanet":
+            call = lambda f: fn(f["q"], f["k"], f["v"], f["beta"], scale=1.0,                         # noqa: E731
+                                use_qk_l2norm_in_kernel=False, **off)[0]
+        elif model == "gated_deltanet":
+            call = lambda f: fn(f["q"], f["k"], f["v"], g=f["g"], beta=f["beta"], scale=1.0,          # noqa: E731
+                                use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, **off)[0]
+        else:                                                                                       # kda
+            call = lambda f: fn(f["q"], f["k"], f["v"], g=f["g"], beta=f["beta"], scale=1.0,          # noqa: E731
+                                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, **off)[0]
+        return (lambda f: from_fla(call(f))), FLA_CHUNK[model].split(".")[-1], None
+    fn = get(FLA_NAIVE[model])
+    name = FLA_NAIVE[model].split(".")[-1], None
+    if model == "linear":
+        return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], scale=1.0, normalize=False))), *name
+    if model == "linear_scalar_gate":
+        return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], scale=1.0, **off)[0])), *name
+    if model == "linear_channel_gate":           # fixed scale K^-0.5: hand it q * K^0.5
+        return (lambda f: from_fla(fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["g"], **off)[0])), *name
+    if model == "deltanet":                      # head-first, fixed scale, 32-token chunks
+        return (lambda f: fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["beta"], chunk_size=32)[0]), *name
+    if model == "gated_deltanet":
+        return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], f["beta"], scale=1.0, **off)[0])), *name
+    return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], f["beta"], scale=1.0, **off)[0])), *name
+
+
+def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - ref||_F / ||ref||_F in fp64."""
+    a, ref = a.double(), ref.double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def with_grads(x: dict) -> dict:
+    """Fresh leaves (same values) that require gradients."""
+    return {name: t.detach().clone().requires_grad_(True) for name, t in x.items()}
+
+
+def forward_backward(forward, x: dict, do: torch.Tensor):
+    """A function that runs forward(x) and the gradients of <output, do> with respect to every input."""
+    inputs = list(x.values())
+    return lambda: torch.autograd.grad(forward(x), inputs, do)
+
+
+# ---------------------------------------------------------------------------- timing
+
+def cuda_event_times(fns: dict, *, warmup: int = 1, repeats: int = 10) -> dict:
+    """Median milliseconds of each ``fns[name]()`` measured with CUDA events; the functions are called in
+    turn within each round (interleaved), after ``warmup`` untimed rounds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs) for name, pairs in events.items()}
+
+
+def default_timer(device):
+    from .bench import time_calls
+    if str(device).startswith("cuda"):
+        return cuda_event_times
+    return lambda fns, warmup, repeats: time_calls(fns, device, warmup=warmup, repeats=repeats)
+
+
+# ---------------------------------------------------------------------------- the table
+
+def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None, backend=None, warmup=1, repeats=3,
+            backward=None, timer=None, peak=None, fns=None, seed=0) -> list[dict]:
+    """One row per model at ``shape``: see the module docstring. ``impl`` (fla's side: "chunk" or "naive"),
+    ``backend`` (ours: "triton" or "chunk") and ``backward`` (time forward + backward) default by device
+    (CUDA: chunk / triton / True; CPU: naive / chunk / False). ``timer(fns, warmup, repeats) -> medians``,
+    ``peak(fn, device) -> MiB`` and ``fns`` (fla's functions by path) can be replaced, e.g. by a test."""
+    from .bench import peak_memory_mib
+    on_gpu = str(device).startswith("cuda")
+    impl = impl or ("chunk" if on_gpu else "naive")
+    backend = backend or ("triton" if on_gpu else "chunk")
+    backward = on_gpu if backward is None else backward
+    timer = timer or default_timer(device)
+    peak = peak or peak_memory_mib
+    dtype = getattr(torch, shape.dtype)
+    rows = []
+    for model in models:
+        x = make_inputs(model, shape, device, seed)
+        f = fla_inputs(model, x, impl)
+        fla_fn, fla_name, note = fla_call(model, impl, dtype, fns)
+        row = {"model": model, **asdict(shape), "ours": backend, "fla": fla_name}
+        with torch.no_grad():
+            o_ours, o_fla = ours(model, x, backend), fla_fn(f)
+            row["rel_err"] = relative_error(o_ours, o_fla)
+            if not on_gpu:
+                row["loop_rel_err"] = relative_error(ours(model, x, "recurrent"), o_fla)
+            del o_ours, o_fla
+            fwd = {"ours": lambda: ours(model, x, backend), "fla": lambda: fla_fn(f)}
+            t = timer(fwd, warmup, repeats)
+            row.update(ours_ms=t["ours"], fla_ms=t["fla"], speedup=t["fla"] / t["ours"],
+                       ours_MiB=peak(fwd["ours"], device), fla_MiB=peak(fwd["fla"], device))
+        if backward:
+            do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+            xg, fg = with_grads(x), with_grads(f)
+            both = {"ours": forward_backward(lambda z: ours(model, z, backend), xg, do),
+                    "fla": forward_backward(fla_fn, fg, do)}
+            t = timer(both, warmup, repeats)
+            row.update(ours_fwdbwd_ms=t["ours"], fla_fwdbwd_ms=t["fla"], fwdbwd_speedup=t["fla"] / t["ours"])
+        if note:
+            row["note"] = note
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["model", "dtype", "B", "H", "T", "K", "V", "fla", "ours_ms", "fla_ms", "speedup", "rel_err",
+           "loop_rel_err", "ours_MiB", "fla_MiB", "ours_fwdbwd_ms", "fla_fwdbwd_ms", "fwdbwd_speedup", "note"]
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The aligned table (columns a row lacks are left out; speedups as "1.23x", errors as "1.2e-03")."""
+    from .train import format_table
+    columns = [c for c in COLUMNS if any(c in r for r in rows)]
+    out = []
+    for r in rows:
+        r = dict(r)
+        for key in ("speedup", "fwdbwd_speedup"):
+            if isinstance(r.get(key), float):
+                r[key] = f"{r[key]:.2f}x"
+        for key in ("rel_err", "loop_rel_err"):
+            if isinstance(r.get(key), float):
+                r[key] = f"{r[key]:.1e}"
+        out.append({c: r.get(c, "-") for c in columns})
+    return format_table(out, columns, digits=2)
+
+
+def environment() -> dict:
+    """Card, versions and date, for the table's header and the JSON file."""
+    import triton
+    try:
+        import fla
+        fla_version = fla.__version__
+    except ImportError:
+        fla_version = None
+    cuda = torch.cuda.is_available()
+    return {"card": torch.cuda.get_device_name() if cuda else f"no CUDA device (CPU: {platform.processor() or 'cpu'})",
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "fla-core": fla_version, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def write_json(path, rows: list[dict], shapes, env: dict | None = None, **meta) -> dict:
+    """Write {environment, shapes, dtypes, rows, ...} to ``path``; NaN/inf become null. Returns the dict."""
+    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v      # noqa: E731
+    doc = {**(env or environment()), **meta, "shapes": [asdict(s) for s in shapes],
+           "dtypes": sorted({s.dtype for s in shapes}),
+           "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
+    return doc
+
+
+def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path=None, out=print) -> list[dict]:
+    """The ``--vs fla`` command: header, table, optional JSON."""
+    require_fla()
+    on_gpu = str(device).startswith("cuda")
+    shapes = shapes or (GPU_SHAPES if on_gpu else (CPU_SHAPE,))
+    repeats = repeats or (10 if on_gpu else 3)
+    env = environment()
+    out(f"atlaslib vs fla-core {env['fla-core']} on {env['card'] if on_gpu else 'CPU'}: torch {env['torch']}, "
+        f"triton {env['triton']}")
+    if not on_gpu:
+        out("(CPU: our chunk forms against fla's PyTorch references; loop_rel_err: our per-token loop against them)")
+    rows = []
+    for s in shapes:
+        rows += compare(models, s, device=device, warmup=warmup, repeats=repeats)
+    out(format_rows(rows))
+    out("speedup = fla time / ours (> 1: ours faster); rel_err = ||ours - fla|| / ||fla||; MiB: forward peak "
+        "beyond the inputs" + ("; fwdbwd: forward + backward, gradients of every input" if on_gpu else ""))
+    if json_path:
+        write_json(json_path, rows, shapes, env, device=str(device), warmup=warmup, repeats=repeats,
+                   ours_backend="triton" if on_gpu else "chunk")
+        out(f"wrote {json_path}")
+    return rows
