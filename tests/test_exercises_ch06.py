@@ -254,7 +254,8 @@ def test_triton_check_passes_a_correct_kernel():
 def test_triton_check_requires_a_kernel_launch():
     def plain_torch(q, k, v, out):
         T = q.shape[1]
-        out.copy_((torch.exp(q @ k.transpose(-1, -2)) * torch.ones(T, T).tril()) @ v)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        out.copy_(torch.exp((q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))) @ v)
     v = ch06.triton_exp_read.evaluate(plain_torch)
     assert v.status == "failed" and "without launching a @triton.jit kernel" in v.message, v.message
 

@@ -76,7 +76,23 @@ def test_dyadic_rejects_wrong_counts(count):
 
 def test_dyadic_checks_positions_beyond_32_bits():
     v = ch07.dyadic.evaluate(lambda t: segments_by_bits(t % 2 ** 32 or t), popcount)
-    assert v.status == "failed" and f"t={2 ** 40 - 1}" in v.message, v.message
+    assert v.status == "failed" and f"t={2 ** 53 - 1}" in v.message, v.message
+
+
+def test_dyadic_catches_float_log2():
+    import math
+
+    def by_log2(t):            # the top bit from a float logarithm: wrong once t no longer fits a double
+        out, start = [], 0
+        while t > 0:
+            n = 2 ** int(math.log2(t))
+            out.append((start, start + n))
+            start, t = start + n, t - n
+        return out
+    v = ch07.dyadic.evaluate(by_log2, popcount)
+    assert v.status == "failed" and "t=" in v.message, v.message
+    big = int(v.message.split("t=")[1].split("]")[0])
+    assert big > 2 ** 52, v.message
 
 
 # ---- exercises 2 and 3: one token's GRM readout and the soup ----------------------------------------
