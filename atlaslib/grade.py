@@ -14,12 +14,20 @@ score: a check's printed verdict is only feedback.
   named by the notebook metadata ``{"atlaslib": {"chapter": "ch01"}}``.
 * Cells tagged ``{"atlaslib": {"exercise": name}}`` belong to that exercise; the
   others are set-up cells.
+* Before anything runs, every code cell's source is checked against the static rules
+  (``checking.screen``: allowed imports and helpers, no dynamic escape hatches); a notebook
+  that breaks one is refused whole, 0 points, with one line naming the cell.
+* The kernel runs in a sandbox (``Sandbox``): its own session, working directory and HOME, the
+  user ``nobody`` when the grader is root and the project is readable by all; every process it
+  started is killed when its grading ends, and only then are results written (atomically).
+* From the command line each notebook is graded in a worker process of its own, so a
+  submission that kills or crashes its grader is an error row, never the end of a folder run.
 * A cell that raises is reported on its exercise's row and grading goes on.
 * A cell or a grader's call that runs past the time limit is reported on its row; the
   kernel is then restarted, the cells that had completed run again, and grading goes on.
 
 Exit status 0 when grading completed (1 with ``--fail-under N`` and fewer than N points);
-2 if the file cannot be graded at all (missing, not a notebook, no chapter metadata) — one
+2 if the file cannot be graded at all (missing, not a notebook, no or malformed chapter metadata) — one
 line on stderr, and a JSON ``{"error": ...}`` on stdout with ``--json``.
 """
 from __future__ import annotations
@@ -176,8 +184,8 @@ def _has_marker(pid: int, marker: str) -> bool:
 
 
 def end_processes(sessions, marker: str | None, everything: bool = False) -> None:
-    """SIGKILL every process in ``sessions``, carrying ``marker`` (``KEY=value`` in its environment), or descending from one of those
-    (every descendant of this process too, if ``everything``), until none is left."""
+    """SIGKILL every process in ``sessions``, carrying ``marker`` (``KEY=value`` in its environment), or
+    descending from one of those (every descendant of this process too, if ``everything``), until none is left."""
     import os
     import signal
     import time
@@ -624,6 +632,8 @@ def table(report: dict, width: int = 100) -> str:
     lines.append(f"    {'total':<{name_w}}  {report['points']:>6}  {report['earned']:>6}")
     for p in report["setup_problems"]:
         lines.append(f"set-up: {p}")
+    if report.get("rejected"):
+        lines.append(f"rejected: {report['rejected']}")
     return "\n".join(lines)
 
 
@@ -677,7 +687,8 @@ def grade_in_child(path: Path, timeout: float, save: str | None = None, progress
 def grade_folder(folder: Path, timeout: float, progress: bool, reap_all: bool = False) -> list[dict]:
     """Grade every ``*.ipynb`` in ``folder`` (not recursive), each in a worker process of its own; a
     file that cannot be graded, or whose grading dies, gets a report with an ``error`` and no points."""
-    return [grade_in_child(path, timeout, progress=progress, reap_all=reap_all) for path in sorted(folder.glob("*.ipynb"))]
+    return [grade_in_child(path, timeout, progress=progress, reap_all=reap_all)
+            for path in sorted(folder.glob("*.ipynb"))]
 
 
 def write_csv(reports: list[dict], out) -> None:

@@ -281,7 +281,8 @@ ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
                     code="def make():\n    from atlaslib.linear import linear_attention as f\n"
                          "    return lambda *a, **k: f(*a, **k)\nvia = make()"),
     "partial": dict(exercise="chunkwise", body=LIBRARY_CALL,
-                    code="import functools\nfrom atlaslib import linear\nvia = functools.partial(linear.linear_attention)"),
+                    code="import functools\nfrom atlaslib import linear\n"
+                         "via = functools.partial(linear.linear_attention)"),
     "function_copy": dict(exercise="chunkwise", body=LIBRARY_CALL,
                           code="import types\nfrom atlaslib.linear import linear_attention as f\n"
                                "via = types.FunctionType(f.__code__, f.__globals__)"),
@@ -298,6 +299,7 @@ ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
     "dunder": dict(exercise="chunkwise", code="g = check.chunkwise.__class__"),
     "eval": dict(exercise="chunkwise", code="via = eval('1')"),
     "builtin_shadowed": dict(setup="def isinstance(*a):\n    return True"),
+    "ipython_shadowed": dict(setup="def get_ipython():\n    return None"),
 }
 
 

@@ -503,7 +503,9 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "tb_next", "gi_frame", "gi_code", "cr_frame", "ag_frame", "func_globals", "system", "popen", "kill", "killpg",
     "fork", "execv", "execve", "execvp", "spawnv", "loads", "tofile", "load_inline",
     "load_library", "cpp_extension", "hub", "library", "serialization", "package", "shutil", "pathlib",
-    "signal", "socket", "multiprocessing", "threading"})
+    "signal", "socket", "multiprocessing", "threading",
+    # raw memory: a kernel may only touch the tensors it is given, through their own pointers
+    "data_ptr", "pointer_type", "untyped_storage", "storage", "set_", "inline_asm_elementwise"})
 ALLOWED_DUNDERS = frozenset({"__init__", "__call__", "__name__", "__doc__"})
 
 
@@ -616,8 +618,8 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
             for child in ast.iter_child_nodes(node):
                 parents[child] = node
         for name in module_level_targets(tree):
-            if name in builtin:
-                refuse(label, f"the cell rebinds the built-in `{name}` for the whole notebook: use another name")
+            if name in builtin or name in FORBIDDEN_NAMES or name.startswith("__"):
+                refuse(label, f"the cell rebinds `{name}` for the whole notebook: use another name")
         for node in ast.walk(tree):
             if isinstance(node, ast.Global):
                 for name in node.names:
