@@ -172,6 +172,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         return t.view(int_of[t.element_size()])
 
     written = [torch.zeros(t.shape, dtype=torch.bool, device=t.device) for _, t in outs]
+    initial = [t.clone() for _, t in outs]
     after = [None for _ in outs]
 
     def with_pointer(x):
@@ -222,7 +223,9 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     try:
         result = fn(*args, **kwargs)
         for j, (i, t) in enumerate(outs if launches[0] else ()):      # no launch: the check says so
-            missing = int((~written[j]).sum())
+            # entries no kernel stored: left as they came (NaN), the check reports them; changed, they
+            # were written by something else
+            missing = int((~written[j] & (bits(t) != bits(initial[j]))).sum())
             if missing:
                 raise ForbiddenCall(f"{missing} of the {t.numel()} entries of argument {i + 1} (an output) were not "
                                     "stored by your @triton.jit kernel: the kernel must compute the whole output "
