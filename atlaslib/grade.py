@@ -17,8 +17,9 @@ score: a check's printed verdict is only feedback.
 * Before anything runs, every code cell's source is checked against the static rules
   (``checking.screen``: allowed imports and helpers, no dynamic escape hatches); a notebook
   that breaks one is refused whole, 0 points, with one line naming the cell.
-* The kernel runs in a sandbox (``Sandbox``): its own session, working directory and HOME, the
-  user ``nobody`` when the grader is root and the project is readable by all; every process it
+* The kernel runs in a sandbox (``Sandbox``): its own session and working directory, the user
+  ``nobody`` when the grader is root and the project is readable by all (unless the environment
+  sets ``ATLASLIB_GRADE_AS_NOBODY=0``); every process it
   started is killed when its grading ends, and only then are results written (atomically).
 * From the command line each notebook is graded in a worker process of its own, so a
   submission that kills or crashes its grader is an error row, never the end of a folder run.
@@ -88,16 +89,17 @@ class Sandbox:
         (root / "home").mkdir()
         self.marker = secrets.token_hex(8)
         self.sessions: set = set()          # the kernels' session ids (their pids)
-        self.user = unprivileged_user() if os.name == "posix" and os.geteuid() == 0 else None
+        wanted = os.environ.get("ATLASLIB_GRADE_AS_NOBODY", "1") != "0"     # "0": keep the grader's user
+        self.user = unprivileged_user() if wanted and os.name == "posix" and os.geteuid() == 0 else None
         if self.user is not None:
             for dirpath, dirnames, filenames in os.walk(root):
                 for name in [dirpath, *(os.path.join(dirpath, f) for f in dirnames + filenames)]:
                     os.chown(name, *self.user)
             os.chmod(root, 0o700)
 
-    def env(self) -> dict:
+    def env(self, base: dict | None = None) -> dict:
         import os
-        env = dict(os.environ)
+        env = dict(os.environ if base is None else base)
         env.update({"ATLASLIB_GRADE_SANDBOX": self.marker,
                     "PYTHONPATH": os.pathsep.join(p for p in [project_root(), env.get("PYTHONPATH", "")] if p)})
         if self.user is not None:       # another user: a home and caches it can write
@@ -107,9 +109,10 @@ class Sandbox:
                         "TORCHINDUCTOR_CACHE_DIR": f"{home}/inductor", "XDG_CACHE_HOME": f"{home}/.cache"})
         return env
 
-    def popen_args(self) -> dict:
+    def popen_args(self, env: dict | None = None) -> dict:
+        """Popen arguments for the kernel; ``env``: the environment the kernel manager prepared."""
         kw = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "stdin": subprocess.DEVNULL,
-              "env": self.env(), "cwd": str(self.work)}
+              "env": self.env(env), "cwd": str(self.work)}
         if self.user is not None:
             kw.update(user=self.user[0], group=self.user[1], extra_groups=[])
         return kw
@@ -274,7 +277,7 @@ class Kernel:
         class SandboxedKernel(AsyncKernelManager):
             async def _async_launch_kernel(self, kernel_cmd, **kw):
                 sandbox.give(Path(self.connection_file))
-                kw.update(sandbox.popen_args())
+                kw.update(sandbox.popen_args(kw.get("env")))
                 await super()._async_launch_kernel(kernel_cmd, **kw)
                 pid = getattr(self.provisioner, "pid", None)
                 if pid is not None:
