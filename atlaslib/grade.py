@@ -14,12 +14,21 @@ score: a check's printed verdict is only feedback.
   named by the notebook metadata ``{"atlaslib": {"chapter": "ch01"}}``.
 * Cells tagged ``{"atlaslib": {"exercise": name}}`` belong to that exercise; the
   others are set-up cells.
+* Before anything runs, every code cell's source is checked against the static rules
+  (``checking.screen``: allowed imports and helpers, no dynamic escape hatches); a notebook
+  that breaks one is refused whole, 0 points, with one line naming the cell.
+* The kernel runs in a sandbox (``Sandbox``): its own session and working directory, the user
+  ``nobody`` when the grader is root and the project is readable by all (unless the environment
+  sets ``ATLASLIB_GRADE_AS_NOBODY=0``); every process it
+  started is killed when its grading ends, and only then are results written (atomically).
+* From the command line each notebook is graded in a worker process of its own, so a
+  submission that kills or crashes its grader is an error row, never the end of a folder run.
 * A cell that raises is reported on its exercise's row and grading goes on.
 * A cell or a grader's call that runs past the time limit is reported on its row; the
   kernel is then restarted, the cells that had completed run again, and grading goes on.
 
 Exit status 0 when grading completed (1 with ``--fail-under N`` and fewer than N points);
-2 if the file cannot be graded at all (missing, not a notebook, no chapter metadata) — one
+2 if the file cannot be graded at all (missing, not a notebook, no or malformed chapter metadata) — one
 line on stderr, and a JSON ``{"error": ...}`` on stdout with ``--json``.
 """
 from __future__ import annotations
@@ -61,32 +70,223 @@ def error_in(cell) -> str | None:
     return None
 
 
+class Sandbox:
+    """Where and as whom the notebook's kernel runs, and how every process it started is ended.
+
+    The kernel gets a working directory of its own (``root/work``), its own session and process
+    group, and, when the grader runs as root and the project can be read by everyone, the
+    unprivileged user ``nobody``, with HOME and the caches under ``root``. ``end()`` kills
+    every process the kernel started, detached ones included (they keep its session or its marker
+    in their environment; in the command line's processes, which own no other children, every
+    descendant is ended).
+    """
+
+    def __init__(self, root: Path):
+        import os
+        import secrets
+        self.root, self.work = root, root / "work"
+        self.work.mkdir()
+        (root / "home").mkdir()
+        self.marker = secrets.token_hex(8)
+        self.sessions: set = set()          # the kernels' session ids (their pids)
+        wanted = os.environ.get("ATLASLIB_GRADE_AS_NOBODY", "1") != "0"     # "0": keep the grader's user
+        self.user = unprivileged_user() if wanted and os.name == "posix" and os.geteuid() == 0 else None
+        if self.user is not None:
+            for dirpath, dirnames, filenames in os.walk(root):
+                for name in [dirpath, *(os.path.join(dirpath, f) for f in dirnames + filenames)]:
+                    os.chown(name, *self.user)
+            os.chmod(root, 0o700)
+
+    def env(self, base: dict | None = None) -> dict:
+        import os
+        env = dict(os.environ if base is None else base)
+        env.update({"ATLASLIB_GRADE_SANDBOX": self.marker,
+                    "PYTHONPATH": os.pathsep.join(p for p in [project_root(), env.get("PYTHONPATH", "")] if p)})
+        if self.user is not None:       # another user: a home and caches it can write
+            home = str(self.root / "home")
+            env.update({"HOME": home, "IPYTHONDIR": f"{home}/.ipython", "JUPYTER_RUNTIME_DIR": f"{home}/runtime",
+                        "MPLCONFIGDIR": f"{home}/mpl", "TRITON_CACHE_DIR": f"{home}/triton",
+                        "TORCHINDUCTOR_CACHE_DIR": f"{home}/inductor", "XDG_CACHE_HOME": f"{home}/.cache"})
+        return env
+
+    def popen_args(self, env: dict | None = None) -> dict:
+        """Popen arguments for the kernel; ``env``: the environment the kernel manager prepared."""
+        kw = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "stdin": subprocess.DEVNULL,
+              "env": self.env(env), "cwd": str(self.work)}
+        if self.user is not None:
+            kw.update(user=self.user[0], group=self.user[1], extra_groups=[])
+        return kw
+
+    def give(self, path: Path) -> None:
+        """A file the grader wrote for the kernel (its input): readable by the kernel's user."""
+        import os
+        if self.user is not None:
+            os.chown(path, *self.user)
+
+    def end(self, everything: bool = False) -> None:
+        """Kill the kernels' processes (all descendants of this process too, if ``everything``)."""
+        end_processes(self.sessions, f"ATLASLIB_GRADE_SANDBOX={self.marker}", everything)
+
+
+def project_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def unprivileged_user():
+    """(uid, gid) of ``nobody`` if it can read the interpreter and the project, else None."""
+    import os
+    import stat
+    try:
+        import pwd
+        entry = pwd.getpwnam("nobody")
+    except (ImportError, KeyError):
+        return None
+
+    def open_to_all(path: Path) -> bool:
+        path = path.resolve()
+        for p in [path, *path.parents]:
+            mode = p.stat().st_mode
+            if not mode & stat.S_IXOTH if p.is_dir() else not mode & stat.S_IROTH:
+                return False
+        return True
+    try:
+        paths = [Path(sys.executable), Path(__file__).resolve().parent, Path(subprocess.__file__)]
+        import ipykernel
+        paths.append(Path(ipykernel.__file__).parent)
+        if not all(open_to_all(p) for p in paths):
+            return None
+    except OSError:
+        return None
+    return entry.pw_uid, entry.pw_gid
+
+
+def _process_table(zombies: dict | None = None) -> dict:
+    """pid -> (ppid, session id) of every live process, from /proc (empty where there is none);
+    dead ones waiting to be reaped go to ``zombies`` (pid -> ppid)."""
+    import os
+    table = {}
+    zombies = {} if zombies is None else zombies
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] in ("Z", "X"):       # dead already (a zombie waits for its parent to reap it)
+                zombies[int(name)] = int(fields[1])
+                continue
+            table[int(name)] = (int(fields[1]), int(fields[3]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return table
+
+
+def _has_marker(pid: int, marker: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return marker.encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def end_processes(sessions, marker: str | None, everything: bool = False) -> None:
+    """SIGKILL every process in ``sessions``, carrying ``marker`` (``KEY=value`` in its environment), or
+    descending from one of those (every descendant of this process too, if ``everything``), until none is left."""
+    import os
+    import signal
+    import time
+    me = os.getpid()
+    for _ in range(50):
+        zombies: dict = {}
+        table = _process_table(zombies)
+        for pid, ppid in zombies.items():       # ours to reap (children, or orphans adopted as a subreaper)
+            if ppid == me:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except OSError:
+                    pass
+        children: dict = {}
+        for pid, (ppid, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        doomed = {pid for pid, (_, sid) in table.items()
+                  if pid != me and (sid in sessions or (marker and _has_marker(pid, marker)))}
+        if everything:
+            doomed |= set(children.get(me, []))
+        stack = list(doomed)
+        while stack:
+            for child in children.get(stack.pop(), []):
+                if child not in doomed and child != me:
+                    doomed.add(child)
+                    stack.append(child)
+        if not doomed:
+            return
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.05)
+        for pid in doomed:          # reap the ones that were ours (or became ours as a subreaper)
+            if table.get(pid, (None,))[0] == me:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except OSError:
+                    pass
+
+
+def become_subreaper() -> None:
+    """Orphans among this process's descendants become its children (Linux), so none escapes ``end``."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)      # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
 class Kernel:
     """An nbclient kernel that can be thrown away and restarted after a timeout.
 
     Kernels run on the interpreter running the grader (the project's .venv), whatever other
-    'python3' kernels the user has installed.
+    'python3' kernels the user has installed, inside ``sandbox``.
     """
 
-    def __init__(self, nb, timeout: float, cwd: str):
+    def __init__(self, nb, timeout: float, sandbox: Sandbox):
         from nbclient import NotebookClient
+        self.sandbox = sandbox
         self.client = NotebookClient(nb, timeout=max(1, math.ceil(timeout)), allow_errors=True,
                                      interrupt_on_timeout=False, kernel_name="python3",
-                                     shutdown_kernel="immediate", resources={"metadata": {"path": cwd}})
+                                     shutdown_kernel="immediate", resources={"metadata": {"path": str(sandbox.work)}})
         self.start()
 
     def start(self):
+        import os
+
         from jupyter_client import AsyncKernelManager
         from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+        sandbox = self.sandbox
 
         class ThisPython(KernelSpecManager):
             def get_kernel_spec(self, kernel_name):
                 return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
                                   display_name="atlaslib grader", language="python", resource_dir=".")
 
+        class SandboxedKernel(AsyncKernelManager):
+            async def _async_launch_kernel(self, kernel_cmd, **kw):
+                sandbox.give(Path(self.connection_file))
+                kw.update(sandbox.popen_args(kw.get("env")))
+                await super()._async_launch_kernel(kernel_cmd, **kw)
+                pid = getattr(self.provisioner, "pid", None)
+                if pid is not None:
+                    sandbox.sessions.add(pid)          # a new session: its id is the kernel's pid
+
         c = self.client
-        c.km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=ThisPython())
-        c.start_new_kernel(stderr=subprocess.DEVNULL)   # the kernel's own log lines are noise here
+        c.km = SandboxedKernel(kernel_name="python3", kernel_spec_manager=ThisPython())
+        c.km.connection_file = str(sandbox.root / f"kernel-{os.urandom(4).hex()}.json")
+        c.start_new_kernel()
         c.start_new_kernel_client()
 
     def stop(self):
@@ -95,6 +295,7 @@ class Kernel:
                 self.client._cleanup_kernel()
             except Exception:  # the kernel is gone already; nothing to clean
                 self.client.km = self.client.kc = None
+        self.sandbox.end()
 
     def restart(self):
         self.stop()
@@ -132,7 +333,8 @@ def __atlaslib_grader_call():
     try:
         if {name!r} not in namespace:
             raise NameError("your notebook does not define `{name}` (the function this exercise asks for)")
-        result, launches = __atlaslib_run_under_rules(namespace[{name!r}], args, kwargs, {forbidden!r}, [namespace])
+        result, launches = __atlaslib_run_under_rules(namespace[{name!r}], args, kwargs, {forbidden!r}, [namespace],
+                                                      {outputs!r})
         out = {{"ok": True, "result": plain(result), "args": args, "kwargs": kwargs, "launches": launches}}
     except BaseException as e:
         seen = set()
@@ -165,7 +367,7 @@ class KernelFunction:
     def __call__(self, *args, **kwargs):
         raise TypeError("call through atlaslib.exercises.checking.call")
 
-    def remote_call(self, args, kwargs, forbidden):
+    def remote_call(self, args, kwargs, forbidden, outputs=()):
         import inspect
 
         import torch
@@ -174,8 +376,10 @@ class KernelFunction:
         src, dst = self.grader.scratch / "in.pt", self.grader.scratch / "out.pt"
         dst.unlink(missing_ok=True)
         torch.save((tuple(args), dict(kwargs)), src)
+        self.grader.sandbox.give(src)
         helper = inspect.getsource(run_under_rules).replace("def run_under_rules(", "def __atlaslib_run_under_rules(")
-        code = helper + CALL_IN_KERNEL.format(src=str(src), dst=str(dst), name=self.name, forbidden=tuple(forbidden))
+        code = helper + CALL_IN_KERNEL.format(src=str(src), dst=str(dst), name=self.name, forbidden=tuple(forbidden),
+                                              outputs=tuple(outputs))
         outcome = self.grader.run_scratch(code)
         if outcome is not None:
             raise CallAborted(outcome)
@@ -195,14 +399,15 @@ class KernelFunction:
 class Grader:
     """One notebook in one kernel: run its cells, then compute each exercise's verdict."""
 
-    def __init__(self, path: Path, nb, chapter: str, timeout: float, scratch: Path):
+    def __init__(self, path: Path, nb, chapter: str, timeout: float, sandbox: Sandbox):
         from .exercises import registry
-        self.path, self.nb, self.chapter, self.timeout, self.scratch = path, nb, chapter, timeout, scratch
+        self.path, self.nb, self.chapter, self.timeout = path, nb, chapter, timeout
+        self.sandbox, self.scratch = sandbox, sandbox.root
         self.exercises = list(registry(chapter))
         self.rows = {e.name: Row(e.number, e.name, e.title, e.points) for e in self.exercises}
         self.setup_problems: list = []
         self.completed: list[int] = []          # cells that ran to the end, re-run after a restart
-        self.kernel = Kernel(nb, timeout, str(path.resolve().parent))
+        self.kernel = Kernel(nb, timeout, sandbox)
 
     def problem(self, name, text):
         (self.rows[name].problems if name in self.rows else self.setup_problems).append(text)
@@ -224,8 +429,10 @@ class Grader:
             name = exercise_of(cell)
             outcome = self.kernel.run(cell, i)
             if outcome is not None:
-                what = f"ran longer than {self.timeout:g} s" if outcome == "timeout" else "killed the kernel"
-                self.problem(name, (TIMEOUT if outcome == "timeout" else CRASH, f"{self.cell_name(i)} {what}"))
+                if outcome == "timeout":
+                    self.problem(name, (TIMEOUT, f"timeout: {self.cell_name(i)} ran longer than {self.timeout:g} s"))
+                else:
+                    self.problem(name, (CRASH, f"the kernel died in {self.cell_name(i)}"))
                 self.restart()
                 continue
             self.completed.append(i)
@@ -238,6 +445,13 @@ class Grader:
         n = sum(1 for c in self.nb.cells[:i + 1] if c.cell_type == "code")
         name = exercise_of(self.nb.cells[i])
         return f"code cell {n}" + (f" (exercise {name})" if name else " (set-up)")
+
+    def defined_in(self, name: str) -> str:
+        """The code cell that defines ``name``, as a reader finds it."""
+        for i, cell in enumerate(self.nb.cells):
+            if cell.cell_type == "code" and f"def {name}(" in cell.source:
+                return f"defined in {self.cell_name(i)}"
+        return "not defined"
 
     def run_scratch(self, code: str) -> str | None:
         """Run the grader's own code in the kernel (a cell that is not kept in the notebook)."""
@@ -265,8 +479,12 @@ class Grader:
             try:
                 v = ex.evaluate(*(KernelFunction(self, name) for name in ex.functions))
             except CallAborted as e:
-                what = f"ran longer than {self.timeout:g} s" if str(e) == "timeout" else "killed the kernel"
-                row.status, row.verdict = TIMEOUT if str(e) == "timeout" else CRASH, f"your function {what}"
+                where = " or ".join(f"`{n}` ({self.defined_in(n)})" for n in ex.functions)
+                if str(e) == "timeout":
+                    row.status, row.verdict = TIMEOUT, (f"timeout: your function ran longer than {self.timeout:g} s "
+                                                        f"when the grader called {where}")
+                else:
+                    row.status, row.verdict = CRASH, (f"the kernel died when the grader called {where}")
                 continue
             undefined = "your notebook does not define" in v.message
             if v.status != PASSED and row.problems and undefined:   # the crash explains why
@@ -275,17 +493,86 @@ class Grader:
                 row.status, row.verdict, row.earned = v.status, v.message, v.earned
 
 
-def grade(path, timeout: float = DEFAULT_TIMEOUT, save: str | None = None, progress: bool = True) -> dict:
-    """Run the notebook at ``path`` and return the score report (see ``--json``)."""
+def chapter_of(path: Path, nb) -> str:
+    """The chapter named by the notebook's metadata, or ValueError with one line saying what is wrong."""
+    meta = nb.get("metadata", {}).get("atlaslib")
+    if meta is None:
+        raise ValueError(f"{path}: not an exercise notebook (no 'atlaslib.chapter' in its metadata)")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: malformed metadata: 'atlaslib' should be an object like "
+                         f'{{"chapter": "ch01"}}, got {type(meta).__name__}')
+    chapter = meta.get("chapter")
+    if chapter is None:
+        raise ValueError(f"{path}: not an exercise notebook (no 'atlaslib.chapter' in its metadata)")
+    if not isinstance(chapter, str):
+        raise ValueError(f"{path}: malformed metadata: 'atlaslib.chapter' should be a string like \"ch01\", "
+                         f"got {type(chapter).__name__}")
+    for i, cell in enumerate(nb.get("cells", [])):
+        md = cell.get("metadata", {}) if isinstance(cell, dict) else {}
+        cm = md.get("atlaslib") if isinstance(md, dict) else None
+        if cm is not None and not (isinstance(cm, dict) and isinstance(cm.get("exercise", ""), str)):
+            raise ValueError(f"{path}: malformed metadata in cell {i + 1}: 'atlaslib' should be an object like "
+                             '{"exercise": "name"}')
+    return chapter
+
+
+def rejected_report(path, chapter, timeout, reason: str) -> dict:
+    """A notebook refused before it ran: every exercise 0 points, with the reason."""
+    from .exercises import registry
+    rows = [Row(e.number, e.name, e.title, e.points, status=CRASH, verdict=f"rejected: {reason}")
+            for e in registry(chapter)]
+    return {"notebook": str(path), "chapter": chapter, "timeout_s": timeout,
+            "exercises": [{**asdict(r), "problems": []} for r in rows], "earned": 0,
+            "points": sum(r.points for r in rows), "setup_problems": [], "rejected": reason}
+
+
+def screen_notebook(nb, chapter: str) -> str | None:
+    """The static rules (``checking.screen``) on every code cell: None, or the one-line reason."""
+    from .exercises import registry
+    from .exercises.checking import Rejected, screen
+    reg = registry(chapter)
+    names = {e.name for e in reg}
+    cells, n = [], 0
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            n += 1
+            name = exercise_of(cell)
+            cells.append((f"code cell {n}" + (f" (exercise {name})" if name else " (set-up)"), cell.source))
+    try:
+        screen(cells, chapter, names, reg.helpers)
+    except Rejected as e:
+        return str(e)
+    return None
+
+
+def write_atomically(path, write) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then rename it over ``path``."""
+    import os
+    import tempfile
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def grade(path, timeout: float = DEFAULT_TIMEOUT, save: str | None = None, progress: bool = True,
+          everything: bool = False) -> dict:
+    """Run the notebook at ``path`` and return the score report (see ``--json``).
+
+    ``everything``: when grading ends, kill every descendant of this process (the command line's
+    worker does; a library caller keeps its own children, and the kernel's are found by session and
+    marker)."""
+    import os
     import tempfile
 
     path = Path(path)
     nb = read_notebook(path)
-    chapter = nb.metadata.get("atlaslib", {}).get("chapter")
-    if chapter is None:
-        raise ValueError(f"{path}: not an exercise notebook (no 'atlaslib.chapter' in its metadata)")
-    import os
-
+    chapter = chapter_of(path, nb)
     import torch
     if not torch.cuda.is_available():
         # The learner's Triton kernels run in the notebook's kernel, in the interpreter when there is
@@ -294,16 +581,23 @@ def grade(path, timeout: float = DEFAULT_TIMEOUT, save: str | None = None, progr
     from .exercises import CHAPTERS
     if chapter not in CHAPTERS:
         raise ValueError(f"{path}: unknown chapter {chapter!r} in its metadata (known: {', '.join(CHAPTERS)})")
+    reason = screen_notebook(nb, chapter)
+    if reason is not None:
+        return rejected_report(path, chapter, timeout, reason)
     with tempfile.TemporaryDirectory(prefix="atlaslib-grade-") as scratch:
-        grader = Grader(path, nb, chapter, timeout, Path(scratch))
+        sandbox = Sandbox(Path(scratch))
         try:
-            grader.run_cells(progress)
-            grader.score(progress)
+            grader = Grader(path, nb, chapter, timeout, sandbox)
+            try:
+                grader.run_cells(progress)
+                grader.score(progress)
+            finally:
+                grader.kernel.stop()
         finally:
-            grader.kernel.stop()
+            sandbox.end(everything)          # nothing the notebook started outlives its grading
     if save:
         import nbformat
-        nbformat.write(nb, save)
+        write_atomically(save, lambda f: nbformat.write(nb, f))
     rows = grader.rows
     result = [asdict(r) for r in rows.values()]
     for r in result:
@@ -319,9 +613,9 @@ def grade(path, timeout: float = DEFAULT_TIMEOUT, save: str | None = None, progr
     }
 
 
-def read_notebook(path: Path):
-    """The notebook at ``path``, or ValueError with one line saying why it is not one."""
-    import nbformat
+def read_notebook(path: Path, validate: bool = True):
+    """The notebook at ``path``, or ValueError with one line saying why it is not one
+    (without ``validate``: the JSON only, as a dict, without nbformat's slower schema check)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -334,6 +628,11 @@ def read_notebook(path: Path):
         raise ValueError(f"{path}: not a notebook (invalid JSON at line {e.lineno}: {e.msg})") from None
     if not isinstance(raw, dict) or "cells" not in raw or "metadata" not in raw:
         raise ValueError(f"{path}: not a notebook (JSON without 'cells' and 'metadata')")
+    if not isinstance(raw["metadata"], dict) or not isinstance(raw["cells"], list):
+        raise ValueError(f"{path}: not a notebook ('metadata' should be an object and 'cells' a list)")
+    if not validate:
+        return raw
+    import nbformat
     try:
         return nbformat.reads(text, as_version=4)
     except Exception as e:  # nbformat's own validation
@@ -356,20 +655,63 @@ def table(report: dict, width: int = 100) -> str:
     lines.append(f"    {'total':<{name_w}}  {report['points']:>6}  {report['earned']:>6}")
     for p in report["setup_problems"]:
         lines.append(f"set-up: {p}")
+    if report.get("rejected"):
+        lines.append(f"rejected: {report['rejected']}")
     return "\n".join(lines)
 
 
-def grade_folder(folder: Path, timeout: float, progress: bool) -> list[dict]:
-    """Grade every ``*.ipynb`` in ``folder`` (not recursive); a file that cannot be graded gets
-    a report with an ``error`` and no points."""
-    reports = []
-    for path in sorted(folder.glob("*.ipynb")):
+def error_report(path, message: str) -> dict:
+    return {"notebook": str(path), "chapter": None, "exercises": [], "earned": 0, "points": 0, "error": message}
+
+
+def grade_in_child(path: Path, timeout: float, save: str | None = None, progress: bool = True,
+                   reap_all: bool = False) -> dict:
+    """Grade one notebook in a worker process of its own (``--worker``), in a session of its own.
+
+    Whatever the notebook does to that worker (kill it, crash it) becomes an error report for this
+    notebook; then every process it left behind is ended: those in the worker's session or carrying
+    this call's marker, and with ``reap_all`` (the command line) every descendant of this process,
+    which is then a subreaper (Linux): orphans become its children instead of escaping.
+    """
+    import os
+    import secrets
+    import tempfile
+    if reap_all:
+        become_subreaper()
+    marker = f"ATLASLIB_GRADE_RUN={secrets.token_hex(8)}"
+    with tempfile.TemporaryDirectory(prefix="atlaslib-report-") as box:
+        report_path = Path(box) / "report.json"
+        cmd = [sys.executable, "-m", "atlaslib.grade", "--worker", str(report_path), str(path),
+               "--timeout", str(timeout)] + (["--save", save] if save else []) + ([] if progress else ["--json"])
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in [project_root(), env.get("PYTHONPATH", "")] if p)
+        env[marker.split("=")[0]] = marker.split("=")[1]
+        proc = None
         try:
-            reports.append(grade(path, timeout=timeout, progress=progress))
-        except ValueError as e:
-            reports.append({"notebook": str(path), "chapter": None, "exercises": [], "earned": 0, "points": 0,
-                            "error": str(e)})
-    return reports
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=None if progress else subprocess.DEVNULL, start_new_session=True,
+                                    env=env)
+            try:
+                code = proc.wait(timeout=max(600.0, 100 * timeout))
+            except subprocess.TimeoutExpired:
+                code = None
+        finally:
+            end_processes({proc.pid} if proc else set(), marker, everything=reap_all)
+        try:
+            report = json.loads(report_path.read_text())
+        except (OSError, ValueError):
+            report = None
+        if not isinstance(report, dict) or "notebook" not in report:
+            what = "ran past its time limit" if code is None else f"died (exit status {code})"
+            return error_report(path, f"{path}: the grading of this notebook {what}; nothing was scored")
+        return report
+
+
+def grade_folder(folder: Path, timeout: float, progress: bool, reap_all: bool = False) -> list[dict]:
+    """Grade every ``*.ipynb`` in ``folder`` (not recursive), each in a worker process of its own; a
+    file that cannot be graded, or whose grading dies, gets a report with an ``error`` and no points."""
+    return [grade_in_child(path, timeout, progress=progress, reap_all=reap_all)
+            for path in sorted(folder.glob("*.ipynb"))]
 
 
 def write_csv(reports: list[dict], out) -> None:
@@ -380,7 +722,7 @@ def write_csv(reports: list[dict], out) -> None:
     writer.writeheader()
     for rep in reports:
         row = {"notebook": rep["notebook"], "chapter": rep["chapter"], "earned": rep["earned"],
-               "points": rep["points"], "error": rep.get("error", "")}
+               "points": rep["points"], "error": rep.get("error") or rep.get("rejected", "")}
         row.update({r["exercise"]: r["earned"] for r in rep["exercises"]})
         writer.writerow(row)
 
@@ -397,6 +739,7 @@ def main(argv=None) -> int:
     parser.add_argument("--fail-under", type=int, metavar="N",
                         help="exit with status 1 if a notebook earns fewer than N points")
     parser.add_argument("--csv", metavar="PATH", help="for a folder: write one CSV row per notebook to PATH")
+    parser.add_argument("--worker", metavar="REPORT", help=argparse.SUPPRESS)   # internal: see grade_in_child
     args = parser.parse_args(argv)
 
     def refuse(message):
@@ -406,11 +749,17 @@ def main(argv=None) -> int:
         return 2
 
     target = Path(args.notebook)
+    if args.worker:      # the child process of grade_in_child: the report goes to the file it names
+        try:
+            report = grade(target, timeout=args.timeout, save=args.save, progress=not args.json, everything=True)
+        except ValueError as e:
+            report = error_report(target, str(e))
+        write_atomically(args.worker, lambda f: json.dump(report, f))
+        return 0
     if target.is_dir():
-        reports = grade_folder(target, args.timeout, progress=not args.json)
+        reports = grade_folder(target, args.timeout, progress=not args.json, reap_all=True)
         if args.csv:
-            with open(args.csv, "w", newline="") as out:
-                write_csv(reports, out)
+            write_atomically(args.csv, lambda f: write_csv(reports, f))
         if args.json:
             print(json.dumps(reports, indent=2))
         else:
@@ -421,10 +770,13 @@ def main(argv=None) -> int:
         return 1 if below else 0
     if not target.is_file():      # before anything slow is imported
         return refuse(f"no such notebook: {args.notebook}")
-    try:
-        report = grade(args.notebook, timeout=args.timeout, save=args.save, progress=not args.json)
+    try:                          # the file's own problems: one line before any kernel starts
+        chapter_of(target, read_notebook(target, validate=False))
     except ValueError as e:
         return refuse(str(e))
+    report = grade_in_child(target, args.timeout, save=args.save, progress=not args.json, reap_all=True)
+    if "error" in report:
+        return refuse(report["error"])
     print(json.dumps(report, indent=2) if args.json else table(report))
     if args.fail_under is not None and report["earned"] < args.fail_under:
         return 1

@@ -322,3 +322,75 @@ def test_planted_table1_ascent_loses_exactly_its_points(tmp_path):
     r = rows(report)
     assert r["atlas_step"]["status"] == "failed" and r["atlas_step"]["earned"] == 0, table(report)
     assert report["earned"] == report["points"] - POINTS["atlas_step"], table(report)
+
+
+# ---- the rules hold however the answer reaches the library, and a kernel must compute the output ------
+
+def test_momenta_names_the_division_by_zero_and_atlas_step_the_dtype():
+    v = ch05.momenta.evaluate(lambda *a: momenta_masked(*a, quotients=True))
+    assert v.status == "failed" and "a division by zero" in v.message and "never wrote" not in v.message, v.message
+
+    def in_fp32(M, S, k, v, alpha, eta, theta, ns_steps):
+        return step_by_library(*(x.float() for x in (M, S, k, v, alpha, eta, theta)), ns_steps)
+    v = ch05.atlas_step.evaluate(in_fp32)
+    assert v.status == "failed" and "torch.float32" in v.message and "torch.float64" in v.message, v.message
+
+
+@pytest.mark.library_rules
+def test_the_named_helper_is_forbidden_however_it_is_reached():
+    import functools
+    import types
+
+    def by_default(G, coeffs, f=newton_schulz):
+        return f(G, 1, coeffs)
+    partial = functools.partial(newton_schulz, steps=1)
+    held = [newton_schulz]
+    copy = types.FunctionType(newton_schulz.__code__, newton_schulz.__globals__, "copy", newton_schulz.__defaults__)
+
+    def make_closure():
+        f = newton_schulz
+        return lambda G, coeffs: f(G, 1, coeffs)
+    answers = [by_default, lambda G, c: partial(G, coeffs=c), lambda G, c: held[0](G, 1, c), make_closure()]
+    for answer in answers:
+        v = ch05.ns_step.evaluate(answer)
+        assert v.status == "failed" and "your answer calls atlaslib.core.newton_schulz.newton_schulz" in v.message, \
+            v.message
+    # a copy made from the code object runs the original code: only the grader's static rules stop it
+    # (``types`` cannot be imported, ``__code__`` cannot be read), see test_grader.py
+    assert ch05.ns_step.evaluate(lambda G, c: copy(G, 1, c)).status == "passed"
+
+
+@triton.jit
+def empty_kernel(x_ptr):
+    pass
+
+
+@pytest.mark.library_rules
+def test_an_empty_kernel_with_a_torch_result_and_the_library_kernel_fail():
+    def after(X, out, coeffs):
+        empty_kernel[(1,)](X)
+        out.copy_(ns_step_right_gram(X[:, None], coeffs)[:, 0])
+        return out
+
+    def before(X, out, coeffs):
+        out.copy_(ns_step_right_gram(X[:, None], coeffs)[:, 0])
+        empty_kernel[(1,)](X)
+        return out
+    for answer in (after, before):
+        v = ch05.triton_ns_step.evaluate(answer)
+        assert v.status == "failed" and "not stored by your @triton.jit kernel" in v.message, v.message
+
+    def overwritten(X, out, coeffs):                 # the kernel computes, then torch replaces its result
+        ns_launcher()(X, out, coeffs)
+        out.copy_(ns_step_right_gram(X[:, None], coeffs)[:, 0])
+        return out
+    v = ch05.triton_ns_step.evaluate(overwritten)
+    assert v.status == "failed" and "changed after your kernel stored it" in v.message, v.message
+
+    from atlaslib.atlas.kernel import newton_schulz_triton
+
+    def library_kernel(X, out, coeffs):
+        out.copy_(newton_schulz_triton(X, 1, coeffs))
+        return out
+    v = ch05.triton_ns_step.evaluate(library_kernel)
+    assert v.status == "failed" and "atlaslib.atlas.kernel.newton_schulz_triton" in v.message, v.message

@@ -210,7 +210,7 @@ def test_normaliser_rejects_the_unnormalised_read_at_large_scores():
 @triton.jit
 def exp_read_variants(q_ptr, k_ptr, v_ptr, o_ptr, T, K, V, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, DIAGONAL: tl.constexpr,
-                      CAUSAL: tl.constexpr, EXP: tl.constexpr):
+                      CAUSAL: tl.constexpr, EXP: tl.constexpr, MULTIPLY: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t, c, r = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     if MASK_LOADS:
@@ -223,7 +223,9 @@ def exp_read_variants(q_ptr, k_ptr, v_ptr, o_ptr, T, K, V, BT: tl.constexpr, BK:
     s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)                      # [BT, BT] scores
     w = tl.exp(s) if EXP else s
     if CAUSAL:
-        if DIAGONAL:
+        if MULTIPLY:                                                       # after exp: inf * 0 = NaN
+            w = w * (t[:, None] >= t[None, :]).to(tl.float32)
+        elif DIAGONAL:
             w = tl.where(t[:, None] >= t[None, :], w, 0.0)
         else:
             w = tl.where(t[:, None] > t[None, :], w, 0.0)
@@ -235,13 +237,13 @@ def exp_read_variants(q_ptr, k_ptr, v_ptr, o_ptr, T, K, V, BT: tl.constexpr, BK:
     tl.store(o_ptr + i * T * V + t[:, None] * V + r[None, :], o, mask=m_out)
 
 
-def exp_launcher(mask_loads=True, mask_store=True, diagonal=True, causal=True, exp=True):
+def exp_launcher(mask_loads=True, mask_store=True, diagonal=True, causal=True, exp=True, multiply=False):
     def launch(q, k, v, out):
         N, T, K = q.shape
         V = v.shape[-1]
         BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (T, K, V))
         exp_read_variants[(N,)](q, k, v, out, T, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
-                                MASK_STORE=mask_store, DIAGONAL=diagonal, CAUSAL=causal, EXP=exp)
+                                MASK_STORE=mask_store, DIAGONAL=diagonal, CAUSAL=causal, EXP=exp, MULTIPLY=multiply)
         return out
     return launch
 
@@ -254,7 +256,8 @@ def test_triton_check_passes_a_correct_kernel():
 def test_triton_check_requires_a_kernel_launch():
     def plain_torch(q, k, v, out):
         T = q.shape[1]
-        out.copy_((torch.exp(q @ k.transpose(-1, -2)) * torch.ones(T, T).tril()) @ v)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        out.copy_(torch.exp((q @ k.transpose(-1, -2)).masked_fill(~causal, float("-inf"))) @ v)
     v = ch06.triton_exp_read.evaluate(plain_torch)
     assert v.status == "failed" and "without launching a @triton.jit kernel" in v.message, v.message
 
@@ -314,3 +317,8 @@ def test_planted_paper_sign_loses_exactly_its_points(tmp_path):
     r = rows(report)
     assert r["dot_step"]["status"] == "failed" and r["dot_step"]["earned"] == 0, table(report)
     assert report["earned"] == report["points"] - POINTS["dot_step"], table(report)
+
+
+def test_triton_check_catches_masking_after_the_exponential():
+    v = ch06.triton_exp_read.evaluate(exp_launcher(multiply=True))
+    assert v.status == "failed" and "before the exponential" in v.message, v.message

@@ -76,7 +76,23 @@ def test_dyadic_rejects_wrong_counts(count):
 
 def test_dyadic_checks_positions_beyond_32_bits():
     v = ch07.dyadic.evaluate(lambda t: segments_by_bits(t % 2 ** 32 or t), popcount)
-    assert v.status == "failed" and f"t={2 ** 40 - 1}" in v.message, v.message
+    assert v.status == "failed" and f"t={2 ** 53 - 1}" in v.message, v.message
+
+
+def test_dyadic_catches_float_log2():
+    import math
+
+    def by_log2(t):            # the top bit from a float logarithm: wrong once t no longer fits a double
+        out, start = [], 0
+        while t > 0:
+            n = 2 ** int(math.log2(t))
+            out.append((start, start + n))
+            start, t = start + n, t - n
+        return out
+    v = ch07.dyadic.evaluate(by_log2, popcount)
+    assert v.status == "failed" and "t=" in v.message, v.message
+    big = int(v.message.split("t=")[1].split("]")[0])
+    assert big > 2 ** 52, v.message
 
 
 # ---- exercises 2 and 3: one token's GRM readout and the soup ----------------------------------------
@@ -211,7 +227,7 @@ def test_ssc_weights_must_take_top_k_none():
 def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
                          BT: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, MASK_LOADS: tl.constexpr,
                          MASK_PAD: tl.constexpr, MASK_STORE: tl.constexpr, ONLINE: tl.constexpr,
-                         SHIFT: tl.constexpr):
+                         SHIFT: tl.constexpr, MAX_ONLINE: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     c, j_ = tl.arange(0, BK), tl.arange(0, BJ)
@@ -231,6 +247,8 @@ def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
     if not ONLINE:
         s = s * 0.0 - float("inf")
     m = tl.maximum(tl.max(r, axis=1), s) if SHIFT else tl.zeros([BT], dtype=tl.float32)
+    if not MAX_ONLINE:                                                     # the maximum over the cached slots only
+        m = tl.where(tl.max(r, axis=1) > float("-inf"), tl.max(r, axis=1), s)
     if not ONLINE:
         m = tl.max(r, axis=1)
     e, e_s = tl.exp(r - m[:, None]), tl.exp(s - m)
@@ -240,14 +258,15 @@ def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
     tl.store(g_ptr + i * T + t, e_s / z, mask=m_t)
 
 
-def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, shift=True):
+def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, shift=True, max_online=True):
     def launch(u, pooled, blocks, online_score, w, g):
         N, T, K = u.shape
         S, J = pooled.shape[1], blocks.shape[1]
         BT, BK, BJ = 16, max(16, triton.next_power_of_2(K)), max(2, triton.next_power_of_2(J))
         grm_weights_variants[(N, triton.cdiv(T, BT))](u, pooled, blocks, online_score, w, g, T, S, K, J, BT=BT, BK=BK,
                                                       BJ=BJ, MASK_LOADS=mask_loads, MASK_PAD=mask_pad,
-                                                      MASK_STORE=mask_store, ONLINE=online, SHIFT=shift)
+                                                      MASK_STORE=mask_store, ONLINE=online, SHIFT=shift,
+                                                      MAX_ONLINE=max_online)
     return launch
 
 
@@ -327,3 +346,22 @@ def test_planted_residual_grm_loses_exactly_its_points(tmp_path):
     r = rows(report)
     assert r["grm_readout"]["status"] == "failed" and r["grm_readout"]["earned"] == 0, table(report)
     assert report["earned"] == report["points"] - POINTS["grm_readout"], table(report)
+
+
+def test_triton_check_always_catches_a_maximum_over_the_cached_slots_only():
+    for _ in range(3):           # not a matter of luck: a case makes the online score the largest by far
+        v = ch07.triton_grm_weights.evaluate(grm_launcher(max_online=False))
+        assert v.status == "failed" and "online scores of about 100" in v.message, v.message
+
+
+def test_an_unmasked_load_of_row_minus_one_reads_nan_when_nothing_is_cached():
+    from atlaslib.caching import make_layout
+    from atlaslib.exercises.checking import guarded, guarded_output, run_under_rules
+    layout = make_layout(1, "log")                               # one token: S = 0 cached states
+    blocks = layout.blocks().to(torch.int32).contiguous()
+    assert len(layout.cached) == 0 and blocks.shape[1] >= 1 and (blocks == -1).all()
+    u, pooled, score = guarded(torch.randn(1, 1, 4)), guarded(torch.randn(1, 0, 4)), guarded(torch.randn(1, 1))
+    w, g = guarded_output((1, 1, blocks.shape[1])), guarded_output((1, 1))
+    args = (u, pooled, blocks, score, w, g)
+    run_under_rules(grm_launcher(mask_pad=False), args, {}, (), outputs=(4, 5))   # no crash: the guard band
+    assert torch.isnan(g).all()

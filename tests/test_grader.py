@@ -150,11 +150,11 @@ def untouched_copy(tmp_path, extra_cells):
 
 def test_forged_verdicts_and_patched_checks_score_nothing(tmp_path):
     # the stubs still raise NotImplementedError; the notebook prints forged verdicts and patches
-    # the check machinery in its kernel, then calls the checks again
+    # the check machinery in its kernel, then calls the checks again: the static rules refuse it
     path = untouched_copy(tmp_path, [FORGED, PATCH_THE_CHECKS, "check.hebbian_step(hebbian_step)"])
     report = grade(path, timeout=TIMEOUT, progress=False)
     assert report["earned"] == 0, table(report)
-    assert all(r["status"] == "not_implemented" for r in report["exercises"]), table(report)
+    assert "rejected" in report and "code cell" in report["rejected"], table(report)
 
 
 def test_a_failing_answer_is_not_rescued_by_a_second_check_call(tmp_path):
@@ -179,14 +179,13 @@ check.hebbian_step(library_step)
 
 
 def test_library_backed_answers_lose_their_points(tmp_path):
-    backed = """
-from atlaslib.linear import linear_attention
-return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=chunk_size)
-"""
-    report = grade(planted_copy(tmp_path, chunkwise={"body": backed}), timeout=TIMEOUT, progress=False)
+    # the helper the chunkwise exercise may import, used by the exercise it answers: the runtime rule
+    report = grade(planted_copy(tmp_path, chunk_step={"body": "return library_chunk_step(M, q, k, v, g)"}),
+                   timeout=TIMEOUT, progress=False)
     r = rows(report)
-    assert r["chunkwise"]["status"] == "failed" and "your answer calls atlaslib.linear" in r["chunkwise"]["verdict"]
-    assert report["earned"] == report["points"] - POINTS["chunkwise"], table(report)
+    assert r["chunk_step"]["status"] == "failed", table(report)
+    assert "your answer calls atlaslib.linear.chunk" in r["chunk_step"]["verdict"], table(report)
+    assert report["earned"] == report["points"] - POINTS["chunk_step"], table(report)
 
 
 @pytest.mark.parametrize("content, why", [
@@ -222,15 +221,186 @@ def test_a_folder_of_submissions_gives_one_csv_row_each(tmp_path):
     shutil.copy(SOLUTION, folder / "alice.ipynb")
     shutil.copy(STUDENT, folder / "bob.ipynb")
     (folder / "carol.ipynb").write_text('{"a": 1}')
+    # mallory kills the process that started her kernel; dave's metadata names a list, erin's a string
+    shutil.copy(with_code(tmp_path, setup="import os\nos.kill(os.getppid(), 9)"), folder / "mallory.ipynb")
+    for who, metadata in (("dave", {"chapter": ["ch01"]}), ("erin", "ch01")):
+        nb = nbformat.read(STUDENT, as_version=4)
+        nb.metadata["atlaslib"] = metadata
+        nbformat.write(nb, folder / f"{who}.ipynb")
     scores = tmp_path / "scores.csv"
     out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(folder), "--csv", str(scores),
                           "--timeout", str(TIMEOUT), "--fail-under", "1"],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 1, out.stderr          # bob and carol are below 1 point
+    assert out.returncode == 1, out.stderr          # all but alice are below 1 point
     with open(scores, newline="") as f:
         by_name = {Path(r["notebook"]).stem: r for r in csv.DictReader(f)}
-    assert set(by_name) == {"alice", "bob", "carol"}
+    assert set(by_name) == {"alice", "bob", "carol", "dave", "erin", "mallory"}
+    assert by_name["mallory"]["earned"] == "0" and "code cell 1 (set-up)" in by_name["mallory"]["error"]
+    assert "'atlaslib.chapter' should be a string" in by_name["dave"]["error"]
+    assert "'atlaslib' should be an object" in by_name["erin"]["error"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".scores")] == []   # no temporary left
     assert by_name["alice"]["earned"] == by_name["alice"]["points"] == str(sum(POINTS.values()))
     assert all(by_name["alice"][name] == str(points) for name, points in POINTS.items())
     assert by_name["bob"]["earned"] == "0" and by_name["bob"]["error"] == ""
     assert "not a notebook" in by_name["carol"]["error"]
+
+
+# ---- the static rules: a notebook that reaches past them is refused before it runs --------------
+
+def with_code(tmp_path, setup="", exercise=None, code="", body=None, name="ch01_linear.ipynb", source=SOLUTION):
+    """A copy of the solutions with ``setup`` appended to the set-up cell and ``code`` put before the
+    solution cell of ``exercise`` (or its solution block replaced by ``body``)."""
+    nb = nbformat.read(source, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    if setup:
+        first = next(c for c in nb.cells if c.cell_type == "code")
+        first.source += "\n" + setup
+    if exercise is not None:
+        if code:
+            plant(nb, exercise, prepend=code)
+        if body:
+            plant(nb, exercise, body=body)
+    path = tmp_path / name
+    nbformat.write(nb, path)
+    return path
+
+
+LIBRARY_CALL = "return via(q, k, v, alpha=alpha, output_final_state=True, backend='chunk', chunk_size=chunk_size)"
+ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
+    "input_transformer": dict(setup="def rewrite(lines):\n    return lines\n"
+                                    "get_ipython().input_transformers_cleaned.append(rewrite)"),
+    "importlib_patched": dict(setup="import importlib\nreal = importlib.import_module\n"
+                                    "importlib.import_module = lambda name, *a: real(name, *a)"),
+    "default_argument": dict(exercise="chunkwise", body=LIBRARY_CALL,
+                             code="from atlaslib.linear import linear_attention\n"
+                                  "def helper(f=linear_attention):\n    return f\nvia = helper()"),
+    "closure": dict(exercise="chunkwise", body=LIBRARY_CALL,
+                    code="def make():\n    from atlaslib.linear import linear_attention as f\n"
+                         "    return lambda *a, **k: f(*a, **k)\nvia = make()"),
+    "partial": dict(exercise="chunkwise", body=LIBRARY_CALL,
+                    code="import functools\nfrom atlaslib import linear\n"
+                         "via = functools.partial(linear.linear_attention)"),
+    "function_copy": dict(exercise="chunkwise", body=LIBRARY_CALL,
+                          code="import types\nfrom atlaslib.linear import linear_attention as f\n"
+                               "via = types.FunctionType(f.__code__, f.__globals__)"),
+    "list": dict(exercise="chunkwise", body="return vias[0](q, k, v, alpha=alpha, output_final_state=True, "
+                                            "backend='chunk', chunk_size=chunk_size)",
+                 code="import atlaslib.linear\nvias = [atlaslib.linear.linear_attention]"),
+    "checks_module": dict(exercise="chunkwise", body=LIBRARY_CALL, code="via = check.linear_attention"),
+    "magic": dict(setup="%load_ext autoreload"),
+    "shell": dict(setup="!sleep 100 &"),
+    "kill_the_grader": dict(setup="import os\nos.kill(os.getppid(), 9)"),
+    "detached_process": dict(setup="import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 3; echo 15 > scores.csv'], "
+                                   "start_new_session=True)"),
+    "kernel_launch_patched": dict(setup="triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None"),
+    "dunder": dict(exercise="chunkwise", code="g = check.chunkwise.__class__"),
+    "eval": dict(exercise="chunkwise", code="via = eval('1')"),
+    "builtin_shadowed": dict(setup="def isinstance(*a):\n    return True"),
+    "ipython_shadowed": dict(setup="def get_ipython():\n    return None"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ESCAPES))
+def test_escape_hatches_are_refused_before_anything_runs(tmp_path, attack):
+    path = with_code(tmp_path, **ESCAPES[attack])
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    assert report["earned"] == 0 and "rejected" in report, table(report)
+    reason = report["rejected"]
+    assert reason.startswith("code cell ") and "\n" not in reason, reason
+    cell = "(set-up)" if "setup" in ESCAPES[attack] else "(exercise chunkwise)"
+    assert cell in reason, reason
+    assert all(r["status"] == "error" and reason in r["verdict"] for r in report["exercises"]), table(report)
+
+
+def test_the_static_rules_pass_every_shipped_notebook():
+    from atlaslib.grade import screen_notebook
+    for path in sorted((ROOT / "exercises").glob("**/ch*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        assert screen_notebook(nb, nb.metadata["atlaslib"]["chapter"]) is None, path
+
+
+# ---- the Triton exercise: the output must be the notebook's own kernel's stores --------------------
+
+EMPTY_KERNEL_AND_TORCH = "    pass"        # the kernel stores nothing; the launcher writes the answer in torch
+
+
+def test_an_empty_kernel_with_a_torch_result_scores_zero_and_a_hang_in_a_check_is_a_timeout(tmp_path):
+    nb = nbformat.read(SOLUTION, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    plant(nb, "triton_state_update", body="pass")
+    cell = next(c for c in nb.cells if "def state_update(" in c.source)
+    cell.source = cell.source.replace("    return out", "    g_last = g[:, -1:]\n"
+                                      "    decayed = v * torch.exp(g_last - g)[..., None]\n"
+                                      "    out.copy_(torch.exp(g_last)[..., None] * M + decayed.mT @ k)\n"
+                                      "    return out")
+    # a chunkwise that only hangs when the grader calls it: its own check cell is gone
+    plant(nb, "chunkwise", body="while True:\n    pass")
+    nb.cells = [c for c in nb.cells if "check.chunkwise(" not in c.source]
+    path = tmp_path / "ch01_linear.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["triton_state_update"]["earned"] == 0 and r["triton_state_update"]["status"] == "failed", table(report)
+    assert "not stored by your @triton.jit kernel" in r["triton_state_update"]["verdict"], table(report)
+    assert r["chunkwise"]["status"] == "timeout", table(report)
+    assert r["chunkwise"]["verdict"].startswith("timeout: ") and "CallAborted" not in r["chunkwise"]["verdict"]
+    assert report["earned"] == report["points"] - POINTS["triton_state_update"] - POINTS["chunkwise"], table(report)
+
+
+# ---- the sandbox: every process the notebook started ends with its grading ------------------------
+
+def test_the_sandbox_ends_detached_processes(tmp_path):
+    import os
+    import time
+
+    from atlaslib.grade import Sandbox, _process_table
+    (tmp_path / "box").mkdir()
+    sandbox = Sandbox(tmp_path / "box")
+    # a child that double-forks a daemon in a session of its own, as a notebook could
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        open('pid', 'w').write(str(os.getpid()))\n        time.sleep(60)\n    os._exit(0)\n"
+              "os.wait()\n")
+    kw = sandbox.popen_args()
+    kw.pop("user", None), kw.pop("group", None), kw.pop("extra_groups", None)
+    subprocess.run([sys.executable, "-c", daemon], **kw, timeout=60)
+    for _ in range(100):
+        if (sandbox.work / "pid").exists() and (sandbox.work / "pid").read_text():
+            break
+        time.sleep(0.05)
+    pid = int((sandbox.work / "pid").read_text())
+    assert pid in _process_table()
+    sandbox.end()
+    time.sleep(0.2)
+    gone = pid not in _process_table() or open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    assert gone
+    assert os.getpid() in _process_table()
+
+
+# ---- a folder run survives any one submission ---------------------------------------------------
+
+@pytest.mark.parametrize("metadata, why", [
+    ({"atlaslib": {"chapter": ["ch01"]}}, "'atlaslib.chapter' should be a string"),
+    ({"atlaslib": "ch01"}, "'atlaslib' should be an object"),
+])
+def test_malformed_metadata_gives_one_line_and_exit_2(tmp_path, metadata, why):
+    nb = nbformat.read(STUDENT, as_version=4)
+    nb.metadata.update(metadata)
+    path = tmp_path / "odd.ipynb"
+    nbformat.write(nb, path)
+    out = subprocess.run([sys.executable, "-m", "atlaslib.grade", str(path)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and why in out.stderr, out.stderr
+
+
+def test_a_worker_that_dies_is_an_error_row(tmp_path, monkeypatch):
+    from atlaslib import grade as grade_module
+    suicidal = tmp_path / "python"
+    suicidal.write_text("#!/bin/sh\nkill -9 $$\n")
+    suicidal.chmod(0o755)
+    monkeypatch.setattr(grade_module.sys, "executable", str(suicidal))
+    report = grade_module.grade_in_child(STUDENT, TIMEOUT, progress=False)
+    assert report["earned"] == 0 and "died (exit status -9)" in report["error"], report

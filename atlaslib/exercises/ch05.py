@@ -22,7 +22,7 @@ from .ch01 import clones, triton_device
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, guarded,
                        guarded_output, unpack)
 
-EXERCISES = Registry("ch05")
+EXERCISES = Registry("ch05", helpers={"atlaslib.atlas": ("newton_schulz",)})   # what the notebook may import
 
 # fp32 inputs unless stated; a correct answer agrees to ~1e-6, a wrong one is off by far more.
 TOL = 1e-4
@@ -137,6 +137,11 @@ def atlas_step(fn, gen):
             M_t, S_t = unpack(call(fn, *clones(M, S, k, v, alpha, eta, theta), steps), ("M_t", "S_t"))
             _shape_check("M_t", M_t, M.shape)
             _shape_check("S_t", S_t, S.shape)
+            for name, got in (("S_t", S_t), ("M_t", M_t)):
+                if isinstance(got, torch.Tensor) and got.dtype != M.dtype:
+                    raise CheckFailed(f"{name} has dtype {got.dtype}, but the inputs are {M.dtype}: keep the "
+                                      "inputs' dtype (a tensor made without dtype=..., or a .float(), turns the "
+                                      "result into float32, which cannot reach the 1e-8 this check asks)")
             compare("S_t", S_t, state.S, 1e-8)
             compare("M_t", M_t, state.M, 1e-8)
     return f"S_t and M_t match atlaslib.atlas.atlas_step on {len(cases)} random cases (ns_steps 0 to 5)"
@@ -176,6 +181,13 @@ def momenta(fn, gen):
                 raise CheckFailed(f"S has shape {list(got.shape)}: that is one momentum; return all n = {n} of "
                                   f"them, [{N}, {n}, {V}, {D}] (Newton-Schulz needs every S_t)")
             _shape_check("S", got, ref.shape)
+            if isinstance(got, torch.Tensor) and got.is_floating_point() and got.isnan().any() \
+                    and not ref.isnan().any():
+                raise CheckFailed(f"S is NaN at {int(got.isnan().sum())} entries where the momenta are finite: a "
+                                  "division by zero (0/0). Over a long chunk the cumulative products of theta "
+                                  "underflow to 0, and a gate of exactly 0 makes them 0, so their quotients are "
+                                  "0/0: build the decay matrix from products over each range (or differences of "
+                                  "cumulative log-gates, masked) instead")
             compare("S", got, ref, TOL)
     return f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks (resets and underflow included)"
 

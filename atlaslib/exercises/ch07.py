@@ -95,9 +95,11 @@ def _segments_hint(got, want):
 def dyadic(segments_fn, count_fn, gen):
     """segments_fn(t) -> [(start, end), ...] (0-based half-open, largest first) for a 1-based position t;
     count_fn(t) -> how many there are."""
-    draws = torch.randint(1, 2 ** 40, (12,), generator=gen, dtype=torch.int64).tolist()
-    positions = ([*range(1, 41)] + [2 ** n for n in (6, 7, 10, 16, 31, 40)]
-                 + [2 ** n - 1 for n in (6, 7, 10, 16, 31, 40)] + [37, 100, 1000, 12345] + draws)
+    # above 2^53 a float (math.log2, 2.0 ** b) cannot hold every position: only integer arithmetic is right
+    draws = (torch.randint(1, 2 ** 40, (6,), generator=gen, dtype=torch.int64).tolist()
+             + torch.randint(2 ** 53, 2 ** 62, (6,), generator=gen, dtype=torch.int64).tolist())
+    positions = ([*range(1, 41)] + [2 ** n for n in (6, 7, 10, 31, 53, 62)]
+                 + [2 ** n - 1 for n in (6, 7, 10, 31, 53, 62)] + [37, 100, 1000, 12345] + draws)
     for t in positions:
         want = dyadic_blocks(t)
         with case(f"t={t}"):
@@ -229,15 +231,18 @@ def triton_grm_weights(fn, gen):
         raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
                           "importing triton (the notebook's set-up cell does), then restart the kernel")
     tol = TOL if device == "cpu" else 1e-3
-    cases = [(2, 13, 5, "log", 1.0), (1, 37, 16, 8, 1.0), (3, 5, 3, 2, 1.0), (1, 1, 4, "log", 1.0),
-             (2, 40, 6, "log", 1.0), (1, 20, 16, 4, 100.0)]            # (N, T, K, segments, size of u)
-    for N, T, K, segments, size in cases:
+    # (N, T, K, segments, size of u, online scores): the second case's online scores are about 100 and
+    # its cached ones about 1, so a row maximum over the cached slots only overflows exp on every token;
+    # the fourth has no cached state at all (S = 0: every slot is padding)
+    cases = [(2, 13, 5, "log", 1.0, 0.0), (1, 37, 16, 8, 1.0, 100.0), (3, 5, 3, 2, 1.0, 0.0),
+             (1, 1, 4, "log", 1.0, 0.0), (2, 40, 6, "log", 1.0, 0.0), (1, 20, 16, 4, 100.0, 0.0)]
+    for N, T, K, segments, size, shift in cases:
         layout = make_layout(T, segments)
         blocks = layout.blocks()
         S, J = len(layout.cached), blocks.shape[1]
         u = size * torch.randn(N, T, K, generator=gen)
         pooled = torch.randn(N, S, K, generator=gen) / K ** 0.5
-        online_score = torch.randn(N, T, generator=gen)
+        online_score = torch.randn(N, T, generator=gen) + shift
         w_ref, g_ref = readout_weights(u[:, None], pooled[:, None], online_score[:, None], blocks, aggregate="grm")
         w_ref, g_ref = w_ref[:, 0].to(device), g_ref[:, 0].to(device)
         ins = [guarded(x.to(device)) for x in (u, pooled)]
@@ -247,6 +252,7 @@ def triton_grm_weights(fn, gen):
         kind = "log-linear" if segments == "log" else f"segments of {segments}"
         label = f"N={N}, T={T}, K={K}, {kind}: S={S} cached states, J={J} slots"
         label += " (scores of about 100: exp overflows fp32)" if size > 1 else ""
+        label += " (online scores of about 100, cached ones of about 1: exp overflows fp32)" if shift else ""
         with case(label):
             call(fn, *ins, table, score, w, g)
             if device == "cuda":

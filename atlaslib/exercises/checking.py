@@ -112,16 +112,28 @@ class Rules:
 RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("atlaslib_exercise_rules", default=Rules())
 
 
-def run_under_rules(fn, args, kwargs, forbidden, namespaces=()):
-    """``fn(*args, **kwargs)`` with the ``forbidden`` library functions replaced by ones that
-    raise, everywhere they are bound (atlaslib's modules and ``namespaces``); returns
-    ``(result, number of @triton.jit launches)``.
+def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
+    """``fn(*args, **kwargs)`` with the ``forbidden`` library functions made to raise, however the
+    answer reaches them (their code is swapped, so a default argument, a closure, a partial or a list
+    holding one calls the stub too; the names bound to them in atlaslib's modules and ``namespaces``
+    are swapped as well); returns ``(result, number of launches of the notebook's own @triton.jit kernels)``.
+
+    ``outputs``: positions of the output buffers of a Triton exercise. Before each launch of the
+    notebook's own kernel they are filled with a NaN pattern and afterwards the entries the kernel did
+    not store get their old values back: when ``fn`` returns, every entry must have been stored by
+    one of its kernels, and nothing may have changed them since. The kernels may only be given
+    the function's own tensors (views of them included); a library kernel may not be launched.
 
     Self-contained on purpose: the grader sends this function's source into the learner's
-    kernel and runs it there, so nothing the notebook patches can change how it works.
+    kernel and runs it there.
     """
     import importlib
     import sys
+
+    import torch
+
+    class ForbiddenCall(Exception):
+        pass
 
     def forbidden_stub(dotted):
         def stub(*a, **k):
@@ -129,20 +141,48 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=()):
                                 "write it with your own code")
         return stub
 
-    class ForbiddenCall(Exception):
-        pass
-
-    swaps = []
+    swaps, codes = [], []
     for dotted in forbidden:
         module, _, attr = dotted.rpartition(".")
         target = getattr(importlib.import_module(module), attr)
         stub = forbidden_stub(dotted)
+        message = (f"ForbiddenCall: your answer calls {dotted}, the library's answer to this exercise: "
+                   "write it with your own code")
+        scope = {}
+        exec(f"def stub(*a, **k):\n    raise PermissionError({message!r})", scope)
+        for f in {id(x): x for x in (target, getattr(target, "__wrapped__", None))}.values():
+            code = getattr(f, "__code__", None)
+            if code is not None and not code.co_freevars:
+                codes.append((f, code))
+                f.__code__ = scope["stub"].__code__
         places = [vars(m) for name, m in list(sys.modules.items()) if name.startswith("atlaslib") and m is not None]
         for space in [*places, *namespaces]:
             for key, value in list(space.items()):
                 if value is target:
                     swaps.append((space, key, value))
                     space[key] = stub
+
+    tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+    own_storages = {t.untyped_storage().data_ptr() for t in tensors}
+    outs = [(i, args[i]) for i in outputs]
+    int_of = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    poison = {1: 0x7F, 2: 0x7FA5, 4: 0x7FA5A5A5, 8: 0x7FF4A5A5A5A5A5A5}
+
+    def bits(t):
+        return t.view(int_of[t.element_size()])
+
+    written = [torch.zeros(t.shape, dtype=torch.bool, device=t.device) for _, t in outs]
+    initial = [t.clone() for _, t in outs]
+    after = [None for _ in outs]
+
+    def with_pointer(x):
+        # an empty view of a guarded buffer: torch gives it a null pointer; a kernel that loads
+        # before its start (row -1) must read the guard band, not crash
+        if isinstance(x, torch.Tensor) and x.numel() == 0 and \
+                x.storage_offset() < x.untyped_storage().nbytes() // x.element_size():
+            return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), (1,), (1,))
+        return x
+
     launches = [0]
     counted = []
     for module, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
@@ -153,17 +193,54 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=()):
         original = klass.run
 
         def counting(self, *a, _original=original, **k):
+            where = str(getattr(getattr(self, "fn", None), "__module__", ""))
+            name = getattr(getattr(self, "fn", None), "__name__", "?")
+            if where.split(".")[0] == "atlaslib":
+                raise ForbiddenCall(f"your answer launches the library's kernel {where}.{name}: "
+                                    "launch your own @triton.jit kernel")
+            a = tuple(with_pointer(x) for x in a)
+            k = {key: with_pointer(x) for key, x in k.items()}
+            if where.split(".")[0] == "triton" or k.get("warmup"):
+                return _original(self, *a, **k)
             launches[0] += 1
-            return _original(self, *a, **k)
+            for x in [*a, *k.values()]:
+                if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in own_storages:
+                    raise ForbiddenCall(f"your kernel {name} was given a tensor that is not one of your function's "
+                                        "arguments: it must read the inputs and store into the outputs it was given")
+            saved = []
+            for _, t in outs:
+                saved.append(t.clone())
+                bits(t).fill_(poison[t.element_size()])
+            result = _original(self, *a, **k)
+            for j, ((_, t), before) in enumerate(zip(outs, saved)):
+                stored = bits(t) != poison[t.element_size()]
+                written[j] |= stored
+                bits(t).copy_(torch.where(stored, bits(t), bits(before)))
+                after[j] = t.clone()
+            return result
         klass.run = counting
         counted.append((klass, original))
     try:
-        return fn(*args, **kwargs), launches[0]
+        result = fn(*args, **kwargs)
+        for j, (i, t) in enumerate(outs if launches[0] else ()):      # no launch: the check says so
+            # entries no kernel stored: left as they came (NaN), the check reports them; changed, they
+            # were written by something else
+            missing = int((~written[j] & (bits(t) != bits(initial[j]))).sum())
+            if missing:
+                raise ForbiddenCall(f"{missing} of the {t.numel()} entries of argument {i + 1} (an output) were not "
+                                    "stored by your @triton.jit kernel: the kernel must compute the whole output "
+                                    "(values written with torch do not count)")
+            if not torch.equal(bits(t), bits(after[j])):
+                raise ForbiddenCall(f"argument {i + 1} (an output) was changed after your kernel stored it: "
+                                    "the values must be the ones your kernel computed")
+        return result, launches[0]
     finally:
         for klass, original in counted:
             klass.run = original
         for space, key, value in reversed(swaps):
             space[key] = value
+        for f, code in reversed(codes):
+            f.__code__ = code
 
 
 def tensors_in(args, kwargs):
@@ -183,15 +260,20 @@ def call(fn, *args, **kwargs):
         raise CheckFailed(f"expected a function, got {type(fn).__name__}")
     rules = RULES.get()
     inputs = [(label, t, t.clone()) for label, t in tensors_in(args, kwargs) if not getattr(t, "_is_output", False)]
+    outputs = tuple(i for i, a in enumerate(args) if getattr(a, "_is_output", False)) if rules.needs_launch else ()
     try:
         if hasattr(fn, "remote_call"):
-            result, launches = fn.remote_call(args, kwargs, rules.forbidden)
+            result, launches = fn.remote_call(args, kwargs, rules.forbidden, outputs)
         else:
             import __main__
-            result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)])
+            result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)], outputs)
+    except CallAborted:
+        raise
     except RemoteError as e:
         if e.ename == "ForbiddenCall":
             raise CheckFailed(e.message) from None
+        if e.ename == "PermissionError" and e.message.startswith(FORBIDDEN_MARK):
+            raise CheckFailed(e.message[len(FORBIDDEN_MARK):]) from None
         if e.not_implemented:
             raise NotImplementedYet(e.message) from None
         raise LearnerError(f"your function raised {e}") from None
@@ -199,6 +281,8 @@ def call(fn, *args, **kwargs):
         e = root_cause(e)
         if type(e).__name__ == "ForbiddenCall":
             raise CheckFailed(str(e)) from None
+        if isinstance(e, PermissionError) and str(e).startswith(FORBIDDEN_MARK):
+            raise CheckFailed(str(e)[len(FORBIDDEN_MARK):]) from None
         if is_not_implemented(e):
             raise NotImplementedYet(str(e)) from None
         raise LearnerError(f"your function raised {short(e)}") from None
@@ -209,6 +293,10 @@ def call(fn, *args, **kwargs):
             raise CheckFailed(f"your function changed its input ({label}) in place: work on a copy "
                               "(e.g. M = M.clone()) or use out-of-place operations")
     return result
+
+
+# how the stub that replaces a forbidden function's code starts its message
+FORBIDDEN_MARK = "ForbiddenCall: "
 
 
 def is_not_implemented(e: BaseException) -> bool:
@@ -324,9 +412,11 @@ class Exercise:
 class Registry:
     """The exercises of one chapter, in order; ``registry.check`` declares one."""
 
-    def __init__(self, chapter: str):
+    def __init__(self, chapter: str, helpers: dict | None = None):
         self.chapter = chapter
         self.exercises: dict[str, Exercise] = {}
+        # {module: names}: the library functions the chapter's cells may import (the exercises name them)
+        self.helpers = {m: tuple(names) for m, names in (helpers or {}).items()}
 
     def check(self, name: str, *, title: str, points: int, functions: tuple, forbidden: tuple = (),
               needs_launch: bool = False):
@@ -391,3 +481,175 @@ def check_guards(name: str, out: torch.Tensor) -> None:
 
 NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, or from a load past the end of "
             "an input (the check surrounds every input with NaN); mask loads and stores with the true sizes.")
+
+
+# ---- Static rules: what a graded notebook's code may name, checked before anything runs ---------
+#
+# The grader reads every code cell's source in its own process (nothing the notebook does can change
+# this) and refuses a notebook that imports or names anything outside what the exercises allow, or that
+# reaches for a dynamic escape hatch. The runtime rules above stay as a second line.
+
+# Modules any cell may import (and their attributes, less the ones below)
+ALLOWED_MODULES = ("math", "torch", "torch.nn", "torch.nn.functional", "triton", "triton.language",
+                   "itertools", "collections", "__future__", "os")
+# ``os`` is there for the set-up cell's ``os.environ["TRITON_INTERPRET"] = "1"`` only
+OS_ATTRIBUTES = ("environ",)
+# Names no cell may use: ways to run code the screen cannot read, or to reach other modules
+FORBIDDEN_NAMES = frozenset({
+    "__import__", "importlib", "exec", "eval", "compile", "globals", "locals", "vars", "getattr", "setattr",
+    "delattr", "get_ipython", "builtins", "sys", "open", "breakpoint", "input", "exit", "quit", "help",
+    "memoryview", "In", "Out", "_ih", "_oh", "_dh"})
+# Attributes no cell may use, on anything: they lead to other modules, frames, files or processes
+FORBIDDEN_ATTRIBUTES = frozenset({
+    "os", "sys", "modules", "builtins", "importlib", "import_module", "subprocess", "inspect", "gc", "ctypes",
+    "atlaslib", "IPython", "get_ipython", "f_globals", "f_locals", "f_back", "f_builtins", "f_code", "tb_frame",
+    "tb_next", "gi_frame", "gi_code", "cr_frame", "ag_frame", "func_globals", "system", "popen", "kill", "killpg",
+    "fork", "execv", "execve", "execvp", "spawnv", "loads", "tofile", "load_inline",
+    "load_library", "cpp_extension", "hub", "library", "serialization", "package", "shutil", "pathlib",
+    "signal", "socket", "multiprocessing", "threading",
+    # raw memory: a kernel may only touch the tensors it is given, through their own pointers
+    "data_ptr", "pointer_type", "untyped_storage", "storage", "set_", "inline_asm_elementwise"})
+ALLOWED_DUNDERS = frozenset({"__init__", "__call__", "__name__", "__doc__"})
+
+
+class Rejected(Exception):
+    """A notebook the grader refuses to run: the message names the cell and the rule."""
+
+
+def _builtin_names():
+    import builtins
+    return frozenset(name for name in dir(builtins) if not name.startswith("_"))
+
+
+def screen(cells, chapter: str, exercises, helpers: dict) -> None:
+    """Raise ``Rejected`` if a code cell breaks the static rules.
+
+    ``cells``: (label, source) of every code cell; ``exercises``: the names ``check.<name>`` may take;
+    ``helpers``: {module: names} of library functions the chapter's cells may import.
+    """
+    import ast
+
+    from IPython.core.inputtransformer2 import TransformerManager
+    transform = TransformerManager().transform_cell
+    own_checks = f"atlaslib.exercises.{chapter}"
+    builtin = _builtin_names()
+    checks: set = set()            # names bound to the chapter's check module
+    modules: set = set()           # names bound by imports (their attributes are read-only)
+    os_names: set = set()          # names bound to the os module
+    trees = []
+    for label, source in cells:
+        try:
+            # line magics, shell escapes and cell magics become get_ipython() calls, refused below
+            trees.append((label, ast.parse(transform(source))))
+        except (SyntaxError, ValueError):
+            continue               # the kernel cannot run it either; the cell's error is reported then
+
+    def refuse(label, why):
+        raise Rejected(f"{label}: {why}")
+
+    for label, tree in trees:     # imports first: they decide what the other names are
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name not in ALLOWED_MODULES:
+                        refuse(label, f"`import {alias.name}` is not allowed "
+                                      f"(allowed: {', '.join(m for m in ALLOWED_MODULES if m != '__future__')})")
+                    modules.add((alias.asname or alias.name).split(".")[0])
+                    if alias.name == "os":
+                        os_names.add(alias.asname or "os")
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                names = [a.name for a in node.names]
+                if node.level or "*" in names:
+                    refuse(label, "relative and `*` imports are not allowed")
+                if module == "atlaslib.exercises" and names == [chapter]:
+                    checks.add(node.names[0].asname or chapter)
+                    continue
+                if module == own_checks:
+                    refuse(label, f"import the checks as a module (`from atlaslib.exercises import {chapter} "
+                                  "as check`), not names from it")
+                if module in helpers:
+                    bad = [n for n in names if n not in helpers[module]]
+                    if bad:
+                        refuse(label, f"`from {module} import {bad[0]}` is not allowed (the library's functions "
+                                      "are not yours to call; the exercises name the helpers you may use)")
+                    continue
+                if module.split(".")[0] == "atlaslib":
+                    refuse(label, f"`from {module} import ...` is not allowed (the library's functions are not "
+                                  "yours to call; the exercises name the helpers you may use)")
+                if module not in ALLOWED_MODULES:
+                    refuse(label, f"`from {module} import ...` is not allowed "
+                                  f"(allowed: {', '.join(m for m in ALLOWED_MODULES if m != '__future__')})")
+                for alias in node.names:
+                    if alias.name in FORBIDDEN_ATTRIBUTES or alias.name.startswith("_") or \
+                            (module == "os" and alias.name not in OS_ATTRIBUTES):
+                        refuse(label, f"`from {module} import {alias.name}` is not allowed")
+                    if module != "__future__":
+                        modules.add(alias.asname or alias.name)
+
+    def root(node):
+        while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def module_level_targets(tree):
+        """Names a cell binds in the notebook's namespace (not inside a function or class)."""
+        out = []
+
+        def visit(node):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.append(node.name)
+                for d in node.decorator_list:
+                    visit(d)
+                return             # their bodies bind local names
+            if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+                return
+            if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                out.append(node.id)
+            elif isinstance(node, ast.alias):
+                out.append((node.asname or node.name).split(".")[0])
+            elif isinstance(node, ast.ExceptHandler) and node.name:
+                out.append(node.name)
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+        visit(tree)
+        return out
+
+    for label, tree in trees:
+        parents = {}
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                parents[child] = node
+        for name in module_level_targets(tree):
+            if name in builtin or name in FORBIDDEN_NAMES or name.startswith("__"):
+                refuse(label, f"the cell rebinds `{name}` for the whole notebook: use another name")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                for name in node.names:
+                    if name in builtin or name.startswith("__"):
+                        refuse(label, f"`global {name}` is not allowed")
+            if isinstance(node, ast.Name):
+                if node.id in FORBIDDEN_NAMES or node.id.startswith("__"):
+                    refuse(label, f"`{node.id}` is not allowed in a graded notebook")
+                if node.id in checks:
+                    parent = parents.get(node)
+                    ok = (isinstance(parent, ast.Attribute) and parent.attr in exercises
+                          and isinstance(parents.get(parent), ast.Call) and parents[parent].func is parent)
+                    if not ok and not isinstance(node.ctx, ast.Store):
+                        refuse(label, f"`{node.id}` (the checks) may only be called as `{node.id}.<exercise>(...)`")
+            elif isinstance(node, ast.Attribute):
+                attr = node.attr
+                if attr in FORBIDDEN_ATTRIBUTES or (attr.startswith("_") and attr not in ALLOWED_DUNDERS):
+                    refuse(label, f"the attribute `.{attr}` is not allowed in a graded notebook")
+                base = root(node)
+                if isinstance(node.value, ast.Name) and node.value.id in os_names and attr not in OS_ATTRIBUTES:
+                    refuse(label, f"`os.{attr}` is not allowed (only `os.environ`)")
+                if isinstance(node.ctx, (ast.Store, ast.Del)) and base in modules | checks:
+                    refuse(label, f"the cell changes `{ast.unparse(node)}`, part of a module: "
+                                  "keep your changes to your own objects")
+            elif isinstance(node, ast.keyword) and node.arg in ("weights_only", "pickle_module"):
+                refuse(label, f"`{node.arg}=` is not allowed (loading pickled objects can run any code)")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name.startswith("__") and node.name not in ALLOWED_DUNDERS \
+                        and not isinstance(parents.get(node), ast.ClassDef):
+                    refuse(label, f"`{node.name}` is not allowed in a graded notebook")
