@@ -1,4 +1,4 @@
-# Every target sets up .venv itself from the pinned requirements.
+# Every target sets up .venv itself from the pinned requirements (runtime, book, dev).
 SHELL := /bin/bash
 VENV  := .venv
 PY    := $(VENV)/bin/python
@@ -19,11 +19,15 @@ export PYTHONHASHSEED := 0
 # claims with bands measured across these settings and seeds (chapters 1-4, MQAR cells).
 export MPLBACKEND := Agg
 
-.PHONY: help venv book test test-lib test-notebooks lab bench experiments aot gpu-test exercises clean mathjax browser
+.PHONY: help venv book test lint test-lib test-notebooks test-fast lab bench experiments aot gpu-test exercises clean mathjax browser
 
 help:
 	@echo "make book       build the HTML book into _build/html"
-	@echo "make test       every test: library, kernels (Triton interpreter), notebooks, grader, book build"
+	@echo "make test       every test: make lint, make test-lib and make test-notebooks"
+	@echo "make lint       ruff (pyflakes, pycodestyle) and mypy on the public entry points"
+	@echo "make test-lib   the tests/ folder: library, kernels (Triton interpreter), grader, book build, browser"
+	@echo "make test-notebooks  the chapters and exercise solutions under nbval (their stored outputs)"
+	@echo "make test-fast  library and kernels only, no browser, book or notebooks (a few minutes): the edit-test loop"
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
@@ -36,9 +40,10 @@ venv: $(STAMP)
 
 # requirements-fla.txt: fla-core, only for `python -m atlaslib.bench --vs fla` (make test runs its CPU side);
 # --no-deps so that it cannot move the torch and triton pinned above.
-$(STAMP): requirements.txt requirements-fla.txt pyproject.toml
+REQUIREMENTS := requirements.txt requirements-book.txt requirements-dev.txt
+$(STAMP): $(REQUIREMENTS) requirements-fla.txt pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check $(addprefix -r ,$(REQUIREMENTS))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-fla.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
@@ -47,10 +52,23 @@ book: $(STAMP) mathjax
 	$(VENV)/bin/jupyter-book build -W -n --keep-going .
 	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) mathjax browser
+test: lint test-lib test-notebooks
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+test-lib: $(STAMP) mathjax browser
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
 	    --sanitize-with tests/nbval_sanitize.cfg book exercises/solutions
+
+# The tests not marked slow (tests/conftest.py lists what is: the book, browser, notebook and grader
+# tests, and the longest library tests): a few minutes on 2 cores.
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab book

@@ -491,7 +491,7 @@ def oversized_build(target_name: str = "sm_80", full: bool = True) -> Build:
 
 
 def format_table(results: list[Build]) -> str:
-    from .train import format_table as table
+    from .tables import format_table as table
     rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
              "regs": r.registers, "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",

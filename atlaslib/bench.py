@@ -59,7 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .core.benchcases import BENCH_CASES, BenchCase, BenchShape, register_bench_case  # noqa: F401
-from .train import format_table
+from .tables import format_table
 
 
 def load_chapter_cases() -> None:

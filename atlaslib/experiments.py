@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from .nn import TinyLM
-from .train import MQARTask, format_table, train_mqar
+from .tables import format_table
+from .train import MQARTask, train_mqar
 
 
 def mixer_specs(window: int) -> list[tuple[str, str, dict]]:
@@ -270,8 +271,9 @@ def make_cell(size: str, s: Size, task: tuple, spec: tuple, lr: float, seed: int
             "warmup": min(s.warmup, steps)}
 
 
-KEY_FIELDS = ("size", "vocab_size", "seq_len", "num_kv_pairs", "random_filler", "num_train", "num_test", "d_model", "n_layers",
-              "n_heads", "mixer", "mixer_name", "mixer_kwargs", "lr", "seed", "steps", "batch_size", "warmup")
+KEY_FIELDS = ("size", "vocab_size", "seq_len", "num_kv_pairs", "random_filler", "num_train", "num_test", "d_model",
+              "n_layers", "n_heads", "mixer", "mixer_name", "mixer_kwargs", "lr", "seed", "steps", "batch_size",
+              "warmup")
 
 
 def cell_key(record: dict) -> str:
@@ -388,7 +390,7 @@ def report(out: str) -> str:
     if not records:
         return f"no results in {out} (nor its .rank* files)"
     if records[0]["size"] == "inversion":
-        return (f"MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
+        return ("MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
                 + format_table(inversion_table(records)))
     rows = leaderboard(records)
     text = format_table(rows, digits=3).replace("grows with T", "-")

@@ -32,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .nn import TinyLM
+# Re-exported: the chapters' notebooks import the table formatters from here.
+from .tables import format_table as format_table, print_table as print_table
 from .tasks import mqar
 
 
@@ -186,31 +188,6 @@ def compare_mixers(mixers, task: MQARTask | None = None, *, d_model: int = 64, n
                      "accuracy": res.accuracy, "final_loss": sum(tail) / len(tail),
                      "seconds": res.seconds})
     return rows
-
-
-def _fmt(x, digits):
-    if x is None:
-        return "grows with T"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
-
-
-def format_table(rows: list[dict], columns: list[str] | None = None, digits: int = 3) -> str:
-    """An aligned text table of a list of dicts (floats rounded to ``digits``; None -> 'grows with T')."""
-    if not rows:
-        return "(no rows)"
-    columns = columns or list(rows[0])
-    cells = [[_fmt(r.get(c), digits) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
-
-
-def print_table(rows: list[dict], columns: list[str] | None = None, digits: int = 3) -> None:
-    print(format_table(rows, columns, digits))
 
 
 def _init_distributed() -> torch.device:

@@ -61,7 +61,8 @@ def test_convergent_coefficients_reach_the_polar_factor(gen, coeffs, enough, too
 # Measured (fp64, 16 x 32, any seed): Muon's coefficients put the singular values in
 # [0.682, 1.134] after 5 steps at condition 100 ([0.683, 1.132] at 10; at 1000 the smallest is
 # still 0.37 after 5 steps and joins the band by step 10), and they stay in [0.682, 1.134] after
-# 30 steps: a band around 1, not convergence (measured: about [0.68, 1.20] after 5 steps on ill-conditioned inputs, [0.68, 1.13] after 30).
+# 30 steps: a band around 1, not convergence (measured: about [0.68, 1.20] after 5 steps on ill-conditioned
+# inputs, [0.68, 1.13] after 30).
 def test_muon_coefficients_settle_in_a_band(gen):
     G = ill_conditioned(gen, 16, 32, 100.0, batch=(4,))
     s5 = torch.linalg.svdvals(newton_schulz(G, 5, "muon"))

@@ -30,7 +30,8 @@ def inputs(gen, B=2, H=2, T=37, K=20, V=12, scale=0.4, gates=True, dtype=torch.f
 
 def reference(q, k, v, alpha, eta, **kw):
     """The chunk form in fp64 on the same (rounded) inputs."""
-    d = (lambda x: None if x is None else x.double())
+    def d(x):
+        return None if x is None else x.double()
     o, _ = deep_transformer(q.double(), k.double(), v.double(), alpha=d(alpha), eta=d(eta), backend="chunk",
                             chunk_size=7, **kw)
     return o
@@ -228,7 +229,8 @@ def dot_inputs(gen, B=1, H=2, T=45, K=24, V=40, gates=True, dtype=torch.float32)
 
 def dot_definition(q, k, v, alpha, eta):
     """``dot_coefficient_recurrent`` (per token, the definition) in fp64 on the same (rounded) inputs."""
-    d = (lambda x: None if x is None else x.double())
+    def d(x):
+        return None if x is None else x.double()
     o, _ = dot_coefficient_recurrent(q.double(), k.double(), v.double(), d(alpha), d(eta), "exp")
     return o
 
@@ -324,6 +326,7 @@ def test_dot_taylor_c1_runs_chapter_2s_kernel_on_the_features(gen):
     ref = []
     for t in range(T):       # M_t = alpha_t M_{t-1} - eta_t (M_{t-1} phi(k_t) - v_t) phi(k_t)^T
         err = torch.einsum("bhvd,bhd->bhv", M, fk[:, :, t]) - v[:, :, t].double()
-        M = alpha[:, :, t, None, None].double() * M - eta[:, :, t, None, None].double() * err[..., None] * fk[:, :, t, None, :]
+        step = eta[:, :, t, None, None].double() * err[..., None] * fk[:, :, t, None, :]
+        M = alpha[:, :, t, None, None].double() * M - step
         ref.append(torch.einsum("bhvd,bhd->bhv", M, fq[:, :, t]))
     assert_close(tri.double(), torch.stack(ref, 2), tol=1e-5, name="dot taylor c=1 triton vs definition")

@@ -59,7 +59,7 @@ def _call(chapter, dtype, K=8):
                                              ("deep", "atlaslib.deep")])
 def test_every_chapter_applies_its_kernel_limits_the_same_way(monkeypatch, chapter, module):
     import importlib
-    mod = importlib.import_module(module)
+    importlib.import_module(module)
     choices = []
 
     real = dispatch.resolve_backend

@@ -82,8 +82,9 @@ def left_multiplied_when_square(M, k, v, beta, alpha):
 @pytest.mark.parametrize("wrong", [
     lambda M, k, v, beta, alpha: step_explicit(M, k, v, beta, torch.ones_like(alpha)),          # no decay
     lambda M, k, v, beta, alpha: alpha[:, :, None, None] * M
-    - beta[:, :, None, None] * outer(mv(M, k) - v, k),                                           # gradient at M, not alpha M
-    lambda M, k, v, beta, alpha: alpha[:, :, None, None] * step_explicit(M, k, v, beta, torch.ones_like(alpha)),  # decay last
+    - beta[:, :, None, None] * outer(mv(M, k) - v, k),                    # gradient at M, not alpha M
+    lambda M, k, v, beta, alpha: alpha[:, :, None, None] * step_explicit(M, k, v, beta,
+                                                                         torch.ones_like(alpha)),  # decay last
     lambda M, k, v, beta, alpha: step_explicit(M, k, v, -beta, alpha),                           # ascent
     left_multiplied_when_square,
 ], ids=["no_decay", "gradient_at_M", "decay_after", "sign", "left_multiplied"])
@@ -276,7 +277,8 @@ def chunk_matrix_variants(k_ptr, beta_ptr, g_ptr, out_ptr, n, K, BT: tl.constexp
     tl.store(out_ptr + i * n * n + r[:, None] * n + r[None, :], A, mask=m_out)
 
 
-def chunk_matrix_launcher(mask_loads=True, mask_store=True, diagonal=False, beta_of_column=False, lower_store_only=False):
+def chunk_matrix_launcher(mask_loads=True, mask_store=True, diagonal=False, beta_of_column=False,
+                          lower_store_only=False):
     def launch(k, beta, g, out):
         N, n, K = k.shape
         BT, BK = (max(16, triton.next_power_of_2(x)) for x in (n, K))

@@ -299,7 +299,8 @@ def test_answers_that_call_newton_schulz_fail():
 
     def momenta_from_library_ratios(S0, grad, theta):
         h = torch.log(theta.clamp_min(1e-26)).cumsum(-1)
-        return torch.einsum("nti,nivd->ntvd", optimizer_module.decay_matrix(h), grad) + h.exp()[..., None, None] * S0[:, None]
+        decayed = torch.einsum("nti,nivd->ntvd", optimizer_module.decay_matrix(h), grad)
+        return decayed + h.exp()[..., None, None] * S0[:, None]
     v = ch05.momenta.evaluate(momenta_from_library_ratios)
     assert v.status == "failed" and "atlaslib.miras.optimizer.decay_matrix" in v.message, v.message
 

@@ -113,7 +113,8 @@ def test_taylor_approximates_exp(gen):
 
 @pytest.mark.parametrize("p,expected", [(1, 5), (2, 15), (3, 35)])
 def test_prop2_capacity_thresholds(gen, p, expected):
-    """[A] Prop. 2 (corrected): a linear memory on phi_p features fits m generic pairs exactly iff m <= C(d_k + p, p)."""
+    """[A] Prop. 2 (corrected): a linear memory on phi_p features fits m generic pairs exactly iff
+    m <= C(d_k + p, p)."""
     d_k = d_v = 4
     fits = []
     for m in range(1, expected + 6):

@@ -10,14 +10,15 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "atlaslib"
 import atlaslib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "atlaslib"
 
 # Chapter packages still being written, not yet in atlaslib.CHAPTERS (which needs the notebook and the
 # exercises): their imports are checked here all the same.
 IN_PROGRESS = {}
 CHAPTERS = {"core": 0, **atlaslib.CHAPTERS, **IN_PROGRESS}                   # package -> chapter
-TOOLS = {"bench", "bench_fla", "aot", "grade", "train"}                                 # top-level tools, never imported by chapters
+TOOLS = {"bench", "bench_fla", "aot", "grade", "train"}                      # top-level tools, never imported by chapters
 
 
 def package_of(module: str):
@@ -25,9 +26,10 @@ def package_of(module: str):
     return parts[1] if len(parts) > 1 and parts[0] == "atlaslib" else None
 
 
-def imports_of(path: pathlib.Path):
-    """Absolute names of the atlaslib modules that ``path`` imports, anywhere in the file."""
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def imports_of(path: pathlib.Path, root: pathlib.Path = ROOT.parent):
+    """Absolute names of the atlaslib modules that ``path`` (a file under ``root``/atlaslib) imports,
+    anywhere in the file."""
+    rel = path.relative_to(root).with_suffix("")
     here = list(rel.parts if rel.name != "__init__" else rel.parts[:-1])
     pkg = here if path.name == "__init__.py" else here[:-1]
     found = []
@@ -79,19 +81,28 @@ def test_every_package_has_a_chapter_number():
     assert packages - set(CHAPTERS) <= {"nn", "tasks", "exercises"}, sorted(packages - set(CHAPTERS))
 
 
-@pytest.mark.parametrize("src, target, ok", [("omega", "atlaslib.miras", True), ("miras", "atlaslib.omega.chunk", False),
+@pytest.mark.parametrize("src, target, ok", [("omega", "atlaslib.miras", True),
+                                             ("miras", "atlaslib.omega.chunk", False),
                                              ("linear", "atlaslib.bench", False)])
-def test_the_check_can_fail(src, target, ok):
-    """The parser sees a relative import of a later chapter, or of the benchmark, for what it is."""
-    fake = ROOT / src / "_probe_import.py"
+def test_the_check_can_fail(src, target, ok, tmp_path):
+    """The parser sees a relative import of a later chapter, or of the benchmark, for what it is
+    (the probe is written to a copy of the package layout under tmp_path, never into atlaslib/)."""
+    fake = tmp_path / "atlaslib" / src / "_probe_import.py"
+    fake.parent.mkdir(parents=True)
     fake.write_text(f"def f():\n    from ..{target.split('.', 1)[1]} import something\n")
-    try:
-        names = imports_of(fake)
-        assert names == [target]
-        dst = package_of(target)
-        assert (dst in CHAPTERS and CHAPTERS[dst] <= CHAPTERS[src]) == ok
-    finally:
-        fake.unlink()
+    names = imports_of(fake, root=tmp_path)
+    assert names == [target]
+    dst = package_of(target)
+    assert (dst in CHAPTERS and CHAPTERS[dst] <= CHAPTERS[src]) == ok
+
+
+def test_production_code_does_not_import_the_test_helpers():
+    """``core.testing`` (poisoning, random inputs, tolerances) is for tests, exercises and notebooks:
+    only the exercises and ``core/__init__.py`` (which re-exports it) may import it."""
+    wrong = [f"{path.relative_to(ROOT.parent)} imports {target}" for path in library_files()
+             if "exercises" not in path.parts and path != ROOT / "core" / "__init__.py"
+             for target in imports_of(path) if target.startswith("atlaslib.core.testing")]
+    assert not wrong, "\n".join(wrong)
 
 
 # Internals a chapter teaches by name, which exercise checks may use (CONTRIBUTING.md lists them).
@@ -120,7 +131,7 @@ def test_exercise_checks_use_public_functions_or_stable_internals():
     wrong = []
     for path in sorted((ROOT / "exercises").glob("ch[0-9][0-9].py")):
         for mod, name in imported_names(path):
-            if mod.startswith("atlaslib.exercises") or mod == "atlaslib.core.testing" or mod == "atlaslib.core.dispatch":
+            if mod.startswith("atlaslib.exercises") or mod in ("atlaslib.core.testing", "atlaslib.core.dispatch"):
                 continue                                   # the exercises' own helpers, test inputs, interpreter check
             public = getattr(importlib.import_module(mod), "__all__", None)
             if name in STABLE_INTERNALS.get(mod, ()) or (public is not None and name in public):

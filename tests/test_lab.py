@@ -248,7 +248,7 @@ def test_chapter_runs_in_jupyterlab_and_its_widget_responds(lab):
         slider.wait_for(timeout=30_000)
         cell = page.locator(".jp-CodeCell").filter(has=page.locator(SLIDER)).first
         cell.scroll_into_view_if_needed()
-        page.wait_for_function(f"c => c.querySelector('.widget-output, .jp-OutputArea-child')",
+        page.wait_for_function("c => c.querySelector('.widget-output, .jp-OutputArea-child')",
                                arg=cell.element_handle(), timeout=30_000)
         before = cell.evaluate(OUTPUT_SNAPSHOT_JS)
         readout_before = slider.locator(".widget-readout").inner_text()

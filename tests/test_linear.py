@@ -255,6 +255,15 @@ def test_rel_rmse_and_poison():
     from atlaslib.core import empty
     with poisoned_outputs():
         assert torch.isnan(empty(3)).all()
+        assert not empty(3, dtype=torch.int64).isnan().any()
+    from atlaslib.core import alloc
+    assert alloc.allocate is torch.empty                           # restored after the block
+
+
+def test_poisoned_fixture(poisoned):
+    """The fixture swaps the kernels' allocation hook for the whole test; the library never does."""
+    from atlaslib.core import alloc, empty
+    assert torch.isnan(empty(2, 3)).all() and alloc.allocate is not torch.empty
 
 
 def mixed_channel_gates(gen, B, H, T, K, reset=0.0):

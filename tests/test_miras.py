@@ -306,7 +306,8 @@ def test_per_token_engine_matches_oracle(gen, name, overrides):
 
 
 def test_linear_memory_axes_against_formulas(gen):
-    """Every bias, and the elastic-net and lq retentions, with a linear memory: g = psi(e) k^T (book ch. 3 §4 and §5)."""
+    """Every bias, and the elastic-net and lq retentions, with a linear memory: g = psi(e) k^T
+    (book ch. 3 §4 and §5)."""
     B, H, T, K, V = 1, 2, 9, 5, 4
     q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
     delta = random_gate(B, H, T, low=0.05, high=1.5, dtype=F64, generator=gen)
@@ -386,11 +387,11 @@ def test_theorem_2_2_ftrl_equals_learning_retaining(gen):
     q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
     eta = 0.7
     grads = []
+    W_t = torch.zeros(V, K, dtype=F64)                                   # W_0
     for t in range(1, T + 1):
         _, s = miras(q[:, :, :t], k[:, :, :t], v[:, :, :t], preset="deltanet", eta=eta, output_final_state=True,
                      backend="recurrent")
-        W_prev = torch.zeros(V, K, dtype=F64) if t == 1 else W_t
-        W_t = s.memory[0, 0]
+        W_prev, W_t = W_t, s.memory[0, 0]
         e = W_prev @ k[0, 0, t - 1] - v[0, 0, t - 1]
         grads.append(torch.outer(e, k[0, 0, t - 1]))                  # g_t = grad l2 at W_{t-1}
         X = torch.zeros(V, K, dtype=F64, requires_grad=True)

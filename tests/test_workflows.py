@@ -5,7 +5,8 @@ vendors (SchemaStore's, so no network is needed): unknown or misspelled keys, ba
 values, a job with no `runs-on`, a step that neither `uses` nor `run`s. The schema sees one
 object at a time, so the cross-references it cannot see are checked here: every `needs`
 names a job of the same file, every `steps.<id>` an expression reads is a step of that job,
-and every action is pinned to a version.
+and every action is pinned to a version. Then the gate: `make test` runs on pushes and pull requests
+(test.yml), and the book is published only after it succeeds on main (book.yml).
 
 (actionlint would be the fuller linter, but its PyPI wrapper downloads the binary from
 GitHub while it installs, which fails where `make test` has only the package index.)
@@ -21,6 +22,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.y*ml"))
 BOOK = ROOT / ".github" / "workflows" / "book.yml"
+TESTS = ROOT / ".github" / "workflows" / "test.yml"
 
 
 def schema_errors(path: Path) -> str:
@@ -30,7 +32,7 @@ def schema_errors(path: Path) -> str:
          "--output-format", "text", str(path)],
         capture_output=True, text=True)
     if "No module named check_jsonschema" in run.stderr:
-        pytest.fail("check-jsonschema is missing: `make venv` installs it from requirements.txt")
+        pytest.fail("check-jsonschema is missing: `make venv` installs it from requirements-dev.txt")
     return "" if run.returncode == 0 else (run.stdout + run.stderr)
 
 
@@ -81,7 +83,7 @@ def findings(path: Path) -> list[str]:
 
 
 def test_there_are_workflows():
-    assert BOOK in WORKFLOWS
+    assert BOOK in WORKFLOWS and TESTS in WORKFLOWS
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
@@ -130,6 +132,77 @@ def test_config_points_the_buttons_at_the_branch_the_workflow_publishes():
     assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repo["url"]), repo["url"]
     assert config["html"]["use_repository_button"] and config["html"]["use_issues_button"]
     assert config["html"]["use_download_button"]
-    # PyYAML reads the bare key `on` as True (YAML 1.1).
-    triggers = yaml.safe_load(BOOK.read_text(encoding="utf-8"))[True]
-    assert triggers["push"]["branches"] == [repo["branch"]]
+    assert triggers_of(BOOK.read_text(encoding="utf-8"))["workflow_run"]["branches"] == [repo["branch"]]
+
+
+def triggers_of(text: str) -> dict:
+    """The `on:` mapping of a workflow (PyYAML reads the bare key `on` as True, YAML 1.1)."""
+    workflow = yaml.safe_load(text)
+    on = workflow.get(True, workflow.get("on"))
+    return {on: None} if isinstance(on, str) else {name: None for name in on} if isinstance(on, list) else on
+
+
+def test_the_test_workflow_runs_make_test_on_pushes_and_pull_requests():
+    text = TESTS.read_text(encoding="utf-8")
+    triggers = triggers_of(text)
+    assert "push" in triggers and "pull_request" in triggers
+    for event in ("push", "pull_request"):                      # no branch filter: every push, every PR
+        assert not (triggers[event] or {}).get("branches"), f"test.yml runs on {event} to some branches only"
+    steps = [step for job in jobs_of(TESTS).values() for step in job.get("steps") or []]
+    assert any(step.get("run", "").strip() == "make test" for step in steps)
+
+
+GREEN = "github.event.workflow_run.conclusion == 'success'"
+
+
+def gate_problems(book_text: str, tests_text: str) -> list[str]:
+    """Why the book workflow could publish without a green `make test` ([] when it cannot)."""
+    problems = []
+    triggers = triggers_of(book_text)
+    if set(triggers) != {"workflow_run"}:
+        problems.append(f"book.yml must run only after the tests (workflow_run), not on {sorted(set(triggers))}")
+    run = triggers.get("workflow_run") or {}
+    test_name = yaml.safe_load(tests_text)["name"]
+    if run.get("workflows") != [test_name]:
+        problems.append(f"book.yml follows {run.get('workflows')}, not the test workflow {test_name!r}")
+    if run.get("types") != ["completed"]:
+        problems.append("book.yml must follow completed test runs")
+    jobs = yaml.safe_load(book_text).get("jobs") or {}
+
+    def gated(name, seen=()):
+        job = jobs.get(name) or {}
+        if GREEN in " ".join(str(job.get("if", "")).split()):
+            return True
+        needs = job.get("needs") or []
+        needs = [needs] if isinstance(needs, str) else needs
+        return any(gated(n, seen + (name,)) for n in needs if n not in seen)
+    problems += [f"job {name} runs whatever the tests concluded" for name in jobs if not gated(name)]
+    checkouts = [step for job in jobs.values() for step in job.get("steps") or []
+                 if step.get("uses", "").startswith("actions/checkout@")]
+    if any((step.get("with") or {}).get("ref") != "${{ github.event.workflow_run.head_sha }}" for step in checkouts):
+        problems.append("book.yml must check out the commit the tests passed (workflow_run.head_sha)")
+    return problems
+
+
+def test_the_book_is_published_only_after_the_tests_pass():
+    problems = gate_problems(BOOK.read_text(encoding="utf-8"), TESTS.read_text(encoding="utf-8"))
+    assert not problems, "\n".join(problems)
+
+
+# Each a small edit of book.yml that would publish a book whose tests failed or never ran.
+GATE_BREAKAGES = {
+    "published on push": ("on:\n  workflow_run:\n", "on:\n  push:\n    branches: [main]\n  workflow_run:\n"),
+    "no success check": (GREEN + " &&", "true &&"),
+    "follows another workflow": ("workflows: [test]", "workflows: [lint]"),
+    "a job outside the gate": ("  deploy:\n    needs: build\n", "  deploy:\n"),
+    "builds the branch tip": ("ref: ${{ github.event.workflow_run.head_sha }}", "ref: main"),
+}
+
+
+@pytest.mark.parametrize("name", GATE_BREAKAGES)
+def test_the_gate_check_can_fail(name):
+    old, new = GATE_BREAKAGES[name]
+    text = BOOK.read_text(encoding="utf-8")
+    assert text.count(old) == 1, f"book.yml changed: update the '{name}' breakage"
+    assert gate_problems(text.replace(old, new), TESTS.read_text(encoding="utf-8")), \
+        f"the gate check passed a book workflow with {name}"

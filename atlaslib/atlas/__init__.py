@@ -13,14 +13,17 @@ same rule.
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_schulz, ns_coefficients, polar
+from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE, MirasConfig, MirasState, make_config, miras
 from ..omega import check_window
@@ -41,7 +44,8 @@ NO_KERNEL = ("the Triton kernel (Newton-Schulz on the momenta) serves memory='li
              "atlaslib.miras: use backend='chunk' or 'recurrent'")
 
 
-def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5, coeffs="muon") -> MirasConfig:
+def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5,
+                 coeffs: Coefficients = "muon") -> MirasConfig:
     """ATLAS as a MIRAS configuration: l2 bias, decay after the gradient, Muon with NS_k.
 
     ``atlaslib.miras.miras(q, k, v, config=atlas_config(), ...)`` runs the same model as
@@ -92,9 +96,11 @@ def kernel_limits(fq, V, coeffs):
             f"or more than 3 coefficients")
 
 
-def atlas(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
-          phi=None, memory="linear", initial_state=None, output_final_state=False, backend="auto",
-          chunk_size=ATLAS_CHUNK_SIZE, log_alpha=None):
+def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
+          eta: Gate = None, theta: Gate = None, ns_steps: int = 5, coeffs: Coefficients = "muon",
+          phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
+          output_final_state: bool = False, backend: str = "auto", chunk_size: int = ATLAS_CHUNK_SIZE,
+          log_alpha: Gate = None) -> ModelOutput:
     """ATLAS: the Omega window, momentum, and Newton–Schulz on the momentum ([A] eqs 32-33).
 
         ∇_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)

@@ -17,7 +17,7 @@ Newton–Schulz sets a floor under every backend: each token's momentum is ortho
 rounds of three small matrix products per token, in the per-token loop and in the chunk form
 alike (the chunk form batches them, it does not remove them). On a CPU, where batching buys
 little, the chunk form is therefore only somewhat faster than the loop at K = V = 64: for
-B = 1, H = 4, T = 1024, fp32, chunk length 64, one thread of the 2-core sandbox, 1.47 s vs
+B = 1, H = 4, T = 1024, fp32, chunk length 64, one CPU thread, 1.47 s vs
 1.84 s at c = 1 and 1.06 s vs 1.41 s at c = 8, with Newton–Schulz 83% and 82% of the chunk
 form's time (T = 4096: 4.82 s vs 6.68 s and 4.57 s vs 6.69 s, 84% and 83%); the gap is the
 rest of the rule. (With two threads on a machine that another job

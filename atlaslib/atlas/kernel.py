@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..core.kernels import dot_tile
 from ..core.newton_schulz import NORM_EPS, check_ns_steps, ns_coefficients
-from ..core.testing import empty
+from ..core.alloc import empty
 from ..miras import DEFAULT_CHUNK_SIZE
 from .chunk import atlas_chunk
 

@@ -29,10 +29,14 @@ read one cached state at a time, soup one token at a time).
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Sequence
+
 import torch
+from torch import Tensor
 
 from ..core import check_chunk_size, check_qkv
 from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
+from ..core.types import ModelOutput
 from .base import base_name, check_base
 from .chunk import AGGREGATES, cached_readout, check_top_k, memory_caching_chunk, readout_weights
 from .recurrent import memory_caching_recurrent
@@ -57,9 +61,12 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 
 
-def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="residual", top_k=None, u=None,
-                   pool="mean", base_kwargs=None, initial_state=None, output_final_state=False, backend="auto",
-                   chunk_size=DEFAULT_CHUNK_SIZE, stats=None):
+def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput],
+                   segments: int | Sequence[int] | str = 64, mode: str = "checkpoint", aggregate: str = "residual",
+                   top_k: int | None = None, u: Tensor | None = None, pool: str = "mean",
+                   base_kwargs: dict[str, Any] | None = None, initial_state: Any = None,
+                   output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   stats: dict[str, Any] | None = None) -> ModelOutput:
     """Memory Caching over any base model ([MC] eqs. 4-17).
 
     Within segment s the base runs as usual, M^(s)_t = f(M^(s)_{t-1}; k_t, v_t); the final state of
@@ -145,7 +152,7 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
     return o, (state if output_final_state else None)
 
 
-def log_linear_pp(q, k, v, *, base, **options):
+def log_linear_pp(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput], **options: Any) -> ModelOutput:
     """Log-Linear++ ([MC] §4.3): GRM over the log-linear segmentation with independent compressors,
     i.e. ``memory_caching(segments="log", mode="independent", aggregate="grm")``; other options
     (u, pool, base_kwargs, initial_state, output_final_state, backend, chunk_size) as there."""

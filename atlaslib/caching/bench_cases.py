@@ -24,9 +24,9 @@ n outputs of a run on T tokens are those of the run on n.
 
     python -m atlaslib.bench --threads 1 --T 1024 4096 --models mc_gdn_c64 mc_gdn_c256 mc_gdn_log
 
-Measured with that command on 2026-11-26 (B = 1, H = 4, K = V = 64, fp32, chunk length 64, one thread
-of a 2-core CPU sandbox, load average ~0.8; absolute times drift with the neighbours' load). The
-chunk form, median of 3 interleaved calls, and its peak memory:
+What that command reports on one CPU thread (B = 1, H = 4, K = V = 64, fp32, chunk length 64; the
+absolute times depend on the machine, the ratios much less). The chunk form, median of 3 interleaved
+calls, and its peak memory:
 
     segments       T = 1024            T = 4096
     C = 64         58 ms,  16 MiB      289 ms,  64 MiB
@@ -47,7 +47,7 @@ chunk (median of 3) on the same tokens:
 
 The target, chunk >= 10x faster than the loop at T = 4096: met for C = 256 (22x, in the note) and for
 C = 64 (the loop timed once outside the benchmark, ``mc_builder(64)`` called directly with the same
-inputs and thread count on a busier stretch: 24.2 s against 0.28-0.43 s for the chunk form, 57-86x).
+inputs and thread count: 24.2 s against 0.28-0.43 s for the chunk form, 57-86x).
 Not met for log-linear: 8.3x. Its chunk form does the loop's base work too (every block compressed
 from the start state, T log2 T tokens in short blocks), so the loop's overhead is a smaller share; a
 linear base could sum the large blocks' states from the small ones, the delta rule cannot. At T = 1024

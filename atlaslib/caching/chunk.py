@@ -66,7 +66,7 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     """y_t = gamma_s(t) online_t + sum_{n in blocks[t]} gamma_n(t) M^(n) q_t for matrix memories.
 
     q [B, H, T, K] (features phi(q)), u [B, H, T, Ku] (None: q), states [B, H, N, V, K] (cached final
-    states, fp32), pooled [B, H, N, Ku] (pooled keys of each cached segment), online [B, H, T, V] (the
+    states, fp32 or fp64), pooled [B, H, N, Ku] (pooled keys of each cached segment), online [B, H, T, V] (the
     base's output inside the current segment), online_score [B, H, T] (r_s = <u_t, pooled online
     keys>), blocks int64 [T, J] (the cached states token t reads, -1 padded). aggregate: "residual",
     "grm", "soup" (== grm for a matrix memory) or "ssc" (with top_k). Returns y [B, H, T, V] in q's

@@ -14,7 +14,6 @@ This is the reference the chunk form is tested against; it is slow on purpose.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -1,11 +1,11 @@
 """Shared parts: input checks, feature maps, reference attention, testing helpers, dispatch."""
+from .alloc import empty
 from .attention import softmax_attention
 from .dispatch import BACKENDS, interpreter_on, resolve_backend, with_chunk_backward
 from .featuremaps import (FEATURE_MAPS, TaylorFeatures, apply_feature_map, check_degree, elu_plus_one,
                           get_feature_map, identity, monomial_dim, monomial_features, taylor_features,
                           tensor_power)
-from .testing import (TOLERANCE, assert_close, empty, poisoned_outputs, random_gate, random_qkv,
-                      rel_rmse)
+from .testing import TOLERANCE, assert_close, poisoned_outputs, random_gate, random_qkv, rel_rmse
 from .validation import check_chunk_size, check_gate, check_qkv, check_state, check_tensor, gate_or_number
 
 __all__ = [

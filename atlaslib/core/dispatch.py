@@ -175,7 +175,8 @@ class ChunkBackward(torch.autograd.Function):
             outs = ctx.forward_chunk(*inputs)
             pairs = [(o, g) for o, g in zip(outs, grad_outs) if o is not None and g is not None and o.requires_grad]
             wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True) if pairs and wrt else []
+            grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                     if pairs and wrt else [])
         it = iter(grads)
         result = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
         return (None, None, *result)

@@ -3,9 +3,9 @@
 Every public function that takes ``alpha`` also takes ``log_alpha``. The log is the form that
 survives low precision: the largest bf16 number below 1 is 1 - 2^-8, so every gate above
 1 - 2^-9 (1 - 2^-12, say) is exactly 1.0 in bf16 and a memory meant to forget over thousands
-of tokens never forgets, while its log, -2.4e-4, is an ordinary number in any float format. ``log_alpha`` must therefore come
-in fp32 or fp64 and is never rounded to the activation dtype; the chunk forms and kernels use it
-as it is (``core.chunking.gate_logs``), the per-token loops get exp(log_alpha) in their compute
+of tokens never forgets, while its log, -2.4e-4, is an ordinary number in any float format.
+``log_alpha`` must therefore come in fp32 or fp64 and is never rounded to the activation dtype; the chunk
+forms and kernels use it as it is (``core.chunking.gate_logs``), the per-token loops get exp(log_alpha) in their compute
 dtype (fp32/fp64, which does hold 1 - 2^-12).
 """
 from __future__ import annotations

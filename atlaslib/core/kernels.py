@@ -6,7 +6,7 @@ registers. So every host wrapper does the same set-up around its own inputs, and
 holds it once:
 
 * ``forward_launch``: refuses fp64, allocates the output o [B, H, T, V] (and, through
-  ``ForwardLaunch.state``, fp32 final states [B, H, V, K]) with ``core.testing.empty`` so the
+  ``ForwardLaunch.state``, fp32 final states [B, H, V, K]) with ``core.alloc.empty`` so the
   tests can poison them, and gives the grid (B*H, cdiv(V, BV)), the strides of q, k, v, o and
   the ``tl.dot`` precision. The kernels index q, k, v through their strides, so views (the
   mixers hand in [B, T, H, K] tensors transposed to [B, H, T, K]) are read in place;
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .chunking import gate_logs
-from .testing import empty
+from .alloc import empty
 
 GATE_NONE = tl.constexpr(0)       # no retention: M <- M + v k^T
 GATE_SCALAR = tl.constexpr(1)     # log-gates [B, H, T]: one decay per token

@@ -6,6 +6,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from . import alloc
+
 # Relative-RMSE thresholds by dtype: fp32 references agree to rounding; low precision
 # kernels accumulate in fp32 but round their inputs and outputs.
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -44,31 +46,32 @@ def assert_close(actual, expected, tol: float | None = None, name: str = "output
         diff = (actual.double() - expected.double()).abs()
         idx = torch.nonzero(diff == diff.max())[0].tolist()
         raise AssertionError(
-            f"{name}: relative RMSE {err:.3g} > {tol:.3g}{'' if scale is None else ' (against the scale)'}; largest difference {diff.max().item():.3g} "
+            f"{name}: relative RMSE {err:.3g} > {tol:.3g}{'' if scale is None else ' (against the scale)'}; "
+            f"largest difference {diff.max().item():.3g} "
             f"at index {idx} (got {actual[tuple(idx)].item():.6g}, expected {expected[tuple(idx)].item():.6g})")
     return err
 
 
-_POISON = [False]
+def nan_filled(allocate):
+    """An allocator like ``allocate`` whose floating-point buffers come back filled with NaN."""
+    def nan_empty(*shape, **kw) -> torch.Tensor:
+        x = allocate(*shape, **kw)
+        if x.is_floating_point():
+            x.fill_(float("nan"))
+        return x
+    return nan_empty
 
 
 @contextlib.contextmanager
 def poisoned_outputs():
-    """Inside this block, ``empty`` fills new buffers with NaN so unwritten outputs show up."""
-    old = _POISON[0]
-    _POISON[0] = True
+    """Inside this block, the kernels' buffers (``core.alloc.empty``) are NaN-filled, so unwritten
+    outputs show up. It swaps the allocation hook ``core.alloc.allocate`` and restores it after."""
+    old = alloc.allocate
+    alloc.allocate = nan_filled(old)
     try:
         yield
     finally:
-        _POISON[0] = old
-
-
-def empty(*shape, **kw) -> torch.Tensor:
-    """``torch.empty``, but NaN-filled inside ``poisoned_outputs()``; kernels allocate with this."""
-    x = torch.empty(*shape, **kw)
-    if _POISON[0] and x.is_floating_point():
-        x.fill_(float("nan"))
-    return x
+        alloc.allocate = old
 
 
 def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu", seed=None,

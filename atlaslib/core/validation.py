@@ -129,7 +129,7 @@ def check_chunk_size(chunk_size) -> int:
 
 
 def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: torch.Tensor, *,
-                   low: float = 0.0, high: float | None = 1.0, width: int | None = None):
+                   low: float = 0.0, high: float | None = 1.0, width: int | None = None) -> torch.Tensor | None:
     """A gate given as a tensor [B, H, T] (or [B, H, T, width]) or as one number for every token.
 
     A number is checked against [low, high] and becomes a [B, H, T] tensor in ``cd`` on ``ref``'s

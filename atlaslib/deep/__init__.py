@@ -39,12 +39,16 @@ gradients per chunk, as chapter 4's).
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
+from torch import Tensor
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
+from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_rule
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
@@ -80,7 +84,7 @@ def check_memory(memory, activation=None, initial_state=None, model="deep_transf
         return None
     return check_activation("gelu" if activation is None else activation)
 
-def default_chunk_size(chunk_size, frozen: bool) -> int:
+def default_chunk_size(chunk_size: int | None, frozen: bool) -> int:
     """chunk_size=None: DEFAULT_CHUNK_SIZE where every b is exact, FROZEN_CHUNK_SIZE where b is part of the model."""
     if chunk_size is None:
         return FROZEN_CHUNK_SIZE if frozen else DEFAULT_CHUNK_SIZE
@@ -132,9 +136,11 @@ def kernel_unsupported(q):
     return lazy(f"{__name__}.kernel", "unsupported")(q)
 
 
-def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normalize=False, window=None,
-                     memory="linear", initial_state=None, output_final_state=False, backend="auto",
-                     chunk_size=None, log_alpha=None, activation=None):
+def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None,
+                     phi_star: str | tuple[str, int] = "kernel", normalize: bool = False, window: int | None = None,
+                     memory: str = "linear", initial_state: Any = None, output_final_state: bool = False,
+                     backend: str = "auto", chunk_size: int | None = None, log_alpha: Gate = None,
+                     activation: str | None = None) -> ModelOutput:
     """DeepTransformer ([A] eq. 25) with a linear or deep memory; ``window=c`` gives SWDT (linear memory).
 
         M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
@@ -242,8 +248,10 @@ def deep_transformer(q, k, v, *, alpha=None, eta=None, phi_star="kernel", normal
     return o.to(q.dtype), (state if output_final_state else None)
 
 
-def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel", memory="linear",
-        initial_state=None, backend="auto", chunk_size=None, activation=None):
+def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
+        eta: Gate = None, phi_star: str | tuple[str, int] = "kernel", memory: str = "linear",
+        initial_state: Any = None, backend: str = "auto", chunk_size: int | None = None,
+        activation: str | None = None) -> ModelOutput:
     """The Deep Omega Transformer ([A] eq. 27): the Omega rule on phi*, with a linear or deep memory.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
@@ -323,16 +331,17 @@ def dot(q, k, v, *, window=1, gamma=None, alpha=None, eta=None, phi_star="kernel
         check_exponents(q, k, None)
         check_exponents(k, k, None)
         if c > 1:                                   # the window: per token, or frozen per chunk
-            table = {"recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),
-                     "chunk": lambda: dot_window_chunk(q, k, v, alpha, eta, "exp", c, gamma, chunk_size)}
+            table: dict[str, Callable[..., Any]] = {
+                "recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),
+                "chunk": lambda: dot_window_chunk(q, k, v, alpha, eta, "exp", c, gamma, chunk_size)}
             o, _ = dispatch(backend, q, table, model="dot",
                             missing="phi_star='kernel' with a window has no Triton kernel (use backend='recurrent' "
                                     "for the definition, or 'chunk' for the frozen-gradient form)")
             return o.to(q.dtype), None
         # c = 1: the coefficient solve; the table's forms take (q, k, v, alpha, eta), so that the kernel's
         # gradients come from autograd through the chunk form (core.with_chunk_backward)
-        table = {"recurrent": lambda *x: dot_coefficient_recurrent(*x, "exp"),
-                 "chunk": lambda *x: dot_chunk(*x, "exp", chunk_size),
+        table = {"recurrent": lambda q, k, v, alpha, eta: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp"),
+                 "chunk": lambda q, k, v, alpha, eta: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size),
                  "triton": lazy(f"{__name__}.kernel", "dot_kernel_triton")}
         o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, model="dot",
                         unsupported=lambda: lazy(f"{__name__}.kernel", "dot_unsupported")(q))

@@ -22,10 +22,10 @@ Rows (loop = ``backend="recurrent"``, the definition; chunk = the masked-product
         swdt_c512 dot_kernel dot_taylor2 deep_vs_sdpa
 
 Measured with the command above (B = 1, H = 4, T = 4096, K = V = 64, fp32, chunk length 64, one
-thread of a 2-core CPU sandbox that other jobs share; ratios only, the absolute times drift with the
-neighbours' load). Loop time / chunk time, median of 3 interleaved calls (run B: of 5), two runs:
+CPU thread; ratios only, the absolute times depend on the machine and its load). Loop time / chunk
+time, median of 3 interleaved calls (run B: of 5), two runs:
 
-    row                 run A    run B    the issue's target
+    row                 run A    run B    target
     deep_kernel         10.3x    13.5x    >= 10x
     deep_kernel_norm    11.0x     9.1x    >= 10x  (run B: before the per-block normaliser)
     swdt_c512           12.7x    11.7x    >= 10x
@@ -40,7 +40,7 @@ machine (the normalised row gave 8.3x-12.3x over five runs, three of them before
 normaliser) and wide on a loaded one.
 
 ``deep_vs_sdpa``: chunk time / SDPA time, unnormalised 1.6x (run A; 1.7x in run B) and normalised
-1.6x (1.9x), within the issue's 2x; timed alone on a quiet stretch, 5 interleaved calls, 1.2x and
+1.6x (1.9x), within the 2x target; timed alone on a quiet stretch, 5 interleaved calls, 1.2x and
 1.3x. Both do the same matrix products, 2 (T^2 / 2) (K + V) flops per head; SDPA fuses the exponential and the
 mask into its tiles, the chunk form takes exp of a [64, t] score block in place between two bmm calls
 (the products are ~70% of its time, exp ~20%).

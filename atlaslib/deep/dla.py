@@ -16,7 +16,12 @@ unnormalised matrix form). The exact kernel form of phi* is ``deep_transformer``
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
+from torch import Tensor
+
 from ..core.chunking import compute_dtype
+from ..core.types import FeatureMap, Gate, ModelOutput
 from ..miras import miras
 from ..miras.config import DEFAULT_CHUNK_SIZE
 from .features import exp_features
@@ -27,16 +32,18 @@ DLA_MEMORIES = ("linear", "mlp", "residual", "gated")
 MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
 
 
-def taylor_phi(order: int):
+def taylor_phi(order: int) -> Callable[[Tensor], Tensor]:
     """phi*_P as a feature map for ``miras``: exp_features in fp32 (fp64 for fp64 inputs)."""
-    def phi(x):
+    def phi(x: Tensor) -> Tensor:
         return exp_features(x.to(compute_dtype(x)), order)
     phi.__name__ = f"phi_star_taylor_{order}"
     return phi
 
 
-def dla(q, k, v, *, alpha=None, eta=None, phi=None, phi_star=None, memory="mlp", initial_state=None,
-        output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None, **memory_options):
+def dla(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None, phi: FeatureMap = None,
+        phi_star: tuple[str, int] | None = None, memory: str = "mlp", initial_state: Any = None,
+        output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+        log_alpha: Gate = None, **memory_options: Any) -> ModelOutput:
     """Deep linear attention: the MIRAS preset "dla" (dot-product bias, GD, decay, deep memory).
 
     Args:

@@ -69,7 +69,7 @@ import triton.language as tl
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
-from ..core.testing import empty
+from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.

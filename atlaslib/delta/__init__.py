@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
+from ..core.types import ModelOutput
 from .chunk import delta_rule_chunk
 from .recurrent import delta_rule_recurrent
 
@@ -44,8 +46,9 @@ def backend_table(chunk_size: int) -> dict:
     return {"recurrent": recurrent, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", "delta_rule_triton")}
 
 
-def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
-               output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor | None = None, longhorn: bool = False,
+               initial_state: Tensor | None = None, output_final_state: bool = False, backend: str = "auto",
+               chunk_size: int = DEFAULT_CHUNK_SIZE, log_alpha: Tensor | None = None) -> ModelOutput:
     """The delta rule with optional retention gates: DeltaNet, Gated DeltaNet and KDA.
 
     M_t = M_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  y_t = M_t q_t.
@@ -82,7 +85,8 @@ def delta_rule(q, k, v, beta, *, alpha=None, longhorn=False, initial_state=None,
             The chunk form is exact for every chunk size: it changes the speed, not the output.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, final state [B, H, V, K] in fp32 — or None unless requested).
+        (o [B, H, T, V] in q's dtype, final state [B, H, V, K] in fp32 (fp64 for fp64 inputs) — or None
+        unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
     check_gate("beta", beta, B, H, T, low=0.0, high=None if longhorn else BETA_MAX, ref=q)

@@ -20,9 +20,9 @@ per step (row i of R is e_i - sum_{j<i} (beta L)_{ij} R_j, using only finished r
 the block rows are filled in order with two small matmuls each. It depends only on the
 keys, betas and gates of the chunk, not on the state, and is then applied with one
 tl.dot. This is the matrix that fla computes in a separate kernel (WY form; fla calls it T,
-which here is the sequence length), done in place to keep everything in one function; 15 + BT/16 - 1 vectorised steps instead of
-BT - 1 also keep the interpreter fast. Padded tokens (t >= T) carry beta = 0 and
-k = v = 0, so they write nothing.
+which here is the sequence length), done in place to keep everything in one function;
+15 + BT/16 - 1 vectorised steps instead of BT - 1 also keep the interpreter fast. Padded tokens (t >= T)
+carry beta = 0 and k = v = 0, so they write nothing.
 
 Scalar gates keep BT = 64 and apply their decays by scaling rows of the dot products;
 per-channel (KDA) gates need the decay inside the k.k and q.k sums, which builds

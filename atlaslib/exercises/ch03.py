@@ -13,7 +13,6 @@ the kernel), then shows a verdict. Use in a notebook as::
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..core.dispatch import interpreter_on
 from ..core.testing import random_gate, random_qkv
@@ -67,7 +66,8 @@ def _switch_deltas(M, k, v, gen):
     e = torch.einsum("bhvk,bhk->bhv", M, k) - v
     n = e.norm(dim=-1)
     below = torch.rand(n.shape, generator=gen) < 0.5
-    r = torch.where(below, 0.3 + 0.6 * torch.rand(n.shape, generator=gen), 1.1 + 0.9 * torch.rand(n.shape, generator=gen))
+    r = torch.where(below, 0.3 + 0.6 * torch.rand(n.shape, generator=gen),
+                    1.1 + 0.9 * torch.rand(n.shape, generator=gen))
     below[..., 0] = True                                    # at least one row of each kind per head
     r[..., 0] = 0.5
     if n.shape[-1] > 1:
@@ -203,7 +203,8 @@ def triton_decay_product(fn, gen):
             except CheckFailed as e:
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both
-    return f"the kernel matches atlaslib on {len(cases)} odd-sized chunks, strong gates included, with no stray loads or stores"
+    return (f"the kernel matches atlaslib on {len(cases)} odd-sized chunks, strong gates included, "
+            "with no stray loads or stores")
 
 
 __all__ = ["EXERCISES", "ttt_mlp_grads", "yaad_step", "memora_loop", "momentum_chunk", "triton_decay_product"]

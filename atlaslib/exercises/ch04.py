@@ -145,14 +145,16 @@ def chunkwise(fn, gen):
                 compare("o", o, o_ref, TOL)
                 compare("M_T", M_T, M_ref, TOL)
     n = sum(len(c[-1]) for c in cases)
-    return f"matches the frozen-gradient oracle for {n} (sequence, chunk size) pairs, windows longer than chunks included"
+    return (f"matches the frozen-gradient oracle for {n} (sequence, chunk size) pairs, "
+            "windows longer than chunks included")
 
 
 @EXERCISES.check("triton_window_weights", title="A Triton kernel for the chunk's window weights C", points=3,
                   functions=("window_weights",),
                   forbidden=("atlaslib.omega.chunk.window_weights",), needs_launch=True)
 def triton_window_weights(fn, gen):
-    """fn(G [N,n,c], eta [N,n], g [N,n], out [N,n,n+c-1]) -> out = (D diag(eta)) Gamma, D[t,s] = e^{g_t-g_s} (s <= t)."""
+    """fn(G [N,n,c], eta [N,n], g [N,n], out [N,n,n+c-1]) -> out = (D diag(eta)) Gamma,
+    D[t,s] = e^{g_t-g_s} (s <= t)."""
     device = triton_device()
     if device == "cpu" and not interpreter_on():
         raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "

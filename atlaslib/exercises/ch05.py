@@ -41,7 +41,8 @@ def _shape_check(name, got, want):
 
 def _coeffs(name, gen):
     if name == "random":      # a made-up odd polynomial: no answer may assume a named set
-        return tuple(round(x, 4) for x in (1.0 + torch.rand(3, generator=gen) * torch.tensor([2.0, -3.0, 1.5])).tolist())
+        draw = 1.0 + torch.rand(3, generator=gen) * torch.tensor([2.0, -3.0, 1.5])
+        return tuple(round(x, 4) for x in draw.tolist())
     return COEFFS[name]
 
 
@@ -189,7 +190,8 @@ def momenta(fn, gen):
                                   "0/0: build the decay matrix from products over each range (or differences of "
                                   "cumulative log-gates, masked) instead")
             compare("S", got, ref, TOL)
-    return f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks (resets and underflow included)"
+    return (f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks "
+            "(resets and underflow included)")
 
 
 @EXERCISES.check("triton_ns_step", title="A Triton kernel for one Newton-Schulz step on a tile", points=3,
@@ -219,7 +221,8 @@ def triton_ns_step(fn, gen):
             except CheckFailed as e:
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both
-    return f"the kernel matches atlaslib.atlas.newton_schulz on {len(cases)} odd-sized cases, with no stray loads or stores"
+    return (f"the kernel matches atlaslib.atlas.newton_schulz on {len(cases)} odd-sized cases, "
+            "with no stray loads or stores")
 
 
 __all__ = ["EXERCISES", "ns_step", "ns_polynomial", "atlas_step", "momenta", "triton_ns_step"]

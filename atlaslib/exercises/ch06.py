@@ -65,8 +65,8 @@ def phi_star(features_fn, dim_fn, gen):
                     raise CheckFailed(f"{name} should be a torch.Tensor, got {type(f).__name__}")
                 if tuple(f.shape[:-1]) != tuple(lead) or f.shape[-1] != D:
                     tensor_power = sum(d ** n for n in range(P + 1))
-                    hint = (f" (that is the tensor-power form, one entry per ordered index tuple: keep one feature "
-                            f"per distinct monomial)" if f.shape[-1] == tensor_power and tensor_power != D else
+                    hint = (" (that is the tensor-power form, one entry per ordered index tuple: keep one feature "
+                            "per distinct monomial)" if f.shape[-1] == tensor_power and tensor_power != D else
                             f" (one feature per monomial of degree <= {P}: C(d+P, P) = {D})")
                     raise CheckFailed(f"{name} has shape {list(f.shape)}, expected {list(lead) + [D]}{hint}")
             fx_ref, fy_ref = exp_features(x, P), exp_features(y, P)

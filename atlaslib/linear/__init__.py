@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
+from ..core.types import ModelOutput
 from .chunk import linear_attention_chunk
 from .recurrent import linear_attention_recurrent
 
@@ -25,8 +27,9 @@ def backend_table(chunk_size: int) -> dict:
             "triton": lazy(f"{__name__}.kernel", "linear_attention_triton")}
 
 
-def linear_attention(q, k, v, *, alpha=None, normalize=False, initial_state=None,
-                     output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None, normalize: bool = False,
+                     initial_state: Tensor | None = None, output_final_state: bool = False, backend: str = "auto",
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, log_alpha: Tensor | None = None) -> ModelOutput:
     """Causal linear attention with optional retention gates.
 
     M_t = M_{t-1} alpha_t + v_t k_t^T,  y_t = M_t q_t (read after the update).
@@ -54,7 +57,7 @@ def linear_attention(q, k, v, *, alpha=None, normalize=False, initial_state=None
             for every chunk size: it changes the speed, not the output.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, final state in fp32 — or None unless requested).
+        (o [B, H, T, V] in q's dtype, final state in fp32 (fp64 for fp64 inputs) — or None unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
     check_retention(alpha, log_alpha, B, H, T, K, ref=q)

@@ -69,7 +69,7 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
     b = 1
     while b < m:                                                 # log2(m) levels, fixed by m alone
         halves = (m // (2 * b), 2, b)                             # [pairs, first/second half, b]
-        (w1, w2), (v1, v2) = w.unflatten(-2, halves).unbind(-3), v.unflatten(-2, halves).unbind(-3)
+        (w1, w2), (v1, _) = w.unflatten(-2, halves).unbind(-3), v.unflatten(-2, halves).unbind(-3)
         cols = k.unflatten(-2, halves)[..., 0, :, :] * v1        # first-half keys: e^{r - g_i}
         for x, out in zip(xs, outs):                             # second-half rows: e^{g_t - r}
             cross = (x.unflatten(-2, halves)[..., 1, :, :] * w2) @ cols.mT   # [..., pairs, b, b]

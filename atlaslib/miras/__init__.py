@@ -20,22 +20,28 @@ into validation and execution (``prepare`` + ``run``) and chooses the backend.
 """
 from __future__ import annotations
 
+from typing import Any
+
+from torch import Tensor
+
+from ..core.types import FeatureMap, Gate, ModelOutput
 from .bias import BIASES, Bias, build_bias
-from .chunk import miras_chunk, row_factors, titans_linear_chunk
+from .chunk import miras_chunk, titans_linear_chunk
 from .config import (AXES, DEFAULT_CHUNK_SIZE, EXACT_CHUNK, PRESETS, MirasConfig, axes_markdown, axes_table,
                      describe, make_config, validate_config)
 from .memory import ACTIVATIONS, MEMORIES, Memory, build_memory
 from .optimizer import OPTIMIZERS, Optimizer, build_optimizer
-from .problem import (BACKENDS, KERNEL_CONFIGS, KERNEL_TABLE, Problem, choose, engine_table, has_kernel,
-                      kernel_available, prepare, run)
+from .problem import BACKENDS, KERNEL_CONFIGS, Problem, has_kernel, prepare, run
 from .recurrent import Gates, Parts, build_parts, loss_gradient, memory_gradient, miras_frozen_seq, miras_recurrent
 from .retention import RETENTIONS, Retention, build_retention, soft_threshold
-from .state import MirasState, check_initial_state, flatten_bh, init_state, public_state
+from .state import MirasState, init_state
 
 
-def miras(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,
-          phi=None, initial_state=None, output_final_state=False, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE,
-          log_alpha=None, **overrides):
+def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None = None,
+          config: MirasConfig | None = None, alpha: Gate = None, eta: Gate = None, theta: Gate = None,
+          delta: Gate = None, gamma: Tensor | None = None, phi: FeatureMap = None, initial_state: Any = None,
+          output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+          log_alpha: Gate = None, **overrides: Any) -> ModelOutput:
     """Run any MIRAS configuration: memory, attentional bias, retention, optimizer.
 
     The per-token rule (book/notation.md, book ch. 3 §1), with W_{t-1} the memory's weights before token t:
@@ -121,8 +127,9 @@ __all__ = [
     "miras", "MirasConfig", "MirasState", "make_config", "validate_config", "PRESETS", "AXES", "EXACT_CHUNK",
     "axes_table", "axes_markdown", "describe", "init_state", "DEFAULT_CHUNK_SIZE", "BACKENDS",
     "KERNEL_CONFIGS", "has_kernel",
-    # the four axes: registries and base classes
+    # the four axes: registries, base classes and builders
     "MEMORIES", "BIASES", "RETENTIONS", "OPTIMIZERS", "ACTIVATIONS", "Memory", "Bias", "Retention", "Optimizer",
+    "build_memory", "build_bias", "build_retention", "build_optimizer",
     # the forms, and what they take
     "miras_recurrent", "miras_frozen_seq", "miras_chunk", "titans_linear_chunk", "Parts", "Gates",
     "build_parts", "Problem", "prepare", "run",

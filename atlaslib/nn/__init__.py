@@ -4,7 +4,8 @@ Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) and chapter 2's (delta
 gated_deltanet, kda) are registered on import; later
 chapters register theirs with ``register_mixer`` in their own modules (chapter 5: atlas,
 atlas++; chapter 6: deep_transformer, swdt, dot, dla;
-chapter 7: memory_caching over a chapter 1 or 2 base; ``hybrids``: swa and the MAG / MAL backbones over any memory mixer).
+chapter 7: memory_caching over a chapter 1 or 2 base; ``hybrids``: swa and the MAG / MAL backbones over any
+memory mixer).
 """
 from . import mixers  # noqa: F401  (registers the chapter 1 mixers)
 from . import delta_mixers  # noqa: F401  (registers the chapter 2 mixers)

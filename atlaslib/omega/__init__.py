@@ -9,13 +9,18 @@ are re-exported here.
 """
 from __future__ import annotations
 
+from typing import Any
+
+from torch import Tensor
+
 from ..core import TaylorFeatures, monomial_dim, monomial_features, tensor_power
 from ..core.dispatch import dispatch
+from ..core.types import FeatureMap, Gate, ModelOutput
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
 from .chunk import omega_chunk, swla_chunk
-from .problem import (DEEP_MEMORIES, MEMORIES, OMEGA_BACKENDS, SWLA_BACKENDS, backend_table, check_window,
-                      kernel_limits, omega_deep, prepare)
+from .problem import (DEEP_MEMORIES, MEMORIES, OMEGA_BACKENDS, SWLA_BACKENDS, check_window, kernel_limits,
+                      omega_deep, prepare)
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 # Default chunk lengths. The Omega rule's chunk form freezes gradients at the chunk start, so b
@@ -27,9 +32,10 @@ OMEGA_CHUNK_SIZE = MIRAS_CHUNK_SIZE
 SWLA_CHUNK_SIZE = 64
 
 
-def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, memory="linear",
-               initial_state=None, output_final_state=False, backend="auto", chunk_size=OMEGA_CHUNK_SIZE,
-               log_alpha=None):
+def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
+               eta: Gate = None, phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
+               output_final_state: bool = False, backend: str = "auto", chunk_size: int = OMEGA_CHUNK_SIZE,
+               log_alpha: Gate = None) -> ModelOutput:
     """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
@@ -104,7 +110,8 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
     whereas Gated DeltaNet takes it at alpha_t M_{t-1}: alpha_t M_{t-1}(I - beta_t k k^T) + beta_t v k^T.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 — or None unless requested).
+        (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 (fp64 for fp64 inputs) — or None
+        unless requested).
     """
     fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha)
     if memory in DEEP_MEMORIES:
@@ -116,8 +123,10 @@ def omega_rule(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, m
     return o, (state if output_final_state else None)
 
 
-def swla(q, k, v, *, window, gamma=None, alpha=None, eta=None, phi=None, initial_state=None,
-         output_final_state=False, backend="auto", chunk_size=SWLA_CHUNK_SIZE, log_alpha=None):
+def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
+         eta: Gate = None, phi: FeatureMap = None, initial_state: Tensor | None = None,
+         output_final_state: bool = False, backend: str = "auto", chunk_size: int = SWLA_CHUNK_SIZE,
+         log_alpha: Gate = None) -> ModelOutput:
     """Sliding-window linear attention: the Omega window with the dot-product bias -<M phi(k), v>.
 
         M_t = alpha_t M_{t-1} + eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} v_i phi(k_i)^T,    y_t = M_t phi(q_t).

@@ -65,7 +65,8 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
         raise ValueError(f"seq_len={seq_len} is too small for num_kv_pairs={num_kv_pairs}: need "
                          f"seq_len >= 4 * num_kv_pairs = {4 * num_kv_pairs} (pairs plus a query slot each)")
     if vocab_size <= seq_len:
-        raise ValueError(f"vocab_size must exceed seq_len (as in Zoology), got vocab_size={vocab_size}, seq_len={seq_len}")
+        raise ValueError(f"vocab_size must exceed seq_len (as in Zoology), got vocab_size={vocab_size}, "
+                         f"seq_len={seq_len}")
     half = vocab_size // 2
     if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
         raise ValueError(f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys in "
