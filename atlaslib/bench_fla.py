@@ -74,7 +74,8 @@ FLA_CHUNK = {"linear": "linear_attn.chunk_linear_attn", "linear_scalar_gate": "s
              "gated_deltanet": "gated_delta_rule.chunk_gated_delta_rule", "kda": "kda.chunk_kda"}
 FLA_NAIVE = {"linear": "linear_attn.naive.naive_chunk_linear_attn",
              "linear_scalar_gate": "simple_gla.naive.naive_chunk_simple_gla",
-             "linear_channel_gate": "gla.naive.naive_recurrent_gla", "deltanet": "delta_rule.naive.delta_rule_chunkwise",
+             "linear_channel_gate": "gla.naive.naive_recurrent_gla",
+             "deltanet": "delta_rule.naive.delta_rule_chunkwise",
              "gated_deltanet": "gated_delta_rule.naive.naive_chunk_gated_delta_rule",
              "kda": "kda.naive.naive_chunk_kda"}
 

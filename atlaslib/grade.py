@@ -134,7 +134,6 @@ def project_root() -> str:
 
 def unprivileged_user():
     """(uid, gid) of ``nobody`` if it can read the interpreter and the project, else None."""
-    import os
     import stat
     try:
         import pwd

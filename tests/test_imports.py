@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "atlaslib"
 # exercises): their imports are checked here all the same.
 IN_PROGRESS = {}
 CHAPTERS = {"core": 0, **atlaslib.CHAPTERS, **IN_PROGRESS}                   # package -> chapter
-TOOLS = {"bench", "bench_fla", "aot", "grade", "train"}                      # top-level tools, never imported by chapters
+TOOLS = {"bench", "bench_fla", "aot", "grade", "train"}          # top-level tools, never imported by chapters
 
 
 def package_of(module: str):
