@@ -39,7 +39,6 @@ from .recurrent import memory_caching_recurrent
 from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks, log_layout, make_layout,
                        memory_reads, segment_lengths)
 
-DEFAULT_CHUNK_SIZE = 64
 MODES = ("checkpoint", "independent")
 POOLS = ("mean", "sum")
 # The readout of cached matrix memories on the GPU: a Triton kernel with cached_readout's contract.
@@ -59,7 +58,7 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
 
 def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="residual", top_k=None, u=None,
                    pool="mean", base_kwargs=None, initial_state=None, output_final_state=False, backend="auto",
-                   chunk_size=DEFAULT_CHUNK_SIZE, stats=None):
+                   chunk_size=None, stats=None):
     """Memory Caching over any base model ([MC] eqs. 4-17).
 
     Within segment s the base runs as usual, M^(s)_t = f(M^(s)_{t-1}; k_t, v_t); the final state of
@@ -98,7 +97,8 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
             CUDA, and the readout kernel ``kernel.cached_readout_triton`` for matrix memories) or
             "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
             PyTorch readout).
-        chunk_size: the base's chunk length.
+        chunk_size: the base's chunk length; None (the default) leaves the base's own default (e.g. 16
+            for Titans, OmegaNet and ATLAS, where the chunk length is part of the model).
         stats: optional dict; "reads" is increased by the number of memory passes of the readout
             (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
             The recurrent backend counts them as it reads; the others take ``memory_reads``.
@@ -123,7 +123,8 @@ def memory_caching(q, k, v, *, base, segments=64, mode="checkpoint", aggregate="
     check_top_k(top_k)
     if top_k is not None and aggregate != "ssc":
         raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
-    check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
     if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):
         raise ValueError(f"u must be a tensor [B, H, T, K] = [{B}, {H}, {T}, {K}], "
                          f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")
