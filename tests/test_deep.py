@@ -239,7 +239,7 @@ def test_strong_decays_in_fp32(gen, window):
     forms flush the weights to 0 (``exp_flushed``); the outputs still match the fp64 definition."""
     q, k, v = random_qkv(1, 2, 90, 5, 3, dtype=F64, generator=gen)
     alpha = random_gate(1, 2, 90, low=0.05, high=0.3, dtype=F64, generator=gen)
-    eta = 0.2 + torch.rand(1, 2, 90, generator=gen, dtype=F64)
+    eta = 0.2 + 0.8 * torch.rand(1, 2, 90, generator=gen, dtype=F64)          # eta <= 1 + alpha (DOT's check)
     assert torch.log(alpha).sum(-1).max() < -100                    # old keys reach the flushed range
     for normalize in (False, True):
         want = dense_reference(q, k, v, alpha, eta, window, kappa_of("kernel"), normalize)
@@ -397,6 +397,31 @@ def test_dot_taylor_matches_the_matrix_definition(gen, P):
         assert_close(got, want, tol=1e-11, name=f"{backend}({b})")
     coeffs, _ = dot_coefficient_recurrent(exp_features(q, P), exp_features(k, P), v, alpha, eta, kernel="dot")
     assert_close(coeffs, want, tol=1e-11, name="coefficient form on features")
+
+
+@pytest.mark.parametrize("numbers", [True, False])
+def test_dot_step_is_checked_by_dots_own_condition(gen, numbers):
+    """eta = 0.5, alpha = 0.2 is stable for DOT (eta |phi*(k)|^2 <= 1 + alpha for these keys) although
+    eta / alpha exceeds the delta rule's cap of 2: both forms take it, and the Taylor form matches the
+    matrix definition. eta > 1 + alpha overshoots for every key: both forms refuse it, naming eta and alpha."""
+    B, H, T, K, V, P = 2, 2, 23, 4, 3, 2
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    k = 0.5 * k / k.norm(dim=-1, keepdim=True)                    # |phi*(k)|^2 = e^0.25 < 2.4
+    full = lambda x: torch.full((B, H, T), x, dtype=F64)
+    eta, alpha = (0.5, 0.2) if numbers else (full(0.5), full(0.2))
+    want = dot_matrix_reference(q, k, v, full(0.2), full(0.5), P)
+    for backend in ("recurrent", "chunk"):
+        got, _ = dot(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P), backend=backend)
+        assert_close(got, want, tol=1e-11, name=backend)
+    exact, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="recurrent")
+    chunk, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="chunk")
+    assert_close(chunk, exact, tol=1e-11)
+    eta = 1.3 if numbers else full(0.5).index_put_((torch.tensor(1), torch.tensor(0), torch.tensor(7)),
+                                                     torch.tensor(1.3, dtype=F64))
+    for phi_star in (("taylor", P), "kernel"):
+        with pytest.raises(ValueError, match=r"dot: eta must be at most 1 \+ alpha") as err:
+            dot(q, k, v, alpha=alpha, eta=eta, phi_star=phi_star)
+        assert "beta" not in str(err.value)
 
 
 def test_dot_without_retention_is_the_delta_rule_on_features(gen):
