@@ -331,6 +331,61 @@ def test_long_vectors_with_small_scores_are_allowed(gen):
         deep_transformer(q, k, v)
 
 
+def largest_tensor(fn, *args):
+    """The most elements of any tensor an aten op creates while fn(*args) runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(x, torch.Tensor):
+                    Largest.most = max(Largest.most, x.numel())
+            return out
+
+    with Largest():
+        fn(*args)
+    return Largest.most
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_exponent_check_memory_does_not_grow_as_T_squared(gen, window):
+    """Long q and k whose scores are all 0 fail the norm bound, so the exact check runs: its largest
+    tensor stays far below one [B, H, T, T] score matrix. A visible score above MAX_EXPONENT is still
+    refused with the same message; with a window, one outside it is not."""
+    from atlaslib.deep.problem import check_exponents
+    B, H, T, K = 1, 2, 2048, 4
+    q = torch.zeros(B, H, T, K, dtype=torch.float32)
+    k = torch.zeros(B, H, T, K, dtype=torch.float32)
+    q[..., 0], k[..., 1] = 30.0, 30.0                                 # |q| |k| = 900, every score 0
+    most = largest_tensor(check_exponents, q, k, window)
+    assert most <= B * H * T * T // 8, most
+    k[:, :, T - 1, 0] = 30.0                                          # k_{T-1} . q_{T-1} = 900
+    with pytest.raises(ValueError, match="phi_star='kernel' without normalize: a score .* exceeds 80"):
+        check_exponents(q, k, window)
+    k[:, :, T - 1, 0], k[:, :, 100, 0] = 0.0, 30.0                     # seen by t >= 100 only
+    if window is None:
+        with pytest.raises(ValueError, match="overflow"):
+            check_exponents(q, k, window)
+    else:
+        q[:, :, 100:105] = 0.0                                        # the rows whose window holds key 100
+        check_exponents(q, k, window)
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 40])
+def test_exponent_check_tiles_find_the_largest_visible_score(gen, window, monkeypatch):
+    """The tiled maximum (forced into many small tiles) against the dense masked maximum."""
+    from atlaslib.deep import problem
+    monkeypatch.setattr(problem, "TILE_ELEMENTS", 2 * 3 * 37 * 3)     # 3 rows per tile
+    q, k = (torch.randn(2, 3, 37, 5, generator=gen, dtype=F64) * 4 for _ in range(2))
+    t, i = torch.arange(37)[:, None], torch.arange(37)[None, :]
+    ok = (i <= t) & ((i > t - window) if window is not None else True)
+    want = (q @ k.mT).masked_fill(~ok, -math.inf).amax()
+    assert_close(problem._top_score(q, k, window), want.float(), tol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -1)}, ValueError, "phi_star"),
