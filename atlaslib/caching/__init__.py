@@ -12,8 +12,8 @@ states) and ``chunk.py`` (the base's chunk form per segment, all segments of a l
 independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract:
 ``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
 ``kernel.py``: that Triton readout for matrix memories (the residual/GRM/SSC weights, top-k by
-iterated selection, and the weighted sum of the cached states' reads), at most 32 cached states per
-token; beyond that, or for fp64, ``memory_caching`` runs ``cached_readout`` instead.
+iterated selection, and the weighted sum of the cached states' reads), for any number of cached states
+per token (a tile of 32 at a time); for fp64, ``memory_caching`` runs ``cached_readout`` instead.
 
 Exactness (MATH.md §8): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
 readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
@@ -47,8 +47,8 @@ READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 
 def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
     """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel).
-    Soup over matrix memories is GRM; a readout the kernel refuses (more cached states per token than
-    it holds, K too large, fp64) runs ``cached_readout`` instead, the same function."""
+    Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64) runs
+    ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     if lazy(f"{__name__}.kernel", "unsupported")(q, blocks) is not None:
