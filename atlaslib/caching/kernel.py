@@ -81,8 +81,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.validation import _value_check
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.validation import _value_check
 
 MAX_KEY = 256
 SLOT_TILE = 32                   # slots per [BT, BJ] tile; more slots per token are read a tile at a time
@@ -113,7 +113,7 @@ def slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, j0, J, K, S
     """Slots j0 .. j0 + BJ - 1 of the block's tokens: the state indices [BT, BJ] (int64, -1 where none)
     and, with SCORES, the scores r_i = <u_t, p_i> [BT, BJ] (the pooled keys gathered row by row)."""
     o_s = j0 + o_j
-    p_idx = blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_s[None, :]
+    p_idx = blocks_ptr + (o_t.to(tl.int64)[:, None] * J + o_s.to(tl.int64)[None, :])   # one 64-bit offset
     b_idx = tl.load(p_idx, mask=m_t[:, None] & (o_s < J)[None, :], other=-1).to(tl.int64)
     b_R = tl.zeros([BT, BJ], dtype=tl.float32)
     if SCORES:
