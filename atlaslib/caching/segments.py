@@ -39,14 +39,19 @@ class Layout(NamedTuple):
         """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded.
         Built once per layout and device (``make_layout`` returns one layout per (T, segments)), so a
         forward pass copies nothing from the host; treat it as read-only."""
+        if torch.compiler.is_compiling():
+            return self._table(device)
         key = (id(self.visible), str(torch.device(device)))
         hit = _BLOCKS.get(key)
         if hit is not None and hit[0] is self.visible:
             return hit[1]
-        J = max([len(v) for v in self.visible] + [1])
-        table = torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
+        table = self._table(device)
         _remember(_BLOCKS, key, (self.visible, table))
         return table
+
+    def _table(self, device) -> torch.Tensor:
+        J = max([len(v) for v in self.visible] + [1])
+        return torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
 
 
 # Tables built from layouts, per (layout, device), and what is derived from them: the entries hold their
@@ -122,7 +127,10 @@ def log_layout(T: int) -> Layout:
 
 
 def make_layout(T: int, segments) -> Layout:
-    """Layout for ``segments`` = int | list of lengths | "log"; one object per (T, segments), built once."""
+    """Layout for ``segments`` = int | list of lengths | "log"; one object per (T, segments), built once
+    (while torch.compile traces, built afresh: the trace holds it as a constant)."""
+    if torch.compiler.is_compiling():
+        return _build_layout(T, segments)
     if isinstance(segments, (int, str)) and not isinstance(segments, bool):
         return _cached_layout(T, type(segments).__name__, segments)
     if isinstance(segments, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in segments):
@@ -161,7 +169,7 @@ def reader_groups(blocks, N) -> list:
     (length, states [g], tokens [g, length]). For a layout's own table (``Layout.blocks``) it is
     built once, so the readout's forward pass does not wait for the device to list the lengths."""
     key = (id(blocks), N)
-    hit = _GROUPS.get(key)
+    hit = None if torch.compiler.is_compiling() else _GROUPS.get(key)
     if hit is not None and hit[0] is blocks:
         return hit[1]
     first, length = readers_of(blocks, N)
@@ -169,7 +177,7 @@ def reader_groups(blocks, N) -> list:
     for n_len in length.unique().tolist():
         ns = (length == n_len).nonzero().flatten()                           # states read by n_len tokens
         groups.append((n_len, ns, first[ns, None] + torch.arange(n_len, device=blocks.device)))
-    if any(blocks is hit[1] for hit in _BLOCKS.values()):                   # a layout's table: immutable
+    if not torch.compiler.is_compiling() and any(blocks is hit[1] for hit in _BLOCKS.values()):                   # a layout's table: immutable
         _remember(_GROUPS, key, (blocks, groups))
     return groups
 
