@@ -365,16 +365,16 @@ def dot_cases():
 
 def caching_cases():
     """Chapter 7's readout of cached linear memories (``cached_readout_triton``): each aggregate at
-    K = V in {16, 64, 128, 256} (256: BV = 32), fp32 and bf16. The table ``blocks`` has MAX_SLOTS columns (the widest
+    K = V in {16, 64, 128, 256} (256: BV = 32), fp32 and bf16. The table ``blocks`` has SLOT_TILE columns (the widest
     score tile, BJ = 32), -1 padded: token t sees the segments of 8 tokens before its own. Residual
     passes no u, pooled keys or online scores (None pointers) and q as a [B, T, H, K] view.
     """
-    from .caching.kernel import MAX_SLOTS, cached_readout_triton
+    from .caching.kernel import SLOT_TILE, cached_readout_triton
 
-    def readout(T, K, dt, aggregate, top_k):
+    def readout(T, K, dt, aggregate, top_k, J=SLOT_TILE):
         q, u, online = _qkv(K, K, DTYPES[dt], T, views=aggregate == "residual")
-        N = -(-T // 8)
-        slots = torch.arange(MAX_SLOTS)
+        N = max(-(-T // 8), J)
+        slots = torch.arange(J)
         blocks = torch.where(slots[None, :] < torch.arange(T)[:, None] // 8, slots[None, :], -1)
         states, pooled = torch.zeros(1, 2, N, K, K), torch.zeros(1, 2, N, K, dtype=DTYPES[dt])
         if aggregate == "residual":
@@ -385,8 +385,10 @@ def caching_cases():
     for K in HEAD_SIZES:
         for dt in ("fp32", "bf16"):
             for aggregate, top_k in (("residual", None), ("grm", None), ("ssc", 2)):
-                label = f"{aggregate}{'' if top_k is None else f' top_k={top_k}'} K=V={K} J<={MAX_SLOTS} {dt}"
-                yield "caching", label, (lambda T, K=K, dt=dt, a=aggregate, k=top_k: readout(T, K, dt, a, k))
+                for J in (SLOT_TILE, 2 * SLOT_TILE + 1):                 # one slot tile; tiles in a loop
+                    label = f"{aggregate}{'' if top_k is None else f' top_k={top_k}'} K=V={K} J={J} {dt}"
+                    yield "caching", label, (lambda T, K=K, dt=dt, a=aggregate, k=top_k, J=J:
+                                             readout(T, K, dt, a, k, J))
 
 
 # Momenta S [V, K] that chapter 5's Newton–Schulz kernel takes (``atlas.kernel.kernel_supports``):

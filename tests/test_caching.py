@@ -179,6 +179,21 @@ def test_one_segment_is_the_base(gen, name, aggregate):
         assert rel_rmse(leaves(s_got), leaves(s_want)) < 1e-12
 
 
+@pytest.mark.parametrize("name", list(BASES))
+def test_default_chunk_size_is_the_bases_own(gen, name):
+    """Without chunk_size the base runs at its own default chunk length (16 for Titans, OmegaNet and
+    ATLAS, where it is part of the model), not at one length forced on every base."""
+    base, make_kw = BASES[name]
+    B, H, T, K, V = 1, 1, 40, 4, 4
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen, **F64)
+    kw = make_kw(gen, B, H, T, K)
+    want, s_want = base(q, k, v, output_final_state=True, backend="chunk", **kw)
+    got, s_got = memory_caching(q, k, v, base=base, segments=T, aggregate="residual", base_kwargs=kw,
+                                backend="chunk", output_final_state=True)
+    assert rel_rmse(got, want) < 1e-12
+    assert rel_rmse(leaves(s_got), leaves(s_want)) < 1e-12
+
+
 @pytest.mark.parametrize("segments", [3, [5, 1, 4], "log"])
 def test_residual_independent_is_linear_attention(gen, segments):
     """The segments of token t partition [1, t], so the residual sum of their memories is M_t."""

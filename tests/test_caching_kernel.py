@@ -8,7 +8,7 @@ sets of states in a random order with -1 padding anywhere, fresh random inputs e
 import pytest
 import torch
 
-from atlaslib.caching.kernel import MAX_KEY, MAX_SLOTS, cached_readout_triton, unsupported
+from atlaslib.caching.kernel import MAX_KEY, SLOT_TILE, cached_readout_triton, unsupported
 from atlaslib.core.testing import TOLERANCE, assert_close
 
 B, H, T, K, V, N, J = 1, 2, 37, 24, 40, 5, 6
@@ -142,6 +142,22 @@ def test_log_linear_segments(gen, aggregate, top_k):
                  readout_reference(*inputs, top_k, aggregate))
 
 
+@pytest.mark.parametrize("aggregate,top_k", [("residual", None), ("grm", None), ("ssc", 1), ("ssc", 3)])
+def test_more_slots_than_one_tile(gen, aggregate, top_k):
+    """J = 2 SLOT_TILE + 3 slots: three tiles (the last one partial) walked in a loop, each token a random
+    set of states in random slots; scores spread wide, so the running max moves between tiles."""
+    Tm, Jm, Nm = 20, 2 * SLOT_TILE + 3, 2 * SLOT_TILE + 8
+    blocks = random_blocks(gen, T=Tm, J=Jm, N=Nm)
+    q, u = torch.randn(2, B, H, Tm, K, generator=gen)
+    u = 3 * u
+    states = torch.randn(B, H, Nm, V, K, generator=gen) / K ** 0.5
+    pooled = torch.randn(B, H, Nm, K, generator=gen)
+    online, score = torch.randn(B, H, Tm, V, generator=gen), 3 * torch.randn(B, H, Tm, generator=gen)
+    inputs = (q, u, states, pooled, online, score, blocks)
+    assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate),
+                 readout_reference(*inputs, top_k, aggregate))
+
+
 @pytest.mark.parametrize("aggregate", ["residual", "grm"])
 def test_no_cached_state_gives_the_online_output(gen, aggregate):
     q, u, states, pooled, online, online_score, _ = random_inputs(gen)
@@ -153,9 +169,6 @@ def test_no_cached_state_gives_the_online_output(gen, aggregate):
 def test_bad_inputs_are_refused(gen):
     q, u, states, pooled, online, online_score, blocks = random_inputs(gen)
     args = (q, u, states, pooled, online, online_score)
-    wide = torch.full((T, MAX_SLOTS + 1), -1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="backend='chunk'"):
-        cached_readout_triton(*args, wide)
     for top_k in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="top_k"):
             cached_readout_triton(*args, blocks, top_k=top_k, aggregate="ssc")
@@ -180,21 +193,25 @@ def test_unsupported_names_what_the_kernel_refuses():
     assert unsupported(q, blocks) is None
     assert "fp64" in unsupported(q.double(), blocks)
     assert "K=" in unsupported(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
-    assert "J=" in unsupported(q, torch.full((4, MAX_SLOTS + 1), -1))
+    assert unsupported(q, torch.full((4, 4 * SLOT_TILE + 1), -1)) is None       # any number of slots
 
 
 @pytest.mark.parametrize("segments, aggregate, top_k", [(8, "soup", None), (8, "ssc", 2), ("log", "grm", None),
                                                          (2, "grm", None)])
-def test_memory_caching_runs_the_kernel_and_falls_back_where_it_cannot(segments, aggregate, top_k):
-    """memory_caching(backend="triton") == its chunk form: soup over matrix memories as GRM, and with
-    more cached states per token than the kernel holds (segments of 2 over 70 tokens: 34) the
-    PyTorch readout instead of an error."""
+def test_memory_caching_runs_the_kernel(monkeypatch, segments, aggregate, top_k):
+    """memory_caching(backend="triton") == its recurrent form, the readout in the kernel every time: soup
+    over matrix memories as GRM, and more cached states per token than one slot tile (segments of 2
+    over 70 tokens: 34)."""
+    import atlaslib.caching.kernel as kernel
     from atlaslib.caching import memory_caching
     from atlaslib.linear import linear_attention
+    calls, real = [], kernel.cached_readout_triton
+    monkeypatch.setattr(kernel, "cached_readout_triton", lambda *a: calls.append(a[6].shape[1]) or real(*a))
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     q, k, v = (torch.randn(1, 2, 70, n, generator=gen) / 3 for n in (8, 8, 6))
     kw = dict(base=linear_attention, segments=segments, aggregate=aggregate, top_k=top_k, mode="independent",
               chunk_size=2 if segments == 2 else 8)
     tri, _ = memory_caching(q, k, v, backend="triton", **kw)
+    assert len(calls) == 1 and (calls[0] > SLOT_TILE) == (segments == 2)
     ref, _ = memory_caching(q.double(), k.double(), v.double(), backend="recurrent", **kw)
     assert torch.allclose(tri.double(), ref, atol=1e-5, rtol=1e-4), (tri.double() - ref).abs().max()

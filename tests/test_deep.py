@@ -239,7 +239,7 @@ def test_strong_decays_in_fp32(gen, window):
     forms flush the weights to 0 (``exp_flushed``); the outputs still match the fp64 definition."""
     q, k, v = random_qkv(1, 2, 90, 5, 3, dtype=F64, generator=gen)
     alpha = random_gate(1, 2, 90, low=0.05, high=0.3, dtype=F64, generator=gen)
-    eta = 0.2 + torch.rand(1, 2, 90, generator=gen, dtype=F64)
+    eta = 0.2 + 0.8 * torch.rand(1, 2, 90, generator=gen, dtype=F64)          # eta <= 1 + alpha (DOT's check)
     assert torch.log(alpha).sum(-1).max() < -100                    # old keys reach the flushed range
     for normalize in (False, True):
         want = dense_reference(q, k, v, alpha, eta, window, kappa_of("kernel"), normalize)
@@ -331,6 +331,80 @@ def test_long_vectors_with_small_scores_are_allowed(gen):
         deep_transformer(q, k, v)
 
 
+def largest_tensor(fn, *args):
+    """The most elements of any tensor an aten op creates while fn(*args) runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(x, torch.Tensor):
+                    Largest.most = max(Largest.most, x.numel())
+            return out
+
+    with Largest():
+        fn(*args)
+    return Largest.most
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_exponent_check_memory_does_not_grow_as_T_squared(gen, window):
+    """Long q and k whose scores are all 0 fail the norm bound, so the exact check runs: its largest
+    tensor stays far below one [B, H, T, T] score matrix. A visible score above MAX_EXPONENT is still
+    refused with the same message; with a window, one outside it is not."""
+    from atlaslib.deep.problem import check_exponents
+    B, H, T, K = 1, 2, 2048, 4
+    q = torch.zeros(B, H, T, K, dtype=torch.float32)
+    k = torch.zeros(B, H, T, K, dtype=torch.float32)
+    q[..., 0], k[..., 1] = 30.0, 30.0                                 # |q| |k| = 900, every score 0
+    most = largest_tensor(check_exponents, q, k, window)
+    assert most <= B * H * T * T // 4, most
+    k[:, :, T - 1, 0] = 30.0                                          # k_{T-1} . q_{T-1} = 900
+    with pytest.raises(ValueError, match="phi_star='kernel' without normalize: a score .* exceeds 80"):
+        check_exponents(q, k, window)
+    k[:, :, T - 1, 0], k[:, :, 100, 0] = 0.0, 30.0                     # seen by t >= 100 only
+    if window is None:
+        with pytest.raises(ValueError, match="overflow"):
+            check_exponents(q, k, window)
+    else:
+        q[:, :, 100:105] = 0.0                                        # the rows whose window holds key 100
+        check_exponents(q, k, window)
+
+
+def test_exponent_and_step_checks_on_an_accelerator_assert_on_the_device(monkeypatch):
+    """The branch CUDA tensors take (declared here for CPU tensors, where torch._assert_async raises at
+    once): the exponent check still tiles, and both checks fail on the device with their message."""
+    import atlaslib.deep as deep
+    from atlaslib.deep import problem
+    monkeypatch.setattr(problem, "_value_check", lambda x: "device")
+    monkeypatch.setattr(deep, "_value_check", lambda x: "device")
+    B, H, T, K = 1, 2, 2048, 4
+    q, k = torch.zeros(B, H, T, K), torch.zeros(B, H, T, K)
+    q[..., 0], k[..., 1] = 30.0, 30.0
+    assert largest_tensor(problem.check_exponents, q, k, None) <= B * H * T * T // 4
+    k[:, :, 5, 0] = 30.0
+    with pytest.raises(RuntimeError, match="a score k\\^T q exceeds 80"):
+        problem.check_exponents(q, k, None)
+    deep.check_dot_step(torch.full((B, H, T), 1.2), torch.full((B, H, T), 0.2))
+    with pytest.raises(RuntimeError, match=r"dot: eta must be at most 1 \+ alpha"):
+        deep.check_dot_step(torch.full((B, H, T), 1.3), torch.full((B, H, T), 0.2))
+
+
+@pytest.mark.parametrize("window", [None, 1, 4, 40])
+def test_exponent_check_tiles_find_the_largest_visible_score(gen, window, monkeypatch):
+    """The tiled maximum (forced into many small tiles) against the dense masked maximum."""
+    from atlaslib.deep import problem
+    monkeypatch.setattr(problem, "TILE_ELEMENTS", 2 * 3 * 37 * 3)     # 3 rows per tile
+    q, k = (torch.randn(2, 3, 37, 5, generator=gen, dtype=F64) * 4 for _ in range(2))
+    t, i = torch.arange(37)[:, None], torch.arange(37)[None, :]
+    ok = (i <= t) & ((i > t - window) if window is not None else True)
+    want = (q @ k.mT).masked_fill(~ok, -math.inf).amax()
+    assert_close(problem._top_score(q, k, window), want.float(), tol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -1)}, ValueError, "phi_star"),
@@ -397,6 +471,32 @@ def test_dot_taylor_matches_the_matrix_definition(gen, P):
         assert_close(got, want, tol=1e-11, name=f"{backend}({b})")
     coeffs, _ = dot_coefficient_recurrent(exp_features(q, P), exp_features(k, P), v, alpha, eta, kernel="dot")
     assert_close(coeffs, want, tol=1e-11, name="coefficient form on features")
+
+
+@pytest.mark.parametrize("numbers", [True, False])
+def test_dot_step_is_checked_by_dots_own_condition(gen, numbers):
+    """eta = 0.5, alpha = 0.2 is stable for DOT (eta |phi*(k)|^2 <= 1 + alpha for these keys) although
+    eta / alpha exceeds the delta rule's cap of 2: both forms take it, and the Taylor form matches the
+    matrix definition. eta > 1 + alpha overshoots for every key: both forms refuse it, naming eta and alpha."""
+    B, H, T, K, V, P = 2, 2, 23, 4, 3, 2
+    q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
+    k = 0.5 * k / k.norm(dim=-1, keepdim=True)                    # |phi*(k)|^2 = e^0.25 < 2.4
+    def full(x):
+        return torch.full((B, H, T), x, dtype=F64)
+    eta, alpha = (0.5, 0.2) if numbers else (full(0.5), full(0.2))
+    want = dot_matrix_reference(q, k, v, full(0.2), full(0.5), P)
+    for backend in ("recurrent", "chunk"):
+        got, _ = dot(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P), backend=backend)
+        assert_close(got, want, tol=1e-11, name=backend)
+    exact, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="recurrent")
+    chunk, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="chunk")
+    assert_close(chunk, exact, tol=1e-11)
+    eta = 1.3 if numbers else full(0.5).index_put_((torch.tensor(1), torch.tensor(0), torch.tensor(7)),
+                                                     torch.tensor(1.3, dtype=F64))
+    for phi_star in (("taylor", P), "kernel"):
+        with pytest.raises(ValueError, match=r"dot: eta must be at most 1 \+ alpha") as err:
+            dot(q, k, v, alpha=alpha, eta=eta, phi_star=phi_star)
+        assert "beta" not in str(err.value)
 
 
 def test_dot_without_retention_is_the_delta_rule_on_features(gen):

@@ -872,3 +872,21 @@ def test_chunk_coefficients_built_in_groups(gen, name, monkeypatch):
         o, s = call("chunk", b)
         assert_close(o, ref, tol=1e-10, name=f"{name} (b={b}, groups of {max(1, 7 // b) * b} tokens)")
         assert_close(flat_state(s), flat_state(ref_s), tol=1e-10, name="final state")
+
+
+@pytest.mark.parametrize("preset", ["titans", "moneta"])
+def test_log_alpha_reaches_the_chunk_decays_without_a_round_trip(monkeypatch, gen, preset):
+    """log alpha = -3e-9 per token is exactly 1.0 once exponentiated in fp32: the chunk form's decays
+    must be the cumulative sums of the log-gates given, not of log(exp(.)) (which are all 0)."""
+    import atlaslib.miras.chunk as chunk
+    seen = []
+    real = chunk.decay_matrix
+    monkeypatch.setattr(chunk, "decay_matrix", lambda ga: seen.append(ga) or real(ga))
+    B, H, T, K, b = 1, 2, 20, 4, 8
+    q, k, v = random_qkv(B, H, T, K, K, generator=gen)
+    log_alpha = -3e-9 * (1 + torch.rand(B, H, T, generator=gen))
+    assert torch.exp(log_alpha).eq(1).all()
+    miras(q, k, v, preset=preset, log_alpha=log_alpha, eta=0.1, backend="chunk", chunk_size=b)
+    ga = seen[-1].reshape(B * H, -1)[:, :T].double()
+    want = torch.cat([log_alpha.double().reshape(B * H, T)[:, s:s + b].cumsum(-1) for s in range(0, T, b)], -1)
+    assert_close(ga, want, tol=1e-6)

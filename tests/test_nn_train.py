@@ -215,3 +215,44 @@ def test_a_bf16_mixer_forgets_like_its_fp32_self(monkeypatch, name, module, func
         decay[dtype] = seen[-1].double().sum(dim=2).exp()               # prod_t alpha_t, per head
     assert decay[torch.float32].min() < 0.99                           # the fp32 memory does forget
     torch.testing.assert_close(decay[torch.bfloat16], decay[torch.float32], rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("name, module, function, gate, proj, bias", [
+    ("titans", "atlaslib.nn.miras_mixers", "miras", "theta", "theta_gate.proj", 7.0),
+    ("titans", "atlaslib.nn.miras_mixers", "miras", "eta", "eta_gate.proj", 0.375),
+    ("atlas", "atlaslib.nn.atlas_mixers", "atlas", "theta", "theta_proj", 7.0),
+    ("atlas", "atlaslib.nn.atlas_mixers", "atlas", "eta", "eta_proj", 0.375),
+    ("gated_deltanet", "atlaslib.nn.delta_mixers", "delta_rule", 3, "beta.proj", 7.0),
+    ("deltanet", "atlaslib.nn.delta_mixers", "delta_rule", 3, "beta.proj", 0.375),
+    ("omeganet", "atlaslib.nn.omega_mixers", "omega_rule", "gamma", "gamma_proj", 7.0),
+    ("omeganet", "atlaslib.nn.omega_mixers", "omega_rule", "eta", "eta_proj", 0.375),
+])
+def test_a_bf16_mixer_squashes_every_gate_in_fp32(monkeypatch, name, module, function, gate, proj, bias):
+    # sigmoid(7) = 1 - 9.1e-4 is exactly 1.0 in bf16 (its last step below 1 is 2^-8), so a momentum decay,
+    # a step or a window gate squashed in bf16 and cast after is a different gate (1 - g off by 100%,
+    # g itself by up to 2^-9): every gate the mixer hands to the library matches its fp32 self.
+    import importlib
+    mod = importlib.import_module(module)
+    real = getattr(mod, function)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[gate] if isinstance(gate, int) else kw[gate])
+        return real(*args, **kw)
+    monkeypatch.setattr(mod, function, spy)
+    got = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        m = make_mixer(name, 32, 4, backend="chunk")
+        layer = m.get_submodule(proj)
+        with torch.no_grad():
+            layer.weight.zero_()
+            layer.bias.fill_(bias)                                  # bias exact in bf16: the same z
+        m = m.to(dtype)
+        with torch.no_grad():
+            m(torch.zeros(1, 8, 32, dtype=dtype))
+        assert seen[-1].dtype == torch.float32, dtype
+        got[dtype] = seen[-1].double()
+    want = got[torch.float32]
+    torch.testing.assert_close(got[torch.bfloat16], want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(1 - got[torch.bfloat16], 1 - want, rtol=1e-4, atol=0)

@@ -12,8 +12,8 @@ states) and ``chunk.py`` (the base's chunk form per segment, all segments of a l
 independent mode, then the batched readout; ``cached_readout`` is the Triton kernel's contract:
 ``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
 ``kernel.py``: that Triton readout for matrix memories (the residual/GRM/SSC weights, top-k by
-iterated selection, and the weighted sum of the cached states' reads), at most 32 cached states per
-token; beyond that, or for fp64, ``memory_caching`` runs ``cached_readout`` instead.
+iterated selection, and the weighted sum of the cached states' reads), for any number of cached states
+per token (a tile of 32 at a time); for fp64, ``memory_caching`` runs ``cached_readout`` instead.
 
 Exactness (chapter 7 §1–4): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
 readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
@@ -43,7 +43,6 @@ from .recurrent import memory_caching_recurrent
 from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks, log_layout, make_layout,
                        memory_reads, segment_lengths)
 
-DEFAULT_CHUNK_SIZE = 64
 MODES = ("checkpoint", "independent")
 POOLS = ("mean", "sum")
 # The readout of cached matrix memories on the GPU: a Triton kernel with cached_readout's contract.
@@ -52,8 +51,8 @@ READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 
 def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
     """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel).
-    Soup over matrix memories is GRM; a readout the kernel refuses (more cached states per token than
-    it holds, K too large, fp64) runs ``cached_readout`` instead, the same function."""
+    Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64) runs
+    ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     if lazy(f"{__name__}.kernel", "unsupported")(q, blocks) is not None:
@@ -65,7 +64,7 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
                    segments: int | Sequence[int] | str = 64, mode: str = "checkpoint", aggregate: str = "residual",
                    top_k: int | None = None, u: Tensor | None = None, pool: str = "mean",
                    base_kwargs: dict[str, Any] | None = None, initial_state: Any = None,
-                   output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
                    stats: dict[str, Any] | None = None) -> ModelOutput:
     """Memory Caching over any base model ([MC] eqs. 4-17).
 
@@ -105,7 +104,8 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
             CUDA, and the readout kernel ``kernel.cached_readout_triton`` for matrix memories) or
             "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
             PyTorch readout).
-        chunk_size: the base's chunk length.
+        chunk_size: the base's chunk length; None (the default) leaves the base's own default (e.g. 16
+            for Titans, OmegaNet and ATLAS, where the chunk length is part of the model).
         stats: optional dict; "reads" is increased by the number of memory passes of the readout
             (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
             The recurrent backend counts them as it reads; the others take ``memory_reads``.
@@ -130,7 +130,8 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     check_top_k(top_k)
     if top_k is not None and aggregate != "ssc":
         raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
-    check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
     if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):
         raise ValueError(f"u must be a tensor [B, H, T, K] = [{B}, {H}, {T}, {K}], "
                          f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")

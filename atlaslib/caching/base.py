@@ -68,9 +68,10 @@ def slice_kwargs(kw: dict, shape3: tuple, a: int, b: int) -> dict:
                 else x) for n, x in kw.items()}
 
 
-def run_base(base, q, k, v, kw: dict, initial_state, backend: str, chunk_size: int):
-    """(o, final state) of the base over one sequence (or a batch of segments)."""
-    extra = {"chunk_size": chunk_size} if takes(base, "chunk_size") else {}
+def run_base(base, q, k, v, kw: dict, initial_state, backend: str, chunk_size: int | None):
+    """(o, final state) of the base over one sequence (or a batch of segments); chunk_size None: the
+    base's own default."""
+    extra = {"chunk_size": chunk_size} if chunk_size is not None and takes(base, "chunk_size") else {}
     if takes(base, "backend"):
         extra["backend"] = backend
     o, state = base(q, k, v, initial_state=initial_state, output_final_state=True, **kw, **extra)

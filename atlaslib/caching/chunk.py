@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import compute_dtype
+from ..core.validation import _value_check
 from .base import linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
-from .segments import Layout, reader_spans, readers_of
+from .segments import Layout, reader_groups, reader_spans
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
 
@@ -96,10 +97,7 @@ def weighted_reads(w, states, q, blocks):
         return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
     B, H, T, _ = q.shape
     y = q.new_zeros(B, H, T, states.shape[3])
-    first, length = readers_of(blocks, N)
-    for n_len in length.unique().tolist():
-        ns = (length == n_len).nonzero().flatten()                           # states read by n_len tokens
-        tokens = first[ns, None] + torch.arange(n_len, device=q.device)      # [g, n_len]
+    for n_len, ns, tokens in reader_groups(blocks, N):                      # tokens [g, n_len]
         seen = blocks[tokens] == ns[:, None, None]                          # [g, n_len, J]: slot j holds n
         weight = (w[:, :, tokens] * seen).sum(-1)                            # [B, H, g, n_len]
         reads = torch.einsum("bhgvk,bhglk->bhglv", states[:, :, ns], q[:, :, tokens])
@@ -122,10 +120,13 @@ def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, agg
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
     if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[0] != T:
         raise ValueError(f"blocks must be an int64 tensor [T, J] = [{T}, J], got {blocks.dtype} {list(blocks.shape)}")
-    # a value check is a host sync that torch.compile cannot trace: eager calls only (the library's own
-    # tables are valid by construction)
-    if blocks.numel() and not torch.compiler.is_compiling() and (blocks.max() >= N or blocks.min() < -1):
+    # read on the host for CPU tensors; on an accelerator a device-side assert (no host sync); not while
+    # torch.compile traces (the library's own tables are valid by construction)
+    how = _value_check(blocks)
+    if blocks.numel() and how == "host" and (blocks.max() >= N or blocks.min() < -1):
         raise ValueError(f"blocks must hold indices in [0, {N}) or -1 (padding)")
+    if blocks.numel() and how == "device":
+        torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, {N}) or -1")
     check_top_k(top_k)
 
 

@@ -42,9 +42,13 @@ K * 4 bytes per head, against N * V * K * 4 for reading each cached state once: 
 over tokens (BT = 16, the least tl.dot takes, keeps D small under log-linear segmentation). Pass 1
 gathers T * J pooled keys, J / V of that.
 
-Limits: J <= MAX_SLOTS = 32 slots per token (log-linear needs floor(log2 T) + 1, <= 32 for any T
-below 2^32; constant segments of length C need about T / C): more are refused with a ValueError
-naming backend="chunk". K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
+More slots than one tile holds (J > SLOT_TILE = 32: constant segments of length C give about T / C;
+log-linear needs floor(log2 T) + 1, at most 32 below T = 2^32): the slots are walked a tile of BJ = 32
+at a time, three sweeps per block of tokens, each recomputing its tile's scores: a running max and a
+rescaled sum over the tiles (online softmax), then the weights and the reads tile by tile. SSC first
+finds each row's top_k-th score (top_k sweeps of "the next score in the order larger score, lower
+slot"), then keeps the slots at or above it. J <= 32 keeps the single tile above (one sweep).
+K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
 (32 at BK = 256; a wider V is split across programs). fp64 is refused (fp32 accumulation). q, u,
 online are read through their strides; states, pooled and online_score are made contiguous fp32,
 blocks contiguous int32. Offsets of states, of heads and of the block table are 64-bit (B*H*N*V*K
@@ -66,7 +70,7 @@ columns so the score tiles are the widest, BJ = 32; sm_80 and sm_90 agree within
 Why 8 warps and K slices: fp32 inputs take exact fp32 products (FMA units), which hold a whole
 K slice of their operands per thread. At 4 warps and BK = 128 in one piece the build spilled 4-5 KB a
 thread; slicing K by 32 at 4 warps still used all 255 registers; 8 warps and slices of 32 bring it to
-the table's. Speed has not been measured on a GPU (none was lent to this task).
+the table's.
 
 Forward only: the library takes gradients through the PyTorch form. Runs under
 ``TRITON_INTERPRET=1`` on CPU.
@@ -78,9 +82,10 @@ import triton
 import triton.language as tl
 
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.validation import _value_check
 
 MAX_KEY = 256
-MAX_SLOTS = 32
+SLOT_TILE = 32                   # slots per [BT, BJ] tile; more slots per token are read a tile at a time
 TOKENS_PER_PROGRAM = 16          # BT: the least tl.dot takes; keeps the distinct states per block few
 
 AGG_RESIDUAL = tl.constexpr(0)
@@ -103,59 +108,29 @@ def top_k_rows(b_R, b_keep, o_j, TOP_K, BJ: tl.constexpr):
 
 
 @triton.jit
-def cached_readout_fwd_kernel(
-    q_ptr, u_ptr, states_ptr, pooled_ptr, online_ptr, score_ptr, blocks_ptr, y_ptr,
-    s_q, s_u, s_on, s_y,
-    T, H, N, K, V, J, TOP_K, NT,
-    AGG: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    BJ: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    i_p = tl.program_id(0).to(tl.int64)     # int64: offsets of later heads can exceed 2^31
-    i_bh, i_tb = i_p // NT, (i_p % NT).to(tl.int32)
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    q_ptr, online_ptr, y_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(online_ptr, s_on, i_b, i_h), \
-        at_head(y_ptr, s_y, i_b, i_h)
-    states_ptr += i_bh * N * V * K
-
-    o_t = i_tb * BT + tl.arange(0, BT)      # the block's tokens
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_j = tl.arange(0, BJ)
-    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
-
-    # the block's state indices [BT, BJ] (int64: idx * V * K can pass 2^31), -1 where none
-    p_idx = blocks_ptr + o_t.to(tl.int64)[:, None] * J + o_j[None, :]
-    b_idx = tl.load(p_idx, mask=m_t[:, None] & (o_j < J)[None, :], other=-1).to(tl.int64)
-    m_vis = b_idx >= 0
-
-    # pass 1: the weights gamma_i [BT, BJ] and gamma_s [BT]
-    if AGG == AGG_RESIDUAL:
-        b_W = tl.where(m_vis, 1.0, 0.0)
-        b_ws = tl.full([BT], 1.0, tl.float32)
-    else:
-        u_ptr = at_head(u_ptr, s_u, i_b, i_h)
-        pooled_ptr += i_bh * N * K
-        b_u = load_tile(u_ptr, s_u, o_t, o_k, m_t, m_k)
-        b_R = tl.zeros([BT, BJ], dtype=tl.float32)          # r_i = <u_t, p_i> per slot
-        for j in range(J):
+def slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, j0, J, K, SCORES: tl.constexpr,
+               BT: tl.constexpr, BJ: tl.constexpr):
+    """Slots j0 .. j0 + BJ - 1 of the block's tokens: the state indices [BT, BJ] (int64, -1 where none)
+    and, with SCORES, the scores r_i = <u_t, p_i> [BT, BJ] (the pooled keys gathered row by row)."""
+    o_s = j0 + o_j
+    p_idx = blocks_ptr + (o_t.to(tl.int64)[:, None] * J + o_s.to(tl.int64)[None, :])   # one 64-bit offset
+    b_idx = tl.load(p_idx, mask=m_t[:, None] & (o_s < J)[None, :], other=-1).to(tl.int64)
+    b_R = tl.zeros([BT, BJ], dtype=tl.float32)
+    if SCORES:
+        m_vis = b_idx >= 0
+        for j in range(0, tl.minimum(BJ, J - j0)):
             b_col = tl.sum(tl.where(o_j[None, :] == j, b_idx, 0), axis=1)
             m_col = m_vis & (o_j[None, :] == j)
             b_p = tl.load(pooled_ptr + b_col[:, None] * K + o_k[None, :],
                           mask=(b_col >= 0)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
             b_R = tl.where(m_col, tl.sum(b_u * b_p, axis=1)[:, None], b_R)
-        if AGG == AGG_SSC:
-            m_vis = top_k_rows(b_R, m_vis, o_j, TOP_K, BJ)
-        b_rs = tl.load(score_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-        # softmax over the kept scores and r_s, shifted by the row's exact max (no overflow)
-        b_max = tl.maximum(tl.max(tl.where(m_vis, b_R, float("-inf")), axis=1), b_rs)
-        b_W = tl.exp(tl.where(m_vis, b_R - b_max[:, None], float("-inf")))   # -inf first: no overflow
-        b_ws = tl.exp(b_rs - b_max)
-        b_z = b_ws + tl.sum(b_W, axis=1)
-        b_W, b_ws = b_W / b_z[:, None], b_ws / b_z
+    return b_idx, b_R
 
-    # pass 2: y = gamma_s online + sum over the block's distinct states of (its weight per row) M q
-    b_y = load_tile(online_ptr, s_on, o_t, o_v, m_t, m_v) * b_ws[:, None]
+
+@triton.jit
+def read_states(b_y, b_idx, b_W, q_ptr, s_q, states_ptr, o_t, m_t, o_v, m_v, N, K, V,
+                BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """b_y + sum over the distinct states of b_idx (with a nonzero weight) of (its weight per row) M q."""
     b_idx = tl.where(b_W != 0.0, b_idx, -1)                 # zero weights load nothing (SSC's dropped slots)
     o_c = tl.arange(0, BKC)
     i_cur = tl.min(tl.where(b_idx >= 0, b_idx, N), axis=None)
@@ -172,17 +147,123 @@ def cached_readout_fwd_kernel(
             b_Mq += tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
         b_y += b_w[:, None] * b_Mq
         i_cur = tl.min(tl.where(b_idx > i_cur, b_idx, N), axis=None)
+    return b_y
+
+
+@triton.jit
+def kept_slots(b_idx, b_R, o_s, b_kv, b_ks, SELECT: tl.constexpr):
+    """The visible slots that take part: all, or (SSC over several slot blocks) those at or above the
+    row's threshold (b_kv, b_ks) in the order "larger score first, then lower slot"."""
+    m_vis = b_idx >= 0
+    if SELECT:
+        m_vis = m_vis & ((b_R > b_kv[:, None]) | ((b_R == b_kv[:, None]) & (o_s[None, :] <= b_ks[:, None])))
+    return m_vis
+
+
+@triton.jit
+def cached_readout_fwd_kernel(
+    q_ptr, u_ptr, states_ptr, pooled_ptr, online_ptr, score_ptr, blocks_ptr, y_ptr,
+    s_q, s_u, s_on, s_y,
+    T, H, N, K, V, J, TOP_K, NT,
+    AGG: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+    BJ: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_p = tl.program_id(0).to(tl.int64)     # int64: offsets of later heads can exceed 2^31
+    i_bh, i_tb = i_p // NT, (i_p % NT).to(tl.int32)
+    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    q_ptr, online_ptr, y_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(online_ptr, s_on, i_b, i_h), \
+        at_head(y_ptr, s_y, i_b, i_h)
+    states_ptr += i_bh * N * V * K
+
+    o_t = i_tb * BT + tl.arange(0, BT)      # the block's tokens
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_j = tl.arange(0, BJ)
+    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
+    SCORES: tl.constexpr = AGG != AGG_RESIDUAL
+    b_u = tl.zeros([BT, BK], dtype=tl.float32)
+    b_rs = tl.zeros([BT], dtype=tl.float32)
+    if SCORES:
+        u_ptr = at_head(u_ptr, s_u, i_b, i_h)
+        pooled_ptr += i_bh * N * K
+        b_u = load_tile(u_ptr, s_u, o_t, o_k, m_t, m_k)
+        b_rs = tl.load(score_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+    b_y = load_tile(online_ptr, s_on, o_t, o_v, m_t, m_v)
+
+    if ONE_BLOCK:
+        # every slot in one [BT, BJ] tile: the weights at once, then the read
+        b_idx, b_R = slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, 0, J, K, SCORES, BT, BJ)
+        m_vis = b_idx >= 0
+        if AGG == AGG_RESIDUAL:
+            b_W = tl.where(m_vis, 1.0, 0.0)
+        else:
+            if AGG == AGG_SSC:
+                m_vis = top_k_rows(b_R, m_vis, o_j, TOP_K, BJ)
+            # softmax over the kept scores and r_s, shifted by the row's exact max (no overflow)
+            b_max = tl.maximum(tl.max(tl.where(m_vis, b_R, float("-inf")), axis=1), b_rs)
+            b_W = tl.exp(tl.where(m_vis, b_R - b_max[:, None], float("-inf")))   # -inf first: no overflow
+            b_ws = tl.exp(b_rs - b_max)
+            b_z = b_ws + tl.sum(b_W, axis=1)
+            b_W, b_ws = b_W / b_z[:, None], b_ws / b_z
+            b_y = b_y * b_ws[:, None]
+        b_y = read_states(b_y, b_idx, b_W, q_ptr, s_q, states_ptr, o_t, m_t, o_v, m_v, N, K, V,
+                          BT, BK, BKC, BV, PRECISION)
+    else:
+        # more slots than one tile holds: the slots in blocks of BJ, scores recomputed per sweep
+        SELECT: tl.constexpr = AGG == AGG_SSC
+        b_kv = tl.full([BT], float("inf"), tl.float32)     # SSC's threshold: score, then slot
+        b_ks = tl.full([BT], -1, tl.int32)
+        if SELECT:
+            # TOP_K rounds of "the row's next score in the order (larger score, lower slot)"
+            for _ in range(TOP_K):
+                b_bv = tl.full([BT], float("-inf"), tl.float32)
+                b_bs = tl.full([BT], J, tl.int32)
+                for j0 in range(0, J, BJ):
+                    o_s = j0 + o_j
+                    b_idx, b_R = slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, j0, J, K,
+                                            SCORES, BT, BJ)
+                    m_c = (b_idx >= 0) & ((b_R < b_kv[:, None]) |
+                                          ((b_R == b_kv[:, None]) & (o_s[None, :] > b_ks[:, None])))
+                    b_c = tl.where(m_c, b_R, float("-inf"))
+                    b_best = tl.max(b_c, axis=1)
+                    b_slot = tl.min(tl.where(m_c & (b_c == b_best[:, None]), o_s[None, :], J), axis=1)
+                    m_up = (b_slot < J) & ((b_best > b_bv) | (b_bs == J))   # earlier blocks win ties
+                    b_bv, b_bs = tl.where(m_up, b_best, b_bv), tl.where(m_up, b_slot, b_bs)
+                m_found = b_bs < J                                 # a row out of slots keeps its threshold
+                b_kv, b_ks = tl.where(m_found, b_bv, b_kv), tl.where(m_found, b_bs, b_ks)
+        b_max = b_rs
+        b_z = tl.full([BT], 1.0, tl.float32)                      # sum of exp(r - b_max), r_s included
+        if SCORES:
+            # online softmax over the slot blocks: a running max, the sum rescaled when it grows
+            for j0 in range(0, J, BJ):
+                b_idx, b_R = slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, j0, J, K,
+                                        SCORES, BT, BJ)
+                m_vis = kept_slots(b_idx, b_R, j0 + o_j, b_kv, b_ks, SELECT)
+                b_new = tl.maximum(b_max, tl.max(tl.where(m_vis, b_R, float("-inf")), axis=1))
+                b_e = tl.exp(tl.where(m_vis, b_R - b_new[:, None], float("-inf")))
+                b_z = b_z * tl.exp(b_max - b_new) + tl.sum(b_e, axis=1)
+                b_max = b_new
+            b_y = b_y * (tl.exp(b_rs - b_max) / b_z)[:, None]
+        for j0 in range(0, J, BJ):
+            b_idx, b_R = slot_block(blocks_ptr, pooled_ptr, b_u, o_t, m_t, o_j, o_k, m_k, j0, J, K,
+                                    SCORES, BT, BJ)
+            m_vis = kept_slots(b_idx, b_R, j0 + o_j, b_kv, b_ks, SELECT)
+            if SCORES:
+                b_W = tl.exp(tl.where(m_vis, b_R - b_max[:, None], float("-inf"))) / b_z[:, None]
+            else:
+                b_W = tl.where(m_vis, 1.0, 0.0)
+            b_y = read_states(b_y, b_idx, b_W, q_ptr, s_q, states_ptr, o_t, m_t, o_v, m_v, N, K, V,
+                              BT, BK, BKC, BV, PRECISION)
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
 
 
 def unsupported(q, blocks) -> str | None:
-    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY, J > MAX_SLOTS."""
+    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY."""
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"
     if q.shape[-1] > MAX_KEY:
         return f"head size K={q.shape[-1]} (at most {MAX_KEY})"
-    if blocks.shape[-1] > MAX_SLOTS:
-        return f"J={blocks.shape[-1]} cached states per token (at most {MAX_SLOTS})"
     return None
 
 
@@ -208,12 +289,13 @@ def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, agg
     if blocks.dim() != 2 or blocks.shape[0] != T or blocks.dtype.is_floating_point or blocks.dtype == torch.bool:
         raise ValueError(f"blocks must be an integer tensor [T={T}, J], got {blocks.dtype} {tuple(blocks.shape)}")
     J = blocks.shape[1]
-    if J > MAX_SLOTS:
-        raise ValueError(f"the Triton kernel reads at most {MAX_SLOTS} cached states per token, got J={J}; "
-                         f"use backend='chunk'")
-    if blocks.numel() and (int(blocks.min()) < -1 or int(blocks.max()) >= N):
-        raise ValueError(f"blocks must hold indices in [0, N={N}) or -1, got [{int(blocks.min())}, "
-                         f"{int(blocks.max())}]")
+    how = _value_check(blocks)
+    if blocks.numel() and how == "host":
+        lo, hi = (int(x) for x in torch.aminmax(blocks))
+        if lo < -1 or hi >= N:
+            raise ValueError(f"blocks must hold indices in [0, N={N}) or -1, got [{lo}, {hi}]")
+    elif blocks.numel() and how == "device":                 # no host sync: checked on the device
+        torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, N={N}) or -1")
     if aggregate == "ssc" and (top_k is None or top_k >= J):
         return AGG_GRM.value, 0                             # every visible state kept: GRM
     return AGGREGATES[aggregate], top_k or 0
@@ -233,11 +315,12 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
     BK = feature_tile(K, MAX_KEY)
     run = forward_launch(q, q if u is None else u, online, BV=value_tile(V, 64 if BK <= 128 else 32))
     NT = triton.cdiv(T, TOKENS_PER_PROGRAM)
+    BJ = max(2, min(SLOT_TILE, triton.next_power_of_2(J)))
     cached_readout_fwd_kernel[(B * H * NT, run.grid[1])](
         run.q, run.k, as_fp32(states), as_fp32(pooled), run.v,
         as_fp32(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
         T, H, N, K, V, J, top, NT,
-        AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=max(2, triton.next_power_of_2(J)),
+        AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=BJ, ONE_BLOCK=J <= BJ,
         PRECISION=run.precision, num_warps=8,
     )
     return run.o

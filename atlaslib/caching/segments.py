@@ -14,6 +14,7 @@ Positions here are 0-based token indices: token index i is the 1-based position 
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -35,9 +36,35 @@ class Layout(NamedTuple):
     log: bool
 
     def blocks(self, device="cpu") -> torch.Tensor:
-        """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded."""
+        """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded.
+        Built once per layout and device (``make_layout`` returns one layout per (T, segments)), so a
+        forward pass copies nothing from the host; treat it as read-only."""
+        if torch.compiler.is_compiling():
+            return self._table(device)
+        key = (id(self.visible), str(torch.device(device)))
+        hit = _BLOCKS.get(key)
+        if hit is not None and hit[0] is self.visible:
+            return hit[1]
+        table = self._table(device)
+        _remember(_BLOCKS, key, (self.visible, table))
+        return table
+
+    def _table(self, device) -> torch.Tensor:
         J = max([len(v) for v in self.visible] + [1])
         return torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
+
+
+# Tables built from layouts, per (layout, device), and what is derived from them: the entries hold their
+# keys' objects, so an id is never reused while its entry lives. Bounded: the oldest entry goes first.
+_BLOCKS: dict = {}
+_GROUPS: dict = {}
+CACHE_ENTRIES = 64
+
+
+def _remember(cache: dict, key, value):
+    if len(cache) >= CACHE_ENTRIES:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
 
 
 def segment_lengths(T: int, segments) -> list:
@@ -100,7 +127,23 @@ def log_layout(T: int) -> Layout:
 
 
 def make_layout(T: int, segments) -> Layout:
-    """Layout for ``segments`` = int | list of lengths | "log"."""
+    """Layout for ``segments`` = int | list of lengths | "log"; one object per (T, segments), built once
+    (while torch.compile traces, built afresh: the trace holds it as a constant)."""
+    if torch.compiler.is_compiling():
+        return _build_layout(T, segments)
+    if isinstance(segments, (int, str)) and not isinstance(segments, bool):
+        return _cached_layout(T, type(segments).__name__, segments)
+    if isinstance(segments, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in segments):
+        return _cached_layout(T, "list", tuple(segments))
+    return _build_layout(T, segments)
+
+
+@functools.lru_cache(maxsize=CACHE_ENTRIES)
+def _cached_layout(T: int, kind: str, segments) -> Layout:
+    return _build_layout(T, list(segments) if kind == "list" else segments)
+
+
+def _build_layout(T: int, segments) -> Layout:
     if isinstance(segments, str):
         if segments != "log":
             raise ValueError(f"segments must be an int, a list of lengths or 'log', got {segments!r}")
@@ -119,6 +162,25 @@ def readers_of(blocks, N):
     first = torch.full((N,), T, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amin")
     last = torch.full((N,), -1, dtype=torch.int64, device=blocks.device).scatter_reduce(0, n, t, "amax")
     return first.clamp(max=T - 1), (last - first + 1).clamp(min=0)
+
+
+def reader_groups(blocks, N) -> list:
+    """The cached states grouped by the length of their run of readers (``readers_of``): a list of
+    (length, states [g], tokens [g, length]). For a layout's own table (``Layout.blocks``) it is
+    built once, so the readout's forward pass does not wait for the device to list the lengths."""
+    key = (id(blocks), N)
+    hit = None if torch.compiler.is_compiling() else _GROUPS.get(key)
+    if hit is not None and hit[0] is blocks:
+        return hit[1]
+    first, length = readers_of(blocks, N)
+    groups = []
+    for n_len in length.unique().tolist():
+        ns = (length == n_len).nonzero().flatten()                           # states read by n_len tokens
+        groups.append((n_len, ns, first[ns, None] + torch.arange(n_len, device=blocks.device)))
+    # only a layout's own table is immutable, so only its groups may be cached
+    if not torch.compiler.is_compiling() and any(blocks is hit[1] for hit in _BLOCKS.values()):
+        _remember(_GROUPS, key, (blocks, groups))
+    return groups
 
 
 def reader_spans(layout: Layout) -> list:

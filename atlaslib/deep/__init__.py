@@ -50,7 +50,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
-from ..delta import delta_rule
+from ..delta import backend_table as delta_backend_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..omega.problem import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
@@ -261,8 +261,9 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     ([A] eqs. 28-31 subtract the value term and multiply from the left; see the errata.) The gradients
     are taken at M_{t-1} and the decay applied after (chapter 4's Omega convention). With c = 1 this is
     the delta rule on phi* (alpha = 1: exactly DeltaNet with beta = eta gamma on the features). Stable
-    while eta_t |sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T| <= 2, and |phi*(k)|^2 = exp(|k|^2): for unit
-    keys and gamma = 1, eta <= 2 / (c e).
+    while eta_t |sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T| <= 1 + alpha_t, and |phi*(k)|^2 = exp(|k|^2):
+    for unit keys and gamma = 1, eta <= (1 + alpha) / (c e). With c = 1, eta_t > 1 + alpha_t is unstable
+    for every key (|phi*(k)|^2 >= 1) and raises ValueError (``check_dot_step``).
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V].
@@ -325,6 +326,8 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
         g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
         eta = g if eta is None else eta.to(cd) * g
         gamma = None
+    if c == 1 and memory == "linear":
+        check_dot_step(eta, alpha)
     if memory == "mlp":                             # the deep Omega rule on phi* (mlp.py)
         return mlp_dot(q, k, v, c, gamma, alpha, eta, order, initial_state, backend, chunk_size, activation)
     if form == "kernel":
@@ -355,9 +358,37 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     vv = v.to(cd)
     if alpha is not None:                           # Gated DeltaNet decays before its step: undo it
         beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
-    # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit)
-    o, _ = delta_rule(fq, fk, vv, beta, alpha=alpha, backend=backend, chunk_size=chunk_size)
+    # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit).
+    # Its forms are called directly: delta_rule's cap beta <= 2 is DeltaNet's unit-key condition, not
+    # DOT's (check_dot_step), and beta = eta / alpha exceeds it for stable DOT inputs.
+    o, _ = dispatch(backend, fq, delta_backend_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
+                    unsupported=lambda: matrix_kernel_limits(fq), model="dot")
     return o.to(q.dtype), None
+
+
+def check_dot_step(eta, alpha):
+    """DOT's own stability condition for one pair per step (c = 1): eta_t <= 1 + alpha_t.
+
+    The update M_t = M_{t-1} (alpha_t I - eta_t phi*(k_t) phi*(k_t)^T) + ... scales the memory along
+    phi*(k_t) by alpha_t - eta_t |phi*(k_t)|^2 and leaves the orthogonal directions at alpha_t, so it
+    is non-expansive exactly when eta_t |phi*(k_t)|^2 <= 1 + alpha_t. Both feature maps have
+    |phi*(k)|^2 >= 1 (exp(|k|^2) for the kernel, sum_n |k|^(2n) / n! for the Taylor features), so
+    eta_t > 1 + alpha_t overshoots for every key: that is rejected here, for both forms alike; the
+    sharper, key-dependent bound eta_t <= (1 + alpha_t) / |phi*(k_t)|^2 is left to the caller."""
+    if eta is None:                                 # eta = 1 <= 1 + alpha for every alpha >= 0
+        return
+    one = 1.0 + (alpha.to(eta.dtype) if alpha is not None else torch.zeros((), dtype=eta.dtype, device=eta.device))
+    msg = ("dot: eta must be at most 1 + alpha at every token (window=1): the update scales the memory along "
+           "phi*(k_t) by alpha_t - eta_t |phi*(k_t)|^2 with |phi*(k)|^2 >= 1, so a larger eta overshoots for every key")
+    how = _value_check(eta)
+    if how == "host":
+        with torch.no_grad():
+            excess = (eta - one).max().item()
+        if excess > 0:
+            raise ValueError(f"{msg}; got eta - (1 + alpha) up to {excess:.4g}")
+    elif how == "device":
+        with torch.no_grad():
+            torch._assert_async((eta <= one).all(), msg)
 
 
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",

@@ -66,9 +66,9 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
             retentions that take it (all but "none"); it is Memora's beta_t and Moneta's
             beta_t, and the lambda of the elastic net.
         log_alpha: the retention gate as its log (values <= 0; a tensor in fp32/fp64 or a
-            number) instead of alpha. It is turned into alpha in the compute dtype (fp32, fp64
-            for fp64 inputs) here, at entry, never in the activation dtype: the retentions
-            combine with alpha itself, so the log is not carried further.
+            number) instead of alpha. The forms that combine with alpha itself get exp(log_alpha)
+            in the compute dtype (fp32, fp64 for fp64 inputs), never in the activation dtype;
+            the chunk form's decays use the log itself (no log(exp(.)) round trip).
         eta: inner learning rate >= 0, [B, H, T] or a number (None: 1). The delta rule's beta.
         theta: momentum decay in [0, 1], [B, H, T] or a number, optimizer="momentum" only
             (None: 0, no momentum carried).

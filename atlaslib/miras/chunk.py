@@ -113,10 +113,12 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     def blocks(x, fill):                                              # [N, T] -> [N, nc, b]
         return F.pad(x, (0, extra), value=fill).view(N, nc, chunk_size)
 
-    def log_cumsum(x):
+    def log_cumsum(x, log=None):                                      # from the log-gate itself when given
+        if log is not None:
+            return blocks(log, 0.0).clamp_min(LOG_FLOOR).cumsum(-1)
         return None if x is None else torch.log(blocks(x, 1.0)).clamp_min(LOG_FLOOR).cumsum(-1)
 
-    ga = log_cumsum(gates.alpha if ret.uses_alpha else None)
+    ga = log_cumsum(gates.alpha, gates.log_alpha) if ret.uses_alpha else None
     h = log_cumsum(gates.theta if opt.uses_theta else None)
     Gamma = band_gates(F.pad(gates.G, (0, 0, 0, extra)).view(N, nc, chunk_size, c), c)
     eta = blocks(gates.eta, 0.0)
@@ -267,8 +269,7 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     frozen at the chunk-start state: S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,
     M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
     fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
-    ``log_alpha`` (fp32/fp64, <= 0) may replace alpha; it becomes alpha in fp32 (fp64) at entry,
-    as in ``miras``.
+    ``log_alpha`` (fp32/fp64, <= 0) may replace alpha; as in ``miras``, the decays use it directly.
     """
     B, H, T, K, V = check_qkv(q, k, v)
     check_retention(alpha, log_alpha, B, H, T, ref=q)
@@ -285,7 +286,8 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     N = B * H
     flat = lambda x: None if x is None else x.to(cd).reshape(N, T)          # noqa: E731
     eta = torch.ones(N, T, dtype=cd, device=q.device) if eta is None else flat(eta)
-    gates = Gates(eta=eta, G=torch.ones(N, T, 1, dtype=cd, device=q.device), alpha=flat(alpha), theta=flat(theta))
+    gates = Gates(eta=eta, G=torch.ones(N, T, 1, dtype=cd, device=q.device), alpha=flat(alpha), theta=flat(theta),
+                  log_alpha=flat(log_alpha))
     zeros = torch.zeros(N, V, K, dtype=cd, device=q.device)
     Z = {"M": zeros if initial_state is None else initial_state.to(cd).reshape(N, V, K)}
     S = {"M": zeros if initial_momentum is None else initial_momentum.to(cd).reshape(N, V, K)}

@@ -56,22 +56,21 @@ def _unused(name, x, why):
 
 
 def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
-    """The retention gate alpha in the compute dtype ``cd``, given as alpha or as log_alpha.
+    """(alpha, log_alpha) in the compute dtype ``cd``, from the retention gate given as alpha or as log_alpha.
 
-    log_alpha is turned into alpha here, at entry, in fp32 (fp64 for fp64 inputs): the engine's
-    seven retentions combine with alpha itself (the KL and l_q retentions are not a decay of Z),
-    so a log-gate is not threaded through them. In fp32, 1 - alpha keeps a relative precision of
-    about 2^-24 / (1 - alpha): 2^-12 for the gate 1 - 2^-12 that bf16 rounds to 1. For gates much
-    closer to 1, pass fp64 inputs.
+    Given as a log, alpha = exp(log_alpha) in fp32 (fp64 for fp64 inputs) for the forms that combine
+    with alpha itself (the per-token loops, the KL and l_q retentions), and the log itself is kept
+    for the chunk form's decays (exp of differences of cumulative log-gates), which then never take
+    log(exp(.)). Given as alpha, log_alpha is None (the chunk form takes its log).
     """
     if log_alpha is None:
-        return gate_or_number("alpha", alpha, B, H, T, cd, q)
+        return gate_or_number("alpha", alpha, B, H, T, cd, q), None
     if alpha is not None:
         raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
         log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
     check_retention(None, log_alpha, B, H, T, ref=q)
-    return alpha_from_log(None, log_alpha, cd)
+    return alpha_from_log(None, log_alpha, cd), log_alpha.to(cd)
 
 
 def engine_table(chunk_size: int) -> dict:
@@ -141,7 +140,7 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
         _unused("theta", theta, f"optimizer={cfg.optimizer!r} has no momentum (use optimizer='momentum')")
     if not bias.uses_delta:
         _unused("delta", delta, f"bias={cfg.bias!r} takes no threshold (delta is for the Huber and value_shift biases)")
-    alpha = _retention_gate(alpha, log_alpha, B, H, T, cd, q)
+    alpha, log_alpha = _retention_gate(alpha, log_alpha, B, H, T, cd, q)
     eta = gate_or_number("eta", 1.0 if eta is None else eta, B, H, T, cd, q, high=None)
     theta = gate_or_number("theta", theta, B, H, T, cd, q)
     if bias.uses_delta:
@@ -164,7 +163,8 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     N = B * H
     flat = lambda x: None if x is None else x.to(cd).reshape(N, T)        # noqa: E731
     G = window_gates(gamma, B, H, T, cfg.window, cd, q.device).reshape(N, T, cfg.window)
-    gates = Gates(eta=flat(eta), G=G, alpha=flat(alpha), theta=flat(theta), delta=flat(delta))
+    gates = Gates(eta=flat(eta), G=G, alpha=flat(alpha), theta=flat(theta), delta=flat(delta),
+                  log_alpha=flat(log_alpha))
     Z = flatten_bh(state.memory, B, H, cd)
     S = None if state.momentum is None else flatten_bh(state.momentum, B, H, cd)
     args = (parts, fq.to(cd).reshape(N, T, D), fk.to(cd).reshape(N, T, D), v.to(cd).reshape(N, T, V), gates, Z, S)

@@ -60,23 +60,27 @@ class Gates:
     """Per-token gates, [N, T] each (None where the configuration has none).
 
     eta is always a tensor; G [N, T, c] holds the window gates per offset,
-    G[:, t, j] = gamma_{t-j}^{(t)}, zero where t - j < 0.
+    G[:, t, j] = gamma_{t-j}^{(t)}, zero where t - j < 0. log_alpha: the retention gate's log when it
+    was given as one (alpha is then its exp), so the chunk form's decays use it without a round trip.
     """
     eta: torch.Tensor
     G: torch.Tensor
     alpha: torch.Tensor | None = None
     theta: torch.Tensor | None = None
     delta: torch.Tensor | None = None
+    log_alpha: torch.Tensor | None = None
 
     def slice(self, s: int, e: int) -> "Gates":
         """The gates of tokens s .. e - 1."""
         cut = lambda x: None if x is None else x[:, s:e]          # noqa: E731
-        return Gates(cut(self.eta), cut(self.G), cut(self.alpha), cut(self.theta), cut(self.delta))
+        return Gates(cut(self.eta), cut(self.G), cut(self.alpha), cut(self.theta), cut(self.delta),
+                     cut(self.log_alpha))
 
     def at(self, t: int) -> "Gates":
         """The gates of token t alone: [N] each, G [N, c] (its per-offset window gates)."""
         pick = lambda x: None if x is None else x[:, t]           # noqa: E731
-        return Gates(pick(self.eta), pick(self.G), pick(self.alpha), pick(self.theta), pick(self.delta))
+        return Gates(pick(self.eta), pick(self.G), pick(self.alpha), pick(self.theta), pick(self.delta),
+                     pick(self.log_alpha))
 
 
 class TokenState(NamedTuple):

@@ -75,7 +75,9 @@ class AtlasMixer(WindowedMixer):
 
     def theta(self, x):
         """Momentum decay in (0, 1), [B, H, T], or None (no momentum)."""
-        return None if self.theta_proj is None else torch.sigmoid(self.theta_proj(x)).transpose(1, 2)
+        if self.theta_proj is None:
+            return None
+        return torch.sigmoid(self.theta_proj(x).to(gate_dtype(x))).transpose(1, 2)    # squashed in fp32
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)

@@ -25,7 +25,7 @@ class BetaProjection(nn.Module):
         self.proj = nn.Linear(d_model, n_heads)
 
     def forward(self, x):
-        return torch.sigmoid(self.proj(x)).transpose(1, 2)          # [B, T, H] -> [B, H, T]
+        return torch.sigmoid(self.proj(x).to(gate_dtype(x))).transpose(1, 2)   # [B, T, H] -> [B, H, T], fp32
 
 
 def delta_step(M, q, k, v, beta_t, alpha_t):

@@ -75,7 +75,8 @@ def engine_step(parts, state: TokenState, q, k, v, G, eta, alpha=None, theta=Non
 
 
 class ScalarGate(nn.Module):
-    """One value per head and token from x [B, T, D]: squash(w_h^T x_t + b_h) as [B, H, T]."""
+    """One value per head and token from x [B, T, D]: squash(w_h^T x_t + b_h) as [B, H, T], in
+    ``gate_dtype(x)`` (a bf16 sigmoid rounds every value above 1 - 2^-9 to exactly 1)."""
 
     def __init__(self, d_model: int, n_heads: int, squash: str, start: float):
         super().__init__()
@@ -85,7 +86,7 @@ class ScalarGate(nn.Module):
                           math.log(start / (1 - start)))
 
     def forward(self, x):
-        z = self.proj(x).transpose(1, 2)
+        z = self.proj(x).transpose(1, 2).to(gate_dtype(x))            # squashed in fp32, not x's dtype
         return F.softplus(z) if self.squash == "softplus" else torch.sigmoid(z)
 
 

@@ -110,12 +110,13 @@ class WindowedMixer(GatedLinear):
         if self.gamma_mode is None:
             return None
         B, T, _ = x.shape
-        g = torch.sigmoid(self.gamma_proj(x)).view(B, T, self.n_heads, -1).transpose(1, 2)   # [B, H, T, w]
+        g = torch.sigmoid(self.gamma_proj(x).to(gate_dtype(x)))                 # squashed in fp32
+        g = g.view(B, T, self.n_heads, -1).transpose(1, 2)                      # [B, H, T, w]
         return g if self.gamma_mode == "offset" else g.squeeze(-1)
 
     def eta(self, x):
         """Inner step eta_t = eta_max * sigmoid(w^T x_t + b) in (0, eta_max), [B, H, T]."""
-        return self.eta_max * torch.sigmoid(self.eta_proj(x)).transpose(1, 2)
+        return self.eta_max * torch.sigmoid(self.eta_proj(x).to(gate_dtype(x))).transpose(1, 2)
 
     def alpha(self, x):
         """Retention in (0, 1), [B, H, T], or None without retention."""
