@@ -38,6 +38,7 @@ o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -66,10 +67,16 @@ def at_head(ptr, strides, i_b, i_h):
 
 
 @triton.jit
+def load_block(ptr, strides, o_rows, o_cols, m_rows, m_cols):
+    """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in its own dtype; 0 where masked."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0)
+
+
+@triton.jit
 def load_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols):
     """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in fp32; 0 where masked."""
-    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
-    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+    return load_block(ptr, strides, o_rows, o_cols, m_rows, m_cols).to(tl.float32)
 
 
 @triton.jit
@@ -119,25 +126,34 @@ def chunk_local_log_gate(logs: torch.Tensor, BT: int):
     return logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape).contiguous(), Tp
 
 
-def chunk_gates(alpha, log_alpha, T: int, BT: int, BT_channel: int):
-    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with [BT, BT] chunk tiles take it.
+def chunk_gates(alpha, log_alpha, T: int, BT: int):
+    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with chunks of BT tokens take it.
 
-    Returns (GATE, BT, g, Tp): the gate mode; the chunk length, ``BT`` or, for per-channel
-    gates (whose decays need [BT, BT, BK] tiles), ``BT_channel``; the chunk-local log-gates
-    g [B, H, Tp(, K)] in fp32 (``chunk_local_log_gate``), or None without a gate (Tp = T).
+    Returns (GATE, g, Tp): the gate mode; the chunk-local log-gates g [B, H, Tp(, K)] in fp32
+    (``chunk_local_log_gate``), or None without a gate; T padded to whole chunks (Tp = T without a gate).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     gate = gate_mode(logs)
-    if gate == GATE_CHANNEL:
-        BT = BT_channel
     if logs is None:
-        return gate, BT, None, T
-    return (gate, BT, *chunk_local_log_gate(logs, BT))
+        return gate, None, T
+    return (gate, *chunk_local_log_gate(logs, BT))
+
+
+# Set ATLASLIB_TF32=1 to let tl.dot round fp32 operands to TF32 (faster on tensor cores, about
+# 3 decimal digits per product): an explicit opt-in, read at each launch.
+TF32_ENV = "ATLASLIB_TF32"
 
 
 def precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of tl.dot: exact fp32 products for fp32 inputs, TF32 for fp16/bf16."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``input_precision`` of tl.dot for a kernel whose inputs have this dtype.
+
+    It applies only to products of fp32 operands: "ieee" (exact fp32 products), so fp32 inputs
+    and the fp32 intermediates of half-precision kernels (e.g. the delta rule's triangular
+    inverse) are computed exactly; "tf32" only when ``ATLASLIB_TF32=1`` is set. bf16/fp16 tiles
+    given to tl.dot as they are run on bf16/fp16 tensor cores with fp32 accumulation whatever
+    this says. (``dtype`` is kept so a kernel's choice reads as a function of its inputs.)
+    """
+    return "tf32" if os.environ.get(TF32_ENV) == "1" else "ieee"
 
 
 def as_fp32(x):
