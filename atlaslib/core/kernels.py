@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 import torch
 import triton
 import triton.language as tl
@@ -99,6 +101,48 @@ def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
     if ptr is not None:
         b_M += tl.load(ptr + o_s, mask=m_s, other=0.0)
     return b_M
+
+
+def _interpreter_handles_bf16_as_a_gpu():
+    """Make Triton's interpreter treat bf16 tiles as a GPU does, in ``tl.dot`` and in casts.
+
+    The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its
+    ``tl.dot`` multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to
+    the nearest. So ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is
+    an fp32 value with a shorter mantissa, and so is the product of two; this is what bf16
+    tensor cores compute, with fp32 accumulation), and fp32 -> bf16 casts round to nearest even.
+    Compiled kernels are untouched.
+    """
+    try:
+        from triton.runtime import interpreter
+        builder, convert, handle = interpreter.InterpreterBuilder, interpreter._convert_float, interpreter.TensorHandle
+    except (ImportError, AttributeError):        # another Triton: leave it as it is
+        return
+    if getattr(builder.create_dot, "bf16_as_a_gpu", False):
+        return
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def as_fp32(x):
+        if x.dtype == tl.bfloat16:
+            return handle(convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)   # to nearest, ties to even
+            nan = np.isnan(src.data)
+            return handle(np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    create_dot.bf16_as_a_gpu = True
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
+_interpreter_handles_bf16_as_a_gpu()
 
 
 # ---------------------------------------------------------------------------------------
