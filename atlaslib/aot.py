@@ -482,7 +482,8 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
     todo = []
     for family, label, call in cases():
         if families is None or family in families:
-            short, longer = by_kernel(captured_launches(lambda: call(40))), by_kernel(captured_launches(lambda: call(400)))
+            short = by_kernel(captured_launches(lambda: call(40)))
+            longer = by_kernel(captured_launches(lambda: call(400)))
             todo += [(family, label, short[name], longer[name]) for name in short]
     results = []
     with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:

@@ -1,14 +1,14 @@
 """What the Triton kernels of every chapter share (imported by the ``kernel.py`` modules only).
 
-Every forward kernel here has the same shape: one program per (batch*head, block of BV value
-channels), walking the chunks of its sequence in order with its slice of the state in
-registers. So every host wrapper does the same set-up around its own inputs, and this module
-holds it once:
+Most chapters' forward kernels have one program per (batch*head, block of BV value channels),
+walking the chunks of its sequence in order with its slice of the state in registers; chapters
+1 and 2 split theirs into chunk-parallel kernels (``core.chunk_kernels``). Every host wrapper
+does the same set-up around its own inputs, and this module holds it once:
 
 * ``forward_launch``: refuses fp64, allocates the output o [B, H, T, V] (and, through
   ``ForwardLaunch.state``, fp32 final states [B, H, V, K]) with ``core.testing.empty`` so the
-  tests can poison them, and gives the grid (B*H, cdiv(V, BV)), the strides of q, k, v, o and
-  the ``tl.dot`` precision. The kernels index q, k, v through their strides, so views (the
+  tests can poison them, and gives the grid (B*H, cdiv(V, BV)) of a one-program-per-head kernel,
+  the strides of q, k, v, o and the ``tl.dot`` precision. The kernels index q, k, v through their strides, so views (the
   mixers hand in [B, T, H, K] tensors transposed to [B, H, T, K]) are read in place;
 * tiles: ``dot_tile`` (the smallest power-of-two tile tl.dot takes), ``feature_tile`` (every
   program holds all K key channels: refuse K past the kernel's limit), ``value_tile`` (BV,
@@ -19,16 +19,19 @@ holds it once:
   the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
 * ``chunk_local_log_gate``: log-gates accumulated within each chunk of the kernel's tile,
   padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end);
-  ``chunk_gates`` turns alpha or log_alpha into (gate mode, BT, g, Tp) for the kernels of
+  ``chunk_gates`` turns alpha or log_alpha into (gate mode, g, Tp) for the kernels of
   chapters 1 and 2;
+* ``precision``: the ``input_precision`` of tl.dot on fp32 operands, exact unless
+  ``ATLASLIB_TF32=1`` opts in to TF32;
 * ``as_fp32``: optional inputs (gates, start states) as contiguous fp32, ``None`` left as
   ``None``. Kernels take an absent input as a ``None`` pointer: Triton specialises it as a
   constexpr, so ``if h0_ptr is not None:`` is decided when the kernel is compiled.
 
 And, inside the kernels (``@triton.jit`` functions, inlined where they are called):
 ``at_head`` moves a pointer to the program's head through the batch and head strides,
-``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that head through
-the token and channel strides (loads in fp32), ``state_slice``/``load_state`` give the
+``load_block``/``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that
+head through the token and channel strides (``load_block`` in the tensor's dtype, ``load_tile``
+in fp32), ``state_slice``/``load_state`` give the
 program's [BV, BK] slice of a contiguous fp32 state (zeros when none is given).
 
 Names inside the kernels follow fla and the Triton tutorials: ``b_`` a block of values held by
