@@ -45,7 +45,6 @@ inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
