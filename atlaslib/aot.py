@@ -16,10 +16,14 @@ sm_80 (A100) and sm_90 (H100) — without a device:
    spilled bytes (from the ``ptxas -v`` log of that same build), and whether every offset
    added to a kernel's pointer arguments is 64-bit (from the Triton IR).
 
-Every grid is checked as well: programs loop over chunks, so a head's kernel launches the
-same grid at T = 40 and T = 400. Chapter 5's Newton–Schulz kernel is the exemption: one
-program per momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its
-grid is bounded by B*H*b and its number of launches grows with T.
+Every grid is checked as well, at T = 40 and T = 400. Most kernels' programs loop over
+chunks, so a head's kernel launches the same grid at both. Chapters 1 and 2 run the
+chunk-parallel forward (``core.chunk_kernels``): their intra-chunk and output kernels have a
+program per chunk, so those grids grow with the number of chunks, while their state pass
+keeps the grid independent of T. Chapter 5's Newton–Schulz kernel is one program per
+momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its grid is
+bounded by B*H*b and its number of launches grows with T. A call that launches several
+kernels has each of them built.
 
 ``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's). ``--fast`` stops
 each build once its shared memory is allocated, before LLVM and ptxas: about a second a build
@@ -83,6 +87,7 @@ class Build:
     grid: tuple = ()       # the (largest) launch grid at T = 40 (B*H = 2)
     grid_fixed_in_T: bool = True   # the same grid at T = 400: programs loop over chunks
     launches: tuple = (1, 1)       # kernel launches per call at T = 40 and T = 400
+    grid_long: tuple = ()          # the (largest) launch grid at T = 400
 
     @property
     def fits(self) -> bool:
@@ -123,13 +128,25 @@ def captured(call) -> Launch:
 
 
 def captured_launches(call) -> list[Launch]:
-    """Every launch ``call()`` makes, all of one kernel (chapter 5's chunk form launches its
-    Newton–Schulz kernel once per chunk; the other wrappers launch once per call)."""
+    """Every launch ``call()`` makes, in order (chapters 1 and 2 launch several kernels per call;
+    chapter 5's chunk form launches its Newton–Schulz kernel once per chunk)."""
     with intercepted_launches() as launches:
         call()
-    if not launches or len({id(launch.kernel) for launch in launches}) != 1:
-        raise RuntimeError(f"expected launches of one kernel, got {[launch.kernel for launch in launches]}")
+    if not launches:
+        raise RuntimeError("expected kernel launches, got none")
     return launches
+
+
+def kernel_name(launch: Launch) -> str:
+    return launch.kernel.fn.__name__
+
+
+def by_kernel(launches: list[Launch]) -> dict[str, list[Launch]]:
+    """A call's launches grouped by kernel, in the order the kernels first run."""
+    groups: dict[str, list[Launch]] = {}
+    for launch in launches:
+        groups.setdefault(kernel_name(launch), []).append(launch)
+    return groups
 
 
 def specialised(launch: Launch, target_name: str):
@@ -459,13 +476,17 @@ def largest_grid(launches: list[Launch]) -> tuple:
 def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -> list[Build]:
     """Build every configuration (of ``families``, default all) for every target (``full``: see ``build``).
 
-    A call that launches its kernel more than once (ATLAS: once per chunk) is built from its
-    first launch, which has the largest grid; the later ones differ only in their grid.
+    Each kernel a call launches is built; one launched more than once (ATLAS: once per chunk) is
+    built from its first launch, which has the largest grid; the later ones differ only in their grid.
     """
     from tqdm.auto import tqdm
 
-    todo = [(family, label, captured_launches(lambda: call(40)), captured_launches(lambda: call(400)))
-            for family, label, call in cases() if families is None or family in families]
+    todo = []
+    for family, label, call in cases():
+        if families is None or family in families:
+            short = by_kernel(captured_launches(lambda: call(40)))
+            longer = by_kernel(captured_launches(lambda: call(400)))
+            todo += [(family, label, short[name], longer[name]) for name in short]
     results = []
     with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
         for family, label, launches, longer in todo:
@@ -473,23 +494,24 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
                 result = build(launches[0], target, f"{family}: {label}", full)
                 results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
                                                    grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
-                                                   launches=(len(launches), len(longer))))
+                                                   launches=(len(launches), len(longer)),
+                                                   grid_long=largest_grid(longer)))
                 bar.update()
     return results
 
 
 def oversized_build(target_name: str = "sm_80", full: bool = True) -> Build:
-    """Chapter 1's kernel forced to tiles no card can hold (BT = 128, BK = 256, BV = 64, fp32).
+    """Chapter 1's output kernel forced to tiles no card can hold (BT = 256, BK = 256, BV = 64, fp32).
 
-    The check must be able to fail: this build has to come out as not fitting. (BV = 256 as
-    well would be bigger still, but ptxas then runs for more than ten minutes.)
+    The check must be able to fail: this build has to come out as not fitting.
     """
     from .linear.kernel import linear_attention_triton
 
     q, k, v = _qkv(256, 256, torch.float32, 40)
-    launch = captured(lambda: linear_attention_triton(q, k, v, None, torch.zeros(1, 2, 256, 256)))
-    launch.kwargs.update(BT=128)
-    return build(launch, target_name, "linear: oversized BT=128 BK=256 BV=64 fp32", full)
+    launches = by_kernel(captured_launches(lambda: linear_attention_triton(q, k, v, None, torch.zeros(1, 2, 256, 256))))
+    (launch,) = launches["chunk_output_kernel"]
+    launch.kwargs.update(BT=256, BK=256)
+    return build(launch, target_name, "linear: oversized output BT=256 BK=256 BV=64 fp32", full)
 
 
 def format_table(results: list[Build]) -> str:

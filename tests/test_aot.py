@@ -3,8 +3,10 @@
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
 adds 64-bit offsets to its pointers, and keeps its grid independent of the sequence
-length (the Newton-Schulz kernel, one program per matrix of a chunk, is checked on its
-own). The builds run in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
+length (checked on their own: the chunk-parallel kernels of chapters 1-2, whose intra-chunk and
+output grids grow with the number of chunks while the state pass keeps its grid; the
+Newton-Schulz kernel, one program per matrix of a chunk; the caching readout). The builds run
+in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
 
 Full builds take minutes per kernel on 2 cores (ptxas on 64x256 fp32 tiles: 1.5-2.5 min), far
 beyond the CI budget, so ``make test`` builds each configuration only until its shared memory is
@@ -29,6 +31,9 @@ ONE_PROGRAM_PER_MATRIX = {"atlas"}
 # Families with one program per block of tokens: chapter 7's readout of cached states, where no
 # state runs from one token to the next.
 ONE_PROGRAM_PER_TOKEN_BLOCK = {"caching"}
+# Families run as the chunk-parallel forward (core.chunk_kernels): a state pass over chunks, and
+# intra-chunk and output kernels with a program per chunk.
+CHUNK_PARALLEL = {"linear", "delta"}
 
 
 def family(build):
@@ -66,12 +71,13 @@ def test_every_kernel_family_and_target_is_built(builds):
 
     import atlaslib.atlas.kernel as a
     import atlaslib.caching.kernel as c
+    import atlaslib.core.chunk_kernels as ck
     import atlaslib.deep.kernel as dk
     import atlaslib.delta.kernel as d
     import atlaslib.linear.kernel as li
     import atlaslib.miras.kernel as m
     import atlaslib.omega.kernel as o
-    launched = {name for mod in (li, d, m, o, a, dk, c) for name, obj in vars(mod).items()
+    launched = {name for mod in (li, d, m, o, a, dk, c, ck) for name, obj in vars(mod).items()
                 if isinstance(obj, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")}
     assert {"newton_schulz_kernel", "cached_readout_fwd_kernel"} <= launched
     assert launched <= {b["kernel"] for b in builds}
@@ -103,12 +109,32 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
 
 def test_grid_does_not_grow_with_the_sequence(builds):
     # programs loop over chunks, so T = 1M launches the grid of T = 40: B*H on axis 0
-    # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the Newton-Schulz kernel is
-    # and the caching readout are the exemptions, checked on their own below
-    per_head = [b for b in builds if family(b) not in ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK]
+    # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the chunk-parallel kernels of
+    # chapters 1-2, the Newton-Schulz kernel and the caching readout are checked on their own below
+    per_head = [b for b in builds
+                if family(b) not in ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
+
+
+def test_chunk_parallel_grids_grow_with_the_chunks_and_the_state_pass_does_not(builds):
+    # Chapters 1-2: the intra-chunk kernels (WY factors, per-channel scores) and the output kernel
+    # have B*H*cdiv(T, BT) programs on axis 0 (limit 2^31 - 1), so their grid grows with T; the
+    # state pass, the one serial part, keeps the grid (B*H, value blocks, key blocks) at every T
+    from atlaslib.core.chunk_kernels import CHUNK
+    chunked = [b for b in builds if family(b) in CHUNK_PARALLEL]
+    kernels = {b["kernel"] for b in chunked}
+    assert kernels == {"chunk_state_kernel", "chunk_output_kernel", "channel_scores_kernel", "delta_wy_kernel"}
+    for b in chunked:
+        assert b["launches"] == [1, 1], b["config"]
+        if b["kernel"] == "chunk_state_kernel":
+            assert b["grid_fixed_in_T"] and b["grid"][0] == 2 and len(b["grid"]) == 3, b["config"]
+            assert max(b["grid"][1:]) <= 65535
+        else:
+            assert not b["grid_fixed_in_T"], b["config"]
+            assert b["grid"][0] == 2 * -(-40 // CHUNK) and b["grid_long"][0] == 2 * -(-400 // CHUNK), b["config"]
+            assert all(n <= 65535 for n in b["grid"][1:])
 
 
 def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):

@@ -175,6 +175,10 @@ def test_gradient_reaches_log_alpha(gen, case, backend):
 
 GATE = 1.0 - 2.0 ** -12              # above 1 - 2^-9: exactly 1.0 in bf16
 T_LONG = 1024                        # GATE^T = e^-0.25: the decay is a quarter of the state's log
+# Chapters 1-2's kernels multiply bf16 tiles on bf16 tensor cores: each decayed value is rounded to
+# bf16 (relative 2^-9) before its product, so their states carry bf16 rounding (measured 1.7e-3);
+# a lost decay costs far more (rel. RMSE above 0.1 here)
+BF16_PRODUCTS = {("linear_attention", "triton"): 5e-3, ("delta_rule", "triton"): 5e-3}
 
 
 def _eta(q, x):
@@ -210,7 +214,8 @@ LONG = [("linear_attention", b) for b in ("recurrent", "chunk", "triton")] + \
 @pytest.mark.parametrize("name, backend", LONG, ids=[f"{n}-{b}" for n, b in LONG])
 def test_a_gate_bf16_rounds_to_one_still_decays_as_log_alpha(gen, name, backend):
     """State after T tokens, bf16 q, k, v: with log_alpha in fp32 it matches an fp64 reference (the
-    same bf16 values in fp64, alpha = 1 - 2^-12 in fp64) to 1e-3; with alpha in bf16 it does not."""
+    same bf16 values in fp64, alpha = 1 - 2^-12 in fp64) to 1e-3 (bf16 rounding for kernels with
+    bf16 products); with alpha in bf16 it is ten times further off."""
     assert torch.tensor(GATE, dtype=torch.bfloat16).item() == 1.0
     q, k, v = random_qkv(1, 2, T_LONG, 16, 16, generator=gen, dtype=torch.bfloat16)
     call = LONG_CALLS[name]
@@ -221,9 +226,10 @@ def test_a_gate_bf16_rounds_to_one_still_decays_as_log_alpha(gen, name, backend)
     ref = call(q.double(), k.double(), v.double(), ref_backend, alpha=torch.full(shape, GATE, dtype=F64))
     log_gate = torch.full(shape, math.log1p(-2.0 ** -12), dtype=torch.float32)
     got = call(q, k, v, backend, log_alpha=log_gate)
-    assert rel_rmse(got, ref) < 1e-3
+    tol = BF16_PRODUCTS.get((name, backend), 1e-3)
+    assert rel_rmse(got, ref) < tol
     rounded = call(q, k, v, backend, alpha=torch.full(shape, GATE, dtype=torch.bfloat16))
-    assert rel_rmse(rounded, ref) > 1e-3, "a bf16 alpha should have lost the decay"
+    assert rel_rmse(rounded, ref) > 10 * tol, "a bf16 alpha should have lost the decay"
 
 
 # ---- checked like alpha ---------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """What the Triton kernels of every chapter share (imported by the ``kernel.py`` modules only).
 
-Every forward kernel here has the same shape: one program per (batch*head, block of BV value
-channels), walking the chunks of its sequence in order with its slice of the state in
-registers. So every host wrapper does the same set-up around its own inputs, and this module
-holds it once:
+Most chapters' forward kernels have one program per (batch*head, block of BV value channels),
+walking the chunks of its sequence in order with its slice of the state in registers; chapters
+1 and 2 split theirs into chunk-parallel kernels (``core.chunk_kernels``). Every host wrapper
+does the same set-up around its own inputs, and this module holds it once:
 
 * ``forward_launch``: refuses fp64, allocates the output o [B, H, T, V] (and, through
   ``ForwardLaunch.state``, fp32 final states [B, H, V, K]) with ``core.alloc.empty`` so the
-  tests can poison them, and gives the grid (B*H, cdiv(V, BV)), the strides of q, k, v, o and
-  the ``tl.dot`` precision. The kernels index q, k, v through their strides, so views (the
-  mixers hand in [B, T, H, K] tensors transposed to [B, H, T, K]) are read in place;
+  tests can poison them, and gives the grid (B*H, cdiv(V, BV)) of a one-program-per-head kernel,
+  the strides of q, k, v, o and the ``tl.dot`` precision. The kernels index q, k, v through their
+  strides, so views (the mixers hand in [B, T, H, K] tensors transposed to [B, H, T, K]) are read in place;
 * tiles: ``dot_tile`` (the smallest power-of-two tile tl.dot takes), ``feature_tile`` (every
   program holds all K key channels: refuse K past the kernel's limit), ``value_tile`` (BV,
   capped per kernel; wider V is split across programs). Each kernel keeps its own limits, with
@@ -19,16 +19,19 @@ holds it once:
   the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
 * ``chunk_local_log_gate``: log-gates accumulated within each chunk of the kernel's tile,
   padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end);
-  ``chunk_gates`` turns alpha or log_alpha into (gate mode, BT, g, Tp) for the kernels of
+  ``chunk_gates`` turns alpha or log_alpha into (gate mode, g, Tp) for the kernels of
   chapters 1 and 2;
+* ``precision``: the ``input_precision`` of tl.dot on fp32 operands, exact unless
+  ``ATLASLIB_TF32=1`` opts in to TF32;
 * ``as_fp32``: optional inputs (gates, start states) as contiguous fp32, ``None`` left as
   ``None``. Kernels take an absent input as a ``None`` pointer: Triton specialises it as a
   constexpr, so ``if h0_ptr is not None:`` is decided when the kernel is compiled.
 
 And, inside the kernels (``@triton.jit`` functions, inlined where they are called):
 ``at_head`` moves a pointer to the program's head through the batch and head strides,
-``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that head through
-the token and channel strides (loads in fp32), ``state_slice``/``load_state`` give the
+``load_block``/``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that
+head through the token and channel strides (``load_block`` in the tensor's dtype, ``load_tile``
+in fp32), ``state_slice``/``load_state`` give the
 program's [BV, BK] slice of a contiguous fp32 state (zeros when none is given).
 
 Names inside the kernels follow fla and the Triton tutorials: ``b_`` a block of values held by
@@ -38,6 +41,9 @@ o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 from __future__ import annotations
 
 import dataclasses
+import os
+
+import numpy as np
 
 import torch
 import triton
@@ -66,10 +72,16 @@ def at_head(ptr, strides, i_b, i_h):
 
 
 @triton.jit
+def load_block(ptr, strides, o_rows, o_cols, m_rows, m_cols):
+    """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in its own dtype; 0 where masked."""
+    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
+    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0)
+
+
+@triton.jit
 def load_tile(ptr, strides, o_rows, o_cols, m_rows, m_cols):
     """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in fp32; 0 where masked."""
-    p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]
-    return tl.load(p_x, mask=m_rows[:, None] & m_cols[None, :], other=0.0).to(tl.float32)
+    return load_block(ptr, strides, o_rows, o_cols, m_rows, m_cols).to(tl.float32)
 
 
 @triton.jit
@@ -92,6 +104,48 @@ def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
     if ptr is not None:
         b_M += tl.load(ptr + o_s, mask=m_s, other=0.0)
     return b_M
+
+
+def _interpreter_handles_bf16_as_a_gpu():
+    """Make Triton's interpreter treat bf16 tiles as a GPU does, in ``tl.dot`` and in casts.
+
+    The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its
+    ``tl.dot`` multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to
+    the nearest. So ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is
+    an fp32 value with a shorter mantissa, and so is the product of two; this is what bf16
+    tensor cores compute, with fp32 accumulation), and fp32 -> bf16 casts round to nearest even.
+    Compiled kernels are untouched.
+    """
+    try:
+        from triton.runtime import interpreter
+        builder, convert, handle = interpreter.InterpreterBuilder, interpreter._convert_float, interpreter.TensorHandle
+    except (ImportError, AttributeError):        # another Triton: leave it as it is
+        return
+    if getattr(builder.create_dot, "bf16_as_a_gpu", False):
+        return
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def as_fp32(x):
+        if x.dtype == tl.bfloat16:
+            return handle(convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)   # to nearest, ties to even
+            nan = np.isnan(src.data)
+            return handle(np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    create_dot.bf16_as_a_gpu = True
+    builder.create_dot, builder.cast_impl = create_dot, cast_impl
+
+
+_interpreter_handles_bf16_as_a_gpu()
 
 
 # ---------------------------------------------------------------------------------------
@@ -119,25 +173,34 @@ def chunk_local_log_gate(logs: torch.Tensor, BT: int):
     return logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape).contiguous(), Tp
 
 
-def chunk_gates(alpha, log_alpha, T: int, BT: int, BT_channel: int):
-    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with [BT, BT] chunk tiles take it.
+def chunk_gates(alpha, log_alpha, T: int, BT: int):
+    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with chunks of BT tokens take it.
 
-    Returns (GATE, BT, g, Tp): the gate mode; the chunk length, ``BT`` or, for per-channel
-    gates (whose decays need [BT, BT, BK] tiles), ``BT_channel``; the chunk-local log-gates
-    g [B, H, Tp(, K)] in fp32 (``chunk_local_log_gate``), or None without a gate (Tp = T).
+    Returns (GATE, g, Tp): the gate mode; the chunk-local log-gates g [B, H, Tp(, K)] in fp32
+    (``chunk_local_log_gate``), or None without a gate; T padded to whole chunks (Tp = T without a gate).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     gate = gate_mode(logs)
-    if gate == GATE_CHANNEL:
-        BT = BT_channel
     if logs is None:
-        return gate, BT, None, T
-    return (gate, BT, *chunk_local_log_gate(logs, BT))
+        return gate, None, T
+    return (gate, *chunk_local_log_gate(logs, BT))
+
+
+# Set ATLASLIB_TF32=1 to let tl.dot round fp32 operands to TF32 (faster on tensor cores, about
+# 3 decimal digits per product): an explicit opt-in, read at each launch.
+TF32_ENV = "ATLASLIB_TF32"
 
 
 def precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of tl.dot: exact fp32 products for fp32 inputs, TF32 for fp16/bf16."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """``input_precision`` of tl.dot for a kernel whose inputs have this dtype.
+
+    It applies only to products of fp32 operands: "ieee" (exact fp32 products), so fp32 inputs
+    and the fp32 intermediates of half-precision kernels (e.g. the delta rule's triangular
+    inverse) are computed exactly; "tf32" only when ``ATLASLIB_TF32=1`` is set. bf16/fp16 tiles
+    given to tl.dot as they are run on bf16/fp16 tensor cores with fp32 accumulation whatever
+    this says. (``dtype`` is kept so a kernel's choice reads as a function of its inputs.)
+    """
+    return "tf32" if os.environ.get(TF32_ENV) == "1" else "ieee"
 
 
 def as_fp32(x):

@@ -1,0 +1,324 @@
+"""The chunk-parallel forward shared by chapters 1 and 2: state pass, outputs, per-channel scores.
+
+A chunked recurrence has one serial dependency: the state at the start of chunk c needs the
+state at the start of chunk c - 1. Everything else — the scores inside a chunk, the triangular
+solve of the delta rule, the outputs once the start states are known — is independent per
+chunk. A kernel that walks every chunk in one program per (batch*head, value block) therefore
+runs all of it serially: B*H*(V/BV) programs, often fewer than a GPU has multiprocessors, each
+doing T/BT chunks' worth of work one after the other. The forward is split instead into
+kernels that each run in parallel over what is independent:
+
+(a) intra-chunk work, parallel over (batch*head, chunk): for per-channel gates the decayed
+    scores (``channel_scores_kernel`` here); for the delta rule the WY factors w, u
+    (``delta.kernel``). The chunk-local cumulative log-gates g are computed on the host
+    (``core.kernels.chunk_gates``: a cumsum inside each chunk, itself parallel over chunks);
+(b) ``chunk_state_kernel``, the only serial part: parallel over (batch*head, value block, key
+    block), sequential over chunks, with only the state update in the loop. It writes every
+    chunk's start state h[c] (fp32) and the final state; for the delta rule it also forms the
+    corrected values v_new = u - w h^T of each chunk (stored for (c));
+(c) ``chunk_output_kernel``, parallel over (batch*head, chunk, value block):
+    o = (q * e^g) h[c]^T + ((q k^T) * D, causal) v_new, with v_new = v for linear attention.
+
+Per-channel gates (GLA, KDA) put the decay inside the q.k sum,
+A[i, j] = sum_c q_ic k_jc e^{g_ic - g_jc}, which is not a product of two matrices. The chunk of
+BT = 64 tokens is cut into sub-chunks of BC = 16; for a row i in sub-chunk I and a column j in
+an earlier sub-chunk, with r the first token of I (g is non-increasing, so g_i <= g_r <= g_j),
+
+    A[i, j] = sum_c (q_ic e^{g_ic - g_rc}) (k_jc e^{g_rc - g_jc}),
+
+one tl.dot with every exponent <= 0; only the diagonal 16 x 16 blocks are summed elementwise,
+one column per step. Gates of 0 are clamped to log -60 on the host, so nothing overflows.
+
+Precision: q, k, v are loaded in their own dtype; bf16/fp16 tiles go to tl.dot as they are
+(fp32 accumulation), and fp32 intermediates (decayed keys, scores, states) are cast to the input
+dtype before a product, as FlashLinearAttention does. fp32 inputs stay fp32 with exact products
+(``input_precision="ieee"``; ``core.kernels.precision`` explains the TF32 opt-in).
+
+``unit_lower_inverse`` (the delta rule's triangular inverse, also used by chapter 6) lives
+here too, since it is a building block of (a).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, state_slice, \
+    store_tile
+from .alloc import empty
+
+# Tokens per chunk, and per sub-chunk of the per-channel scores.
+CHUNK = 64
+SUB_CHUNK = 16
+# Key channels per step of the output and scores kernels (they loop over wider K), and per
+# program of the linear-attention state pass (whose key blocks are independent).
+KEY_BLOCK = 64
+
+
+@triton.jit
+def unit_lower_inverse(b_A, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^{-1} for a strictly lower-triangular [BT, BT] fp32 tile A (BT a multiple of SUB).
+
+    Blocked forward substitution. Phase 1 inverts the SUB x SUB diagonal blocks, all of
+    them at once: step i finishes row i of every block, R_r = e_r - sum_{j<r} A_rj R_j,
+    which reads only rows finished in earlier steps. Phase 2 fills the block rows in order,
+    R_j = R_jj (E_j - A_{j,<j} R_{<j}) for block row j, with R_jj the inverted diagonal block.
+    """
+    o_i = tl.arange(0, BT)
+    o_blk = o_i // SUB                                  # the diagonal block of each row
+    b_I = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    m_diag = o_blk[:, None] == o_blk[None, :]
+    b_R_diag = b_I
+    b_A_diag = tl.where(m_diag, b_A, 0.0)
+    for i in range(1, SUB):
+        b_step = b_I - tl.dot(b_A_diag, b_R_diag, input_precision=PRECISION)
+        b_R_diag = tl.where((o_i % SUB == i)[:, None], b_step, b_R_diag)
+    b_R = b_R_diag
+    b_A_off = tl.where(m_diag, 0.0, b_A)
+    for blk in range(1, BT // SUB):
+        b_rhs = b_I - tl.dot(b_A_off, b_R, input_precision=PRECISION)
+        b_R = tl.where((o_blk == blk)[:, None], tl.dot(b_R_diag, b_rhs, input_precision=PRECISION), b_R)
+    return b_R
+
+
+# ---------------------------------------------------------------------------------------
+# (a) per-channel gates: the decayed scores of every chunk, by sub-chunks
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def channel_scores_kernel(
+    q_ptr, k_ptr, g_ptr, aq_ptr, ak_ptr,
+    s_q, s_k,
+    T, H, Tp, K, NT,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Rows of sub-chunk i_s of chunk i_c: Aq[i, j] = sum_c q_ic k_jc e^{g_ic - g_jc} for j <= i
+    and, when ``ak_ptr`` is given, Ak[i, j] = the same with k_i for q_i, for j < i (0 elsewhere);
+    both fp32 [B*H, Tp, BT] (row: token, column: token within its chunk)."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_s = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    g_ptr += i_bh * Tp * K
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BC)
+    o_j = tl.arange(0, BT)
+    t_r = i_c * BT + i_s * BC               # the reference token r: first of the sub-chunk
+    o_r = t_r + o_i                         # this program's rows
+    o_c = i_c * BT + o_j                    # the chunk's tokens (columns)
+    m_r, m_c = o_r < T, o_c < T
+    m_before = o_j < i_s * BC               # columns in earlier sub-chunks
+
+    b_Aq = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Ak = tl.zeros([BC, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
+        b_kr = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
+        b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
+        b_gr = tl.load(g_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gc = tl.load(g_ptr + o_c[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gn = tl.load(g_ptr + t_r * K + o_k, mask=m_k, other=0.0)
+        # earlier sub-chunks: (x_i e^{g_i - g_r}) (k_j e^{g_r - g_j})^T, both exponents <= 0
+        b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gn[None, :] - b_gc, float("-inf")))).to(dt)
+        b_dr = tl.exp(b_gr - b_gn[None, :])
+        b_Aq += tl.dot((b_q * b_dr).to(dt), tl.trans(b_kd), input_precision=PRECISION)
+        if ak_ptr is not None:
+            b_Ak += tl.dot((b_kr * b_dr).to(dt), tl.trans(b_kd), input_precision=PRECISION)
+        # the diagonal block, one column j (token t_r + jj) per step, elementwise in fp32
+        b_qf, b_kf = b_q.to(tl.float32), b_kr.to(tl.float32)
+        for jj in range(0, BC):
+            m_j = t_r + jj < T
+            b_kj = tl.load(k_ptr + (t_r + jj) * s_k[2] + o_k * s_k[3], mask=m_k & m_j, other=0.0).to(tl.float32)
+            b_gj = tl.load(g_ptr + (t_r + jj) * K + o_k, mask=m_k, other=0.0)
+            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_gr - b_gj[None, :], float("-inf")))
+            m_col = (o_j == i_s * BC + jj)[None, :]
+            b_Aq += tl.where(m_col, tl.sum(b_qf * b_kj[None, :] * b_e, axis=1)[:, None], 0.0)
+            if ak_ptr is not None:
+                b_col = tl.where(o_i > jj, tl.sum(b_kf * b_kj[None, :] * b_e, axis=1), 0.0)
+                b_Ak += tl.where(m_col, b_col[:, None], 0.0)
+    p_A = i_bh * Tp * BT + o_r[:, None] * BT + o_j[None, :]
+    tl.store(aq_ptr + p_A, b_Aq)
+    if ak_ptr is not None:
+        tl.store(ak_ptr + p_A, b_Ak)
+
+
+# ---------------------------------------------------------------------------------------
+# (b) the state pass: sequential over chunks only
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def chunk_state_kernel(
+    k_ptr, v_ptr, w_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, vn_ptr,
+    s_k, s_v, s_w, s_vn,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (i_bh, i_v, i_k) carries the [BV, BK] slice of one head's state through the chunks:
+
+        h[c] = M;   v_new = u - w M^T  (delta rule: ``w_ptr`` given; ``v_ptr`` holds u)
+        M <- M Diag(e^{g_n}) + v_new^T (k * e^{g_n - g})          (v_new = v otherwise)
+
+    h [B*H, NT, V, K] fp32; the delta rule needs all K key channels in one program (BK >= K).
+    """
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
+    k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
+    if w_ptr is not None:
+        w_ptr, vn_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(vn_ptr, s_vn, i_b, i_h)
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_M = load_state(h0_ptr, o_s, m_s, BV, BK)
+    h_ptr += i_bh * NT * V * K
+    o_h = o_v[:, None] * K + o_k[None, :]    # the slice inside one [V, K] state
+
+    for i_c in range(0, NT):
+        tl.store(h_ptr + i_c * V * K + o_h, b_M, mask=m_s)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v).to(tl.float32)
+        if w_ptr is not None:
+            b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
+            b_v -= tl.dot(b_w, tl.trans(b_M).to(dt), input_precision=PRECISION)
+            store_tile(vn_ptr, s_vn, o_t, o_v, m_t, m_v, b_v)
+        if GATE == GATE_NONE:
+            b_M += tl.dot(tl.trans(b_v.to(dt)), b_k, input_precision=PRECISION)
+        elif GATE == GATE_SCALAR:
+            # g is padded to Tp (a multiple of BT) with log-gate 0, so row i_c*BT+BT-1 exists
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+            b_v_end = (b_v * tl.exp(b_g_last - b_g)[:, None]).to(dt)
+            b_M = b_M * tl.exp(b_g_last) + tl.dot(tl.trans(b_v_end), b_k, input_precision=PRECISION)
+        else:
+            p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
+            b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
+            b_g_last = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+            b_k_end = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
+            b_M = b_M * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_v.to(dt)), b_k_end, input_precision=PRECISION)
+
+    tl.store(ht_ptr + o_s, b_M, mask=m_s)
+
+
+# ---------------------------------------------------------------------------------------
+# (c) the outputs: every (chunk, value block) at once
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def chunk_output_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, a_ptr, h_ptr, o_ptr,
+    s_q, s_k, s_v, s_o,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """o = (q * e^g) h[c]^T + (A * causal) v for chunk c, value block i_v. A = (q k^T) * e^{g_i - g_j}
+    computed here for no gate and scalar gates; read from ``a_ptr`` (``channel_scores_kernel``)
+    for per-channel gates. ``v_ptr``: v, or the delta rule's corrected values v_new."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    h_ptr += (i_bh * NT + i_c) * V * K
+    dt = q_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = o_t < T, o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
+
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        if GATE == GATE_CHANNEL:
+            b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_q = (b_q * tl.exp(b_g)).to(dt)
+        else:
+            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        b_o += tl.dot(b_q, tl.trans(b_h).to(dt), input_precision=PRECISION)
+    if GATE == GATE_NONE:
+        b_A = tl.where(m_causal, b_A, 0.0)
+    elif GATE == GATE_SCALAR:
+        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+        b_o *= tl.exp(b_g)[:, None]
+        b_A *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+    else:
+        b_A = tl.load(a_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
+    b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
+    b_o += tl.dot(b_A.to(dt), b_v, input_precision=PRECISION)
+    store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
+
+
+# ---------------------------------------------------------------------------------------
+# On the host
+# ---------------------------------------------------------------------------------------
+def num_chunks(T: int) -> int:
+    return triton.cdiv(T, CHUNK)
+
+
+def key_block(K: int) -> int:
+    """Key channels per step of the loops over K (and per state-pass program of linear attention)."""
+    return min(dot_tile(K), KEY_BLOCK)
+
+
+def channel_scores(run, g, with_keys: bool):
+    """(a) for per-channel gates: Aq (and Ak when ``with_keys``) [B*H, Tp, CHUNK] fp32 (see the kernel)."""
+    Tp, NT = g.shape[2], num_chunks(run.T)
+    aq = empty(run.B * run.H, Tp, CHUNK, dtype=torch.float32, device=run.q.device)
+    ak = empty(run.B * run.H, Tp, CHUNK, dtype=torch.float32, device=run.q.device) if with_keys else None
+    channel_scores_kernel[(run.B * run.H * NT, CHUNK // SUB_CHUNK)](
+        run.q, run.k, g, aq, ak, run.strides[0], run.strides[1],
+        run.T, run.H, Tp, run.K, NT,
+        BT=CHUNK, BC=SUB_CHUNK, BK=key_block(run.K), PRECISION=run.precision,
+    )
+    return aq, ak
+
+
+def state_pass(run, gate, g, Tp, h0, u=None, w=None):
+    """(b): (h [B*H, NT, V, K] fp32, final state [B, H, V, K] fp32, v_new or None).
+
+    Linear attention (``w`` None) splits the state into [BV, BK] blocks of 64 x 64 at most;
+    the delta rule (``u``, ``w`` [B, H, Tp, V or K] from its WY kernel) holds all K channels.
+    """
+    B, H, K, V, NT = run.B, run.H, run.K, run.V, num_chunks(run.T)
+    BK_all = dot_tile(K)
+    delta = w is not None
+    BK = BK_all if delta else key_block(K)
+    BV = min(dot_tile(V), 64 if BK <= 128 else 32)
+    h = empty(B * H, NT, V, K, dtype=torch.float32, device=run.q.device)
+    ht = run.state()
+    vn = empty(B, H, Tp, V, dtype=run.q.dtype, device=run.q.device) if delta else None
+    src = u if delta else run.v
+    zero = (0, 0, 0, 0)
+    chunk_state_kernel[(B * H, triton.cdiv(V, BV), triton.cdiv(K, BK))](
+        run.k, src, w, g, h0, h, ht, vn,
+        run.strides[1], tuple(src.stride()), tuple(w.stride()) if delta else zero,
+        tuple(vn.stride()) if delta else zero,
+        run.T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+    )
+    return h, ht, vn
+
+
+def output_pass(run, gate, g, Tp, h, aq=None, vn=None):
+    """(c): fills run.o from the chunk start states h (and the corrected values ``vn`` of the delta rule)."""
+    NT = num_chunks(run.T)
+    BV = min(dot_tile(run.V), 64)
+    src, s_src = (run.v, run.strides[2]) if vn is None else (vn, tuple(vn.stride()))
+    chunk_output_kernel[(run.B * run.H * NT, triton.cdiv(run.V, BV))](
+        run.q, run.k, src, g, aq, h, run.o,
+        run.strides[0], run.strides[1], s_src, run.strides[3],
+        run.T, run.H, Tp, run.K, run.V, NT,
+        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=BV, PRECISION=run.precision,
+    )
+    return run.o

@@ -1,0 +1,81 @@
+"""Chapters 1-2's chunk-parallel Triton forward (``core.chunk_kernels``) at the edges of its chunking.
+
+Under TRITON_INTERPRET=1: linear attention and the delta rule in their three gate modes
+against their per-token loops (fp64) on fresh random inputs, at T = 1, one chunk, one chunk + 1
+(the state pass then carries a state across a one-token chunk) and three chunks and a bit;
+per-channel gates that are exactly 0 (clamped to log -60) and exactly 1 in some channels, which
+push the sub-chunk scores to the ends of their exponents; and bf16 inputs against the fp32
+loop at bf16 tolerance.
+"""
+import pytest
+import torch
+
+from atlaslib.core import assert_close, poisoned_outputs, random_qkv
+from atlaslib.core.chunk_kernels import CHUNK
+from atlaslib.delta import delta_rule
+from atlaslib.linear import linear_attention
+
+MODES = [None, "scalar", "channel"]
+
+
+def inputs(gen, T, mode, B=1, H=2, K=12, V=10, extreme=False):
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    shape = (B, H, T) if mode == "scalar" else (B, H, T, K)
+    alpha = None if mode is None else 0.5 + 0.5 * torch.rand(*shape, generator=gen)
+    if extreme and mode is not None:          # some gates exactly 0 (a reset) and exactly 1
+        pick = torch.rand(*shape, generator=gen)
+        alpha = torch.where(pick < 0.15, torch.zeros(()), torch.where(pick > 0.85, torch.ones(()), alpha))
+    beta = torch.rand(B, H, T, generator=gen)
+    h0 = torch.randn(B, H, V, K, generator=gen) / K
+    return q, k, v, alpha, beta, h0
+
+
+def both(model, backend, q, k, v, alpha, beta, h0):
+    if model == "linear":
+        return linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True, backend=backend)
+    return delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True, backend=backend)
+
+
+def reference(model, q, k, v, alpha, beta, h0):
+    f = lambda x: None if x is None else x.double()  # noqa: E731
+    return both(model, "recurrent", f(q), f(k), f(v), f(alpha), f(beta), f(h0))
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", [1, CHUNK, CHUNK + 1, 3 * CHUNK + 5])
+def test_chunk_edges_match_the_loop(gen, model, mode, T):
+    q, k, v, alpha, beta, h0 = inputs(gen, T, mode)
+    with poisoned_outputs():
+        o, s = both(model, "triton", q, k, v, alpha, beta, h0)
+    ref_o, ref_s = reference(model, q, k, v, alpha, beta, h0)
+    assert_close(o, ref_o, tol=1e-5)
+    assert_close(s.memory if hasattr(s, "memory") else s, ref_s.memory if hasattr(ref_s, "memory") else ref_s,
+                 tol=1e-5, name="final state")
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_gates_of_exactly_zero_and_one(gen, model, mode):
+    q, k, v, alpha, beta, h0 = inputs(gen, 2 * CHUNK + 7, mode, extreme=True)
+    assert (alpha == 0).any() and (alpha == 1).any()
+    with poisoned_outputs():
+        o, s = both(model, "triton", q, k, v, alpha, beta, h0)
+    ref_o, ref_s = reference(model, q, k, v, alpha, beta, h0)
+    assert torch.isfinite(o).all()
+    assert_close(o, ref_o, tol=1e-5)
+    assert_close(s.memory if hasattr(s, "memory") else s, ref_s.memory if hasattr(ref_s, "memory") else ref_s,
+                 tol=1e-5, name="final state")
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_inputs_within_bf16_rounding(gen, model, mode):
+    # bf16 tiles meet on bf16 tensor cores (fp32 sums); decayed values are rounded to bf16 before
+    # their products, so the outputs carry a few bf16 roundings (2^-9 relative each)
+    q, k, v, alpha, beta, h0 = inputs(gen, CHUNK + 9, mode, K=16, V=16)
+    ref_o, _ = reference(model, q, k, v, alpha, beta, h0)
+    half = [None if x is None else x.bfloat16() for x in (q, k, v, alpha)]
+    o, _ = both(model, "triton", *half, beta, h0)
+    assert o.dtype == torch.bfloat16
+    assert_close(o.float(), ref_o.float(), tol=2e-2, name="bf16")
