@@ -33,7 +33,8 @@ gpu = pytest.mark.skipif(not (DRY_RUN or torch.cuda.is_available()),
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_TESTS = {
     "atlaslib/core/kernels.py": ["test_linear_attention_kernel_on_gpu", "test_delta_rule_kernel_on_gpu"],
-    "atlaslib/linear/kernel.py": ["test_linear_attention_kernel_on_gpu", "test_linear_attention_long_bf16"],
+    "atlaslib/core/chunk_kernels.py": ["test_linear_attention_kernel_on_gpu", "test_linear_attention_long_bf16",
+                                       "test_delta_rule_kernel_on_gpu"],
     "atlaslib/delta/kernel.py": ["test_delta_rule_kernel_on_gpu", "test_delta_rule_long_bf16"],
     "atlaslib/deep/kernel.py": ["test_deep_transformer_kernel_on_gpu", "test_bench_case_kernel_on_gpu"],
     "atlaslib/miras/kernel.py": ["test_bench_case_kernel_on_gpu"],
