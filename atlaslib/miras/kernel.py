@@ -94,7 +94,8 @@ from .config import DEFAULT_CHUNK_SIZE
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
 # (triton.compile with GPUTarget("cuda", 90, 32), num_stages=1, BT = 64, all gates and
 # both states on). Shared memory per program: fp32 inputs 64 KB at (BK, BV) = (64, 64),
-# 96 KB at (128, 32), 176 KB at (256, 32); bf16/fp16 inputs 80, 72 and 120 KB. An H100
+# 96 KB at (128, 32), 176 KB at (256, 32). The tiles are fp32 whatever the inputs' dtype and their
+# products exact ("ieee" unless TF32 is asked for), so half-precision inputs take the same. An H100
 # block may use at most 227 KB; (256, 64) would take 208-224 KB, too close. BV = 32
 # beyond BK = 64 also halves the register-held states: ptxas already spills at these
 # tiles (about 4 KB of stack per thread with half-precision inputs at (64, 64); the IEEE
@@ -252,7 +253,7 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     """
     B, H, T, K, V = check_qkv(q, k, v)
     chunk_size = check_chunk_size(chunk_size)
-    BT, BK, BV = tile_sizes(K, V, chunk_size, q.element_size())
+    BT, BK, BV = tile_sizes(K, V, chunk_size)          # fp32 tiles for every input dtype
     run = forward_launch(q, k, v, BV, name="titans_linear_triton")
     if chunk_size > MAX_CHUNK:
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "

@@ -145,7 +145,8 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk, and so do wide fp32 features:
     # narrower value blocks (more programs) keep them within shared memory on the GPU (sm_80 AOT
     # builds at BW = 64, D = 256, fp32: 192 KB at BV = 64, 160 KB at 32)
-    wide_rows = dot_tile(q.shape[-1]) * q.element_size() > 512
+    # (the tiles are fp32 whatever the inputs' dtype, with exact products: half-precision inputs too)
+    wide_rows = dot_tile(q.shape[-1]) * 4 > 512
     if hebbian and wide_rows and b > 32:
         # SWLA's chunk form is exact for every chunk length, so the kernel may use shorter chunks:
         # at b = 64, c = 1, D = 256 fp32 it needs 184 KB (164 KB at BV = 16), over an A100's 163 KB
