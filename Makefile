@@ -63,7 +63,7 @@ test-lib: $(STAMP) mathjax browser
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
-	    --sanitize-with tests/nbval_sanitize.cfg book exercises/solutions
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg book exercises/solutions
 
 # The tests not marked slow (tests/conftest.py lists what is: the book, browser, notebook and grader
 # tests, and the longest library tests): a few minutes on 2 cores.
