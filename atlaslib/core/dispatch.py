@@ -8,7 +8,8 @@ table has a "triton" entry, a predicate ``unsupported()`` naming what its kernel
 
 validates the name, picks the backend (``choose_backend``) and runs it (``call_backend``): the
 "triton" entry runs forward only, with gradients by autograd through the table's "chunk" entry
-(``with_chunk_backward``), so the two must compute the same function.
+(``with_chunk_backward``), so the two must compute the same function — unless the entry has
+backward kernels of its own (``lazy(..., differentiable=True)``; linear attention's).
 
 ``auto`` runs the Triton kernel on CUDA tensors and the chunkwise PyTorch form on CPU.
 The Triton kernels run on CPU only under Triton's interpreter, which must be switched on
@@ -115,8 +116,12 @@ def choose_backend(backend, x: torch.Tensor, table: dict, *, unsupported=None, m
 
 
 def call_backend(name: str, table: dict, *inputs):
-    """Run ``table[name](*inputs)``; the kernel forward-only, differentiated through ``table["chunk"]``."""
+    """Run ``table[name](*inputs)``. A kernel entry marked ``differentiable`` (``lazy(...,
+    differentiable=True)``: it has backward kernels of its own) runs as it is; any other runs
+    forward-only, differentiated through ``table["chunk"]``."""
     if name == "triton":
+        if getattr(table["triton"], "differentiable", False):
+            return table["triton"](*inputs)
         return with_chunk_backward(table["triton"], table["chunk"], *inputs)
     return table[name](*inputs)
 
@@ -128,12 +133,14 @@ def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, m
     return call_backend(name, table, *inputs)
 
 
-def lazy(module: str, name: str):
+def lazy(module: str, name: str, differentiable: bool = False):
     """``module.name``, imported when called: kernel modules import triton, which a CPU-only
-    installation may lack, so a backend table names its kernel without importing it."""
+    installation may lack, so a backend table names its kernel without importing it.
+    ``differentiable``: the function has its own backward (``call_backend`` then runs it as it is)."""
     def call(*args):
         return getattr(importlib.import_module(module), name)(*args)
     call.__name__ = call.__qualname__ = name          # what forward_or_fallback's warning prints
+    call.differentiable = differentiable              # type: ignore[attr-defined]
     return call
 
 

@@ -24,7 +24,7 @@ def backend_table(chunk_size: int) -> dict:
     def chunk(q, k, v, alpha, initial_state, log_alpha):
         return linear_attention_chunk(q, k, v, alpha, initial_state, chunk_size, log_alpha)
     return {"recurrent": recurrent, "chunk": chunk,
-            "triton": lazy(f"{__name__}.kernel", "linear_attention_triton")}
+            "triton": lazy(f"{__name__}.kernel", "linear_attention_autograd", differentiable=True)}
 
 
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None, normalize: bool = False,
@@ -51,8 +51,9 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = 
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch, exact
             for every chunk size), "triton" (GPU kernel; CPU under TRITON_INTERPRET=1) or
-            "auto" (triton on CUDA, chunk otherwise). The Triton path computes the forward
-            pass in the kernel and its backward by autograd through the chunk form.
+            "auto" (triton on CUDA, chunk otherwise). The Triton path runs kernels both ways
+            (``linear.kernel.LinearAttentionFunction``: the forward's kernels, and the backward
+            kernels of ``linear.backward``).
         chunk_size: chunk length of the "chunk" backend (default 64). The chunk form is exact
             for every chunk size: it changes the speed, not the output.
 

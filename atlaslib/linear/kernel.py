@@ -22,14 +22,21 @@ needs no copy) and in their own dtype: bf16/fp16 tiles meet on bf16/fp16 tensor 
 tiles multiply exactly. Absent inputs (no gate, no initial state) are ``None`` pointers, which
 Triton compiles away. ``core.kernels`` holds the set-up all chapters' kernels share.
 
-The kernels are forward only. ``linear_attention(..., backend="triton")`` gets its
-gradients from ``core.with_chunk_backward``: autograd through the chunk form,
-recomputed from the saved inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
+The backward kernels are in ``linear.backward``; ``LinearAttentionFunction`` ties the two
+together as one ``torch.autograd.Function`` (with ``setup_context``, so ``torch.func`` and
+``torch.compile`` can take it), and ``linear_attention(..., backend="triton")`` runs it
+(``linear_attention_autograd``). Gradients reach ``alpha`` or ``log_alpha`` through the log-gates
+the Function takes (their log and clamp stay in autograd). Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
+import torch
+
 from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
-from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, feature_tile, forward_launch
+from ..core.chunking import gate_logs
+from ..core.dispatch import forward_or_fallback, warn_at_caller
+from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
+    gate_mode
 
 # The state pass holds the delta rule's whole state; linear attention keeps the same limit.
 MAX_KEY = 256
@@ -43,3 +50,82 @@ def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=N
     aq = channel_scores(run, g, with_keys=False)[0] if gate == GATE_CHANNEL else None
     h, ht, _ = state_pass(run, gate, g, Tp, as_fp32(initial_state))
     return output_pass(run, gate, g, Tp, h, aq), ht
+
+
+def _log_gates_forward(q, k, v, logs, initial_state):
+    """The forward of the Function: (o, final state, chunk-start states h [B*H, NT, V, K] fp32)."""
+    feature_tile(q.shape[-1], MAX_KEY)
+    run = forward_launch(q, k, v, BV=64)
+    gate = gate_mode(logs)
+    g, Tp = chunk_local_log_gate(logs, CHUNK) if logs is not None else (None, run.T)
+    aq = channel_scores(run, g, with_keys=False)[0] if gate == GATE_CHANNEL else None
+    h, ht, _ = state_pass(run, gate, g, Tp, as_fp32(initial_state))
+    return output_pass(run, gate, g, Tp, h, aq), ht, h
+
+
+class LinearAttentionFunction(torch.autograd.Function):
+    """Linear attention with Triton kernels both ways: apply(q, k, v, logs, initial_state, keep_states).
+
+    ``logs``: fp32 log-gates [B, H, T] or [B, H, T, K] (<= 0), or None; ``initial_state``: [B, H, V,
+    K] or None. Returns (o [B, H, T, V] in q's dtype, final state [B, H, V, K] fp32). The forward
+    keeps its inputs and the final state; ``keep_states=True`` also keeps the chunk-start states
+    h (B*H*cdiv(T, 64)*V*K fp32), which the backward otherwise recomputes with the forward's
+    state pass. Gradients: q, k, v in their dtype, logs fp32, the initial state in its dtype.
+    """
+
+    @staticmethod
+    def forward(q, k, v, logs, initial_state, keep_states=False):
+        o, ht, h = _log_gates_forward(q, k, v, logs, initial_state)
+        return o, ht, (h if keep_states else None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, logs, initial_state, keep_states = inputs
+        _, ht, h = output
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, logs, initial_state, ht, h)
+        if h is not None:
+            ctx.mark_non_differentiable(h)
+
+    @staticmethod
+    def backward(ctx, do, dht, _dh=None):
+        from .backward import linear_attention_backward
+        q, k, v, logs, h0, ht, h = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+        gate = gate_mode(logs)
+        g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
+        grads = linear_attention_backward(q, k, v, gate, g, as_fp32(h0), do, dht, h=h,
+                                          ht=ht if h is not None else None)
+        need = ctx.needs_input_grad
+        dlog = grads.dlog if need[3] else None
+        dh0 = grads.dh0.to(h0.dtype) if need[4] else None
+        return (grads.dq if need[0] else None, grads.dk if need[1] else None, grads.dv if need[2] else None,
+                dlog, dh0, None)
+
+
+def linear_attention_autograd(q, k, v, alpha=None, initial_state=None, log_alpha=None, keep_states=False):
+    """``backend="triton"``: the kernels' forward and backward through ``LinearAttentionFunction``.
+
+    Same arguments and results as ``linear_attention_triton``. ``alpha``/``log_alpha`` become fp32
+    log-gates in autograd (clamped below at ``core.chunking.LOG_FLOOR`` as everywhere), so their
+    gradients follow. Without
+    gradients, or where a card cannot run the kernels (out of shared memory), it is the plain
+    forward (``core.dispatch.forward_or_fallback``).
+    """
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    tensors = (q, k, v, logs, initial_state)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
+        return forward_or_fallback(linear_attention_triton, _chunk_form, q, k, v, None, initial_state, logs)
+    from triton.runtime.errors import OutOfResources
+    try:
+        o, ht, _ = LinearAttentionFunction.apply(q, k, v, logs, initial_state, keep_states)
+    except OutOfResources as exc:
+        warn_at_caller(f"linear attention's kernels do not fit this GPU ({exc}); using the chunk form instead")
+        return _chunk_form(q, k, v, None, initial_state, logs)
+    return o, ht
+
+
+def _chunk_form(q, k, v, alpha, initial_state, log_alpha):
+    from .chunk import linear_attention_chunk
+    return linear_attention_chunk(q, k, v, alpha, initial_state, CHUNK, log_alpha)

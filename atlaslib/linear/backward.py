@@ -1,0 +1,372 @@
+"""The GPU backward of linear attention (plain, scalar-gated, per-channel-gated) in Triton.
+
+Chunk c of the forward (``linear.kernel``), with h = h[c] the state at the chunk's start, g the
+log-gate accumulated from the chunk's start and g_n its last row, computes
+
+    o    = (q * e^g) h^T + (A * D) v,          A = q k^T,  D[i, j] = e^{g_i - g_j} for j <= i, else 0
+    h[c+1] = h Diag(e^{g_n}) + v^T (k * e^{g_n - g})
+
+(per-channel gates: D moves inside the q.k sum, A[i, j] = sum_c q_ic k_jc e^{g_ic - g_jc}).
+Differentiating these two lines gives every gradient of chunk c from three things: do, the
+state h[c] at its start, and dh[c], the gradient of the loss with respect to the state at its
+end. With dA = (do v^T) * D (causal):
+
+    dq = (do h) * e^g            + dA k
+    dk = (v dh[c]) * e^{g_n - g} + dA^T q
+    dv = (k * e^{g_n - g}) dh[c]^T + (A * D)^T do
+
+(per-channel gates: the decays of dA k and dA^T q act channel by channel again, so they are
+computed by sub-chunks as the forward's scores are, below). The backward therefore runs in
+three phases, like the forward:
+
+1. the chunk-start states h[c] are recomputed by the forward's state pass (or kept from the
+   forward when asked: ``keep_states``), and the chunks' dh[c] come from the reverse state pass
+   (``core.chunk_backward.dstate_pass``), the only serial parts, both sequential over chunks
+   and parallel over (batch*head, value block, key block);
+2. ``linear_dv_kernel`` (parallel over batch*head, chunk, value block) forms dv;
+3. ``linear_dqk_kernel`` (parallel over batch*head, chunk, key block) forms dq, dk and each
+   token's share of the log-gate gradient. Per-channel gates add ``channel_dqk_kernel``
+   (parallel over batch*head, chunk, sub-chunk of 16 tokens, key block) for the intra-chunk
+   terms, with the decay folded into q and k against a reference token of each sub-chunk.
+
+The gradient of the log-gates. Write B_t = sum_{s<=t} log alpha_s for the cumulative log-gate
+from the sequence's start (the chunk-local g differ from it by a constant per chunk, which
+cancels in every difference). Every term of every output o_t, and of the final state, carries
+q_t only together with e^{B_t} and k_s only together with e^{-B_s}, except that the final state
+h_T (and the initial state's share of every output) carries e^{B_T} (e^{B_t}) with no key. So,
+holding B as free variables,
+
+    dL/dB_t = q_t . dq_t - k_t . dk_t  (+ sum(dh_T * h_T) at the last token t = T-1),
+
+channel by channel for per-channel gates (the sum over V only), and since log alpha_s enters
+every B_t with t >= s, d log alpha_s = sum_{t>=s} dL/dB_t: a reverse cumulative sum over the
+sequence, done on the host. dq and dk here are the complete gradients (state and intra-chunk
+terms), which the kernels hold in fp32 before rounding them to the input dtype.
+
+What is stored: the recomputed chunk-start states h [B*H, NT, V, K] fp32 and the reverse pass's
+dh of the same size (NT = cdiv(T, 64)); the per-channel scores A [B*H, Tp, 64] fp32 and, for
+per-channel gates, dA [B*H, Tp, 64] and the state terms of dq, dk [B*H, Tp, K] fp32; the
+log-gate shares [B*H, Tp(, K)] fp32 (per key block of 64 for scalar gates). The forward keeps
+only its inputs and the final state, unless ``keep_states`` keeps h too (then the backward
+skips the state pass).
+
+Precision as in the forward: bf16/fp16 tiles go to tl.dot in their dtype with fp32 sums, fp32
+intermediates (dh, dA, decayed tiles) are rounded to the input dtype before a product, fp32
+inputs use exact products (``core.kernels.precision``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.alloc import empty
+from ..core.chunk_backward import dstate_pass
+from ..core.chunk_kernels import CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, state_pass
+from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, dot_tile, load_block, \
+    precision, store_tile
+
+
+# ---------------------------------------------------------------------------------------
+# dv: every (chunk, value block) at once
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def linear_dv_kernel(
+    q_ptr, k_ptr, do_ptr, g_ptr, a_ptr, dh_ptr, dv_ptr,
+    s_q, s_k, s_do, s_dv,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dv = (k * e^{g_n - g}) dh[c]^T + (A * D)^T do for chunk c, value block i_v. (A * D)^T is
+    formed here as k q^T for no gate and scalar gates; read transposed from ``a_ptr`` (the
+    forward's ``channel_scores_kernel``) for per-channel gates. dh [B*H, NT, V, K] fp32."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
+    dh_ptr += (i_bh * NT + i_c) * V * K
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = o_t < T, o_v < V
+    m_causal_t = o_i[None, :] >= o_i[:, None]            # row j (key), column i (query): i >= j
+
+    b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+    b_At = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        if GATE == GATE_CHANNEL:
+            b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_gn = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+            b_k = (b_k * tl.exp(b_gn[None, :] - b_g)).to(dt)
+        else:
+            b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+            b_At += tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)
+        b_dv += tl.dot(b_k, tl.trans(b_dh).to(dt), input_precision=PRECISION)
+    if GATE == GATE_NONE:
+        b_At = tl.where(m_causal_t, b_At, 0.0)
+    elif GATE == GATE_SCALAR:
+        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+        b_gn = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+        b_dv *= tl.exp(b_gn - b_g)[:, None]
+        b_At *= tl.exp(tl.where(m_causal_t, b_g[None, :] - b_g[:, None], float("-inf")))
+    else:
+        b_At = tl.load(a_ptr + i_bh * Tp * BT + o_t[None, :] * BT + o_i[:, None])
+    b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+    b_dv += tl.dot(b_At.to(dt), b_do, input_precision=PRECISION)
+    store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dv)
+
+
+# ---------------------------------------------------------------------------------------
+# dq, dk and the log-gate shares: every (chunk, key block) at once
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def linear_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, h_ptr, dh_ptr, dq_ptr, dk_ptr, dg_ptr, da_ptr, dq32_ptr, dk32_ptr,
+    s_q, s_k, s_v, s_do, s_dq, s_dk,
+    T, H, Tp, K, V, NT, BH,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Chunk c, key block i_k: the state terms dq = (do h[c]) * e^g, dk = (v dh[c]) * e^{g_n - g}
+    and dA = do v^T (summed over value blocks), then
+
+    * no gate, scalar gates: dq += (dA * D) k, dk += (dA * D)^T q, stored in the input dtype, and
+      (scalar) the key block's share of dL/dB_t = sum_c q_tc dq_tc - k_tc dk_tc in ``dg_ptr``
+      [NK, B*H, Tp] fp32;
+    * per-channel gates: the state terms (fp32, [B*H, Tp, K]) and the causal dA (fp32, [B*H, Tp,
+      BT], written by key block 0) for ``channel_dqk_kernel``.
+    """
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_k = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    v_ptr, do_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
+    dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
+    h_ptr += (i_bh * NT + i_c) * V * K
+    dh_ptr += (i_bh * NT + i_c) * V * K
+    dt = q_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t, m_k = o_t < T, o_k < K
+    m_causal = o_i[:, None] >= o_i[None, :]
+
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_s = m_v[:, None] & m_k[None, :]
+        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+        b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
+        b_dk += tl.dot(b_v, b_dh.to(dt), input_precision=PRECISION)
+    if GATE == GATE_CHANNEL:
+        p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
+        b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
+        b_gn = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+        b_dq *= tl.exp(b_g)
+        b_dk *= tl.exp(b_gn[None, :] - b_g)
+        p_x = i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
+        tl.store(dq32_ptr + p_x, b_dq, mask=m_k[None, :])
+        tl.store(dk32_ptr + p_x, b_dk, mask=m_k[None, :])
+        if i_k == 0:
+            tl.store(da_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :], tl.where(m_causal, b_dA, 0.0))
+    else:
+        b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        if GATE == GATE_SCALAR:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_gn = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+            b_dq *= tl.exp(b_g)[:, None]
+            b_dk *= tl.exp(b_gn - b_g)[:, None]
+            b_dA *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+        else:
+            b_dA = tl.where(m_causal, b_dA, 0.0)
+        b_dA = b_dA.to(dt)
+        b_dq += tl.dot(b_dA, b_k, input_precision=PRECISION)
+        b_dk += tl.dot(tl.trans(b_dA), b_q, input_precision=PRECISION)
+        store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
+        store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
+        if GATE == GATE_SCALAR:
+            b_dg = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
+            tl.store(dg_ptr + (i_k * BH + i_bh) * Tp + o_t, b_dg)
+
+
+@triton.jit
+def channel_dqk_kernel(
+    q_ptr, k_ptr, g_ptr, da_ptr, dq32_ptr, dk32_ptr, dq_ptr, dk_ptr, dg_ptr,
+    s_q, s_k, s_dq, s_dk,
+    T, H, Tp, K, NT,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Per-channel gates, rows of sub-chunk i_s of chunk i_c, key block i_k: the intra-chunk terms
+
+        dq_i = sum_{j<=i} dA[i, j] k_j * e^{g_i - g_j},   dk_j = sum_{i>=j} dA[i, j] q_i * e^{g_i - g_j}
+
+    added to the state terms of ``linear_dqk_kernel``; writes dq, dk (input dtype) and
+    dL/dB = q * dq - k * dk (fp32 [B*H, Tp, K]). Earlier sub-chunks (for dq) go through one tl.dot
+    against the sub-chunk's first token r, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}; later ones
+    (for dk) against its last token e, e^{g_i - g_j} = e^{g_i - g_e} e^{g_e - g_j}: every exponent
+    <= 0. The diagonal 16 x 16 block is summed elementwise, one token per step.
+    """
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_s, i_k = i_p // NT, i_p % NT, tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
+    g_ptr += i_bh * Tp * K
+    da_ptr += i_bh * Tp * BT
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BC)
+    o_j = tl.arange(0, BT)
+    t_r = i_c * BT + i_s * BC               # first token of the sub-chunk
+    t_e = t_r + BC - 1                      # its last (exists: g and dA are padded to Tp)
+    o_r = t_r + o_i                         # this program's rows
+    o_c = i_c * BT + o_j                    # the chunk's tokens
+    m_r, m_c = o_r < T, o_c < T
+    m_before = o_j < i_s * BC
+    m_after = o_j >= (i_s + 1) * BC
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+
+    b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
+    b_k = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
+    b_qc = load_block(q_ptr, s_q, o_c, o_k, m_c, m_k)
+    b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
+    b_gr = tl.load(g_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gc = tl.load(g_ptr + o_c[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gf = tl.load(g_ptr + t_r * K + o_k, mask=m_k, other=0.0)
+    b_ge = tl.load(g_ptr + t_e * K + o_k, mask=m_k, other=0.0)
+    # dA rows of this sub-chunk [BC, BT] (query i, key j), and its columns transposed [BC, BT] (key j, query i)
+    b_dA = tl.load(da_ptr + o_r[:, None] * BT + o_j[None, :])
+    b_dAt = tl.load(da_ptr + o_c[None, :] * BT + (i_s * BC + o_i)[:, None])
+
+    # earlier sub-chunks: (dA k_j e^{g_r - g_j}) e^{g_i - g_r}
+    b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gf[None, :] - b_gc, float("-inf")))).to(dt)
+    b_dq = tl.dot(b_dA.to(dt), b_kd, input_precision=PRECISION) * tl.exp(b_gr - b_gf[None, :])
+    # later sub-chunks: (dA^T q_i e^{g_i - g_e}) e^{g_e - g_j}
+    b_qd = (b_qc * tl.exp(tl.where(m_after[:, None], b_gc - b_ge[None, :], float("-inf")))).to(dt)
+    b_dk = tl.dot(b_dAt.to(dt), b_qd, input_precision=PRECISION) * tl.exp(b_ge[None, :] - b_gr)
+    # the diagonal block, one token t_r + jj per step, elementwise in fp32
+    for jj in range(0, BC):
+        t_j = t_r + jj
+        m_j = t_j < T
+        b_kj = tl.load(k_ptr + t_j * s_k[2] + o_k * s_k[3], mask=m_k & m_j, other=0.0).to(tl.float32)
+        b_qj = tl.load(q_ptr + t_j * s_q[2] + o_k * s_q[3], mask=m_k & m_j, other=0.0).to(tl.float32)
+        b_gj = tl.load(g_ptr + t_j * K + o_k, mask=m_k, other=0.0)
+        b_col = tl.load(da_ptr + o_r * BT + i_s * BC + jj)          # dA[i, t_j] for the rows i
+        b_row = tl.load(da_ptr + t_j * BT + i_s * BC + o_i)         # dA[t_j, j] for the rows j
+        m_lo = (o_i >= jj)[:, None]
+        m_hi = (o_i <= jj)[:, None]
+        b_dq += tl.where(m_lo, b_col[:, None] * b_kj[None, :] * tl.exp(tl.where(m_lo, b_gr - b_gj[None, :], 0.0)), 0.0)
+        b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * tl.exp(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
+
+    p_x = i_bh * Tp * K + o_r[:, None] * K + o_k[None, :]
+    b_dq += tl.load(dq32_ptr + p_x, mask=m_k[None, :], other=0.0)
+    b_dk += tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
+    store_tile(dq_ptr, s_dq, o_r, o_k, m_r, m_k, b_dq)
+    store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
+    b_dg = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
+    tl.store(dg_ptr + p_x, b_dg, mask=m_k[None, :])
+
+
+# ---------------------------------------------------------------------------------------
+# On the host
+# ---------------------------------------------------------------------------------------
+def _launch(q, k, v) -> ForwardLaunch:
+    """What the forward's state pass reads, without allocating an output (the backward has none)."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    strides = tuple(tuple(x.stride()) for x in (q, k, v)) + ((0, 0, 0, 0),)
+    return ForwardLaunch(q, k, v, None, strides, (B * H, 1), 64, precision(q.dtype), B, H, T, K, V)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class LinearGrads:
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dlog: torch.Tensor | None     # fp32, [B, H, T] or [B, H, T, K]; None without a gate
+    dh0: torch.Tensor             # fp32 [B, H, V, K]
+
+
+def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=None) -> LinearGrads:
+    """All gradients of linear attention's chunk-parallel forward (module docstring).
+
+    q, k [B, H, T, K], v, do [B, H, T, V] (any strides; q, k, v in one dtype); ``gate``, ``g``:
+    the forward's gate mode and chunk-local log-gates (``core.kernels.chunk_gates(..., CHUNK)``);
+    h0: the initial state (fp32 contiguous) or None; dht: the final state's gradient or None;
+    h, ht: the chunk-start states and the final state kept by the forward, else recomputed.
+    """
+    run = _launch(q, k, v)
+    B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
+    NT = num_chunks(T)
+    Tp = NT * CHUNK
+    gate = int(gate)
+    if g is not None and g.shape[2] != Tp:
+        raise ValueError(f"log-gates padded to {g.shape[2]} tokens, expected {Tp}")
+    if h is None:
+        h, ht, _ = state_pass(run, gate, g, Tp, h0)
+    do = do.to(q.dtype)
+    dh, dh0, _ = dstate_pass(q, do, gate, g, dht)
+    dev = q.device
+    BK = key_block(K)
+    NK = triton.cdiv(K, BK)
+    BV = min(dot_tile(V), 64)
+    prec = run.precision
+    dq, dk, dv = (empty(*x.shape, dtype=q.dtype, device=dev) for x in (q, k, v))
+    channel = gate == GATE_CHANNEL.value
+    aq = channel_scores(run, g, with_keys=False)[0] if channel else None
+    linear_dv_kernel[(B * H * NT, triton.cdiv(V, BV))](
+        q, k, do, g, aq, dh, dv,
+        run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv.stride()),
+        T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec,
+    )
+    dg = da = dq32 = dk32 = None
+    if gate == GATE_SCALAR.value:
+        dg = empty(NK, B * H, Tp, dtype=torch.float32, device=dev)
+    elif channel:
+        da = empty(B * H, Tp, CHUNK, dtype=torch.float32, device=dev)
+        dq32 = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
+        dk32 = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
+    linear_dqk_kernel[(B * H * NT, NK)](
+        q, k, v, do, g, h, dh, dq, dk, dg, da, dq32, dk32,
+        run.strides[0], run.strides[1], run.strides[2], tuple(do.stride()), tuple(dq.stride()), tuple(dk.stride()),
+        T, H, Tp, K, V, NT, B * H,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec,
+    )
+    dlog = None
+    if channel:
+        dg = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
+        channel_dqk_kernel[(B * H * NT, CHUNK // SUB_CHUNK, NK)](
+            q, k, g, da, dq32, dk32, dq, dk, dg,
+            run.strides[0], run.strides[1], tuple(dq.stride()), tuple(dk.stride()),
+            T, H, Tp, K, NT,
+            BT=CHUNK, BC=SUB_CHUNK, BK=BK, PRECISION=prec,
+        )
+        dB = dg.view(B, H, Tp, K)[:, :, :T]
+        if dht is not None:
+            dB[:, :, T - 1] += (dht.float() * ht).sum(-2)
+    elif gate == GATE_SCALAR.value:
+        dB = dg.sum(0).view(B, H, Tp)[:, :, :T]
+        if dht is not None:
+            dB[:, :, T - 1] += (dht.float() * ht).sum((-2, -1))
+    if gate != GATE_NONE.value:
+        dlog = dB.flip(2).cumsum(2).flip(2)
+    return LinearGrads(dq, dk, dv, dlog, dh0)
