@@ -23,10 +23,12 @@ tiles multiply exactly. Absent inputs (no gate, no initial state) are ``None`` p
 Triton compiles away. ``core.kernels`` holds the set-up all chapters' kernels share.
 
 The backward kernels are in ``linear.backward``; ``LinearAttentionFunction`` ties the two
-together as one ``torch.autograd.Function`` (with ``setup_context``, so ``torch.func`` and
-``torch.compile`` can take it), and ``linear_attention(..., backend="triton")`` runs it
-(``linear_attention_autograd``). Gradients reach ``alpha`` or ``log_alpha`` through the log-gates
-the Function takes (their log and clamp stay in autograd). Runs under ``TRITON_INTERPRET=1`` on CPU.
+together as one ``torch.autograd.Function`` (forward and ``setup_context`` apart, the form
+``torch.compile`` and ``torch.func`` ask for; the Triton launches of its backward take plain
+tensors, not torch.func's wrapped ones, so ``torch.func.grad`` does not reach through it), and
+``linear_attention(..., backend="triton")`` runs it (``linear_attention_autograd``). Gradients
+reach ``alpha`` or ``log_alpha`` through the log-gates the Function takes (their log and clamp
+stay in autograd). Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 

@@ -1,0 +1,144 @@
+"""Linear attention's backward kernels (``linear.backward`` through ``LinearAttentionFunction``).
+
+Under TRITON_INTERPRET=1 (compiled on a GPU through ``tests/test_gpu.py``), on fresh random inputs:
+the gradients of q, k, v, the log-gates (or alpha) and the initial state from
+``backend="triton"`` against autograd through the per-token loop in fp64 and through the chunk
+form, with an initial state and a gradient of the final state, T not a multiple of the chunk,
+K != V and widths past one key and one value block, gates exactly 0 and 1, bf16 inputs against
+the fp32 loop at bf16 tolerance, and ``torch.autograd.gradcheck`` of the Function (in fp32: the
+kernels accumulate in fp32 and refuse fp64, so finite differences use a step and tolerances an
+fp32 function allows). Per-channel gates cost the most under the interpreter (sub-chunk loops),
+so their cases are the fewest and smallest.
+"""
+import pytest
+import torch
+
+from atlaslib.core import assert_close, poisoned_outputs, random_qkv
+from atlaslib.core.chunk_kernels import CHUNK
+from atlaslib.linear import linear_attention
+from atlaslib.linear.kernel import LinearAttentionFunction
+
+MODES = [None, "scalar", "channel"]
+NAMES = ("q", "k", "v", "gate", "initial state")
+
+
+def draw(gen, T, mode, B=1, H=2, K=12, V=10, extreme=False):
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    shape = (B, H, T) if mode == "scalar" else (B, H, T, K)
+    alpha = None if mode is None else 0.6 + 0.4 * torch.rand(*shape, generator=gen)
+    if extreme and mode is not None:          # some gates exactly 0 (a reset) and exactly 1
+        pick = torch.rand(*shape, generator=gen)
+        alpha = torch.where(pick < 0.1, torch.zeros(()), torch.where(pick > 0.85, torch.ones(()), alpha))
+    h0 = torch.randn(B, H, V, K, generator=gen) / K
+    do = torch.randn(B, H, T, V, generator=gen)
+    dht = torch.randn(B, H, V, K, generator=gen)
+    return [q, k, v, alpha, h0], do, dht
+
+
+def grads(backend, inputs, do, dht, dtype=None, as_log=True):
+    """Gradients of <do, o> + <dht, final state> w.r.t. q, k, v, the gate (log_alpha or alpha), h0."""
+    xs = [None if x is None else (x.to(dtype) if dtype is not None else x).detach().requires_grad_()
+          for x in inputs]
+    q, k, v, gate, h0 = xs
+    kw = {"log_alpha": gate.log().clamp_min(-60.0).detach().requires_grad_()} if as_log and gate is not None \
+        else {"alpha": gate}
+    if as_log and gate is not None:
+        xs[3] = kw["log_alpha"]
+    o, s = linear_attention(q, k, v, initial_state=h0, output_final_state=True, backend=backend, **kw)
+    loss = (o.double() * do.double()).sum() + (s.double() * dht.double()).sum()
+    loss.backward()
+    return [None if x is None else x.grad for x in xs]
+
+
+def compare(got, ref, tol, what=""):
+    for name, a, r in zip(NAMES, got, ref):
+        if r is None:
+            assert a is None, name
+            continue
+        assert torch.isfinite(a).all(), f"{what}{name}"
+        assert_close(a.double(), r.double(), tol=tol, name=f"{what}{name} gradient")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T", [1, CHUNK + 13])
+def test_gradients_match_the_fp64_loop(gen, mode, T):
+    inputs, do, dht = draw(gen, T, mode)
+    with poisoned_outputs():
+        got = grads("triton", inputs, do, dht)
+    f64 = [None if x is None else x.double() for x in inputs]
+    compare(got, grads("recurrent", f64, do, dht), tol=1e-5)
+    compare(got, grads("chunk", inputs, do, dht), tol=1e-5, what="chunk form: ")
+
+
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_wider_heads_than_one_block(gen, mode):
+    # K = 80 and V = 72: two key blocks (dq, dk, the log-gate shares summed over them) and two value blocks
+    inputs, do, dht = draw(gen, 40, mode, H=1, K=80, V=72)
+    with poisoned_outputs():
+        got = grads("triton", inputs, do, dht)
+    compare(got, grads("recurrent", [None if x is None else x.double() for x in inputs], do, dht), tol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_gates_of_exactly_zero_and_one(gen, mode):
+    # alpha itself gets the gradient: through log(max(alpha, e^-60)), so 0 where alpha = 0 (the
+    # chunk form's convention); q, k, v and the initial state against the loop
+    inputs, do, dht = draw(gen, CHUNK + 7, mode, H=1, extreme=True)
+    assert (inputs[3] == 0).any() and (inputs[3] == 1).any()
+    with poisoned_outputs():
+        got = grads("triton", inputs, do, dht, as_log=False)
+    f64 = [None if x is None else x.double() for x in inputs]
+    loop = grads("recurrent", f64, do, dht, as_log=False)
+    compare(got[:3] + [None, got[4]], loop[:3] + [None, loop[4]], tol=1e-5)
+    chunk = grads("chunk", f64, do, dht, as_log=False)
+    assert_close(got[3].double(), chunk[3], tol=5e-5, name="alpha gradient")     # fp32 sums of dB over T
+    assert (got[3][inputs[3] == 0] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_inputs_within_bf16_rounding(gen, mode):
+    inputs, do, dht = draw(gen, 40, mode, H=1, K=16, V=16)
+    half = [x.bfloat16() if i < 3 else x for i, x in enumerate(inputs)]
+    got = grads("triton", half, do, dht)
+    assert all(g.dtype == torch.bfloat16 for g in got[:3])
+    compare(got, grads("recurrent", [None if x is None else x.double() for x in inputs], do, dht), tol=2e-2)
+
+
+def test_final_state_only_and_summed_outputs(gen):
+    # a loss on the final state alone (no gradient reaches o) and one on o.sum() (an expanded do)
+    (q, k, v, alpha, h0), _, dht = draw(gen, CHUNK + 3, "scalar")
+    for backend in ("triton", "chunk"):
+        xs = [x.detach().requires_grad_() for x in (q, k, v, alpha)]
+        _, s = linear_attention(*xs[:3], alpha=xs[3], initial_state=h0, output_final_state=True, backend=backend)
+        (s * dht).sum().backward()
+        o, _ = linear_attention(*xs[:3], alpha=xs[3], backend=backend)
+        o.sum().backward()
+        if backend == "triton":
+            got = [x.grad for x in xs]
+    for name, a, r in zip(NAMES, got, [x.grad for x in xs]):
+        assert_close(a, r, tol=1e-5, name=name)
+
+
+def test_kept_states_give_the_same_gradients(gen):
+    (q, k, v, alpha, h0), do, dht = draw(gen, CHUNK + 3, "scalar")
+    logs = alpha.log()
+    out = []
+    for keep in (False, True):
+        xs = [x.detach().requires_grad_() for x in (q, k, v, logs, h0)]
+        o, s, h = LinearAttentionFunction.apply(*xs, keep)
+        assert (h is not None) == keep
+        ((o * do).sum() + (s * dht).sum()).backward()
+        out.append([x.grad for x in xs])
+    for name, a, b in zip(NAMES, *out):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.filterwarnings("ignore:Input #")
+def test_gradcheck(gen):
+    # fp32 throughout (the kernels refuse fp64): central differences with a step of 1e-2 on
+    # inputs of size ~1 are accurate to ~1e-4 here, rounding adds ~1e-7 / 1e-2
+    inputs, _, _ = draw(gen, 20, "scalar", H=1, K=4, V=3)
+    q, k, v, alpha, h0 = inputs
+    xs = [x.detach().requires_grad_() for x in (q, k, v, alpha.log(), h0)]
+    fn = lambda *a: LinearAttentionFunction.apply(*a, False)[:2]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, xs, eps=1e-2, atol=2e-3, rtol=2e-3, fast_mode=True)
