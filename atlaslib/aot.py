@@ -345,10 +345,40 @@ def cases():
                     fn(q, k, v, c, torch.full((1, 2, T, c), 0.9), _gate(q.shape[:3]), torch.full(q.shape[:3], 0.1),
                        torch.zeros(1, 2, K, K), chunk_size=b)
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
+    yield from linear_backward_cases()
     yield from atlas_cases()
     yield from deep_cases()
     yield from caching_cases()
     yield from bare_cases()
+
+
+def linear_backward_cases():
+    """Chapter 1's backward (``linear.backward``) and the reverse state pass it shares with chapter 2
+    (``core.chunk_backward.dstate_pass``), at every head size and dtype of the forward, in the three gate
+    modes, with a final-state gradient; the reverse pass also in its delta-rule mode (all K key channels
+    in one program, BV = 32 at K = 256), as chapter 2's backward launches it."""
+    from .core.chunk_backward import dstate_pass
+    from .core.chunk_kernels import CHUNK
+    from .core.kernels import chunk_gates
+    from .linear.backward import linear_attention_backward
+
+    for K, dt in sizes_and_dtypes():
+        for gate in ("none", "scalar", "channel"):
+            def backward(T, K=K, dt=dt, gate=gate):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                alpha = None if gate == "none" else _gate(q.shape[:3] if gate == "scalar" else q.shape)
+                mode, g, _ = chunk_gates(alpha, None, T, CHUNK)
+                state, h = torch.zeros(1, 2, K, K), torch.zeros(2, -(-T // CHUNK), K, K)   # h: the forward's
+                linear_attention_backward(q, k, v, mode, g, state, torch.zeros_like(v), state, h=h, ht=state)
+            yield "linear_bwd", f"gate={gate} K=V={K} {dt}", backward
+    for K in HEAD_SIZES:
+        for dt in ("fp32", "bf16"):
+            def delta_pass(T, K=K, dt=dt):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                mode, g, Tp = chunk_gates(_gate(q.shape), None, T, CHUNK)
+                w, du = torch.zeros(1, 2, Tp, K, dtype=q.dtype), torch.zeros(1, 2, Tp, K, dtype=q.dtype)
+                dstate_pass(q, v, mode, g, torch.zeros(1, 2, K, K), k=k, w=w, dv_local=du)
+            yield "linear_bwd", f"reverse state pass, delta rule, gate=channel K=V={K} {dt}", delta_pass
 
 
 def deep_cases():
@@ -541,8 +571,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
-    parser.add_argument("--family", action="append", help="only these kernel families (linear, delta, titans, "
-                        "omega, swla, atlas, deep, caching)")
+    parser.add_argument("--family", action="append", help="only these kernel families (linear, linear_bwd, "
+                        "delta, titans, omega, swla, atlas, deep, caching)")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     parser.add_argument("--fast", action="store_true", help="stop each build once shared memory is allocated "
                         "(no LLVM, no ptxas): shared memory, 64-bit offsets and grids in about a second per "

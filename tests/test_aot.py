@@ -24,7 +24,7 @@ import torch
 from atlaslib import aot
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
-FAMILIES = {"linear", "delta", "titans", "omega", "swla", "atlas", "deep", "caching"}
+FAMILIES = {"linear", "linear_bwd", "delta", "titans", "omega", "swla", "atlas", "deep", "caching"}
 # Families whose grid is one program per matrix rather than one per head: chapter 5's
 # Newton-Schulz kernel, launched once per chunk on that chunk's B*H*b momenta.
 ONE_PROGRAM_PER_MATRIX = {"atlas"}
@@ -34,6 +34,9 @@ ONE_PROGRAM_PER_TOKEN_BLOCK = {"caching"}
 # Families run as the chunk-parallel forward (core.chunk_kernels): a state pass over chunks, and
 # intra-chunk and output kernels with a program per chunk.
 CHUNK_PARALLEL = {"linear", "delta"}
+# The chunk-parallel backward of chapter 1 and the reverse state pass (core.chunk_backward): the same
+# split, with the reverse pass as the serial part.
+CHUNK_PARALLEL_BACKWARD = {"linear_bwd"}
 
 
 def family(build):
@@ -71,13 +74,15 @@ def test_every_kernel_family_and_target_is_built(builds):
 
     import atlaslib.atlas.kernel as a
     import atlaslib.caching.kernel as c
+    import atlaslib.core.chunk_backward as cb
     import atlaslib.core.chunk_kernels as ck
     import atlaslib.deep.kernel as dk
     import atlaslib.delta.kernel as d
+    import atlaslib.linear.backward as lb
     import atlaslib.linear.kernel as li
     import atlaslib.miras.kernel as m
     import atlaslib.omega.kernel as o
-    launched = {name for mod in (li, d, m, o, a, dk, c, ck) for name, obj in vars(mod).items()
+    launched = {name for mod in (li, lb, d, m, o, a, dk, c, ck, cb) for name, obj in vars(mod).items()
                 if isinstance(obj, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")}
     assert {"newton_schulz_kernel", "cached_readout_fwd_kernel"} <= launched
     assert launched <= {b["kernel"] for b in builds}
@@ -111,8 +116,8 @@ def test_grid_does_not_grow_with_the_sequence(builds):
     # programs loop over chunks, so T = 1M launches the grid of T = 40: B*H on axis 0
     # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the chunk-parallel kernels of
     # chapters 1-2, the Newton-Schulz kernel and the caching readout are checked on their own below
-    per_head = [b for b in builds
-                if family(b) not in ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL]
+    per_head = [b for b in builds if family(b) not in
+                ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL | CHUNK_PARALLEL_BACKWARD]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
@@ -135,6 +140,23 @@ def test_chunk_parallel_grids_grow_with_the_chunks_and_the_state_pass_does_not(b
             assert not b["grid_fixed_in_T"], b["config"]
             assert b["grid"][0] == 2 * -(-40 // CHUNK) and b["grid_long"][0] == 2 * -(-400 // CHUNK), b["config"]
             assert all(n <= 65535 for n in b["grid"][1:])
+
+
+def test_backward_grids_grow_with_the_chunks_and_the_reverse_pass_does_not(builds):
+    # Chapter 1's gradient kernels have B*H*cdiv(T, BT) programs on axis 0, like the forward's output
+    # kernel; the reverse state pass keeps (B*H, value blocks, key blocks) at every T
+    from atlaslib.core.chunk_kernels import CHUNK
+    backward = [b for b in builds if family(b) in CHUNK_PARALLEL_BACKWARD]
+    assert {b["kernel"] for b in backward} == {"chunk_dstate_kernel", "linear_dv_kernel", "linear_dqk_kernel",
+                                               "channel_dqk_kernel", "channel_scores_kernel"}
+    for b in backward:
+        assert b["launches"] == [1, 1], b["config"]
+        if b["kernel"] == "chunk_dstate_kernel":
+            assert b["grid_fixed_in_T"] and b["grid"][0] == 2 and len(b["grid"]) == 3, b["config"]
+        else:
+            assert not b["grid_fixed_in_T"], b["config"]
+            assert b["grid"][0] == 2 * -(-40 // CHUNK) and b["grid_long"][0] == 2 * -(-400 // CHUNK), b["config"]
+        assert all(n <= 65535 for n in b["grid"][1:])
 
 
 def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):
