@@ -37,8 +37,11 @@ On CUDA, for each shape of ``GPU_SHAPES`` (B=4, H=16, T=4096, K=V=128 in bf16, a
 K=V=64 in fp32) and each model, the table has our forward time (``backend="triton"``) and fla's,
 fla / ours (> 1: ours faster), the relative error of our output against fla's (Frobenius norm of the
 difference over fla's), the peak memory of each forward (beyond its inputs, as in the main table),
-and the same timing for forward + backward (gradients of q, k, v, beta and the gate, from a fixed
-random output gradient; our backward is autograd through the PyTorch chunk form). Times are medians
+and the same for forward + backward (gradients of q, k, v, beta and the gate, from a fixed random
+output gradient): the times, the largest relative error of our gradients against fla's (over the
+inputs), and the peak memory of the pair. Our backward is linear attention's backward kernels
+(``linear.backward``) for the three linear-attention rows, and autograd through the PyTorch chunk
+form where a model has no backward kernels of its own yet. Times are medians
 of ``--repeats`` rounds measured with CUDA events, the two sides called in turn within each round,
 after ``--warmup`` untimed rounds (fla autotunes each op on its first call: 25-35 s each).
 
@@ -290,6 +293,9 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
                     "fla": forward_backward(fla_fn, fg, do)}
             t = timer(both, warmup, repeats)
             row.update(ours_fwdbwd_ms=t["ours"], fla_fwdbwd_ms=t["fla"], fwdbwd_speedup=t["fla"] / t["ours"])
+            back = (lambda t: t) if impl == "naive" and model == "deltanet" else from_fla
+            row["grad_rel_err"] = max(relative_error(a, back(b)) for a, b in zip(both["ours"](), both["fla"]()))
+            row.update(ours_fwdbwd_MiB=peak(both["ours"], device), fla_fwdbwd_MiB=peak(both["fla"], device))
         if note:
             row["note"] = note
         rows.append(row)
@@ -297,7 +303,8 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
 
 
 COLUMNS = ["model", "dtype", "B", "H", "T", "K", "V", "fla", "ours_ms", "fla_ms", "speedup", "rel_err",
-           "loop_rel_err", "ours_MiB", "fla_MiB", "ours_fwdbwd_ms", "fla_fwdbwd_ms", "fwdbwd_speedup", "note"]
+           "loop_rel_err", "ours_MiB", "fla_MiB", "ours_fwdbwd_ms", "fla_fwdbwd_ms", "fwdbwd_speedup", "grad_rel_err",
+           "ours_fwdbwd_MiB", "fla_fwdbwd_MiB", "note"]
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -310,7 +317,7 @@ def format_rows(rows: list[dict]) -> str:
         for key in ("speedup", "fwdbwd_speedup"):
             if isinstance(r.get(key), float):
                 r[key] = f"{r[key]:.2f}x"
-        for key in ("rel_err", "loop_rel_err"):
+        for key in ("rel_err", "loop_rel_err", "grad_rel_err"):
             if isinstance(r.get(key), float):
                 r[key] = f"{r[key]:.1e}"
         out.append({c: r.get(c, "-") for c in columns})

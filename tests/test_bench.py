@@ -291,12 +291,16 @@ def test_vs_fla_cuda_path_on_fakes(dtype, tmp_path):
     rows = bench_fla.compare(bench_fla.MODELS, shape, impl="chunk", backend="chunk", backward=True, timer=timer,
                              peak=lambda fn, device: 1.5, fns=fakes)
     fp32 = dtype == "float32"
-    assert seen == ["linear", "simple_gla", "gla", "gdn" if fp32 else "delta", "gdn", "kda"]
+    # each op called twice (the fake timer and peak call nothing): the output, then the gradients compared
+    called = ["linear", "simple_gla", "gla", "gdn" if fp32 else "delta", "gdn", "kda"]
+    assert seen == [name for name in called for _ in range(2)]
     assert [r["model"] for r in rows] == FLA_MODELS
     for r in rows:
         assert r["rel_err"] < (2e-6 if fp32 else 2e-2), r
         assert r["speedup"] == r["fla_ms"] / r["ours_ms"] and r["fla_ms"] == r["ours_ms"] + 1
         assert r["fwdbwd_speedup"] == r["fla_fwdbwd_ms"] / r["ours_fwdbwd_ms"] and r["ours_MiB"] == 1.5
+        assert r["grad_rel_err"] < (1e-5 if fp32 else 5e-2), r          # gradients against fla's reference
+        assert r["ours_fwdbwd_MiB"] == r["fla_fwdbwd_MiB"] == 1.5
         assert ("note" in r) == (fp32 and r["model"] == "deltanet")
     table = bench_fla.format_rows(rows).splitlines()
     assert table[0].split()[:8] == ["model", "dtype", "B", "H", "T", "K", "V", "fla"]
