@@ -142,3 +142,21 @@ def test_gradcheck(gen):
     xs = [x.detach().requires_grad_() for x in (q, k, v, alpha.log(), h0)]
     fn = lambda *a: LinearAttentionFunction.apply(*a, False)[:2]  # noqa: E731
     assert torch.autograd.gradcheck(fn, xs, eps=1e-2, atol=2e-3, rtol=2e-3, fast_mode=True)
+
+
+@pytest.mark.parametrize("name", ["mamba2", "linear"])
+def test_auto_on_cuda_trains_the_mixers_through_the_kernels(monkeypatch, name):
+    # a mixer with backend="auto" on a (pretended) CUDA tensor runs the Function both ways, and its
+    # gradients are those of the chunk form
+    from atlaslib.nn import make_mixer
+    x = torch.randn(1, 12, 16)
+    mixer = make_mixer(name, 16, 2)
+    ref = torch.autograd.grad(mixer(x.requires_grad_()).square().sum(), [x, *mixer.parameters()])
+    calls = []
+    apply = LinearAttentionFunction.apply
+    monkeypatch.setattr(LinearAttentionFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got = torch.autograd.grad(mixer(x).square().sum(), [x, *mixer.parameters()])
+    assert calls
+    for a, r in zip(got, ref):
+        assert_close(a, r, tol=1e-5)
