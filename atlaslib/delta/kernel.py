@@ -49,10 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
+from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
                                   unit_lower_inverse)
 from ..core.chunking import gate_logs
-from ..core.dispatch import with_chunk_backward
 from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, dot_tile,
                             feature_tile, forward_launch, load_block, precision, store_tile)
 from ..core.alloc import empty
@@ -123,6 +122,55 @@ def delta_wy_kernel(
 # The backward kernels (no gate and scalar gates)
 # ---------------------------------------------------------------------------------------
 @triton.jit
+def channel_score_grads(b_dP, x_ptr, s_x, y_ptr, s_y, g_ptr, i_c, o_k, m_k, T, K,
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradients of P[i, j] = sum_c x_ic y_jc e^{g_ic - g_jc} (j <= i) through key block o_k, from dP.
+
+        dx_ic = sum_j dP_ij y_jc e^{g_ic - g_jc},     dy_jc = sum_i dP_ij x_ic e^{g_ic - g_jc}
+
+    ``b_dP`` [BT, BT] fp32, zero above the diagonal; x, y: heads (strides ``s_x``, ``s_y``) of chunk
+    i_c; g: the head's per-channel log-gates [Tp, K]. As in ``channel_scores_kernel``, a row i of
+    sub-chunk I meets the columns of earlier sub-chunks through the reference token r (first of I):
+    e^{g_i - g_r} on the x side, e^{g_r - g_j} on the y side, each <= 1, in one product per side;
+    inside a diagonal block the decays are applied elementwise, one offset jj of the block per step
+    (every block at once: row i meets column (i // BC) * BC + jj). Returns (dx, dy) fp32 [BT, BK].
+    """
+    dt = x_ptr.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    m_g = m_k[None, :]
+    b_x = load_block(x_ptr, s_x, o_t, o_k, m_t, m_k).to(tl.float32)
+    b_y = load_block(y_ptr, s_y, o_t, o_k, m_t, m_k).to(tl.float32)
+    b_g = tl.load(g_ptr + o_t[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
+    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dy = tl.zeros([BT, BK], dtype=tl.float32)
+    o_blk = o_i // BC
+    for i_s in range(1, BT // BC):
+        # rows of sub-chunk i_s against every earlier column, through its first token r
+        b_gr = tl.load(g_ptr + (i_c * BT + i_s * BC) * K + o_k, mask=m_k, other=0.0)
+        m_rows = (o_blk == i_s)[:, None]
+        m_before = (o_i < i_s * BC)[:, None]
+        b_xr = tl.exp(tl.where(m_rows, b_g - b_gr[None, :], float("-inf")))       # e^{g_i - g_r}, rows of i_s
+        b_ry = tl.exp(tl.where(m_before, b_gr[None, :] - b_g, float("-inf")))     # e^{g_r - g_j}, earlier rows
+        b_dx += b_xr * tl.dot(b_dP.to(dt), (b_y * b_ry).to(dt), input_precision=PRECISION)
+        b_dy += b_ry * tl.dot(tl.trans(b_dP).to(dt), (b_x * b_xr).to(dt), input_precision=PRECISION)
+    for jj in range(0, BC):
+        # row i with column j = (i // BC) * BC + jj of its own block (j <= i); column j with row
+        # (j // BC) * BC + jj (>= j)
+        o_p = o_blk * BC + jj
+        t_p = i_c * BT + o_p
+        b_yp = load_block(y_ptr, s_y, t_p, o_k, t_p < T, m_k).to(tl.float32)
+        b_xp = load_block(x_ptr, s_x, t_p, o_k, t_p < T, m_k).to(tl.float32)
+        b_gp = tl.load(g_ptr + t_p[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
+        b_dr = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_dP, 0.0), axis=1)    # dP[i, p(i)]
+        b_dc = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_dP, 0.0), axis=0)    # dP[p(j), j]
+        b_dx += b_dr[:, None] * b_yp * tl.exp(tl.where((o_p <= o_i)[:, None], b_g - b_gp, float("-inf")))
+        b_dy += b_dc[:, None] * b_xp * tl.exp(tl.where((o_p >= o_i)[:, None], b_gp - b_g, float("-inf")))
+    return b_dx, b_dy
+
+
+@triton.jit
 def delta_dv_local_kernel(
     q_ptr, k_ptr, do_ptr, g_ptr, a_ptr, dv_ptr,
     s_q, s_k, s_do, s_dv,
@@ -169,7 +217,8 @@ def delta_bwd_state_kernel(
     dq_ptr, dk_ptr, dw_ptr, dg_ptr,
     s_q, s_k, s_vn, s_do, s_dv2, s_dq, s_dk, s_dw,
     T, H, Tp, K, V, NT,
-    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Chunk i_c, key block i_k: every gradient that reads the chunk states (see the module docstring).
 
@@ -228,25 +277,43 @@ def delta_bwd_state_kernel(
         # the last row's g_n scales h[c] and every k * e^{g_n - g} of the state update
         b_dgn = tl.sum(b_hdh) * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
         b_dS = tl.where(m_causal, b_dS * tl.exp(b_g[:, None] - b_g[None, :]), 0.0)
+    elif GATE == GATE_CHANNEL:
+        p_g = g_ptr + i_bh * Tp * K
+        b_g = tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_g_last = tl.load(p_g + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+        b_dq *= tl.exp(b_g)
+        b_dk *= tl.exp(b_g_last[None, :] - b_g)
+        b_dgn = b_hdh * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
+        b_dS = tl.where(m_causal, b_dS, 0.0)
     else:
         b_dS = tl.where(m_causal, b_dS, 0.0)
-    b_dq += tl.dot(b_dS.to(dt), b_k, input_precision=PRECISION)
-    b_dk += tl.dot(tl.trans(b_dS).to(dt), b_q, input_precision=PRECISION)
+    if GATE == GATE_CHANNEL:
+        b_dqS, b_dkS = channel_score_grads(b_dS, q_ptr, s_q, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+                                           BT, BC, BK, PRECISION)
+        b_dq += b_dqS
+        b_dk += b_dkS
+    else:
+        b_dq += tl.dot(b_dS.to(dt), b_k, input_precision=PRECISION)
+        b_dk += tl.dot(tl.trans(b_dS).to(dt), b_q, input_precision=PRECISION)
     store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
     store_tile(dk_ptr, s_dk, o_t, o_k, o_t < Tp, m_k, b_dk)
     store_tile(dw_ptr, s_dw, o_t, o_k, o_t < Tp, m_k, b_dw)
     if GATE == GATE_SCALAR:
         b_dg = tl.sum(b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32), axis=1) + tl.where(b_last, b_dgn, 0.0)
         tl.store(dg_ptr + (i_bh * tl.num_programs(1) + i_k) * Tp + o_t, b_dg)
+    elif GATE == GATE_CHANNEL:
+        b_dg = b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32) + tl.where(b_last[:, None], b_dgn[None, :], 0.0)
+        tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
 
 
 @triton.jit
 def delta_bwd_wy_kernel(
-    k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
     dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
     s_k, s_v, s_w, s_u, s_dw, s_du, s_dk1, s_dk, s_dv,
     T, H, Tp, K, V, NT,
-    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
 
@@ -271,17 +338,20 @@ def delta_bwd_wy_kernel(
     b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
 
     # L and R = (I + Diag(beta) L)^{-1}, as in the forward
-    b_L = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
-        b_L += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-    if GATE == GATE_SCALAR:
-        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-        b_D = tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
-        b_L *= b_D
+    if GATE == GATE_CHANNEL:
+        b_L = tl.load(ak_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
     else:
-        b_L = tl.where(m_strict, b_L, 0.0)
+        b_L = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
+            b_L += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        if GATE == GATE_SCALAR:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_D = tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_L *= b_D
+        else:
+            b_L = tl.where(m_strict, b_L, 0.0)
     b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
     b_Rt = tl.trans(b_R).to(dt)
 
@@ -299,6 +369,9 @@ def delta_bwd_wy_kernel(
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k).to(tl.float32)
         if GATE == GATE_SCALAR:
             b_k *= tl.exp(b_g)[:, None]
+        elif GATE == GATE_CHANNEL:
+            b_k *= tl.exp(tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :],
+                                  other=0.0))
         b_dbk += tl.sum(b_dY * b_k, axis=1)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -320,19 +393,29 @@ def delta_bwd_wy_kernel(
         b_dg = b_beta * b_dbk + tl.sum(b_dLL, axis=1) - tl.sum(b_dLL, axis=0)
         tl.store(dg_ptr + i_bh * Tp + o_t, b_dg)
         b_dL *= b_D                                    # the gradient of the plain k.k products
-    b_dL = b_dL.to(dt)
 
-    # dk = dk1 + beta e^g (R^T dw) + (dL + dL^T) k
+    # dk = dk1 + beta e^g (R^T dw) + the k.k products' two sides (decayed per channel for KDA)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_dw = load_block(dw_ptr, s_dw, o_t, o_k, m_t, m_k).to(dt)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
-        b_dk = tl.dot(b_Rt, b_dw, input_precision=PRECISION) * b_beta[:, None]
-        if GATE == GATE_SCALAR:
-            b_dk *= tl.exp(b_g)[:, None]
-        b_dk += tl.dot(b_dL, b_k, input_precision=PRECISION)
-        b_dk += tl.dot(tl.trans(b_dL), b_k, input_precision=PRECISION)
+        b_dkg = tl.dot(b_Rt, b_dw, input_precision=PRECISION) * b_beta[:, None]     # d(K e^g)
+        if GATE == GATE_CHANNEL:
+            p_g = g_ptr + i_bh * Tp * K
+            b_eg = tl.exp(tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0))
+            b_dx, b_dy = channel_score_grads(b_dL, k_ptr, s_k, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+                                             BT, BC, BK, PRECISION)
+            b_kf = b_k.to(tl.float32)
+            b_dk = b_dkg * b_eg + b_dx + b_dy
+            b_dg = b_dkg * b_kf * b_eg + b_kf * (b_dx - b_dy)
+            tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
+        else:
+            b_dk = b_dkg
+            if GATE == GATE_SCALAR:
+                b_dk *= tl.exp(b_g)[:, None]
+            b_dk += tl.dot(b_dL.to(dt), b_k, input_precision=PRECISION)
+            b_dk += tl.dot(tl.trans(b_dL).to(dt), b_k, input_precision=PRECISION)
         b_dk += load_block(dk1_ptr, s_dk1, o_t, o_k, m_t, m_k)
         store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
 
@@ -389,8 +472,6 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     run = _backward_launch(q, k, v, do)
     B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
     gate, g, _ = chunk_gates(None, logs, T, CHUNK)
-    if gate == GATE_CHANNEL:
-        raise NotImplementedError("per-channel gates (KDA) take the chunk form's backward")
     NT = num_chunks(T)
     Tp = NT * CHUNK
     BK, BV = key_block(K), min(dot_tile(V), 64)
@@ -398,12 +479,13 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dev, dt = q.device, q.dtype
     beta = as_fp32(beta)
     # recompute: the WY factors, then h[c] and v_new (the forward's kernels; nothing was stored)
-    w, u = wy_factors(run, gate, g, beta, None)
+    aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
+    w, u = wy_factors(run, gate, g, beta, ak)
     h, _, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)
     # dv_local, then the reverse state pass: dH per chunk, dv2 = the whole gradient of v_new, dh0
     dv_local = empty(B, H, Tp, V, dtype=dt, device=dev)
     delta_dv_local_kernel[(B * H * NT, triton.cdiv(V, BV))](
-        run.q, run.k, do, g, None, dv_local,
+        run.q, run.k, do, g, aq, dv_local,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv_local.stride()),
         T, H, Tp, K, V, NT,
         GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
@@ -413,32 +495,36 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dq = empty(B, H, T, K, dtype=dt, device=dev)
     dk1 = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
     dw = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
-    dg1 = empty(B * H, NK, Tp, dtype=torch.float32, device=dev) if gate == GATE_SCALAR else None
+    # dg: fp32 [B*H, NK, Tp] (scalar gates: one row per key block) or [B*H, Tp, K] (per channel)
+    dg_shape = (B * H, NK, Tp) if gate == GATE_SCALAR else (B * H, Tp, K) if gate == GATE_CHANNEL else None
+    dg1 = None if dg_shape is None else empty(*dg_shape, dtype=torch.float32, device=dev)
     delta_bwd_state_kernel[(B * H * NT, NK)](
         run.q, run.k, vn, do, dv2, g, h, dh, dq, dk1, dw, dg1,
         run.strides[0], run.strides[1], tuple(vn.stride()), tuple(do.stride()), tuple(dv2.stride()),
         tuple(dq.stride()), tuple(dk1.stride()), tuple(dw.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
     )
     del h, dh
     dk = empty(B, H, T, K, dtype=dt, device=dev)
     dv = empty(B, H, T, V, dtype=v.dtype, device=dev)
     dbeta = empty(B, H, T, dtype=torch.float32, device=dev)
-    dg2 = empty(B * H, Tp, dtype=torch.float32, device=dev) if gate == GATE_SCALAR else None
+    dg2 = None if dg_shape is None else empty(B * H, Tp, *dg_shape[2:] if gate == GATE_CHANNEL else (),
+                                             dtype=torch.float32, device=dev)
     delta_bwd_wy_kernel[(B * H * NT,)](
-        run.k, run.v, beta, g, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
+        run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
     )
     dlogs = None
-    if gate == GATE_SCALAR:
+    if dg1 is not None:
         # g is the cumulative sum of the log-gates within each chunk: their gradient is the
         # reverse cumulative sum of dg within each chunk
-        dg = (dg1.sum(1) + dg2).view(B, H, NT, CHUNK)
-        dlogs = dg.flip(-1).cumsum(-1).flip(-1).reshape(B, H, Tp)[:, :, :T]
+        dg = (dg1.sum(1) + dg2 if gate == GATE_SCALAR else dg1 + dg2).view(B, H, NT, CHUNK, -1)
+        dlogs = dg.flip(3).cumsum(3).flip(3).reshape(B, H, Tp, -1)[:, :, :T]
+        dlogs = dlogs[..., 0] if gate == GATE_SCALAR else dlogs
     return dq, dk, dv, dbeta, dlogs, dh0
 
 
@@ -486,12 +572,4 @@ def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=N
         x is not None and x.requires_grad for x in (q, k, v, beta, logs, initial_state))
     if not needs_grad:
         return _forward(q, k, v, beta, logs, initial_state)
-    if logs is not None and logs.dim() == 4:
-        return with_chunk_backward(_forward, delta_rule_chunk_on_logs, q, k, v, beta, logs, initial_state)
     return DeltaRuleFunction.apply(q, k, v, beta, logs, initial_state)
-
-
-def delta_rule_chunk_on_logs(q, k, v, beta, logs, initial_state):
-    """The chunk form on log-gates (the reference backward of per-channel gates)."""
-    from .chunk import delta_rule_chunk
-    return delta_rule_chunk(q, k, v, beta, None, initial_state, 64, logs)
