@@ -1,0 +1,189 @@
+"""The chunk-parallel backward shared by chapters 1 and 2: the reverse state pass.
+
+The forward (``core.chunk_kernels``) carries a state h [V, K] per head through the chunks; with
+g the log-gate accumulated from each chunk's start (g_n its last row, the chunk's whole decay),
+chunk c does
+
+    o_c      = (q_c * e^{g_c}) h[c]^T + (A_c * causal decay) v_c
+    h[c+1]   = h[c] Diag(e^{g_n}) + v_c^T (k_c * e^{g_n - g_c})
+
+where v_c is the chunk's values (linear attention) or the delta rule's corrected values
+v_new_c = u_c - w_c h[c]^T. Read backward, the gradient of the loss with respect to the state
+follows the same chain in reverse. Call dH_c the gradient with respect to h[c+1], the state at
+the END of chunk c (for the last chunk, the gradient of the final state, ``dht``, or zero).
+Everything chunk c does with h[c] adds to the gradient of h[c], which is dH_{c-1}:
+
+    (delta rule)  dv_new_c = dv_local_c + (k_c * e^{g_n - g_c}) dH_c^T
+    dH_{c-1}     = dH_c Diag(e^{g_n}) + do_c^T (q_c * e^{g_c}) [ - dv_new_c^T w_c ]
+
+The first term carries the state's gradient back through the decay of chunk c, the second is
+what chunk c's outputs read from h[c], and the third (the delta rule only) is how h[c] entered
+the corrected values: v_new = u - w h^T. ``dv_local`` is the gradient of v_new from inside the
+chunk (the intra-chunk output term), which the delta rule's own kernels compute first; the
+state term of dv_new needs dH_c, so it is added here, in the only serial loop, and stored.
+
+This is the only serial part of the backward, and it is the mirror image of the forward's state
+pass: one program per (batch*head, value block[, key block]) walks the chunks from last to first
+with its slice of dH in registers. Once every dH_c is stored, the per-chunk gradient kernels run
+in parallel over chunks: the gradients of k and v of chunk c see the future only through dH_c,
+since h[c+1] is the one place chunk c's keys and values leave the chunk.
+
+Without the delta rule no term mixes key channels, so key blocks are independent programs, as
+in the forward; the delta rule's term dv_new^T w needs the whole of dv_new, hence all K key
+channels in one program (K <= 256, the forward's limit).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .alloc import empty
+from .chunk_kernels import CHUNK, key_block, num_chunks
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, precision, \
+    state_slice, store_tile
+
+# The delta rule holds all K key channels of dH in one program, like the forward's state pass.
+MAX_DELTA_KEY = 256
+
+
+@triton.jit
+def chunk_dstate_kernel(
+    q_ptr, k_ptr, w_ptr, du_ptr, do_ptr, g_ptr, dht_ptr, dh_ptr, dh0_ptr, dv2_ptr,
+    s_q, s_k, s_w, s_du, s_do, s_dv2,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (i_bh, i_v, i_k) carries the [BV, BK] slice of dH through the chunks, last to first:
+
+        dh[c] = dH                                            (gradient of the state after chunk c)
+        dv2_c = du_c + (k_c * e^{g_n - g_c}) dH^T              (delta rule: ``w_ptr`` given)
+        dH   <- dH Diag(e^{g_n}) + do_c^T (q_c * e^{g_c}) - dv2_c^T w_c   (last term: delta rule)
+
+    and writes the gradient of the initial state to ``dh0_ptr``. dh [B*H, NT, V, K] fp32.
+    """
+    i_bh = tl.program_id(0).to(tl.int64)
+    i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
+    q_ptr, do_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
+    if w_ptr is not None:
+        k_ptr, w_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(w_ptr, s_w, i_b, i_h)
+        du_ptr, dv2_ptr = at_head(du_ptr, s_du, i_b, i_h), at_head(dv2_ptr, s_dv2, i_b, i_h)
+    dt = q_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    b_dh = load_state(dht_ptr, o_s, m_s, BV, BK)
+    dh_ptr += i_bh * NT * V * K
+    o_h = o_v[:, None] * K + o_k[None, :]    # the slice inside one [V, K] state
+
+    for i_r in range(0, NT):
+        i_c = NT - 1 - i_r
+        tl.store(dh_ptr + i_c * V * K + o_h, b_dh, mask=m_s)
+        o_t = i_c * BT + o_i
+        m_t = o_t < T
+        b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+        if w_ptr is not None:
+            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        # the chunk's decays: q * e^g (what the outputs read) and k * e^{g_n - g} (what the state keeps)
+        if GATE == GATE_NONE:
+            b_qg = b_q
+            if w_ptr is not None:
+                b_kd = b_k
+        elif GATE == GATE_SCALAR:
+            # g is padded to Tp (a multiple of BT) with log-gate 0, so row i_c*BT+BT-1 exists
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+            b_qg = (b_q * tl.exp(b_g)[:, None]).to(dt)
+            if w_ptr is not None:
+                b_kd = (b_k * tl.exp(b_g_last - b_g)[:, None]).to(dt)
+        else:
+            p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
+            b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
+            b_g_last = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+            b_qg = (b_q * tl.exp(b_g)).to(dt)
+            if w_ptr is not None:
+                b_kd = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
+        if w_ptr is not None:
+            # dv_new = dv_local + (k * e^{g_n - g}) dH^T, with dH the gradient of the state after this chunk
+            b_dv2 = load_block(du_ptr, s_du, o_t, o_v, m_t, m_v).to(tl.float32)
+            b_dv2 += tl.dot(b_kd, tl.trans(b_dh).to(dt), input_precision=PRECISION)
+            store_tile(dv2_ptr, s_dv2, o_t, o_v, o_t < Tp, m_v, b_dv2)
+            b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
+        # dH <- dH Diag(e^{g_n}) + do^T (q e^g) [- dv_new^T w]
+        if GATE == GATE_SCALAR:
+            b_dh *= tl.exp(b_g_last)
+        elif GATE == GATE_CHANNEL:
+            b_dh *= tl.exp(b_g_last)[None, :]
+        b_dh += tl.dot(tl.trans(b_do), b_qg, input_precision=PRECISION)
+        if w_ptr is not None:
+            b_dh -= tl.dot(tl.trans(b_dv2.to(dt)), b_w, input_precision=PRECISION)
+
+    if dh0_ptr is not None:
+        tl.store(dh0_ptr + o_s, b_dh, mask=m_s)
+
+
+def _strides(x):
+    return tuple(x.stride()) if x is not None else (0, 0, 0, 0)
+
+
+def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_dtype=None, want_dh0=True):
+    """The reverse state pass: the gradients of the chunk states, last chunk to first.
+
+    Args:
+        q: [B, H, T, K] queries (any strides), fp32/fp16/bf16: its dtype is the dtype of the
+            kernel's products (bf16/fp16 tiles meet on tensor cores with fp32 sums; fp32 is exact).
+        do: [B, H, T, V] gradient of the outputs (any strides), best in q's dtype.
+        gate: the gate mode, an int as ``core.kernels.chunk_gates`` returns it (0 none, 1 scalar,
+            2 per channel).
+        g: None (no gate), or the forward's chunk-local cumulative log-gates, fp32 contiguous,
+            [B, H, Tp] (scalar) or [B, H, Tp, K] (per channel), Tp = T padded to whole chunks
+            of ``CHUNK`` = 64 with log-gate 0 (``core.kernels.chunk_gates(..., CHUNK)``).
+        dht: None, or [B, H, V, K] gradient of the final state (any float dtype; read as fp32).
+        k, w, dv_local: the delta rule (``w`` given; then all three): k [B, H, T, K] its keys, w
+            [B, H, Tp or T, K] the WY factor with v_new = u - w h[c]^T, dv_local [B, H, Tp or T, V]
+            the gradient of v_new from the intra-chunk output term, in the input dtype (any
+            strides; rows t >= T are never read). Needs K <= 256 (all key channels in one program).
+        dv2_dtype: dtype of the stored dv_new (default: dv_local's).
+        want_dh0: also return the gradient of the initial state.
+
+    Returns ``(dh, dh0, dv2)``:
+        dh: [B*H, NT, V, K] fp32, NT = cdiv(T, 64): dh[:, c] is the gradient of the loss with
+            respect to the state AFTER chunk c (= the state at the start of chunk c + 1; for the
+            last chunk, ``dht`` or zero). These are what chunk c's gradient kernels need for the
+            terms through h[c+1]: dv_c += (k_c e^{g_n-g_c}) dh[c]^T, dk_c += (v_c dh[c]) e^{g_n-g_c}.
+            Size: B*H*NT*V*K*4 bytes, the same as the forward's stored chunk states h.
+        dh0: [B, H, V, K] fp32, the gradient of the initial state (the state at the start of
+            chunk 0), or None when ``want_dh0`` is False.
+        dv2: delta rule only (else None): [B, H, Tp, V] in ``dv2_dtype``, the whole gradient of
+            v_new, dv_local + (k * e^{g_n - g}) dh[c]^T per chunk; rows t >= T hold 0.
+    """
+    B, H, T, K = q.shape
+    V = do.shape[-1]
+    NT = num_chunks(T)
+    delta = w is not None
+    if delta and (k is None or dv_local is None):
+        raise ValueError("dstate_pass: the delta rule needs k, w and dv_local together")
+    if delta and K > MAX_DELTA_KEY:
+        raise ValueError(f"dstate_pass: the delta rule holds all K key channels in one program, K <= "
+                         f"{MAX_DELTA_KEY}, got K={K}")
+    Tp = g.shape[2] if g is not None else NT * CHUNK
+    BK = dot_tile(K) if delta else key_block(K)
+    BV = min(dot_tile(V), 64 if BK <= 128 else 32)
+    dh = empty(B * H, NT, V, K, dtype=torch.float32, device=q.device)
+    dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
+    dht = None if dht is None else dht.to(torch.float32).contiguous()
+    dv2 = None
+    if delta:
+        dv2 = empty(B, H, Tp, V, dtype=dv2_dtype or dv_local.dtype, device=q.device)
+    chunk_dstate_kernel[(B * H, triton.cdiv(V, BV), triton.cdiv(K, BK))](
+        q, k, w, dv_local, do, g, dht, dh, dh0, dv2,
+        _strides(q), _strides(k) if delta else (0, 0, 0, 0), _strides(w), _strides(dv_local), _strides(do),
+        _strides(dv2),
+        T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype),
+    )
+    return dh, dh0, dv2
