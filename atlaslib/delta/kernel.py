@@ -553,12 +553,23 @@ class DeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, logs, h0 = ctx.saved_tensors
+        # under torch.func the saved tensors and gradients come wrapped for its transforms; the
+        # kernels read raw memory, and the backward is not differentiated again (first order only)
+        q, k, v, beta, logs, h0, do, dht = map(_unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-        dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, q, k, v, beta, logs, h0)
+        with torch._C._DisableFuncTorch():       # the buffers it allocates are plain tensors too
+            dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, q, k, v, beta, logs, h0)
         return (dq, dk, dv, dbeta.to(beta.dtype), None if logs is None else dlogs.to(logs.dtype),
                 None if h0 is None else dh0.to(h0.dtype))
+
+
+def _unwrapped(x):
+    """``x`` without torch.func's wrappers (``None`` stays ``None``)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    while x is not None and is_functorch_wrapped_tensor(x):
+        x = get_unwrapped(x)
+    return x
 
 
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
