@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.dispatch import choose_backend, forward_or_fallback, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.types import ModelOutput
 from .chunk import delta_rule_chunk
@@ -79,8 +79,9 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
         backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch via the
             UT transform, exact for every chunk size), "triton" (GPU kernel; CPU under
             TRITON_INTERPRET=1) or "auto" (triton on CUDA, chunk otherwise). The Triton path
-            computes the forward pass in the kernel and its backward by autograd through
-            the chunk form.
+            computes the forward pass and the gradients (of q, k, v, beta, the gates and the
+            initial state; the final state's gradient is taken) in kernels
+            (``delta.kernel.DeltaRuleFunction``).
         chunk_size: chunk length of the "chunk" backend (default 64; the kernel uses its own).
             The chunk form is exact for every chunk size: it changes the speed, not the output.
 
@@ -95,8 +96,15 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
     check_chunk_size(chunk_size)
     if longhorn:
         beta = longhorn_beta(beta, k)
-    o, state = dispatch(backend, q, backend_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
-                        unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
+    table = backend_table(chunk_size)
+    name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
+    inputs = (q, k, v, beta, alpha, initial_state, log_alpha)
+    # the kernel differentiates itself (delta.kernel.DeltaRuleFunction); the chunk form stays the
+    # reference, and the fallback where a card cannot hold the kernel's tiles
+    if name == "triton":
+        o, state = forward_or_fallback(table["triton"], table["chunk"], *inputs)
+    else:
+        o, state = table[name](*inputs)
     return o, (state if output_final_state else None)
 
 

@@ -45,13 +45,15 @@ inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
+from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
                                   unit_lower_inverse)
-from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, as_fp32, at_head, chunk_gates, dot_tile,
-                            feature_tile, forward_launch, load_block, store_tile)
+from ..core.chunking import gate_logs
+from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, dot_tile,
+                            feature_tile, forward_launch, load_block, precision, store_tile)
 from ..core.alloc import empty
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
@@ -116,23 +118,469 @@ def delta_wy_kernel(
         store_tile(u_ptr, s_u, o_t, o_v, m_all, m_v, tl.dot(b_Rb, b_v, input_precision=PRECISION))
 
 
-def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
-    """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``)."""
-    feature_tile(q.shape[-1], MAX_KEY)
-    run = forward_launch(q, k, v, BV=64)
-    gate, g, _ = chunk_gates(alpha, log_alpha, run.T, CHUNK)
+# ---------------------------------------------------------------------------------------
+# The backward kernels (no gate and scalar gates)
+# ---------------------------------------------------------------------------------------
+@triton.jit
+def channel_score_grads(b_dP, x_ptr, s_x, y_ptr, s_y, g_ptr, i_c, o_k, m_k, T, K,
+                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradients of P[i, j] = sum_c x_ic y_jc e^{g_ic - g_jc} (j <= i) through key block o_k, from dP.
+
+        dx_ic = sum_j dP_ij y_jc e^{g_ic - g_jc},     dy_jc = sum_i dP_ij x_ic e^{g_ic - g_jc}
+
+    ``b_dP`` [BT, BT] fp32, zero above the diagonal; x, y: heads (strides ``s_x``, ``s_y``) of chunk
+    i_c; g: the head's per-channel log-gates [Tp, K]. As in ``channel_scores_kernel``, a row i of
+    sub-chunk I meets the columns of earlier sub-chunks through the reference token r (first of I):
+    e^{g_i - g_r} on the x side, e^{g_r - g_j} on the y side, each <= 1, in one product per side;
+    inside a diagonal block the decays are applied elementwise, one offset jj of the block per step
+    (every block at once: row i meets column (i // BC) * BC + jj). Returns (dx, dy) fp32 [BT, BK].
+    """
+    dt = x_ptr.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    m_g = m_k[None, :]
+    b_x = load_block(x_ptr, s_x, o_t, o_k, m_t, m_k).to(tl.float32)
+    b_y = load_block(y_ptr, s_y, o_t, o_k, m_t, m_k).to(tl.float32)
+    b_g = tl.load(g_ptr + o_t[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
+    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dy = tl.zeros([BT, BK], dtype=tl.float32)
+    o_blk = o_i // BC
+    for i_s in range(1, BT // BC):
+        # rows of sub-chunk i_s against every earlier column, through its first token r
+        b_gr = tl.load(g_ptr + (i_c * BT + i_s * BC) * K + o_k, mask=m_k, other=0.0)
+        m_rows = (o_blk == i_s)[:, None]
+        m_before = (o_i < i_s * BC)[:, None]
+        b_xr = tl.exp(tl.where(m_rows, b_g - b_gr[None, :], float("-inf")))       # e^{g_i - g_r}, rows of i_s
+        b_ry = tl.exp(tl.where(m_before, b_gr[None, :] - b_g, float("-inf")))     # e^{g_r - g_j}, earlier rows
+        b_dx += b_xr * tl.dot(b_dP.to(dt), (b_y * b_ry).to(dt), input_precision=PRECISION)
+        b_dy += b_ry * tl.dot(tl.trans(b_dP).to(dt), (b_x * b_xr).to(dt), input_precision=PRECISION)
+    for jj in range(0, BC):
+        # row i with column j = (i // BC) * BC + jj of its own block (j <= i); column j with row
+        # (j // BC) * BC + jj (>= j)
+        o_p = o_blk * BC + jj
+        t_p = i_c * BT + o_p
+        b_yp = load_block(y_ptr, s_y, t_p, o_k, t_p < T, m_k).to(tl.float32)
+        b_xp = load_block(x_ptr, s_x, t_p, o_k, t_p < T, m_k).to(tl.float32)
+        b_gp = tl.load(g_ptr + t_p[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
+        b_dr = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_dP, 0.0), axis=1)    # dP[i, p(i)]
+        b_dc = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_dP, 0.0), axis=0)    # dP[p(j), j]
+        b_dx += b_dr[:, None] * b_yp * tl.exp(tl.where((o_p <= o_i)[:, None], b_g - b_gp, float("-inf")))
+        b_dy += b_dc[:, None] * b_xp * tl.exp(tl.where((o_p >= o_i)[:, None], b_gp - b_g, float("-inf")))
+    return b_dx, b_dy
+
+
+@triton.jit
+def delta_dv_local_kernel(
+    q_ptr, k_ptr, do_ptr, g_ptr, a_ptr, dv_ptr,
+    s_q, s_k, s_do, s_dv,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dv_local = (A * causal decay)^T do for chunk i_c, value block i_v: the gradient of v_new from
+    the chunk's own outputs. A = q k^T (times e^{g_i - g_j}) is recomputed, or read from ``a_ptr``
+    (per-channel gates). Rows t >= T are written as 0 (rows of padded tokens up to Tp)."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
+    dt = q_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t, m_v = o_t < T, o_v < V
+    m_causal = o_i[:, None] >= o_i[None, :]
+    if GATE == GATE_CHANNEL:
+        b_A = tl.load(a_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
+    else:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, o_k < K)
+            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
+            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        if GATE == GATE_SCALAR:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_A *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+        else:
+            b_A = tl.where(m_causal, b_A, 0.0)
+    b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+    b_dv = tl.dot(tl.trans(b_A.to(dt)), b_do, input_precision=PRECISION)
+    store_tile(dv_ptr, s_dv, o_t, o_v, o_t < Tp, m_v, b_dv)
+
+
+@triton.jit
+def delta_bwd_state_kernel(
+    q_ptr, k_ptr, vn_ptr, do_ptr, dv2_ptr, g_ptr, h_ptr, dh_ptr,
+    dq_ptr, dk_ptr, dw_ptr, dg_ptr,
+    s_q, s_k, s_vn, s_do, s_dv2, s_dq, s_dk, s_dw,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Chunk i_c, key block i_k: every gradient that reads the chunk states (see the module docstring).
+
+        dq = (do h[c]) * e^g + (dS * D) k,        dS = do v_new^T (causal), D = e^{g_i - g_j}
+        dk = (v_new dH) * e^{g_n - g} + (dS * D)^T q     (partial: the WY kernel adds its terms)
+        dw = -dv2 h[c]
+        dg = rowsum(q dq - k dk), plus e^{g_n} <dH, h[c]> + <v_new dH e^{g_n - g}, k> on the last row
+
+    dq in q's dtype (final); dk, dw fp32 [B, H, Tp, K]; dg fp32 [B*H, NK, Tp], one row per key block.
+    """
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c, i_k = i_p // NT, i_p % NT, tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    vn_ptr, do_ptr = at_head(vn_ptr, s_vn, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
+    dv2_ptr, dq_ptr = at_head(dv2_ptr, s_dv2, i_b, i_h), at_head(dq_ptr, s_dq, i_b, i_h)
+    dk_ptr, dw_ptr = at_head(dk_ptr, s_dk, i_b, i_h), at_head(dw_ptr, s_dw, i_b, i_h)
+    h_ptr += (i_bh * NT + i_c) * V * K
+    dh_ptr += (i_bh * NT + i_c) * V * K
+    dt = q_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t, m_k = o_t < T, o_k < K
+    m_causal = o_i[:, None] >= o_i[None, :]
+
+    b_dS = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_s = m_v[:, None] & m_k[None, :]
+        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+        b_vn = load_block(vn_ptr, s_vn, o_t, o_v, m_t, m_v)
+        b_dv2 = load_block(dv2_ptr, s_dv2, o_t, o_v, m_t, m_v)
+        b_dS += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
+        b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
+        b_dk += tl.dot(b_vn, b_dh.to(dt), input_precision=PRECISION)
+        b_dw -= tl.dot(b_dv2, b_h.to(dt), input_precision=PRECISION)
+        b_hdh += tl.sum(b_h * b_dh, axis=0)
+
+    b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+    b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+    b_last = o_i == BT - 1
+    if GATE == GATE_SCALAR:
+        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+        b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+        b_dq *= tl.exp(b_g)[:, None]
+        b_dk *= tl.exp(b_g_last - b_g)[:, None]
+        # the last row's g_n scales h[c] and every k * e^{g_n - g} of the state update
+        b_dgn = tl.sum(b_hdh) * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
+        b_dS = tl.where(m_causal, b_dS * tl.exp(b_g[:, None] - b_g[None, :]), 0.0)
+    elif GATE == GATE_CHANNEL:
+        p_g = g_ptr + i_bh * Tp * K
+        b_g = tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_g_last = tl.load(p_g + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+        b_dq *= tl.exp(b_g)
+        b_dk *= tl.exp(b_g_last[None, :] - b_g)
+        b_dgn = b_hdh * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
+        b_dS = tl.where(m_causal, b_dS, 0.0)
+    else:
+        b_dS = tl.where(m_causal, b_dS, 0.0)
+    if GATE == GATE_CHANNEL:
+        b_dqS, b_dkS = channel_score_grads(b_dS, q_ptr, s_q, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+                                           BT, BC, BK, PRECISION)
+        b_dq += b_dqS
+        b_dk += b_dkS
+    else:
+        b_dq += tl.dot(b_dS.to(dt), b_k, input_precision=PRECISION)
+        b_dk += tl.dot(tl.trans(b_dS).to(dt), b_q, input_precision=PRECISION)
+    store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
+    store_tile(dk_ptr, s_dk, o_t, o_k, o_t < Tp, m_k, b_dk)
+    store_tile(dw_ptr, s_dw, o_t, o_k, o_t < Tp, m_k, b_dw)
+    if GATE == GATE_SCALAR:
+        b_dg = tl.sum(b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32), axis=1) + tl.where(b_last, b_dgn, 0.0)
+        tl.store(dg_ptr + (i_bh * tl.num_programs(1) + i_k) * Tp + o_t, b_dg)
+    elif GATE == GATE_CHANNEL:
+        b_dg = b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32) + tl.where(b_last[:, None], b_dgn[None, :], 0.0)
+        tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
+
+
+@triton.jit
+def delta_bwd_wy_kernel(
+    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
+    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+    s_k, s_v, s_w, s_u, s_dw, s_du, s_dk1, s_dk, s_dv,
+    T, H, Tp, K, V, NT,
+    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
+
+    With Y = Diag(beta)(K e^g) or Diag(beta) V and X = R Y: dY = R^T dX, and
+    d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T). Adds dk1 (the state kernel's
+    partial dk) and writes dk, dv in their dtypes, dbeta fp32 [B*H, T], dg fp32 [B*H, Tp].
+    """
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh, i_c = i_p // NT, i_p % NT
+    i_b, i_h = i_bh // H, i_bh % H
+    k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
+    w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
+    dw_ptr, du_ptr = at_head(dw_ptr, s_dw, i_b, i_h), at_head(du_ptr, s_du, i_b, i_h)
+    dk1_ptr, dk_ptr = at_head(dk1_ptr, s_dk1, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
+    dv_ptr = at_head(dv_ptr, s_dv, i_b, i_h)
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    m_t = o_t < T
+    m_strict = o_i[:, None] > o_i[None, :]
+    b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+
+    # L and R = (I + Diag(beta) L)^{-1}, as in the forward
+    if GATE == GATE_CHANNEL:
+        b_L = tl.load(ak_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
+    else:
+        b_L = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
+            b_L += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
+        if GATE == GATE_SCALAR:
+            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+            b_D = tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_L *= b_D
+        else:
+            b_L = tl.where(m_strict, b_L, 0.0)
+    b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
+    b_Rt = tl.trans(b_R).to(dt)
+
+    # dY = R^T dX for both factors; G = dw w^T + du u^T; the diagonal parts of dbeta
+    b_G = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbk = tl.zeros([BT], dtype=tl.float32)           # sum_k dYw * (K e^g): dbeta's part through w
+    b_dbv = tl.zeros([BT], dtype=tl.float32)           # sum_v dYu * V: dbeta's part through u
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_dw = load_block(dw_ptr, s_dw, o_t, o_k, m_t, m_k).to(dt)
+        b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
+        b_G += tl.dot(b_dw, tl.trans(b_w), input_precision=PRECISION)
+        b_dY = tl.dot(b_Rt, b_dw, input_precision=PRECISION)
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k).to(tl.float32)
+        if GATE == GATE_SCALAR:
+            b_k *= tl.exp(b_g)[:, None]
+        elif GATE == GATE_CHANNEL:
+            b_k *= tl.exp(tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :],
+                                  other=0.0))
+        b_dbk += tl.sum(b_dY * b_k, axis=1)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_du = load_block(du_ptr, s_du, o_t, o_v, m_t, m_v).to(dt)
+        b_u = load_block(u_ptr, s_u, o_t, o_v, m_t, m_v)
+        b_G += tl.dot(b_du, tl.trans(b_u), input_precision=PRECISION)
+        b_dY = tl.dot(b_Rt, b_du, input_precision=PRECISION)
+        b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        b_dbv += tl.sum(b_dY * b_v.to(tl.float32), axis=1)
+        store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dY * b_beta[:, None])
+
+    # d(Diag(beta) L) = strict lower part of -R^T G; dL = Diag(beta) of it
+    b_dM = tl.where(m_strict, -tl.dot(tl.trans(b_R), b_G, input_precision=PRECISION), 0.0)
+    b_dL = b_dM * b_beta[:, None]
+    tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dM * b_L, axis=1), mask=m_t)
+    if GATE == GATE_SCALAR:
+        b_dLL = b_dL * b_L
+        b_dg = b_beta * b_dbk + tl.sum(b_dLL, axis=1) - tl.sum(b_dLL, axis=0)
+        tl.store(dg_ptr + i_bh * Tp + o_t, b_dg)
+        b_dL *= b_D                                    # the gradient of the plain k.k products
+
+    # dk = dk1 + beta e^g (R^T dw) + the k.k products' two sides (decayed per channel for KDA)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_dw = load_block(dw_ptr, s_dw, o_t, o_k, m_t, m_k).to(dt)
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_dkg = tl.dot(b_Rt, b_dw, input_precision=PRECISION) * b_beta[:, None]     # d(K e^g)
+        if GATE == GATE_CHANNEL:
+            p_g = g_ptr + i_bh * Tp * K
+            b_eg = tl.exp(tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0))
+            b_dx, b_dy = channel_score_grads(b_dL, k_ptr, s_k, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+                                             BT, BC, BK, PRECISION)
+            b_kf = b_k.to(tl.float32)
+            b_dk = b_dkg * b_eg + b_dx + b_dy
+            b_dg = b_dkg * b_kf * b_eg + b_kf * (b_dx - b_dy)
+            tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
+        else:
+            b_dk = b_dkg
+            if GATE == GATE_SCALAR:
+                b_dk *= tl.exp(b_g)[:, None]
+            b_dk += tl.dot(b_dL.to(dt), b_k, input_precision=PRECISION)
+            b_dk += tl.dot(tl.trans(b_dL).to(dt), b_k, input_precision=PRECISION)
+        b_dk += load_block(dk1_ptr, s_dk1, o_t, o_k, m_t, m_k)
+        store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
+
+
+# ---------------------------------------------------------------------------------------
+# On the host
+# ---------------------------------------------------------------------------------------
+def _backward_launch(q, k, v, do):
+    """``forward_launch``'s set-up for the backward's recomputation, with ``do`` in place of an output."""
+    B, H, T, K = q.shape
+    V = v.shape[-1]
+    return ForwardLaunch(q, k, v, do, tuple(tuple(x.stride()) for x in (q, k, v, do)), (B * H, triton.cdiv(V, 64)),
+                         64, precision(q.dtype), B, H, T, K, V)
+
+
+def wy_factors(run, gate, g, beta, ak):
+    """(a): the WY factors w [B, H, Tp, K] and u [B, H, Tp, V] of every chunk, in q's dtype."""
     NT = num_chunks(run.T)
-    Tp = NT * CHUNK                          # w and u cover whole chunks
-    aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
-    # (a) the WY factors, every chunk at once
-    w = empty(run.B, run.H, Tp, run.K, dtype=q.dtype, device=q.device)
-    u = empty(run.B, run.H, Tp, run.V, dtype=q.dtype, device=q.device)
+    Tp = NT * CHUNK
+    w = empty(run.B, run.H, Tp, run.K, dtype=run.q.dtype, device=run.q.device)
+    u = empty(run.B, run.H, Tp, run.V, dtype=run.q.dtype, device=run.q.device)
     delta_wy_kernel[(run.B * run.H * NT,)](
-        run.k, run.v, as_fp32(beta), g, ak, w, u,
+        run.k, run.v, beta, g, ak, w, u,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
         GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
     )
-    # (b) the state pass, forming v_new; (c) the outputs
-    h, ht, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)
-    return output_pass(run, gate, g, Tp, h, aq, vn), ht
+    return w, u
+
+
+def _forward(q, k, v, beta, logs, initial_state):
+    """The forward on fp32 log-gates ``logs`` (None, [B, H, T] or [B, H, T, K]): (o, final state)."""
+    feature_tile(q.shape[-1], MAX_KEY)
+    run = forward_launch(q, k, v, BV=64)
+    gate, g, _ = chunk_gates(None, logs, run.T, CHUNK)
+    Tp = num_chunks(run.T) * CHUNK
+    aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
+    w, u = wy_factors(run, gate, g, as_fp32(beta), ak)                  # (a) every chunk at once
+    h, ht, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)   # (b) v_new and h[c]
+    return output_pass(run, gate, g, Tp, h, aq, vn), ht                # (c)
+
+
+def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
+    """The gradients (dq, dk, dv, dbeta, dlogs, dh0) of the chunked delta rule, no gate or scalar gates.
+
+    ``do`` [B, H, T, V], ``dht`` [B, H, V, K] or None: the gradients of the outputs and the final state.
+    Recomputes the WY factors and the state pass (h[c], v_new), then runs the reverse state pass
+    (``core.chunk_backward.dstate_pass``) and the two per-chunk gradient kernels. dq, dk, dv come
+    in the inputs' dtype, dbeta, dlogs and dh0 in fp32.
+    """
+    from ..core.chunk_backward import dstate_pass
+
+    do = do.to(q.dtype)
+    run = _backward_launch(q, k, v, do)
+    B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
+    gate, g, _ = chunk_gates(None, logs, T, CHUNK)
+    NT = num_chunks(T)
+    Tp = NT * CHUNK
+    BK, BV = key_block(K), min(dot_tile(V), 64)
+    NK = triton.cdiv(K, BK)
+    dev, dt = q.device, q.dtype
+    beta = as_fp32(beta)
+    # recompute: the WY factors, then h[c] and v_new (the forward's kernels; nothing was stored)
+    aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
+    w, u = wy_factors(run, gate, g, beta, ak)
+    h, _, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)
+    # dv_local, then the reverse state pass: dH per chunk, dv2 = the whole gradient of v_new, dh0
+    dv_local = empty(B, H, Tp, V, dtype=dt, device=dev)
+    delta_dv_local_kernel[(B * H * NT, triton.cdiv(V, BV))](
+        run.q, run.k, do, g, aq, dv_local,
+        run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv_local.stride()),
+        T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+    )
+    dh, dh0, dv2 = dstate_pass(run.q, do, gate, g, dht, k=run.k, w=w, dv_local=dv_local)
+    # per chunk: the terms through the states, then back through the WY factors
+    dq = empty(B, H, T, K, dtype=dt, device=dev)
+    dk1 = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
+    dw = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
+    # dg: fp32 [B*H, NK, Tp] (scalar gates: one row per key block) or [B*H, Tp, K] (per channel)
+    dg_shape = (B * H, NK, Tp) if gate == GATE_SCALAR else (B * H, Tp, K) if gate == GATE_CHANNEL else None
+    dg1 = None if dg_shape is None else empty(*dg_shape, dtype=torch.float32, device=dev)
+    delta_bwd_state_kernel[(B * H * NT, NK)](
+        run.q, run.k, vn, do, dv2, g, h, dh, dq, dk1, dw, dg1,
+        run.strides[0], run.strides[1], tuple(vn.stride()), tuple(do.stride()), tuple(dv2.stride()),
+        tuple(dq.stride()), tuple(dk1.stride()), tuple(dw.stride()),
+        T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+    )
+    del h, dh
+    dk = empty(B, H, T, K, dtype=dt, device=dev)
+    dv = empty(B, H, T, V, dtype=v.dtype, device=dev)
+    dbeta = empty(B, H, T, dtype=torch.float32, device=dev)
+    dg2 = None if dg_shape is None else empty(B * H, Tp, *dg_shape[2:] if gate == GATE_CHANNEL else (),
+                                             dtype=torch.float32, device=dev)
+    delta_bwd_wy_kernel[(B * H * NT,)](
+        run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
+        run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
+        tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
+        T, H, Tp, K, V, NT,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+    )
+    dlogs = None
+    if dg1 is not None:
+        # g is the cumulative sum of the log-gates within each chunk: their gradient is the
+        # reverse cumulative sum of dg within each chunk
+        dg = (dg1.sum(1) + dg2 if gate == GATE_SCALAR else dg1 + dg2).view(B, H, NT, CHUNK, -1)
+        dlogs = dg.flip(3).cumsum(3).flip(3).reshape(B, H, Tp, -1)[:, :, :T]
+        dlogs = dlogs[..., 0] if gate == GATE_SCALAR else dlogs
+    return dq, dk, dv, dbeta, dlogs, dh0
+
+
+class DeltaRuleFunction(torch.autograd.Function):
+    """The chunked delta rule (no gate, or scalar gates) with its backward in Triton kernels.
+
+    Inputs: q, k [B, H, T, K], v [B, H, T, V], beta [B, H, T], the fp32 log-gates ``logs``
+    ([B, H, T], or None) and the initial state [B, H, V, K] (or None). Outputs (o, final state).
+
+    Stored for the backward: the inputs only (q, k, v, beta, logs, initial state), no
+    intermediate: the backward recomputes the WY factors w, u and the state pass (every h[c],
+    fp32, B*H*NT*V*K*4 bytes, and v_new), which a forward that kept them would hold from the
+    forward to the backward. The backward's own buffers, freed when it returns: h[c] and dH per chunk
+    (each B*H*NT*V*K*4 bytes), w, u, v_new, dv_local, dv2 (B*H*Tp*(K or V) in the inputs' dtype),
+    and dk, dw partials (B*H*Tp*K*4 bytes each).
+    """
+
+    @staticmethod
+    def forward(q, k, v, beta, logs, initial_state):
+        return _forward(q, k, v, beta, logs, initial_state)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        # under torch.func the saved tensors and gradients come wrapped for its transforms; the
+        # kernels read raw memory, and the backward is not differentiated again (first order only)
+        q, k, v, beta, logs, h0, do, dht = map(_unwrapped, (*ctx.saved_tensors, do, dht))
+        if do is None:                          # only the final state was used
+            do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        with torch._C._DisableFuncTorch():       # the buffers it allocates are plain tensors too
+            dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, q, k, v, beta, logs, h0)
+        return (dq, dk, dv, dbeta.to(beta.dtype), None if logs is None else dlogs.to(logs.dtype),
+                None if h0 is None else dh0.to(h0.dtype))
+
+
+def _unwrapped(x):
+    """``x`` without torch.func's wrappers (``None`` stays ``None``)."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    while x is not None and is_functorch_wrapped_tensor(x):
+        x = get_unwrapped(x)
+    return x
+
+
+def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
+    """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``).
+
+    Differentiable: with no gate or scalar gates through ``DeltaRuleFunction`` (the backward
+    kernels here); per-channel gates (KDA) through the chunk form (``core.with_chunk_backward``).
+    """
+    logs = gate_logs(alpha, log_alpha, torch.float32)
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, logs, initial_state))
+    if not needs_grad:
+        return _forward(q, k, v, beta, logs, initial_state)
+    return DeltaRuleFunction.apply(q, k, v, beta, logs, initial_state)
