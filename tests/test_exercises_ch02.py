@@ -329,12 +329,14 @@ def wy_by_back_substitution(L, beta, Z, dX):
     A = beta[..., None] * L                                  # strictly lower
     X = []
     for t in range(L.shape[-1]):                             # forward substitution for X
-        X.append(Z[..., t, :] - sum((A[..., t, j, None] * X[j] for j in range(t)), torch.zeros_like(Z[..., t, :])))
+        earlier = (A[..., t, j, None] * X[j] for j in range(t))
+        X.append(Z[..., t, :] - sum(earlier, torch.zeros_like(Z[..., t, :])))
     X = torch.stack(X, dim=-2)
     n = L.shape[-1]
     dZ = [None] * n
     for t in reversed(range(n)):                             # dz_t = dx_t - sum_{i>t} A_it dz_i
-        dZ[t] = dX[..., t, :] - sum((A[..., i, t, None] * dZ[i] for i in range(t + 1, n)), torch.zeros_like(dX[..., t, :]))
+        later = (A[..., i, t, None] * dZ[i] for i in range(t + 1, n))
+        dZ[t] = dX[..., t, :] - sum(later, torch.zeros_like(dX[..., t, :]))
     dZ = torch.stack(dZ, dim=-2)
     dL = torch.zeros_like(L)
     for t in range(n):
