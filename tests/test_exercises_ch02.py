@@ -314,6 +314,103 @@ def test_triton_check_catches_wrong_entries(kw):
     assert v.status == "failed" and "relative RMSE" in v.message
 
 
+# ---- exercise 6: the backward of the WY solve -----------------------------------------------
+
+def wy_by_inverse(L, beta, Z, dX):
+    """From the explicit inverse R: dZ = R^T dX, dL = -tril(Diag(beta) dZ X^T, -1), dbeta_t = -dz_t.(L X)_t."""
+    R = torch.linalg.inv(torch.eye(L.shape[-1]) + beta[..., None] * L)
+    X = R @ Z
+    dZ = R.transpose(-1, -2) @ dX
+    return -(beta[..., None] * dZ @ X.transpose(-1, -2)).tril(-1), -(dZ * (L @ X)).sum(-1), dZ
+
+
+def wy_by_back_substitution(L, beta, Z, dX):
+    """Row by row, last row first: the transposed system (I + Diag(beta) L)^T dZ = dX is upper-triangular."""
+    A = beta[..., None] * L                                  # strictly lower
+    X = []
+    for t in range(L.shape[-1]):                             # forward substitution for X
+        earlier = (A[..., t, j, None] * X[j] for j in range(t))
+        X.append(Z[..., t, :] - sum(earlier, torch.zeros_like(Z[..., t, :])))
+    X = torch.stack(X, dim=-2)
+    n = L.shape[-1]
+    dZ = [None] * n
+    for t in reversed(range(n)):                             # dz_t = dx_t - sum_{i>t} A_it dz_i
+        later = (A[..., i, t, None] * dZ[i] for i in range(t + 1, n))
+        dZ[t] = dX[..., t, :] - sum(later, torch.zeros_like(dX[..., t, :]))
+    dZ = torch.stack(dZ, dim=-2)
+    dL = torch.zeros_like(L)
+    for t in range(n):
+        for j in range(t):
+            dL[..., t, j] = -beta[..., t] * (dZ[..., t, :] * X[..., j, :]).sum(-1)
+    return dL, -(dZ * (L @ X)).sum(-1), dZ
+
+
+def test_wy_backward_passes_correct_answers():
+    for fn in (wy_by_inverse, wy_by_back_substitution):
+        v = ch02.wy_backward.evaluate(fn)
+        assert v.status == "passed" and v.earned == v.points == 3, v.message
+
+
+def wy_variant(transposed_solve=True, beta_in_dL=True, masked=True, dL_transposed=False, dbeta_sign=-1.0,
+               dbeta_of_X=False):
+    def backward(L, beta, Z, dX):
+        system = torch.eye(L.shape[-1]) + beta[..., None] * L
+        X = torch.linalg.solve_triangular(system, Z, upper=False, unitriangular=True)
+        if transposed_solve:
+            dZ = torch.linalg.solve_triangular(system.transpose(-1, -2), dX, upper=True, unitriangular=True)
+        else:                                                # R dX instead of R^T dX
+            dZ = torch.linalg.solve_triangular(system, dX, upper=False, unitriangular=True)
+        outer = X @ dZ.transpose(-1, -2) if dL_transposed else dZ @ X.transpose(-1, -2)
+        dL = -(beta[..., None] * outer if beta_in_dL else outer)
+        dL = dL.tril(-1) if masked else dL
+        dbeta = dbeta_sign * (dZ * (X if dbeta_of_X else L @ X)).sum(-1)
+        return dL, dbeta, dZ
+    return backward
+
+
+def test_wy_variant_with_no_mistake_passes():
+    assert ch02.wy_backward.evaluate(wy_variant()).status == "passed"
+
+
+@pytest.mark.parametrize("kw, where", [
+    (dict(transposed_solve=False), "dZ"),
+    (dict(beta_in_dL=False), "dL"),
+    (dict(masked=False), "dL"),
+    (dict(dL_transposed=True), "dL"),
+    (dict(dbeta_sign=1.0), "dbeta"),
+    (dict(dbeta_of_X=True), "dbeta"),
+], ids=["R_not_RT", "no_beta_in_dL", "dL_not_masked", "dL_transposed", "dbeta_sign", "dbeta_without_L"])
+def test_wy_backward_rejects_typical_mistakes(kw, where):
+    v = ch02.wy_backward.evaluate(wy_variant(**kw))
+    assert v.status == "failed" and f"{where}: relative RMSE" in v.message and "chunk length n=" in v.message, v.message
+
+
+def wy_by_autograd(L, beta, Z, dX):
+    L, beta, Z = (x.clone().requires_grad_(True) for x in (L, beta, Z))
+    X = torch.linalg.solve_triangular(torch.eye(L.shape[-1]) + beta[..., None] * L.tril(-1), Z, upper=False,
+                                      unitriangular=True)
+    return torch.autograd.grad((X * dX).sum(), (L, beta, Z))
+
+
+def wy_by_backward_call(L, beta, Z, dX):
+    L, beta, Z = (x.clone().requires_grad_(True) for x in (L, beta, Z))
+    X = torch.linalg.solve_triangular(torch.eye(L.shape[-1]) + beta[..., None] * L.tril(-1), Z, upper=False,
+                                      unitriangular=True)
+    (X * dX).sum().backward()
+    return L.grad, beta.grad, Z.grad
+
+
+@pytest.mark.library_rules
+def test_wy_backward_refuses_autograd():
+    for fn, name in ((wy_by_autograd, "torch.autograd.grad"), (wy_by_backward_call, "torch.autograd.backward")):
+        v = ch02.wy_backward.evaluate(fn)
+        assert v.status == "failed" and f"your answer calls {name}" in v.message, v.message
+    x = torch.ones(2, requires_grad=True)                    # autograd works again after the check
+    (g,) = torch.autograd.grad((x * x).sum(), x)
+    assert torch.equal(g, 2 * torch.ones(2))
+    assert ch02.wy_backward.evaluate(wy_by_inverse).status == "passed"
+
+
 # ---- the grader on chapter 2 ------------------------------------------------------------------
 
 def test_solutions_score_full_marks():
@@ -334,3 +431,16 @@ def test_planted_unit_key_beta_loses_exactly_its_points(tmp_path):
     assert r["kda_beta"]["status"] == "failed" and r["kda_beta"]["earned"] == 0, table(report)
     assert "key norms" in r["kda_beta"]["verdict"]
     assert report["earned"] == report["points"] - POINTS["kda_beta"], table(report)
+
+
+@pytest.mark.library_rules
+def test_planted_autograd_answer_loses_exactly_its_points(tmp_path):
+    body = ("L, beta, Z = (x.clone().requires_grad_(True) for x in (L, beta, Z))\n"
+            "    X = torch.linalg.solve_triangular(torch.eye(L.shape[-1]) + beta[..., None] * L, Z, upper=False, "
+            "unitriangular=True)\n"
+            "    return torch.autograd.grad((X * dX).sum(), (L, beta, Z))")
+    report = grade(planted_copy(tmp_path, "wy_solve_backward", body), timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["wy_backward"]["status"] == "failed" and r["wy_backward"]["earned"] == 0, table(report)
+    assert "torch.autograd.grad" in r["wy_backward"]["verdict"], table(report)
+    assert report["earned"] == report["points"] - POINTS["wy_backward"], table(report)

@@ -201,3 +201,44 @@ def triton_chunk_matrix(fn, gen):
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both
     return f"the kernel matches atlaslib.delta on {len(cases)} odd-sized cases, with no stray loads or stores"
+
+
+def wy_solve_reference(L, beta, Z, dX):
+    """(dL, dbeta, dZ) for X = (I + Diag(beta) L)^{-1} Z and the loss <dX, X>, by autograd in fp64.
+
+    L enters through its strictly lower part only (tril(L, -1)), so dL is zero on and above the diagonal.
+    """
+    n = L.shape[-1]
+    L64, beta64, Z64 = (x.double().requires_grad_(True) for x in (L, beta, Z))
+    system = torch.eye(n, dtype=torch.float64) + beta64[..., None] * L64.tril(-1)
+    X = torch.linalg.solve_triangular(system, Z64, upper=False, unitriangular=True)
+    grads = torch.autograd.grad((X * dX.double()).sum(), (L64, beta64, Z64))
+    return tuple(g.float() for g in grads)
+
+
+@EXERCISES.check("wy_backward", title="The backward of the WY solve", points=3,
+                  functions=("wy_solve_backward",),
+                  forbidden=("torch.autograd.grad", "torch.autograd.backward"))
+def wy_backward(fn, gen):
+    """fn(L [B,H,n,n] strictly lower, beta [B,H,n], Z [B,H,n,D], dX [B,H,n,D]) -> (dL, dbeta, dZ)."""
+    cases = [  # (B, H, n, K of the keys behind L, D columns, lowest gate)
+        (2, 2, 1, 4, 3, 0.5),       # one token: L is empty, X = Z
+        (1, 2, 6, 8, 4, 0.5),
+        (2, 1, 9, 5, 12, 1.0),      # more columns than tokens; gates exactly 1 (DeltaNet)
+        (1, 1, 16, 16, 8, 0.3),
+        (1, 3, 12, 4, 6, 0.8),      # n > K: the keys are linearly dependent
+    ]
+    for B, H, n, K, D, low in cases:
+        _, k, _ = random_qkv(B, H, n, K, 1, generator=gen)
+        g = torch.log(random_gate(B, H, n, low=low, generator=gen)).cumsum(dim=-1)
+        _, L, *_ = decayed_products(k, k, g)                       # tril(Gamma * K K^T, -1), as in the chunk
+        beta = 2 * torch.rand(B, H, n, generator=gen)              # beta in [0, 2]
+        Z = torch.randn(B, H, n, D, generator=gen)
+        dX = torch.randn(B, H, n, D, generator=gen)
+        dL_ref, dbeta_ref, dZ_ref = wy_solve_reference(L, beta, Z, dX)
+        with case(f"B={B}, H={H}, chunk length n={n}, K={K}, D={D} columns, beta in [0, 2]"):
+            dL, dbeta, dZ = unpack(call(fn, *clones(L, beta, Z, dX)), ("dL", "dbeta", "dZ"))
+            compare("dZ", dZ, dZ_ref, TOL)
+            compare("dL", dL, dL_ref, TOL)
+            compare("dbeta", dbeta, dbeta_ref, TOL)
+    return f"dL, dbeta and dZ match autograd on {len(cases)} random chunks"

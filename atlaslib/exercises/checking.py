@@ -135,10 +135,14 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     class ForbiddenCall(Exception):
         pass
 
+    def what(dotted):
+        # a library function computes the answer; a torch one (autograd) does the work the exercise asks for
+        return ("the library's answer to this exercise" if dotted.startswith("atlaslib")
+                else "which does what this exercise asks you to do by hand")
+
     def forbidden_stub(dotted):
         def stub(*a, **k):
-            raise ForbiddenCall(f"your answer calls {dotted}, the library's answer to this exercise: "
-                                "write it with your own code")
+            raise ForbiddenCall(f"your answer calls {dotted}, {what(dotted)}: write it with your own code")
         return stub
 
     swaps, codes = [], []
@@ -146,8 +150,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         module, _, attr = dotted.rpartition(".")
         target = getattr(importlib.import_module(module), attr)
         stub = forbidden_stub(dotted)
-        message = (f"ForbiddenCall: your answer calls {dotted}, the library's answer to this exercise: "
-                   "write it with your own code")
+        message = f"ForbiddenCall: your answer calls {dotted}, {what(dotted)}: write it with your own code"
         scope = {}
         exec(f"def stub(*a, **k):\n    raise PermissionError({message!r})", scope)
         for f in {id(x): x for x in (target, getattr(target, "__wrapped__", None))}.values():
