@@ -5,7 +5,8 @@ Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
 * ``compute_dtype``: states accumulate in fp32 (fp64 for fp64 inputs), whatever the activations;
 * ``log_gate`` / ``gate_logs``: retention gates enter every chunk form as log-gates, accumulated
   from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
-* ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential;
+* ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential, and
+  ``chunk_decay``: the same from per-token log-gates, with the cumulative gate e^{g_t};
 * ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks.
 """
 from __future__ import annotations
@@ -41,13 +42,29 @@ def gate_logs(alpha, log_alpha, cd: torch.dtype):
     return None if alpha is None else log_gate(alpha, cd)
 
 
-def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+def causal_decay(g: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
     """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
 
-    The entries above the diagonal are masked to -inf *before* the exponential, so they
-    become exact zeros instead of overflowing. (Per-channel gates: ``linear.chunk.decayed_scores``.)
+    ``causal``: the [n, n] lower-triangular boolean mask (built when None). The entries above
+    the diagonal are masked to -inf *before* the exponential, so they become exact zeros
+    instead of overflowing, and only differences g_t - g_i <= 0 are exponentiated, never
+    quotients of cumulative products. (Per-channel gates: ``linear.chunk.decayed_scores``.)
     """
+    if causal is None:
+        n = g.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
     return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+
+
+def chunk_decay(log_gates: torch.Tensor, causal: torch.Tensor | None = None):
+    """(D [..., n, n], A [..., n]) of one chunk from its per-token log-gates [..., n].
+
+    With g_t the log-gates accumulated from the chunk's start, D = ``causal_decay(g)`` (the
+    ratio A_t / A_i of cumulative gates for i <= t) and A_t = e^{g_t}, what is left at token t
+    of the chunk-start state.
+    """
+    g = log_gates.cumsum(-1)
+    return causal_decay(g, causal), torch.exp(g)
 
 
 def to_chunks(x, b, fill=0.0):

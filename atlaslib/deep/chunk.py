@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..core.chunking import compute_dtype, gate_logs
+from ..core.chunking import chunk_decay, compute_dtype, gate_logs
 from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
 
@@ -207,10 +207,9 @@ def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamm
             C = tril.to(cd) * eta[:, :, None, s:e]
             start = torch.ones(B, H, n, 1, dtype=cd, device=dev)
         else:
-            g = logs[:, :, s:e].cumsum(-1)                                # log A_t / A_{s-1}, fp64
-            C = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~tril, float("-inf"))).to(cd)
-            C = C * eta[:, :, None, s:e]
-            start = torch.exp(g).to(cd)[..., None]
+            C, A = chunk_decay(logs[:, :, s:e], tril)                     # A_t / A_i and A_t / A_{s-1}, fp64
+            C = C.to(cd) * eta[:, :, None, s:e]
+            start = A.to(cd)[..., None]
         W = C @ Gam                                                       # [B,H,n,e-lo]
         outputs.append(start * (kappa(q[:, :, s:e], k[:, :, :s]) @ U) + (W * kappa(q[:, :, s:e], k[:, :, lo:e])) @ N)
         U = torch.cat([U * start[:, :, -1:], torch.zeros_like(v[:, :, s:e])], dim=2)

@@ -152,8 +152,7 @@ def atlas_step(fn, gen):
                   functions=("chunk_momenta",),
                   forbidden=("atlaslib.atlas.atlas", "atlaslib.atlas.chunk.atlas_chunk", "atlaslib.miras.miras",
                              "atlaslib.atlas.recurrent.atlas_recurrent", "atlaslib.atlas.recurrent.atlas_frozen_seq",
-                             "atlaslib.atlas.chunk.decay_ratios", "atlaslib.miras.optimizer.decay_matrix",
-                             "atlaslib.core.chunking.causal_decay"))
+                             "atlaslib.core.chunking.chunk_decay", "atlaslib.core.chunking.causal_decay"))
 def momenta(fn, gen):
     """fn(S0 [N,V,D], grad [N,n,V,D], theta [N,n]) -> S [N,n,V,D], all n momenta S_t = theta_t S_{t-1} + grad_t.
 

@@ -50,12 +50,11 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
-from ..core.chunking import LOG_FLOOR, compute_dtype
+from ..core.chunking import LOG_FLOOR, causal_decay, compute_dtype
 from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
 from .config import DEFAULT_CHUNK_SIZE, make_config
 from .memory import per_token_linear
-from .optimizer import decay_matrix
 from .recurrent import Gates, Parts, build_parts
 
 
@@ -124,7 +123,7 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     eta = blocks(gates.eta, 0.0)
     causal = torch.ones(chunk_size, chunk_size, dtype=eta.dtype, device=eta.device).tril()
     coef = dict(Gamma=Gamma, eta=eta, h=h, A=None if ga is None else torch.exp(ga),
-                D=causal.expand(N, nc, -1, -1) if ga is None else decay_matrix(ga))
+                D=causal.expand(N, nc, -1, -1) if ga is None else causal_decay(ga))
     if opt.linear:
         b, E = opt.affine(Gamma, eta, h)
         coef.update(b=b, E=E, C=coef["D"] @ E, s=None if b is None else (coef["D"] @ b[..., None])[..., 0])
