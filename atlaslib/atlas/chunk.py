@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import chunk_decay, compute_dtype, gate_logs, log_gate
+from ..core.chunking import chunk_decay, compute_dtype, start_memory, gate_logs, log_gate
 from ..core.newton_schulz import newton_schulz
 from ..core.windows import band_gates
 from ..miras import DEFAULT_CHUNK_SIZE
@@ -53,7 +53,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     V, c, b = v.shape[-1], window, chunk_size
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     S = torch.zeros_like(M) if initial_momentum is None else initial_momentum.to(cd)
     G = torch.ones(B, H, T, c, dtype=cd, device=q.device) if G is None else G.to(cd)
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)

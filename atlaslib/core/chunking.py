@@ -3,6 +3,7 @@
 Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
 
 * ``compute_dtype``: states accumulate in fp32 (fp64 for fp64 inputs), whatever the activations;
+  ``start_memory``: the memory before the first token, in that dtype;
 * ``log_gate`` / ``gate_logs``: retention gates enter every chunk form as log-gates, accumulated
   from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
 * ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential, and
@@ -23,6 +24,15 @@ LOG_FLOOR = -60.0
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """States accumulate in fp32 (fp64 when the inputs are fp64)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def start_memory(q: torch.Tensor, v: torch.Tensor, initial_state) -> torch.Tensor:
+    """The memory before the first token, [B, H, V, D] in ``compute_dtype(q)``: zeros, or ``initial_state``."""
+    cd = compute_dtype(q)
+    if initial_state is not None:
+        return initial_state.to(cd)
+    B, H, _, D = q.shape
+    return torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device)
 
 
 def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:

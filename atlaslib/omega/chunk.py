@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, compute_dtype, gate_logs
+from ..core.chunking import causal_decay, compute_dtype, start_memory, gate_logs
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -79,11 +79,10 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
                    chunk_size=64, hebbian=False, log_alpha=None):
     """The chunk loop shared by the Omega rule (``hebbian=False``) and SWLA (``hebbian=True``)."""
     B, H, T, D = q.shape
-    V = v.shape[-1]
     c = window
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     G = window_gates(gamma, B, H, T, c, cd, q.device)
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     logs = gate_logs(alpha, log_alpha, cd)
