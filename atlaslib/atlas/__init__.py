@@ -26,7 +26,7 @@ from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_
 from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE, MirasConfig, MirasState, make_config, miras
-from ..omega import check_window
+from ..core.validation import check_window
 from .chunk import atlas_chunk
 from .recurrent import AtlasState, atlas_frozen_seq, atlas_recurrent, atlas_step, start_state
 

@@ -52,7 +52,7 @@ from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
 from ..delta import backend_table as delta_backend_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
-from ..omega.problem import check_window
+from ..core.validation import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel

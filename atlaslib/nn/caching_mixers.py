@@ -45,8 +45,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..caching import AGGREGATES, MODES, POOLS, cached_readout, memory_caching
-from ..caching.chunk import check_top_k
+from ..caching import cached_readout, check_options, memory_caching
 from ..core.chunking import compute_dtype
 from ..delta import delta_rule
 from ..linear import linear_attention
@@ -100,17 +99,7 @@ class MemoryCaching(TokenMixer):
                              f"make_mixer('memory_caching', ..., base={base!r})")
         super().__init__(d_model, n_heads, **kw)
         check_segments(segments)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if segments == "log" and mode != "independent":
-            raise ValueError("segments='log' needs mode='independent' (Log-Linear++)")
-        if aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-        check_top_k(top_k)
-        if top_k is not None and aggregate != "ssc":
-            raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        check_options(mode, aggregate, pool, top_k, log=segments == "log")
         self.base, self.segments, self.mode, self.aggregate, self.top_k, self.pool = \
             base, segments, mode, aggregate, top_k, pool
         self.u_proj = nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)     # u_t = x_t W_u

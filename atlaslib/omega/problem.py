@@ -7,7 +7,7 @@ chapter 3's engine.
 """
 from __future__ import annotations
 
-from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state
+from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
@@ -19,15 +19,6 @@ from .recurrent import omega_recurrent, swla_recurrent
 # (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
 MEMORIES = ("linear", "mlp", "residual", "gated")
 DEEP_MEMORIES = MEMORIES[1:]
-
-
-def check_window(window) -> int:
-    """The window length c must be an int >= 1."""
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window
 
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
