@@ -15,12 +15,13 @@ from torch import Tensor
 
 from ..core import TaylorFeatures, monomial_dim, monomial_features, tensor_power
 from ..core.dispatch import dispatch
-from ..core.validation import check_window
 from ..core.types import FeatureMap, Gate, ModelOutput
+from ..core.validation import check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
+from ..miras.memory import DEEP_MEMORIES, MEMORIES
 from .chunk import omega_chunk, swla_chunk
-from .problem import DEEP_MEMORIES, MEMORIES, OMEGA_BACKENDS, SWLA_BACKENDS, kernel_limits, omega_deep, prepare
+from .problem import OMEGA_BACKENDS, SWLA_BACKENDS, kernel_limits, omega_deep, prepare
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 # Default chunk lengths. The Omega rule's chunk form freezes gradients at the chunk start, so b

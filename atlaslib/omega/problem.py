@@ -11,14 +11,12 @@ from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, c
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
-from ..miras import miras
+from ..miras import MEMORIES, miras
 from .chunk import omega_chunk, swla_chunk
 from .recurrent import omega_recurrent, swla_recurrent
 
 # "linear": this package's own three rooms; the deep memories run on chapter 3's engine
 # (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
-MEMORIES = ("linear", "mlp", "residual", "gated")
-DEEP_MEMORIES = MEMORIES[1:]
 
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
