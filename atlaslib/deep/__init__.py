@@ -50,7 +50,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
-from ..delta import backend_table as delta_backend_table
+from ..delta import delta_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..core.validation import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
@@ -361,7 +361,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit).
     # Its forms are called directly: delta_rule's cap beta <= 2 is DeltaNet's unit-key condition, not
     # DOT's (check_dot_step), and beta = eta / alpha exceeds it for stable DOT inputs.
-    o, _ = dispatch(backend, fq, delta_backend_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
+    o, _ = dispatch(backend, fq, delta_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
                     unsupported=lambda: matrix_kernel_limits(fq), model="dot")
     return o.to(q.dtype), None
 

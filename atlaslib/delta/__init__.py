@@ -36,7 +36,7 @@ def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return beta / (1.0 + beta * k.to(cd).square().sum(-1))
 
 
-def backend_table(chunk_size: int) -> dict:
+def delta_table(chunk_size: int) -> dict:
     """The three forms, each taking (q, k, v, beta, alpha, initial_state, log_alpha)."""
     def recurrent(q, k, v, beta, alpha, initial_state, log_alpha):
         return delta_rule_recurrent(q, k, v, beta, alpha_from_log(alpha, log_alpha, compute_dtype(q)), initial_state)
@@ -95,7 +95,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
     check_chunk_size(chunk_size)
     if longhorn:
         beta = longhorn_beta(beta, k)
-    o, state = dispatch(backend, q, backend_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
+    o, state = dispatch(backend, q, delta_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
                         unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
     return o, (state if output_final_state else None)
 

@@ -58,7 +58,7 @@ def window_weights(G, eta, g, window):
     return (D * eta[..., None, :]) @ band_gates(G, window)
 
 
-def chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
+def window_chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
     """One chunk. M: [B,H,V,D], the memory M_{t0} at the chunk's start; q: [B,H,n,D]; k_win, v_win:
     the n + c - 1 window rows; C: [B,H,n,n+c-1]; g: None or [B,H,n].
     Returns (o [B,H,n,V], the memory at the chunk's end).
@@ -95,7 +95,8 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
         g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
         # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
-        o, M = chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g, hebbian)
+        o, M = window_chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g,
+                                 hebbian)
         outputs.append(o)
     return torch.cat(outputs, dim=2).to(out_dtype), M
 

@@ -44,7 +44,7 @@ def kernel_limits(fq, window, chunk_size):
             "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
 
 
-def backend_table(recurrent, chunk, kernel: str) -> dict:
+def window_table(recurrent, chunk, kernel: str) -> dict:
     """One window rule's three forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
     chunk_size, log_alpha); the per-token loop gets exp(log_alpha) and ignores chunk_size."""
     def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
@@ -53,8 +53,8 @@ def backend_table(recurrent, chunk, kernel: str) -> dict:
     return {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
 
 
-OMEGA_BACKENDS = backend_table(omega_recurrent, omega_chunk, "omega_triton")
-SWLA_BACKENDS = backend_table(swla_recurrent, swla_chunk, "swla_triton")
+OMEGA_BACKENDS = window_table(omega_recurrent, omega_chunk, "omega_triton")
+SWLA_BACKENDS = window_table(swla_recurrent, swla_chunk, "swla_triton")
 
 
 def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,
