@@ -55,7 +55,7 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
-    if lazy(f"{__name__}.kernel", "unsupported")(q, blocks) is not None:
+    if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks) is not None:
         return cached_readout(*args)
     return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 

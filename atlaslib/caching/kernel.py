@@ -258,7 +258,7 @@ def cached_readout_fwd_kernel(
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
 
 
-def unsupported(q, blocks) -> str | None:
+def kernel_limits(q, blocks) -> str | None:
     """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY."""
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"

@@ -25,7 +25,7 @@ from ..core.types import FeatureMap, Gate, ModelOutput
 from ..miras import MEMORIES, miras
 from ..miras.config import DEFAULT_CHUNK_SIZE
 from .features import exp_features
-from .problem import check_phi_star
+from .validation import check_phi_star
 
 DLA_MEMORIES = MEMORIES          # every memory of chapter 3's engine
 # Options of the memory axis that dla passes on to the engine; the other three axes are DLA's.

@@ -48,8 +48,8 @@ from ..deep.dla import MEMORY_OPTIONS
 from ..core.validation import check_window
 from ..omega.recurrent import omega_step
 from .miras_mixers import CONFIG_FIELDS, MirasMixer
-from .mixer import gate_dtype, register_mixer
-from .mixers import GatedLinear
+from .base import gate_dtype, register_mixer
+from .linear_mixers import GatedLinear
 from .omega_mixers import WindowedMixer
 
 
