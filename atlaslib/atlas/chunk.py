@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import chunk_decay, compute_dtype, start_memory, gate_logs, log_gate
+from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs, log_gate, start_memory
 from ..core.newton_schulz import newton_schulz
 from ..core.windows import band_gates
 from ..miras import DEFAULT_CHUNK_SIZE
@@ -62,8 +62,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     k_win_all = F.pad(k, (0, 0, c - 1, 0))                                     # row s + j is token s - c + 1 + j
     v_win_all = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
-    for s in range(0, T, b):
-        e = min(s + b, T)
+    for s, e in chunk_spans(T, b):
         n = e - s
         K_win, V_win = k_win_all[:, :, s:e + c - 1], v_win_all[:, :, s:e + c - 1]    # [B, H, n + c - 1, .]
         # 1. errors of every window row at the chunk-start memory

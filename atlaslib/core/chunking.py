@@ -8,7 +8,8 @@ Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
   from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
 * ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential, and
   ``chunk_decay``: the same from per-token log-gates, with the cumulative gate e^{g_t};
-* ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks.
+* ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks, and
+  ``chunk_spans``: the token ranges of the chunk loops that slice [B, H, T, ...] directly.
 """
 from __future__ import annotations
 
@@ -75,6 +76,11 @@ def chunk_decay(log_gates: torch.Tensor, causal: torch.Tensor | None = None):
     """
     g = log_gates.cumsum(-1)
     return causal_decay(g, causal), torch.exp(g)
+
+
+def chunk_spans(T: int, b: int):
+    """The chunks of a loop over T tokens, b at a time: (s, e) for tokens [s, e), the last one maybe shorter."""
+    return [(s, min(s + b, T)) for s in range(0, T, b)]
 
 
 def to_chunks(x, b, fill=0.0):

@@ -483,12 +483,12 @@ NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, or from a 
             "an input (the check surrounds every input with NaN); mask loads and stores with the true sizes.")
 
 
-def compare_kernel_output(name: str, got, want, tol: float) -> None:
-    """``compare`` for a kernel's output buffer, with ``NAN_HINT`` added to a failure that mentions NaN."""
+def compare_kernel_output(name: str, got, want, tol: float, hint: str = NAN_HINT, on: tuple = ("NaN",)) -> None:
+    """``compare`` for a kernel's output buffer, with ``hint`` added to a failure whose message has a word of ``on``."""
     try:
         compare(name, got, want, tol)
     except CheckFailed as e:
-        raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
+        raise CheckFailed(f"{e}{hint if any(w in str(e) for w in on) else ''}") from None
 
 
 # ---- Static rules: what a graded notebook's code may name, checked before anything runs ---------

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, compute_dtype, start_memory, gate_logs
+from ..core.chunking import causal_decay, chunk_spans, compute_dtype, gate_logs, start_memory
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -90,8 +90,7 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     v_pad = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
     b = chunk_size
-    for s in range(0, T, b):
-        e = min(s + b, T)
+    for s, e in chunk_spans(T, b):
         g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
         # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
