@@ -8,7 +8,7 @@ sets of states in a random order with -1 padding anywhere, fresh random inputs e
 import pytest
 import torch
 
-from atlaslib.caching.kernel import MAX_KEY, SLOT_TILE, cached_readout_triton, unsupported
+from atlaslib.caching.kernel import MAX_KEY, SLOT_TILE, cached_readout_triton, kernel_limits
 from atlaslib.core.testing import TOLERANCE, assert_close
 
 B, H, T, K, V, N, J = 1, 2, 37, 24, 40, 5, 6
@@ -190,10 +190,10 @@ def test_bad_inputs_are_refused(gen):
 
 def test_unsupported_names_what_the_kernel_refuses():
     q, blocks = torch.zeros(1, 1, 4, K), torch.full((4, J), -1)
-    assert unsupported(q, blocks) is None
-    assert "fp64" in unsupported(q.double(), blocks)
-    assert "K=" in unsupported(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
-    assert unsupported(q, torch.full((4, 4 * SLOT_TILE + 1), -1)) is None       # any number of slots
+    assert kernel_limits(q, blocks) is None
+    assert "fp64" in kernel_limits(q.double(), blocks)
+    assert "K=" in kernel_limits(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
+    assert kernel_limits(q, torch.full((4, 4 * SLOT_TILE + 1), -1)) is None       # any number of slots
 
 
 @pytest.mark.parametrize("segments, aggregate, top_k", [(8, "soup", None), (8, "ssc", 2), ("log", "grm", None),

@@ -355,7 +355,7 @@ def test_exponent_check_memory_does_not_grow_as_T_squared(gen, window):
     """Long q and k whose scores are all 0 fail the norm bound, so the exact check runs: its largest
     tensor stays far below one [B, H, T, T] score matrix. A visible score above MAX_EXPONENT is still
     refused with the same message; with a window, one outside it is not."""
-    from atlaslib.deep.problem import check_exponents
+    from atlaslib.deep.validation import check_exponents
     B, H, T, K = 1, 2, 2048, 4
     q = torch.zeros(B, H, T, K, dtype=torch.float32)
     k = torch.zeros(B, H, T, K, dtype=torch.float32)
@@ -378,7 +378,7 @@ def test_exponent_and_step_checks_on_an_accelerator_assert_on_the_device(monkeyp
     """The branch CUDA tensors take (declared here for CPU tensors, where torch._assert_async raises at
     once): the exponent check still tiles, and both checks fail on the device with their message."""
     import atlaslib.deep as deep
-    from atlaslib.deep import problem
+    from atlaslib.deep import validation as problem
     monkeypatch.setattr(problem, "_value_check", lambda x: "device")
     monkeypatch.setattr(deep, "_value_check", lambda x: "device")
     B, H, T, K = 1, 2, 2048, 4
@@ -396,7 +396,7 @@ def test_exponent_and_step_checks_on_an_accelerator_assert_on_the_device(monkeyp
 @pytest.mark.parametrize("window", [None, 1, 4, 40])
 def test_exponent_check_tiles_find_the_largest_visible_score(gen, window, monkeypatch):
     """The tiled maximum (forced into many small tiles) against the dense masked maximum."""
-    from atlaslib.deep import problem
+    from atlaslib.deep import validation as problem
     monkeypatch.setattr(problem, "TILE_ELEMENTS", 2 * 3 * 37 * 3)     # 3 rows per tile
     q, k = (torch.randn(2, 3, 37, 5, generator=gen, dtype=F64) * 4 for _ in range(2))
     t, i = torch.arange(37)[:, None], torch.arange(37)[None, :]

@@ -15,7 +15,7 @@ import torch
 from atlaslib.core import assert_close, random_gate
 from atlaslib.core.testing import poisoned_outputs
 from atlaslib.deep import deep_transformer, dot, dot_chunk, dot_coefficient_recurrent
-from atlaslib.deep.kernel import DOT_MAX_KEY, MAX_KEY, dot_unsupported, unsupported
+from atlaslib.deep.kernel import DOT_MAX_KEY, MAX_KEY, dot_kernel_limits, kernel_limits
 
 F64 = torch.float64
 
@@ -153,8 +153,8 @@ def test_refusals_and_auto(gen):
     wide = torch.zeros(1, 1, 3, MAX_KEY + 1)
     with pytest.raises(ValueError, match=f"K <= {MAX_KEY}"):
         deep_transformer(wide, wide, torch.zeros(1, 1, 3, 2), normalize=True, backend="triton")
-    assert unsupported(q) is None
-    assert "fp64" in unsupported(q.double()) and "K=257" in unsupported(wide)
+    assert kernel_limits(q) is None
+    assert "fp64" in kernel_limits(q.double()) and "K=257" in kernel_limits(wide)
     auto, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True)        # CPU: the chunk form
     chunk, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=True, backend="chunk")
     assert torch.equal(auto, chunk)
@@ -205,10 +205,11 @@ def test_taylor_kernel_gradients_and_refusals(gen):
 
 def test_what_auto_sends_to_the_chunk_form():
     """backend="auto" on CUDA asks these (test_dispatch checks the mechanism for the kernel form)."""
-    from atlaslib.deep import feature_kernel_limits, kernel_unsupported
-    assert kernel_unsupported(torch.zeros(1, 1, 2, 256)) is None
-    assert "K=257" in kernel_unsupported(torch.zeros(1, 1, 2, 257))
-    assert "fp64" in kernel_unsupported(torch.zeros(1, 1, 2, 4, dtype=F64))
+    from atlaslib.deep import feature_kernel_limits
+    from atlaslib.deep import kernel_limits as exp_kernel_limits
+    assert exp_kernel_limits(torch.zeros(1, 1, 2, 256)) is None
+    assert "K=257" in exp_kernel_limits(torch.zeros(1, 1, 2, 257))
+    assert "fp64" in exp_kernel_limits(torch.zeros(1, 1, 2, 4, dtype=F64))
     assert feature_kernel_limits(torch.zeros(1, 1, 2, 231)) is None
     assert "D=1771" in feature_kernel_limits(torch.zeros(1, 1, 2, 1771))
     assert "fp64" in feature_kernel_limits(torch.zeros(1, 1, 2, 21, dtype=F64))
@@ -302,8 +303,8 @@ def test_dot_triton_refusals_and_auto(gen):
     wide = torch.zeros(1, 1, 3, DOT_MAX_KEY + 1)
     with pytest.raises(ValueError, match=f"K <= {DOT_MAX_KEY}"):
         dot(wide, wide, torch.zeros(1, 1, 3, 2), backend="triton")
-    assert dot_unsupported(q) is None
-    assert "fp64" in dot_unsupported(q.double()) and f"K={DOT_MAX_KEY + 1}" in dot_unsupported(wide)
+    assert dot_kernel_limits(q) is None
+    assert "fp64" in dot_kernel_limits(q.double()) and f"K={DOT_MAX_KEY + 1}" in dot_kernel_limits(wide)
     with pytest.raises(ValueError, match="with a window has no Triton kernel"):
         dot(q, k, v, window=2, backend="triton")
     auto, _ = dot(q, k, v, alpha=alpha, eta=eta)                   # CPU: the chunk form

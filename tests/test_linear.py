@@ -342,3 +342,19 @@ def test_gradients_through_resets(gen):
     for name, g_chunk, g_rec in zip("q k v alpha h0".split(), grads[1], grads[0]):
         assert torch.isfinite(g_chunk).all(), name
         assert_close(g_chunk, g_rec, tol=1e-8, name=f"grad {name}")
+
+
+def test_chunk_decay_is_the_ratio_of_cumulative_gates(gen):
+    """core.chunking.chunk_decay against products of the gates themselves, in fp64: D[t, i] = alpha_{i+1} ...
+    alpha_t for i <= t (0 above the diagonal), A_t = alpha_1 ... alpha_t; a gate of 0 is a full reset."""
+    from atlaslib.core.chunking import chunk_decay
+    n = 7
+    alpha = torch.rand(3, n, generator=gen, dtype=torch.float64) * 0.9 + 0.1
+    alpha[1, 3] = 0.0
+    D, A = chunk_decay(log_gate(alpha, torch.float64))
+    want_D = torch.zeros(3, n, n, dtype=torch.float64)
+    for t in range(n):
+        for i in range(t + 1):
+            want_D[:, t, i] = alpha[:, i + 1:t + 1].prod(-1)
+    assert_close(D, want_D, tol=1e-12)
+    assert_close(A, alpha.cumprod(-1), tol=1e-12)

@@ -182,8 +182,8 @@ def test_compare_mixers_rows_and_table():
 # ---- gates stay in fp32 in a bf16 model -------------------------------------------------------
 
 @pytest.mark.parametrize("name, module, function", [
-    ("mamba2", "atlaslib.nn.mixers", "linear_attention"),
-    ("retnet", "atlaslib.nn.mixers", "linear_attention"),
+    ("mamba2", "atlaslib.nn.linear_mixers", "linear_attention"),
+    ("retnet", "atlaslib.nn.linear_mixers", "linear_attention"),
     ("gated_deltanet", "atlaslib.nn.delta_mixers", "delta_rule"),
     ("omeganet", "atlaslib.nn.omega_mixers", "omega_rule"),
 ])

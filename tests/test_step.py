@@ -17,7 +17,7 @@ from atlaslib.linear.recurrent import linear_attention_recurrent, linear_attenti
 from atlaslib.miras import prepare, run
 from atlaslib.miras.recurrent import TokenState, miras_step
 from atlaslib.nn import ShortConv, TinyLM, TokenMixer, available_mixers, make_mixer
-from atlaslib.nn.mixers import GatedLinear
+from atlaslib.nn.linear_mixers import GatedLinear
 from atlaslib.omega import omega_rule, swla
 from atlaslib.omega.recurrent import omega_step, start_window, swla_step
 

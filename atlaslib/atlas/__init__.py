@@ -24,17 +24,16 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_schulz, ns_coefficients, polar
 from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
+from ..core.validation import check_window
 from ..core.windows import window_gates
-from ..miras import DEFAULT_CHUNK_SIZE, MirasConfig, MirasState, make_config, miras
-from ..omega import check_window
+from ..miras import DEFAULT_CHUNK_SIZE, MEMORIES, MirasConfig, MirasState, make_config, miras
+from ..miras.memory import DEEP_MEMORIES
 from .chunk import atlas_chunk
 from .recurrent import AtlasState, atlas_frozen_seq, atlas_recurrent, atlas_step, start_state
 
 # "linear": this package's own rooms; the deep memories run on atlaslib.miras (optimizer "muon").
 # "residual" (x + W1 act(W2 x), expansion 4, GELU) is the memory of [A]'s ATLAS; "gated"
 # (x + W1(act(W2 x) * W3 x), [A] eq 43) is ATLAS++. Both need the feature width D == V.
-MEMORIES = ("linear", "mlp", "residual", "gated")
-DEEP_MEMORIES = MEMORIES[1:]
 
 # The chunk length b changes the model (gradients are frozen at each chunk's start), and ATLAS is a
 # MIRAS model (optimizer "muon"): it takes chapter 3's default, whichever door reaches it.

@@ -18,7 +18,7 @@ chunk is four steps:
    with A_t = alpha_{t0+1} ... alpha_t, one more masked matmul; y_t = M_t phi(q_t).
 
 Decay ratios are exp(g_t - g_i) of log-gates accumulated from the chunk start, masked
-before the exponential (``core.chunking.causal_decay``); theta = 0 becomes the log-floor,
+before the exponential (``core.chunking.chunk_decay``); theta = 0 becomes the log-floor,
 a factor of e^-60. [A] §5.1 writes the cumulative product of the thetas as beta_t and
 drops alpha and eta from its eqs 40-41 (book/errata.md).
 
@@ -32,19 +32,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, compute_dtype, gate_logs, log_gate
+from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs, log_gate, start_memory
 from ..core.newton_schulz import newton_schulz
 from ..core.windows import band_gates
 from ..miras import DEFAULT_CHUNK_SIZE
-
-
-def decay_ratios(log_gates, n: int, like: torch.Tensor):
-    """(D [.., n, n], cumulative gate [.., n]) from per-token log-gates [.., n] (None: the gate 1)."""
-    causal = torch.ones(n, n, dtype=torch.bool, device=like.device).tril()
-    if log_gates is None:
-        return causal.to(like.dtype), None
-    g = log_gates.cumsum(-1)
-    return causal_decay(g, causal), torch.exp(g)
 
 
 def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
@@ -62,7 +53,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     V, c, b = v.shape[-1], window, chunk_size
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     S = torch.zeros_like(M) if initial_momentum is None else initial_momentum.to(cd)
     G = torch.ones(B, H, T, c, dtype=cd, device=q.device) if G is None else G.to(cd)
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
@@ -71,8 +62,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     k_win_all = F.pad(k, (0, 0, c - 1, 0))                                     # row s + j is token s - c + 1 + j
     v_win_all = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
-    for s in range(0, T, b):
-        e = min(s + b, T)
+    for s, e in chunk_spans(T, b):
         n = e - s
         K_win, V_win = k_win_all[:, :, s:e + c - 1], v_win_all[:, :, s:e + c - 1]    # [B, H, n + c - 1, .]
         # 1. errors of every window row at the chunk-start memory
@@ -83,7 +73,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
             S_all = torch.einsum("btr,brv,brd->btvd", Gamma.flatten(0, 1), E.flatten(0, 1),
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
         else:
-            D_theta, B_cum = decay_ratios(h[:, :, s:e], n, q)
+            D_theta, B_cum = chunk_decay(h[:, :, s:e])
             W = D_theta @ Gamma
             S_all = torch.einsum("btr,brv,brd->btvd", W.flatten(0, 1), E.flatten(0, 1),
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
@@ -91,7 +81,10 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
         # 3. Newton-Schulz on the batch of n momenta (each [V, D] matrix on its own)
         U = ns(S_all, ns_steps, coeffs)
         # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i)
-        D_alpha, A = decay_ratios(None if ga is None else ga[:, :, s:e], n, q)
+        if ga is None:
+            D_alpha, A = torch.ones(n, n, dtype=cd, device=q.device).tril(), None
+        else:
+            D_alpha, A = chunk_decay(ga[:, :, s:e])
         C = D_alpha * eta[:, :, None, s:e]                                     # C[t, i] = (A_t / A_i) eta_i
         M_all = -torch.einsum("bti,bivd->btvd", C.flatten(0, 1), U.flatten(0, 1))
         M_all = M_all.view(B, H, n, V, D) + (M[:, :, None] if A is None else A[..., None, None] * M[:, :, None])
@@ -100,4 +93,4 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     return torch.cat(outputs, dim=2).to(out_dtype), M, S
 
 
-__all__ = ["atlas_chunk", "decay_ratios"]
+__all__ = ["atlas_chunk"]

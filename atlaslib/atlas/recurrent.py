@@ -36,10 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.chunking import compute_dtype
+from ..core.chunking import start_memory
 from ..core.newton_schulz import newton_schulz
 from ..miras import DEFAULT_CHUNK_SIZE
-from ..omega.recurrent import WindowState, start_window, window_gradient, window_rows
+from ..omega.recurrent import WindowState, _per_bh, scan_tokens, start_window, window_gradient, window_rows
 
 
 class AtlasState(NamedTuple):
@@ -53,11 +53,6 @@ class AtlasState(NamedTuple):
 def start_state(M: torch.Tensor, S: torch.Tensor | None = None) -> AtlasState:
     """The state before the first token: M_0, S_0 (zeros unless given) and an empty window."""
     return AtlasState(M, torch.zeros_like(M) if S is None else S, start_window(M))
-
-
-def _per_bh(x_t, M):
-    """A per-token gate [B, H] as a factor of the state [B, H, V, D] (None: 1)."""
-    return 1.0 if x_t is None else x_t.to(M.dtype)[:, :, None, None]
 
 
 def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=None, eta_t=None, theta_t=None,
@@ -82,25 +77,12 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     return AtlasState(M, S, rows), y_t
 
 
-def _at(x, t):
-    return None if x is None else x[:, :, t]
-
-
 def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum, chunk_size):
-    B, H, T, D = q.shape
-    cd = compute_dtype(q)
-    M0 = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device) if initial_state is None \
-        else initial_state.to(cd)
-    state = start_state(M0, None if initial_momentum is None else initial_momentum.to(cd))
-    outputs = []
-    for t in range(T):
-        if chunk_size is not None and t % chunk_size == 0:
-            M_start = state.M                                                  # M_{t0}: frozen for this chunk
-        state, y_t = atlas_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window, _at(G, t), _at(alpha, t),
-                                _at(eta, t), _at(theta, t), ns_steps, coeffs,
-                                grad_at=None if chunk_size is None else M_start)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=2).to(q.dtype), state.M, state.S
+    M0 = start_memory(q, v, initial_state)
+    state = start_state(M0, None if initial_momentum is None else initial_momentum.to(M0.dtype))
+    o, state = scan_tokens(lambda s, *x, **kw: atlas_step(s, *x[:3], window, *x[3:], ns_steps, coeffs, **kw),
+                           state, q, k, v, G, alpha, eta, theta, freeze_every=chunk_size)
+    return o, state.M, state.S
 
 
 def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",

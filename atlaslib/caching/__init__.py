@@ -55,9 +55,25 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
-    if lazy(f"{__name__}.kernel", "unsupported")(q, blocks) is not None:
+    if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks) is not None:
         return cached_readout(*args)
     return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
+
+
+def check_options(mode: str, aggregate: str, pool: str, top_k: int | None, log: bool = False) -> None:
+    """The caching options shared by ``memory_caching`` and its mixer (``nn.MemoryCaching``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if aggregate not in AGGREGATES:
+        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
+    if pool not in POOLS:
+        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    check_top_k(top_k)
+    if top_k is not None and aggregate != "ssc":
+        raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
+    if log and mode != "independent":
+        raise ValueError("segments='log' needs mode='independent' (Log-Linear++): it caches overlapping dyadic "
+                         "blocks, each compressed from the start state")
 
 
 def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput],
@@ -121,24 +137,13 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     """
     B, H, T, K, V = check_qkv(q, k, v)
     kw = check_base(base, base_kwargs)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    if pool not in POOLS:
-        raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
-    check_top_k(top_k)
-    if top_k is not None and aggregate != "ssc":
-        raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):
         raise ValueError(f"u must be a tensor [B, H, T, K] = [{B}, {H}, {T}, {K}], "
                          f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")
     layout = make_layout(T, segments)
-    if layout.log and mode != "independent":
-        raise ValueError("segments='log' caches overlapping dyadic blocks, each compressed from the start "
-                         "state: use mode='independent' (Log-Linear++)")
+    check_options(mode, aggregate, pool, top_k, log=layout.log)
     table = {"recurrent": None, "chunk": None, "triton": None}
     name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="memory_caching")
     args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)

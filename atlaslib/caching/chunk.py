@@ -105,29 +105,40 @@ def weighted_reads(w, states, q, blocks):
     return y
 
 
-def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
-    """Shapes of ``cached_readout``'s arguments, with the expected shape in the message."""
+def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate, aggregates=AGGREGATES):
+    """Shapes and values of a readout's arguments (``cached_readout`` and its kernel), with the expected
+    shape in the message. ``aggregates``: the aggregations the caller reads; for "residual", u, pooled
+    and online_score are not read and may be None."""
+    if aggregate not in aggregates:
+        raise ValueError(f"aggregate must be one of {tuple(aggregates)}, got {aggregate!r}")
+    check_top_k(top_k)
+    if top_k is not None and aggregate != "ssc":
+        raise ValueError(f"top_k selects cached states for aggregate='ssc' only, got aggregate={aggregate!r}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, H, T, K], got {list(q.shape)}")
     B, H, T, K = q.shape
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
     if states.dim() != 5 or tuple(states.shape[:2]) != (B, H) or states.shape[-1] != K:
         raise ValueError(f"states must be [B, H, N, V, K] = [{B}, {H}, N, V, {K}], got {list(states.shape)}")
     N, V = states.shape[2:4]
-    want = {"u": (u, (B, H, T, u.shape[-1])), "pooled": (pooled, (B, H, N, u.shape[-1])),
-            "online": (online, (B, H, T, V)), "online_score": (online_score, (B, H, T))}
+    Ku = K if u is None else u.shape[-1]
+    want = {"u": (u, (B, H, T, Ku)), "pooled": (pooled, (B, H, N, Ku)), "online": (online, (B, H, T, V)),
+            "online_score": (online_score, (B, H, T))}
     for name, (x, shape) in want.items():
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+        if x is None and aggregate == "residual" and name != "online":
+            continue
+        if x is None or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {None if x is None else list(x.shape)}")
     if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[0] != T:
         raise ValueError(f"blocks must be an int64 tensor [T, J] = [{T}, J], got {blocks.dtype} {list(blocks.shape)}")
     # read on the host for CPU tensors; on an accelerator a device-side assert (no host sync); not while
     # torch.compile traces (the library's own tables are valid by construction)
     how = _value_check(blocks)
-    if blocks.numel() and how == "host" and (blocks.max() >= N or blocks.min() < -1):
-        raise ValueError(f"blocks must hold indices in [0, {N}) or -1 (padding)")
-    if blocks.numel() and how == "device":
-        torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, {N}) or -1")
-    check_top_k(top_k)
+    if blocks.numel() and how == "host":
+        lo, hi = (int(x) for x in torch.aminmax(blocks))
+        if lo < -1 or hi >= N:
+            raise ValueError(f"blocks must hold indices in [0, N={N}) or -1 (padding), got [{lo}, {hi}]")
+    elif blocks.numel() and how == "device":
+        torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, N={N}) or -1")
 
 
 def check_top_k(top_k):

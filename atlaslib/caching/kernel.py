@@ -82,7 +82,7 @@ import triton
 import triton.language as tl
 
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
-from ..core.validation import _value_check
+from .chunk import check_readout
 
 MAX_KEY = 256
 SLOT_TILE = 32                   # slots per [BT, BJ] tile; more slots per token are read a tile at a time
@@ -91,7 +91,7 @@ TOKENS_PER_PROGRAM = 16          # BT: the least tl.dot takes; keeps the distinc
 AGG_RESIDUAL = tl.constexpr(0)
 AGG_GRM = tl.constexpr(1)
 AGG_SSC = tl.constexpr(2)
-AGGREGATES = {"residual": AGG_RESIDUAL.value, "grm": AGG_GRM.value, "ssc": AGG_SSC.value}
+AGGREGATE_CODES = {"residual": AGG_RESIDUAL.value, "grm": AGG_GRM.value, "ssc": AGG_SSC.value}
 
 
 @triton.jit
@@ -258,7 +258,7 @@ def cached_readout_fwd_kernel(
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
 
 
-def unsupported(q, blocks) -> str | None:
+def kernel_limits(q, blocks) -> str | None:
     """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY."""
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"
@@ -267,38 +267,15 @@ def unsupported(q, blocks) -> str | None:
     return None
 
 
-def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
-    """Refuse what the kernel cannot read; returns (AGG, TOP_K) for the launch (SSC with top_k >= J is GRM)."""
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {sorted(AGGREGATES)}, got {aggregate!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_k is not None and aggregate != "ssc":
-        raise ValueError(f"top_k selects cached states for aggregate='ssc' only, got aggregate={aggregate!r}")
-    if q.dim() != 4 or states.dim() != 5:
-        raise ValueError(f"q must be [B, H, T, K] and states [B, H, N, V, K], got {tuple(q.shape)}, "
-                         f"{tuple(states.shape)}")
-    B, H, T, K = q.shape
-    N, V = states.shape[2], states.shape[3]
-    expected = {"states": (states, (B, H, N, V, K)), "online": (online, (B, H, T, V))}
-    if aggregate != "residual":
-        expected.update(u=(u, (B, H, T, K)), pooled=(pooled, (B, H, N, K)), online_score=(online_score, (B, H, T)))
-    for name, (x, shape) in expected.items():
-        if x is None or tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {None if x is None else tuple(x.shape)}")
-    if blocks.dim() != 2 or blocks.shape[0] != T or blocks.dtype.is_floating_point or blocks.dtype == torch.bool:
-        raise ValueError(f"blocks must be an integer tensor [T={T}, J], got {blocks.dtype} {tuple(blocks.shape)}")
-    J = blocks.shape[1]
-    how = _value_check(blocks)
-    if blocks.numel() and how == "host":
-        lo, hi = (int(x) for x in torch.aminmax(blocks))
-        if lo < -1 or hi >= N:
-            raise ValueError(f"blocks must hold indices in [0, N={N}) or -1, got [{lo}, {hi}]")
-    elif blocks.numel() and how == "device":                 # no host sync: checked on the device
-        torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, N={N}) or -1")
-    if aggregate == "ssc" and (top_k is None or top_k >= J):
+def launch_aggregate(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
+    """Refuse what the kernel cannot read (``chunk.check_readout``, and u of q's size); returns (AGG, TOP_K)
+    for the launch (SSC with top_k >= J is GRM)."""
+    check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate, AGGREGATE_CODES)
+    if u is not None and u.shape[-1] != q.shape[-1]:
+        raise ValueError(f"u must have q's size K={q.shape[-1]} for the kernel, got {u.shape[-1]}")
+    if aggregate == "ssc" and (top_k is None or top_k >= blocks.shape[1]):
         return AGG_GRM.value, 0                             # every visible state kept: GRM
-    return AGGREGATES[aggregate], top_k or 0
+    return AGGREGATE_CODES[aggregate], top_k or 0
 
 
 def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
@@ -309,7 +286,7 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
     (r_s); blocks [T, J] (the states each token reads, -1 padded); top_k for aggregate="ssc". For
     "residual", u, pooled and online_score are not read and may be None. See the module docstring.
     """
-    agg, top = check_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
+    agg, top = launch_aggregate(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     B, H, T, K = q.shape
     N, V, J = states.shape[2], states.shape[3], blocks.shape[1]
     BK = feature_tile(K, MAX_KEY)

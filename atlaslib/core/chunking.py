@@ -3,10 +3,13 @@
 Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
 
 * ``compute_dtype``: states accumulate in fp32 (fp64 for fp64 inputs), whatever the activations;
+  ``start_memory``: the memory before the first token, in that dtype;
 * ``log_gate`` / ``gate_logs``: retention gates enter every chunk form as log-gates, accumulated
   from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
-* ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential;
-* ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks.
+* ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential, and
+  ``chunk_decay``: the same from per-token log-gates, with the cumulative gate e^{g_t};
+* ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks, and
+  ``chunk_spans``: the token ranges of the chunk loops that slice [B, H, T, ...] directly.
 """
 from __future__ import annotations
 
@@ -22,6 +25,15 @@ LOG_FLOOR = -60.0
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """States accumulate in fp32 (fp64 when the inputs are fp64)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def start_memory(q: torch.Tensor, v: torch.Tensor, initial_state) -> torch.Tensor:
+    """The memory before the first token, [B, H, V, D] in ``compute_dtype(q)``: zeros, or ``initial_state``."""
+    cd = compute_dtype(q)
+    if initial_state is not None:
+        return initial_state.to(cd)
+    B, H, _, D = q.shape
+    return torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device)
 
 
 def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
@@ -41,13 +53,34 @@ def gate_logs(alpha, log_alpha, cd: torch.dtype):
     return None if alpha is None else log_gate(alpha, cd)
 
 
-def causal_decay(g: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+def causal_decay(g: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
     """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
 
-    The entries above the diagonal are masked to -inf *before* the exponential, so they
-    become exact zeros instead of overflowing. (Per-channel gates: ``linear.chunk.decayed_scores``.)
+    ``causal``: the [n, n] lower-triangular boolean mask (built when None). The entries above
+    the diagonal are masked to -inf *before* the exponential, so they become exact zeros
+    instead of overflowing, and only differences g_t - g_i <= 0 are exponentiated, never
+    quotients of cumulative products. (Per-channel gates: ``linear.chunk.decayed_scores``.)
     """
+    if causal is None:
+        n = g.shape[-1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
     return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+
+
+def chunk_decay(log_gates: torch.Tensor, causal: torch.Tensor | None = None):
+    """(D [..., n, n], A [..., n]) of one chunk from its per-token log-gates [..., n].
+
+    With g_t the log-gates accumulated from the chunk's start, D = ``causal_decay(g)`` (the
+    ratio A_t / A_i of cumulative gates for i <= t) and A_t = e^{g_t}, what is left at token t
+    of the chunk-start state.
+    """
+    g = log_gates.cumsum(-1)
+    return causal_decay(g, causal), torch.exp(g)
+
+
+def chunk_spans(T: int, b: int):
+    """The chunks of a loop over T tokens, b at a time: (s, e) for tokens [s, e), the last one maybe shorter."""
+    return [(s, min(s + b, T)) for s in range(0, T, b)]
 
 
 def to_chunks(x, b, fill=0.0):

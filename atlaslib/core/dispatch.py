@@ -117,11 +117,12 @@ def choose_backend(backend, x: torch.Tensor, table: dict, *, unsupported=None, m
 
 def call_backend(name: str, table: dict, *inputs):
     """Run ``table[name](*inputs)``. A kernel entry marked ``differentiable`` (``lazy(...,
-    differentiable=True)``: it has backward kernels of its own) runs as it is; any other runs
+    differentiable=True)``: it has backward kernels of its own) runs as it is (or, where the card
+    cannot hold its tiles, the chunk form: ``forward_or_fallback``); any other runs
     forward-only, differentiated through ``table["chunk"]``."""
     if name == "triton":
         if getattr(table["triton"], "differentiable", False):
-            return table["triton"](*inputs)
+            return forward_or_fallback(table["triton"], table["chunk"], *inputs)
         return with_chunk_backward(table["triton"], table["chunk"], *inputs)
     return table[name](*inputs)
 

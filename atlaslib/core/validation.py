@@ -128,6 +128,15 @@ def check_chunk_size(chunk_size) -> int:
     return chunk_size
 
 
+def check_window(window) -> int:
+    """The window length c must be an int >= 1."""
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return window
+
+
 def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: torch.Tensor, *,
                    low: float = 0.0, high: float | None = 1.0, width: int | None = None) -> torch.Tensor | None:
     """A gate given as a tensor [B, H, T] (or [B, H, T, width]) or as one number for every token.

@@ -8,7 +8,7 @@ Rooms: ``recurrent.py`` (per-token loops: the matrix memory on phi*_P, and the c
 the kernel trick, DOT's window included) and ``chunk.py`` (masked matrix products; chapter 1's chunk
 form on phi*_P features).
 
-``features.py`` holds phi*_P, ``problem.py`` the checks of phi_star and of exp's range, and
+``features.py`` holds phi*_P, ``validation.py`` the checks of phi_star and of exp's range, and
 ``kernel.py`` the Triton forward of ``deep_transformer``: phi_star="kernel" (with or without
 normalize and window) is causal exp-kernel attention with log-decays and eta, tiled as
 FlashAttention (online max and sum with the normaliser); phi_star=("taylor", P) without a window
@@ -50,14 +50,14 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
-from ..delta import backend_table as delta_backend_table
+from ..delta import delta_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
-from ..omega.problem import check_window
+from ..core.validation import check_window
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
 from .mlp import DEFAULT_EXPANSION, check_activation, mlp_deep_transformer, mlp_dot, second_layer_init
-from .problem import MAX_EXPONENT, check_exponents, check_phi_star
+from .validation import MAX_EXPONENT, check_exponents, check_phi_star
 from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
                         hebbian_recurrent)
 
@@ -131,9 +131,9 @@ def feature_kernel_limits(fq):
     return matrix_kernel_limits(fq, MAX_FEATURES)
 
 
-def kernel_unsupported(q):
-    """What the Triton kernel refuses, for ``backend="auto"`` (``kernel.unsupported``, imported lazily)."""
-    return lazy(f"{__name__}.kernel", "unsupported")(q)
+def kernel_limits(q):
+    """What the Triton kernel refuses, for ``backend="auto"`` (``kernel.kernel_limits``, imported lazily)."""
+    return lazy(f"{__name__}.kernel", "kernel_limits")(q)
 
 
 def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None,
@@ -226,7 +226,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
     if form == "kernel":                         # the kernel trick: the table's forms take the inputs
         table = kernel_table(chunk_size)
         o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, log_alpha, window, bool(normalize),
-                        unsupported=lambda: kernel_unsupported(q), model="deep_transformer")
+                        unsupported=lambda: kernel_limits(q), model="deep_transformer")
         return o.to(q.dtype), None
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
@@ -361,7 +361,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit).
     # Its forms are called directly: delta_rule's cap beta <= 2 is DeltaNet's unit-key condition, not
     # DOT's (check_dot_step), and beta = eta / alpha exceeds it for stable DOT inputs.
-    o, _ = dispatch(backend, fq, delta_backend_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
+    o, _ = dispatch(backend, fq, delta_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
                     unsupported=lambda: matrix_kernel_limits(fq), model="dot")
     return o.to(q.dtype), None
 

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from ..core.chunking import compute_dtype, gate_logs
+from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs
 from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
 
@@ -125,8 +125,7 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1)        # fp64: differences of a long sum keep their digits
     outputs = []
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
+    for s, e in chunk_spans(T, chunk_size):
         lo = 0 if window is None else max(0, s - window + 1)      # the oldest key this block sees
         decay = None if g is None else split_decay(g, g, slice(s, e), slice(lo, e), cd)
         W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, s, lo, window, shift)
@@ -156,8 +155,7 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     U = v[:, :, :0]
     outputs = []
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
+    for s, e in chunk_spans(T, chunk_size):
         # log-decays g_{t-1} - g_j (the state a token corrects) and g_t - g_j (the state it reads)
         gate_prev = None if g is None else split_decay(g_prev, g, slice(s, e), slice(0, e), cd)
         gate_now = None if g is None else split_decay(g, g, slice(s, e), slice(0, e), cd)
@@ -194,8 +192,7 @@ def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamm
     eta = torch.ones(B, H, T, dtype=cd, device=dev) if eta is None else eta.to(cd)
     U = v[:, :, :0]                                                       # coefficients of the tokens < s
     outputs = []
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
+    for s, e in chunk_spans(T, chunk_size):
         n, lo = e - s, max(0, s - window + 1)                             # the chunk's oldest window pair
         N = v[:, :, lo:e] - kappa(k[:, :, lo:e], k[:, :, :s]) @ U           # -errors at the start state
         rows, cols = torch.arange(s, e, device=dev), torch.arange(lo, e, device=dev)
@@ -207,10 +204,9 @@ def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamm
             C = tril.to(cd) * eta[:, :, None, s:e]
             start = torch.ones(B, H, n, 1, dtype=cd, device=dev)
         else:
-            g = logs[:, :, s:e].cumsum(-1)                                # log A_t / A_{s-1}, fp64
-            C = torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~tril, float("-inf"))).to(cd)
-            C = C * eta[:, :, None, s:e]
-            start = torch.exp(g).to(cd)[..., None]
+            C, A = chunk_decay(logs[:, :, s:e], tril)                     # A_t / A_i and A_t / A_{s-1}, fp64
+            C = C.to(cd) * eta[:, :, None, s:e]
+            start = A.to(cd)[..., None]
         W = C @ Gam                                                       # [B,H,n,e-lo]
         outputs.append(start * (kappa(q[:, :, s:e], k[:, :, :s]) @ U) + (W * kappa(q[:, :, s:e], k[:, :, lo:e])) @ N)
         U = torch.cat([U * start[:, :, -1:], torch.zeros_like(v[:, :, s:e])], dim=2)

@@ -22,12 +22,12 @@ from torch import Tensor
 
 from ..core.chunking import compute_dtype
 from ..core.types import FeatureMap, Gate, ModelOutput
-from ..miras import miras
+from ..miras import MEMORIES, miras
 from ..miras.config import DEFAULT_CHUNK_SIZE
 from .features import exp_features
-from .problem import check_phi_star
+from .validation import check_phi_star
 
-DLA_MEMORIES = ("linear", "mlp", "residual", "gated")
+DLA_MEMORIES = MEMORIES          # every memory of chapter 3's engine
 # Options of the memory axis that dla passes on to the engine; the other three axes are DLA's.
 MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
 

@@ -49,7 +49,7 @@ system on its own columns). The program walks blocks of BT tokens in order; for 
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
-refuses scores above MAX_EXPONENT first (``problem.check_exponents``, for k.q and k.k). The
+refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
 log-decays g_t and g_{t-1} come from the host in fp64 and are taken relative to g at the block's
 first row before rounding, as above. Rows past T get eta = 0 and zero rows of L, so they write
 nothing and their rows of the inverse stay finite. Tiles: K <= 128 (DOT_MAX_KEY), BV <= 64,
@@ -150,7 +150,7 @@ def deep_kernel_fwd_kernel(
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
 
 
-def unsupported(q) -> str | None:
+def kernel_limits(q) -> str | None:
     """What the kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > MAX_KEY."""
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"
@@ -295,7 +295,7 @@ def dot_kernel_fwd_kernel(
         tl.debug_barrier()
 
 
-def dot_unsupported(q) -> str | None:
+def dot_kernel_limits(q) -> str | None:
     """What the DOT kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > DOT_MAX_KEY."""
     return matrix_kernel_limits(q, DOT_MAX_KEY)
 

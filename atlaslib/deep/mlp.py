@@ -35,7 +35,7 @@ from ..miras import miras
 from ..miras.memory import ACTIVATIONS
 from .dla import dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
-from .problem import check_exponents
+from .validation import check_exponents
 from .recurrent import deep_mlp_recurrent, dot_mlp_recurrent
 
 DEFAULT_EXPANSION = 4            # h = 4 K by default, as chapter 3's engine (expansion 4)
@@ -92,14 +92,15 @@ def cropped_state(state, hidden):
     return {"W1": state.memory["W1"][:, :, :hidden], "W2": state.memory["W2"][..., :hidden]}
 
 
-def kernel_backend(backend):
-    """The kernel form of the deep memory is per token only: "auto" runs it, the chunk forms are refused."""
+def exact_phi_backend(backend):
+    """phi_star="kernel" (the exact exp similarity) with the deep memory is per token only: "auto" runs it,
+    the chunk forms are refused."""
     return "recurrent" if backend == "auto" else backend
 
 
-KERNEL_MISSING = ("phi_star='kernel' with memory='mlp' is per token only (the first layer is held as "
-                  "coefficients of past features, O(T^2)); use backend='recurrent' (or 'auto'), or "
-                  "phi_star=('taylor', P) for the engine's chunk form")
+EXACT_PHI_MISSING = ("phi_star='kernel' with memory='mlp' is per token only (the first layer is held as "
+                     "coefficients of past features, O(T^2)); use backend='recurrent' (or 'auto'), or "
+                     "phi_star=('taylor', P) for the engine's chunk form")
 
 
 def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state, backend,
@@ -122,8 +123,8 @@ def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, o
     check_exponents(k, k, None)
     table = {"recurrent": lambda: deep_mlp_recurrent(q, k, v, W2, alpha_from_log(alpha, log_alpha, W2.dtype), eta,
                                                      exp_kernel(), activation)}
-    o, _ = dispatch(kernel_backend(backend), q, table, model="deep_transformer(memory='mlp')",
-                    missing=KERNEL_MISSING)
+    o, _ = dispatch(exact_phi_backend(backend), q, table, model="deep_transformer(memory='mlp')",
+                    missing=EXACT_PHI_MISSING)
     return o.to(q.dtype), None
 
 
@@ -142,5 +143,5 @@ def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, backend, c
     check_exponents(q, k, None)
     check_exponents(k, k, None)
     table = {"recurrent": lambda: dot_mlp_recurrent(q, k, v, W2, alpha, eta, exp_kernel(), activation, window, gamma)}
-    o, _ = dispatch(kernel_backend(backend), q, table, model="dot(memory='mlp')", missing=KERNEL_MISSING)
+    o, _ = dispatch(exact_phi_backend(backend), q, table, model="dot(memory='mlp')", missing=EXACT_PHI_MISSING)
     return o.to(q.dtype), None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import compute_dtype
+from ..core.chunking import compute_dtype, start_memory
 from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
 from ..miras.bias import BIASES
@@ -44,7 +44,7 @@ def hebbian_recurrent(fq, fk, v, alpha=None, eta=None, initial_state=None):
     """
     B, H, T, D = fq.shape
     cd = compute_dtype(fq)
-    M = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=fq.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(fq, v, initial_state)
     v = v.to(cd)
     outputs = []
     for t in range(T):

@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import choose_backend, forward_or_fallback, lazy, matrix_kernel_limits
+from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.types import ModelOutput
 from .chunk import delta_rule_chunk
@@ -36,14 +36,15 @@ def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return beta / (1.0 + beta * k.to(cd).square().sum(-1))
 
 
-def backend_table(chunk_size: int) -> dict:
+def delta_table(chunk_size: int) -> dict:
     """The three forms, each taking (q, k, v, beta, alpha, initial_state, log_alpha)."""
     def recurrent(q, k, v, beta, alpha, initial_state, log_alpha):
         return delta_rule_recurrent(q, k, v, beta, alpha_from_log(alpha, log_alpha, compute_dtype(q)), initial_state)
 
     def chunk(q, k, v, beta, alpha, initial_state, log_alpha):
         return delta_rule_chunk(q, k, v, beta, alpha, initial_state, chunk_size, log_alpha)
-    return {"recurrent": recurrent, "chunk": chunk, "triton": lazy(f"{__name__}.kernel", "delta_rule_triton")}
+    return {"recurrent": recurrent, "chunk": chunk,
+            "triton": lazy(f"{__name__}.kernel", "delta_rule_triton", differentiable=True)}
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor | None = None, longhorn: bool = False,
@@ -96,15 +97,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
     check_chunk_size(chunk_size)
     if longhorn:
         beta = longhorn_beta(beta, k)
-    table = backend_table(chunk_size)
-    name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
-    inputs = (q, k, v, beta, alpha, initial_state, log_alpha)
-    # the kernel differentiates itself (delta.kernel.DeltaRuleFunction); the chunk form stays the
-    # reference, and the fallback where a card cannot hold the kernel's tiles
-    if name == "triton":
-        o, state = forward_or_fallback(table["triton"], table["chunk"], *inputs)
-    else:
-        o, state = table[name](*inputs)
+    o, state = dispatch(backend, q, delta_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
+                        unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
     return o, (state if output_final_state else None)
 
 

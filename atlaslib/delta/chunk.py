@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import chunk_run, compute_dtype, gate_logs, to_chunks
+from ..core.chunking import chunk_run, compute_dtype, start_memory, gate_logs, to_chunks
 from ..linear.chunk import decayed_scores
 
 
@@ -123,7 +123,7 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, beta = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
-    M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     if T == 0:
         return v.to(out_dtype), M
     b = min(chunk_size, T)

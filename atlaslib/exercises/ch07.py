@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..caching import cached_readout, dyadic_blocks, make_layout, readout_weights
-from ..core.dispatch import interpreter_on
-from .ch01 import clones, triton_device
+from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_number,
                        guarded, guarded_output, unpack)
 
@@ -226,11 +225,7 @@ def ssc_weights(fn, gen):
 def triton_grm_weights(fn, gen):
     """fn(u [N,T,K], pooled [N,S,K], blocks int32 [T,J] (-1 padded), online_score [N,T], w [N,T,J], g [N,T]):
     r_tj = <u_t, pooled[blocks[t, j]]>, (w_t, g_t) = softmax over the visible slots and the online score."""
-    device = triton_device()
-    if device == "cpu" and not interpreter_on():
-        raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
-                          "importing triton (the notebook's set-up cell does), then restart the kernel")
-    tol = TOL if device == "cpu" else 1e-3
+    device, tol = triton_setup(TOL, 1e-3)
     # (N, T, K, segments, size of u, online scores): the second case's online scores are about 100 and
     # its cached ones about 1, so a row maximum over the cached slots only overflows exp on every token;
     # the fourth has no cached state at all (S = 0: every slot is padding)

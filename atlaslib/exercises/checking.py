@@ -486,6 +486,14 @@ NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, or from a 
             "an input (the check surrounds every input with NaN); mask loads and stores with the true sizes.")
 
 
+def compare_kernel_output(name: str, got, want, tol: float, hint: str = NAN_HINT, on: tuple = ("NaN",)) -> None:
+    """``compare`` for a kernel's output buffer, with ``hint`` added to a failure whose message has a word of ``on``."""
+    try:
+        compare(name, got, want, tol)
+    except CheckFailed as e:
+        raise CheckFailed(f"{e}{hint if any(w in str(e) for w in on) else ''}") from None
+
+
 # ---- Static rules: what a graded notebook's code may name, checked before anything runs ---------
 #
 # The grader reads every code cell's source in its own process (nothing the notebook does can change

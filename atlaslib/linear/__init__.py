@@ -16,7 +16,7 @@ from .recurrent import linear_attention_recurrent
 DEFAULT_CHUNK_SIZE = 64
 
 
-def backend_table(chunk_size: int) -> dict:
+def linear_table(chunk_size: int) -> dict:
     """The three forms, each taking (q, k, v, alpha, initial_state, log_alpha)."""
     def recurrent(q, k, v, alpha, initial_state, log_alpha):
         return linear_attention_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, compute_dtype(q)), initial_state)
@@ -67,7 +67,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = 
     check_chunk_size(chunk_size)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    o, state = dispatch(backend, q, backend_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,
+    o, state = dispatch(backend, q, linear_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,
                         unsupported=lambda: matrix_kernel_limits(q), model="linear_attention")
     if normalize:
         o = (o[..., :V].float() / o[..., V:].float()).to(o.dtype)

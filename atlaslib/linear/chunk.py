@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate, to_chunks  # noqa: F401
+from ..core.chunking import (causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate,  # noqa: F401
+                             start_memory, to_chunks)
 
 
 def _pad_rows(x: torch.Tensor, rows: int, last: bool = False) -> torch.Tensor:
@@ -141,7 +142,7 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     V = v.shape[-1]
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     if T == 0:
         return v.to(out_dtype), M
     b = min(chunk_size, T)

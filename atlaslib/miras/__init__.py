@@ -15,7 +15,7 @@ The three rooms: ``recurrent.py`` (the per-token definition, the frozen-gradient
 ``chunk.py`` (chunkwise, gradients frozen at the chunk start; ``titans_linear_chunk``, the
 kernel's contract in PyTorch) and ``kernel.py`` (Triton, Titans/TTT with a linear memory).
 ``config.py`` has the presets and the four-axis table (``axes_table``, ``axes_markdown``),
-``state.py`` the state (``MirasState``, ``init_state``), and ``problem.py`` splits ``miras``
+``state.py`` the state (``MirasState``, ``init_state``), and ``backends.py`` splits ``miras``
 into validation and execution (``prepare`` + ``run``) and chooses the backend.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .config import (AXES, DEFAULT_CHUNK_SIZE, EXACT_CHUNK, PRESETS, MirasConfig
                      describe, make_config, validate_config)
 from .memory import ACTIVATIONS, MEMORIES, Memory, build_memory
 from .optimizer import OPTIMIZERS, Optimizer, build_optimizer
-from .problem import BACKENDS, KERNEL_CONFIGS, Problem, has_kernel, prepare, run
+from .backends import BACKENDS, KERNEL_CONFIGS, Problem, has_kernel, prepare, run
 from .recurrent import Gates, Parts, build_parts, loss_gradient, memory_gradient, miras_frozen_seq, miras_recurrent
 from .retention import RETENTIONS, Retention, build_retention, soft_threshold
 from .state import MirasState, init_state

@@ -106,6 +106,11 @@ class LpBias(Bias):
         return self.smooth_abs(y - v).pow(self.cfg.p).sum(-1) / self.cfg.p
 
 
+def huber(x, d):
+    """H_d(x) for x >= 0: x^2 / 2 up to d, then d (x - d / 2), linear with the same slope at d."""
+    return torch.where(x <= d, 0.5 * x.square(), d * (x - 0.5 * d))
+
+
 class HuberBias(Bias):
     name = "huber"
     formula = "Huber (i), per coordinate: Σⱼ H_δ(eⱼ)"
@@ -116,8 +121,7 @@ class HuberBias(Bias):
         return torch.where(e.abs() <= d, e, d * torch.sign(e))
 
     def loss(self, y, v, delta):
-        e, d = y - v, delta[..., None]
-        return torch.where(e.abs() <= d, 0.5 * e.square(), d * (e.abs() - 0.5 * d)).sum(-1)
+        return huber((y - v).abs(), delta[..., None]).sum(-1)
 
 
 class HuberNormBias(Bias):
@@ -132,8 +136,7 @@ class HuberNormBias(Bias):
         return torch.where(inside, e, delta[..., None] * e / n[..., None])
 
     def loss(self, y, v, delta):
-        n = _norm(y - v)
-        return torch.where(n <= delta, 0.5 * n.square(), delta * (n - 0.5 * delta))
+        return huber(_norm(y - v), delta)
 
 
 class HuberSwitchBias(Bias):

@@ -50,12 +50,11 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
-from ..core.chunking import LOG_FLOOR, compute_dtype
+from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype
 from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
 from .config import DEFAULT_CHUNK_SIZE, make_config
 from .memory import per_token_linear
-from .optimizer import decay_matrix
 from .recurrent import Gates, Parts, build_parts
 
 
@@ -124,7 +123,7 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     eta = blocks(gates.eta, 0.0)
     causal = torch.ones(chunk_size, chunk_size, dtype=eta.dtype, device=eta.device).tril()
     coef = dict(Gamma=Gamma, eta=eta, h=h, A=None if ga is None else torch.exp(ga),
-                D=causal.expand(N, nc, -1, -1) if ga is None else decay_matrix(ga))
+                D=causal.expand(N, nc, -1, -1) if ga is None else causal_decay(ga))
     if opt.linear:
         b, E = opt.affine(Gamma, eta, h)
         coef.update(b=b, E=E, C=coef["D"] @ E, s=None if b is None else (coef["D"] @ b[..., None])[..., 0])
@@ -220,11 +219,10 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     alpha = gates.alpha if ret.uses_alpha else None
     group = max(1, GROUP_TOKENS // chunk_size) * chunk_size            # tokens whose coefficients exist at once
     outputs = []
-    for s in range(0, T, chunk_size):
+    for s, e in chunk_spans(T, chunk_size):
         if s % group == 0:
             g_end = min(s + group, T)
             coef = chunk_coefficients(parts, gates.slice(s, g_end), g_end - s, chunk_size)
-        e = min(s + chunk_size, T)
         n, R = e - s, e - s + c - 1
         cf = chunk_slice(coef, (s % group) // chunk_size, n, R)
         # padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1 (zeros before token 0)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..core.newton_schulz import check_ns_steps, ns_coefficients
 from .bias import BIASES
-from .memory import ACTIVATIONS, MEMORIES
+from .memory import ACTIVATIONS, MEMORIES, MEMORY_CLASSES
 from .optimizer import OPTIMIZERS
 from .retention import RETENTIONS
 
@@ -218,7 +218,7 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
 def describe(cfg: MirasConfig) -> dict:
     """One row of the four-axis table: model, memory, bias, retention, optimizer (in words)."""
     row = {"model": cfg.name,
-           "memory": MEMORIES[cfg.memory].describe(cfg),
+           "memory": MEMORY_CLASSES[cfg.memory].describe(cfg),
            "bias": BIASES[cfg.bias].describe(cfg),
            "retention": RETENTIONS[cfg.retention].describe(cfg),
            "optimizer": OPTIMIZERS[cfg.optimizer].describe(cfg)}

@@ -155,9 +155,12 @@ class GatedMemory(Memory):
         return x + linear("W1", self.act(linear("W2", x)) * linear("W3", x))
 
 
-MEMORIES = {m.name: m for m in (LinearMemory, MLPMemory, ResidualMemory, GatedMemory)}
+# the memory classes by name, and the names alone: what every model with a ``memory`` argument accepts
+MEMORY_CLASSES = {m.name: m for m in (LinearMemory, MLPMemory, ResidualMemory, GatedMemory)}
+MEMORIES = tuple(MEMORY_CLASSES)
+DEEP_MEMORIES = MEMORIES[1:]     # all but "linear": the models with a linear memory of their own run these here
 
 
 def build_memory(cfg, K: int, V: int) -> Memory:
     """The memory of config ``cfg`` for keys (features) of width K and values of width V."""
-    return MEMORIES[cfg.memory](K, V, cfg.expansion, cfg.activation, cfg.layer_norm)
+    return MEMORY_CLASSES[cfg.memory](K, V, cfg.expansion, cfg.activation, cfg.layer_norm)

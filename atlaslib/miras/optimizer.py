@@ -76,17 +76,6 @@ class Optimizer(abc.ABC):
         return U, S_end
 
 
-def decay_matrix(g):
-    """D[..., t, i] = exp(g_t - g_i) for i <= t, else 0, from log-gates g [..., n] accumulated over a chunk.
-
-    Only differences g_t - g_i <= 0 are exponentiated (``atlaslib.core.chunking.causal_decay``),
-    never quotients of cumulative products.
-    """
-    n = g.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
-    return causal_decay(g.reshape(1, -1, n), causal).reshape(*g.shape, n)
-
-
 def _bcast(x, like):
     return x.reshape(*x.shape, *([1] * (like.dim() - x.dim())))
 
@@ -123,7 +112,7 @@ class Momentum(Optimizer):
         step = -eta[..., None] * Gamma
         if h is None:
             return None, step
-        return torch.exp(h), decay_matrix(h) @ step
+        return torch.exp(h), causal_decay(h) @ step
 
 
 class Muon(Optimizer):
@@ -160,7 +149,7 @@ class Muon(Optimizer):
         step = Gamma
         if h is None:
             return None, step
-        return torch.exp(h), decay_matrix(h) @ step
+        return torch.exp(h), causal_decay(h) @ step
 
     def updates(self, S0, G, Gamma, eta, h):
         """All b momenta of the chunk by one masked matmul, NS_k on the batch, then -eta_t."""

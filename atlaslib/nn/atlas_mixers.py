@@ -38,8 +38,8 @@ from ..core.chunking import compute_dtype
 from ..miras import build_parts, init_state
 from ..miras.recurrent import TokenState
 from .miras_mixers import engine_step, start_token_state
-from .mixer import gate_dtype, register_mixer
-from .mixers import empty_memory
+from .base import gate_dtype, register_mixer
+from .linear_mixers import empty_memory
 from .omega_mixers import WindowedMixer
 
 

@@ -45,14 +45,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..caching import AGGREGATES, MODES, POOLS, cached_readout, memory_caching
-from ..caching.chunk import check_top_k
+from ..caching import cached_readout, check_options, memory_caching
 from ..core.chunking import compute_dtype
 from ..delta import delta_rule
 from ..linear import linear_attention
 from .delta_mixers import KDA, DeltaNet, GatedDeltaNet
-from .mixer import TokenMixer, gate_dtype, register_mixer
-from .mixers import GLA, GatedLinear, LinearAttention, Mamba2Style
+from .base import TokenMixer, gate_dtype, register_mixer
+from .linear_mixers import GLA, GatedLinear, LinearAttention, Mamba2Style
 
 
 class CachingState(NamedTuple):
@@ -100,17 +99,7 @@ class MemoryCaching(TokenMixer):
                              f"make_mixer('memory_caching', ..., base={base!r})")
         super().__init__(d_model, n_heads, **kw)
         check_segments(segments)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if segments == "log" and mode != "independent":
-            raise ValueError("segments='log' needs mode='independent' (Log-Linear++)")
-        if aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-        check_top_k(top_k)
-        if top_k is not None and aggregate != "ssc":
-            raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
-        if pool not in POOLS:
-            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        check_options(mode, aggregate, pool, top_k, log=segments == "log")
         self.base, self.segments, self.mode, self.aggregate, self.top_k, self.pool = \
             base, segments, mode, aggregate, top_k, pool
         self.u_proj = nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)     # u_t = x_t W_u
@@ -183,35 +172,14 @@ def hebbian_gates(mixer, q, x) -> dict:
     return {"log_alpha": mixer.log_gate(x)} if isinstance(mixer, GatedLinear) else {}
 
 
-class CachedGatedDeltaNet(MemoryCaching, GatedDeltaNet):
-    library = staticmethod(delta_rule)
-    base_gates = delta_gates
+def cached_class(base: type, library, base_gates) -> type:
+    """The mixer that caches ``base``: the base's constructor and gates, Memory Caching's ``mix`` over its
+    library function ``library`` with the gates ``base_gates(mixer, q, x)``."""
+    return type(f"Cached{base.__name__}", (MemoryCaching, base),
+                {"library": staticmethod(library), "base_gates": base_gates, "__module__": __name__})
 
 
-class CachedDeltaNet(MemoryCaching, DeltaNet):
-    library = staticmethod(delta_rule)
-    base_gates = delta_gates
-
-
-class CachedKDA(MemoryCaching, KDA):
-    library = staticmethod(delta_rule)
-    base_gates = delta_gates
-
-
-class CachedLinear(MemoryCaching, LinearAttention):
-    library = staticmethod(linear_attention)
-    base_gates = hebbian_gates
-
-
-class CachedMamba2(MemoryCaching, Mamba2Style):
-    library = staticmethod(linear_attention)
-    base_gates = hebbian_gates
-
-
-class CachedGLA(MemoryCaching, GLA):
-    library = staticmethod(linear_attention)
-    base_gates = hebbian_gates
-
-
-CACHED = {"gated_deltanet": CachedGatedDeltaNet, "deltanet": CachedDeltaNet, "kda": CachedKDA,
-          "linear": CachedLinear, "mamba2": CachedMamba2, "gla": CachedGLA}
+CACHED = {name: cached_class(base, library, gates) for name, base, library, gates in (
+    ("gated_deltanet", GatedDeltaNet, delta_rule, delta_gates), ("deltanet", DeltaNet, delta_rule, delta_gates),
+    ("kda", KDA, delta_rule, delta_gates), ("linear", LinearAttention, linear_attention, hebbian_gates),
+    ("mamba2", Mamba2Style, linear_attention, hebbian_gates), ("gla", GLA, linear_attention, hebbian_gates))}

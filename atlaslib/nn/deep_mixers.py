@@ -45,11 +45,11 @@ import torch
 from ..core.chunking import compute_dtype
 from ..deep import check_phi_star, deep_transformer, dla, dot, exp_coefficients, exp_feature_dim, exp_features
 from ..deep.dla import MEMORY_OPTIONS
-from ..omega import check_window
+from ..core.validation import check_window
 from ..omega.recurrent import omega_step
 from .miras_mixers import CONFIG_FIELDS, MirasMixer
-from .mixer import gate_dtype, register_mixer
-from .mixers import GatedLinear
+from .base import gate_dtype, register_mixer
+from .linear_mixers import GatedLinear
 from .omega_mixers import WindowedMixer
 
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..delta import delta_rule
 from ..delta.recurrent import delta_rule_step
-from .mixer import TokenMixer, gate_dtype, register_mixer
-from .mixers import GatedLinear, empty_memory
+from .base import TokenMixer, gate_dtype, register_mixer
+from .linear_mixers import GatedLinear, empty_memory
 
 
 class BetaProjection(nn.Module):

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from ..core import softmax_attention
-from .mixer import MIXERS, TokenMixer, make_mixer, register_mixer
-from .mixers import SoftmaxAttention
+from .base import MIXERS, TokenMixer, make_mixer, register_mixer
+from .linear_mixers import SoftmaxAttention
 
 
 def check_attention_window(window) -> int:

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .mixer import make_mixer
+from .base import make_mixer
 
 
 class DecodeState(NamedTuple):

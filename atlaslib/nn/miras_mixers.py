@@ -36,8 +36,8 @@ from ..core.chunking import compute_dtype
 from ..miras import DEFAULT_CHUNK_SIZE, Gates, MirasConfig, MirasState, build_parts, init_state, make_config, miras
 from ..miras.recurrent import TokenState, miras_step
 from ..miras.state import flatten_bh
-from .mixer import gate_dtype, register_mixer
-from .mixers import GatedLinear
+from .base import gate_dtype, register_mixer
+from .linear_mixers import GatedLinear
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}
 
@@ -175,37 +175,16 @@ class MirasMixer(GatedLinear):
                 f"optimizer={c.optimizer!r}, chunk_size={self.chunk_size}")
 
 
-@register_mixer("ttt_linear")
-class TTTLinear(MirasMixer):
-    """TTT-Linear: a linear memory, one GD step on the l2 loss per token (mini-batched by chunks)."""
-    preset = "ttt_linear"
+def preset_mixer(preset: str, name: str, doc: str) -> type:
+    """Register the mixer ``make_mixer(preset, ...)``: a ``MirasMixer`` of chapter 3's preset ``preset``."""
+    return register_mixer(preset)(type(name, (MirasMixer,), {"preset": preset, "__doc__": doc, "__module__": __name__}))
 
 
-@register_mixer("ttt_mlp")
-class TTTMLP(MirasMixer):
-    """TTT-MLP: a 2-layer MLP memory W2 gelu(W1 k), GD on the l2 loss."""
-    preset = "ttt_mlp"
-
-
-@register_mixer("titans")
-class Titans(MirasMixer):
-    """Titans: an MLP memory, l2 loss, GD with momentum theta_t and retention alpha_t."""
-    preset = "titans"
-
-
-@register_mixer("moneta")
-class Moneta(MirasMixer):
-    """Moneta: residual-MLP memory, l3 loss, l4 normalisation of a linear accumulator."""
-    preset = "moneta"
-
-
-@register_mixer("yaad")
-class Yaad(MirasMixer):
-    """Yaad: residual-MLP memory, Huber switch loss with threshold delta_t, retention alpha_t."""
-    preset = "yaad"
-
-
-@register_mixer("memora")
-class Memora(MirasMixer):
-    """Memora: residual-MLP memory on the scaled simplex (softmax in the log domain), l2 loss."""
-    preset = "memora"
+PRESET_MIXERS = {preset: preset_mixer(preset, name, doc) for preset, name, doc in (
+    ("ttt_linear", "TTTLinear", "TTT-Linear: a linear memory, one GD step on the l2 loss per token (mini-batched "
+                                "by chunks)."),
+    ("ttt_mlp", "TTTMLP", "TTT-MLP: a 2-layer MLP memory W2 gelu(W1 k), GD on the l2 loss."),
+    ("titans", "Titans", "Titans: an MLP memory, l2 loss, GD with momentum theta_t and retention alpha_t."),
+    ("moneta", "Moneta", "Moneta: residual-MLP memory, l3 loss, l4 normalisation of a linear accumulator."),
+    ("yaad", "Yaad", "Yaad: residual-MLP memory, Huber switch loss with threshold delta_t, retention alpha_t."),
+    ("memora", "Memora", "Memora: residual-MLP memory on the scaled simplex (softmax in the log domain), l2 loss."))}

@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
-from ..omega import OMEGA_CHUNK_SIZE, check_window, omega_rule, swla
+from ..core.validation import check_window
+from ..omega import OMEGA_CHUNK_SIZE, omega_rule, swla
 from ..omega.recurrent import omega_step, start_window, swla_step
-from .mixer import gate_dtype, register_mixer
-from .mixers import GatedLinear, empty_memory
+from .base import gate_dtype, register_mixer
+from .linear_mixers import GatedLinear, empty_memory
 
 GAMMA_MODES = ("offset", "source", None)
 POLY_MAPS = ("taylor", "monomial")

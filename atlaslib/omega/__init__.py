@@ -2,7 +2,7 @@
 
 Public functions: ``omega_rule`` and ``swla``; the three rooms are ``recurrent.py``
 (the per-token definitions and the frozen-gradient oracle ``omega_frozen_seq``),
-``chunk.py`` (the chunkwise algorithm) and ``kernel.py`` (Triton). ``problem.py`` validates
+``chunk.py`` (the chunkwise algorithm) and ``kernel.py`` (Triton). ``backends.py`` validates
 a call and holds the backend tables, and ``omega_deep``, which runs the deep memories on
 chapter 3's engine. The polynomial feature maps live in ``atlaslib.core.featuremaps`` and
 are re-exported here.
@@ -16,11 +16,12 @@ from torch import Tensor
 from ..core import TaylorFeatures, monomial_dim, monomial_features, tensor_power
 from ..core.dispatch import dispatch
 from ..core.types import FeatureMap, Gate, ModelOutput
+from ..core.validation import check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
+from ..miras.memory import DEEP_MEMORIES, MEMORIES
 from .chunk import omega_chunk, swla_chunk
-from .problem import (DEEP_MEMORIES, MEMORIES, OMEGA_BACKENDS, SWLA_BACKENDS, check_window, kernel_limits,
-                      omega_deep, prepare)
+from .backends import OMEGA_BACKENDS, SWLA_BACKENDS, kernel_limits, omega_deep, prepare
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 # Default chunk lengths. The Omega rule's chunk form freezes gradients at the chunk start, so b

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, compute_dtype, gate_logs
+from ..core.chunking import causal_decay, chunk_spans, compute_dtype, gate_logs, start_memory
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -58,7 +58,7 @@ def window_weights(G, eta, g, window):
     return (D * eta[..., None, :]) @ band_gates(G, window)
 
 
-def chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
+def window_chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
     """One chunk. M: [B,H,V,D], the memory M_{t0} at the chunk's start; q: [B,H,n,D]; k_win, v_win:
     the n + c - 1 window rows; C: [B,H,n,n+c-1]; g: None or [B,H,n].
     Returns (o [B,H,n,V], the memory at the chunk's end).
@@ -79,11 +79,10 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
                    chunk_size=64, hebbian=False, log_alpha=None):
     """The chunk loop shared by the Omega rule (``hebbian=False``) and SWLA (``hebbian=True``)."""
     B, H, T, D = q.shape
-    V = v.shape[-1]
     c = window
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
-    M = torch.zeros(B, H, V, D, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    M = start_memory(q, v, initial_state)
     G = window_gates(gamma, B, H, T, c, cd, q.device)
     eta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     logs = gate_logs(alpha, log_alpha, cd)
@@ -91,12 +90,12 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     v_pad = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
     b = chunk_size
-    for s in range(0, T, b):
-        e = min(s + b, T)
+    for s, e in chunk_spans(T, b):
         g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
         # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
-        o, M = chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g, hebbian)
+        o, M = window_chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g,
+                                 hebbian)
         outputs.append(o)
     return torch.cat(outputs, dim=2).to(out_dtype), M
 

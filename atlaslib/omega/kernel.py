@@ -5,7 +5,7 @@ keeping its slice of the memory M [BV, BD] in registers (fp32). Value columns ne
 (the error of value channel r, (M phi(k))_r - v_r, reads only row r of M), so splitting
 V across programs is exact; every program needs all D feature channels.
 
-For each chunk of b tokens starting at t0 it computes exactly what ``chunk.chunk_step``
+For each chunk of b tokens starting at t0 it computes exactly what ``chunk.window_chunk_step``
 computes, the *frozen-gradient* chunk form (so it matches ``omega_chunk`` and
 ``omega_frozen_seq`` with the same chunk size, not the per-token rule unless b = 1):
 

@@ -45,7 +45,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.chunking import compute_dtype
+from ..core.chunking import start_memory
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 
@@ -142,15 +142,32 @@ def swla_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alph
 
 def _start(q, v, initial_state):
     """The loops' start state: M_0 (zeros unless given) in the compute dtype, an empty window."""
-    B, H, T, D = q.shape
-    cd = compute_dtype(q)
-    M = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device) if initial_state is None \
-        else initial_state.to(cd)
-    return start_window(M)
+    return start_window(start_memory(q, v, initial_state))
 
 
 def _at(x, t):
+    """Token t of an optional per-token tensor [B, H, T, ...] (None stays None)."""
     return None if x is None else x[:, :, t]
+
+
+def scan_tokens(step, state, q, k, v, *gates, freeze_every: int | None = None):
+    """``state, y_t = step(state, q_t, k_t, v_t, *gates_t)`` for every token t in order.
+
+    q, k: [B, H, T, D]; v: [B, H, T, V]; each gate None or [B, H, T, ...]. ``freeze_every=b``:
+    the frozen-gradient oracles of the chunk forms; ``step`` also gets ``grad_at``, the memory
+    ``state.M`` at the start of t's b-token chunk. Returns (o [B, H, T, V] in q's dtype, the
+    final state).
+    """
+    outputs = []
+    for t in range(q.shape[2]):
+        extra = {}
+        if freeze_every is not None:
+            if t % freeze_every == 0:
+                M_start = state.M                                     # M_{t0}: frozen for this chunk
+            extra = {"grad_at": M_start}
+        state, y_t = step(state, q[:, :, t], k[:, :, t], v[:, :, t], *(_at(g, t) for g in gates), **extra)
+        outputs.append(y_t)
+    return torch.stack(outputs, dim=2).to(q.dtype), state
 
 
 def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None):
@@ -178,15 +195,9 @@ def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_
     Sequential, so it is the oracle that the chunkwise form must match for every b.
     At b = 1 it is ``omega_recurrent``. Same arguments and results as ``omega_recurrent``.
     """
-    state = _start(q, v, initial_state)
-    outputs = []
-    for t in range(q.shape[2]):
-        if t % chunk_size == 0:
-            M_start = state.M                                 # M_{t0}: frozen for this chunk
-        state, y_t = omega_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window,
-                                _at(gamma, t), _at(alpha, t), _at(eta, t), grad_at=M_start)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=2).to(q.dtype), state.M
+    o, state = scan_tokens(lambda s, *x, **kw: omega_step(s, *x[:3], window, *x[3:], **kw),
+                           _start(q, v, initial_state), q, k, v, gamma, alpha, eta, freeze_every=chunk_size)
+    return o, state.M
 
 
 def swla_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None):
@@ -194,10 +205,6 @@ def swla_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
 
     Same arguments and results as ``omega_recurrent``.
     """
-    state = _start(q, v, initial_state)
-    outputs = []
-    for t in range(q.shape[2]):
-        state, y_t = swla_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window,
-                               _at(gamma, t), _at(alpha, t), _at(eta, t))
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=2).to(q.dtype), state.M
+    o, state = scan_tokens(lambda s, *x: swla_step(s, *x[:3], window, *x[3:]),
+                           _start(q, v, initial_state), q, k, v, gamma, alpha, eta)
+    return o, state.M

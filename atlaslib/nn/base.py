@@ -1,4 +1,4 @@
-"""Token mixers: the sequence layers that every chapter plugs into the same tiny LM.
+"""The token-mixer base class and registry: the sequence layers that every chapter plugs into the same tiny LM.
 
 A ``TokenMixer`` owns everything that is the same across models (the q/k/v/o
 projections, the short causal convolution, the feature map, q/k normalisation, the head

@@ -7,27 +7,16 @@ chapter 3's engine.
 """
 from __future__ import annotations
 
-from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state
+from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
-from ..miras import miras
+from ..miras import MEMORIES, miras
 from .chunk import omega_chunk, swla_chunk
 from .recurrent import omega_recurrent, swla_recurrent
 
 # "linear": this package's own three rooms; the deep memories run on chapter 3's engine
 # (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
-MEMORIES = ("linear", "mlp", "residual", "gated")
-DEEP_MEMORIES = MEMORIES[1:]
-
-
-def check_window(window) -> int:
-    """The window length c must be an int >= 1."""
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window
 
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
@@ -55,7 +44,7 @@ def kernel_limits(fq, window, chunk_size):
             "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
 
 
-def backend_table(recurrent, chunk, kernel: str) -> dict:
+def window_table(recurrent, chunk, kernel: str) -> dict:
     """One window rule's three forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
     chunk_size, log_alpha); the per-token loop gets exp(log_alpha) and ignores chunk_size."""
     def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
@@ -64,8 +53,8 @@ def backend_table(recurrent, chunk, kernel: str) -> dict:
     return {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
 
 
-OMEGA_BACKENDS = backend_table(omega_recurrent, omega_chunk, "omega_triton")
-SWLA_BACKENDS = backend_table(swla_recurrent, swla_chunk, "swla_triton")
+OMEGA_BACKENDS = window_table(omega_recurrent, omega_chunk, "omega_triton")
+SWLA_BACKENDS = window_table(swla_recurrent, swla_chunk, "swla_triton")
 
 
 def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,

@@ -11,7 +11,7 @@ from ..core import softmax_attention
 from ..core.chunking import compute_dtype
 from ..linear import linear_attention
 from ..linear.recurrent import linear_attention_step
-from .mixer import TokenMixer, gate_dtype, register_mixer
+from .base import TokenMixer, gate_dtype, register_mixer
 
 
 def empty_memory(q, v) -> torch.Tensor:
