@@ -61,7 +61,7 @@ def _per_bh(x_t, M):
 
 
 def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=None, eta_t=None, theta_t=None,
-               ns_steps: int = 5, coeffs="muon", grad_at=None):
+               ns_steps: int = 5, ns_coeffs="muon", grad_at=None):
     """One token of ATLAS. Returns (the state after token t, y_t = M_t phi(q_t) [B, H, V]).
 
     q_t, k_t [B, H, D]; v_t [B, H, V]; G_t [B, H, c] per-offset window gates, [B, H] this token's
@@ -75,7 +75,7 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     keys, values, weights = window_rows(state.window, k_t, v_t, G_t)          # the last c pairs, t's own last
     grad = window_gradient(state.M if grad_at is None else grad_at, keys, values, weights)    # ∇_t
     S = grad if theta_t is None else _per_bh(theta_t, state.M) * state.S + grad              # S_t
-    M = _per_bh(alpha_t, state.M) * state.M - _per_bh(eta_t, state.M) * newton_schulz(S, ns_steps, coeffs)
+    M = _per_bh(alpha_t, state.M) * state.M - _per_bh(eta_t, state.M) * newton_schulz(S, ns_steps, ns_coeffs)
     y_t = torch.einsum("bhvd,bhd->bhv", M, q_t)                                # y_t = M_t phi(q_t)
     drop = max(keys.shape[2] - (window - 1), 0)                                # the oldest pair leaves
     rows = WindowState(M, keys[:, :, drop:], values[:, :, drop:], weights[:, :, drop:])
@@ -86,7 +86,7 @@ def _at(x, t):
     return None if x is None else x[:, :, t]
 
 
-def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum, chunk_size):
+def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, chunk_size):
     B, H, T, D = q.shape
     cd = compute_dtype(q)
     M0 = torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device) if initial_state is None \
@@ -97,13 +97,13 @@ def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state
         if chunk_size is not None and t % chunk_size == 0:
             M_start = state.M                                                  # M_{t0}: frozen for this chunk
         state, y_t = atlas_step(state, q[:, :, t], k[:, :, t], v[:, :, t], window, _at(G, t), _at(alpha, t),
-                                _at(eta, t), _at(theta, t), ns_steps, coeffs,
+                                _at(eta, t), _at(theta, t), ns_steps, ns_coeffs,
                                 grad_at=None if chunk_size is None else M_start)
         outputs.append(y_t)
     return torch.stack(outputs, dim=2).to(q.dtype), state.M, state.S
 
 
-def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                     initial_state=None, initial_momentum=None):
     """The per-token ATLAS rule with a linear memory (gradients at M_{t-1}).
 
@@ -112,17 +112,17 @@ def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None,
     initial_state, initial_momentum None or [B, H, V, D]. Returns (o [B, H, T, V] in q's dtype,
     M_T, S_T [B, H, V, D] in fp32, fp64 for fp64 inputs).
     """
-    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum, None)
+    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, None)
 
 
-def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                      initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE):
     """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5).
 
     Sequential, so it is the oracle that ``atlas_chunk(b)`` must match for every b; at b = 1 it
     is ``atlas_recurrent``. Arguments and results as ``atlas_recurrent``.
     """
-    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum,
+    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum,
                  chunk_size)
 
 
