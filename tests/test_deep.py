@@ -203,7 +203,7 @@ def test_taylor_state_in_and_out(gen, normalize):
         o, state = deep_transformer(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P), normalize=normalize,
                                     initial_state=h0, output_final_state=True, backend=backend, chunk_size=b)
         assert_close(o, want, tol=1e-11, name=backend)
-        assert_close(state, M_T, tol=1e-11, name=f"{backend} state")
+        assert_close(state.memory, M_T, tol=1e-11, name=f"{backend} state")
 
 
 @pytest.mark.parametrize("phi_star, normalize, window", [("kernel", True, None), ("kernel", False, 4),

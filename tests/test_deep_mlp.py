@@ -115,8 +115,9 @@ def test_deep_transformer_taylor_matches_reference(gen, given_W1):
     got, final = deep_transformer(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", P), memory="mlp",
                                   initial_state=state, output_final_state=True, backend="recurrent")
     assert_close(got, want, tol=1e-12, name="taylor recurrent")
-    assert_close(final["W1"], want_W1, tol=1e-12, name="W1_T")
-    assert_close(final["W2"], want_W2, tol=1e-12, name="W2_T")
+    assert final.momentum is None                # MirasState({"W1", "W2"}, None)
+    assert_close(final.memory["W1"], want_W1, tol=1e-12, name="W1_T")
+    assert_close(final.memory["W2"], want_W2, tol=1e-12, name="W2_T")
 
 
 @pytest.mark.parametrize("c", [1, 3])

@@ -107,7 +107,7 @@ def omega_rule_last_step(M, k_win, v_win, gamma, alpha, eta):
     G = torch.zeros(B, H, c, c)
     G[:, :, -1] = gamma.flip(-1)                  # offset j of the last step is window row c - 1 - j
     return omega_rule(k_win, k_win, v_win, window=c, gamma=G, alpha=torch.where(off > 0, alpha[..., None], 1.0),
-                      eta=eta[..., None] * off, initial_state=M, output_final_state=True, backend="recurrent")[1]
+                      eta=eta[..., None] * off, initial_state=M, output_final_state=True, backend="recurrent")[1].memory
 
 
 def test_omega_step_passes_correct_answers():
@@ -188,8 +188,9 @@ def chunkwise_chunk_only_windows(q, k, v, gamma, alpha, eta, chunk_size):
 
 def chunkwise_per_token(q, k, v, gamma, alpha, eta, chunk_size):
     """The exact per-token rule: right only at chunk size 1."""
-    return omega_rule(q, k, v, window=gamma.shape[-1], gamma=gamma, alpha=alpha, eta=eta,
-                      output_final_state=True, backend="recurrent")
+    o, state = omega_rule(q, k, v, window=gamma.shape[-1], gamma=gamma, alpha=alpha, eta=eta,
+                          output_final_state=True, backend="recurrent")
+    return o, state.memory
 
 
 def test_chunkwise_passes_a_correct_answer():

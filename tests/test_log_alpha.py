@@ -192,7 +192,7 @@ LONG_CALLS = {
     "delta_rule": lambda q, k, v, backend, **g: delta_rule(
         q, k, v, _eta(q, 0.02), backend=backend, output_final_state=True, **g)[1],
     "omega_rule": lambda q, k, v, backend, **g: omega_rule(
-        q, k, v, window=2, eta=_eta(q, 0.02), backend=backend, chunk_size=16, output_final_state=True, **g)[1],
+        q, k, v, window=2, eta=_eta(q, 0.02), backend=backend, chunk_size=16, output_final_state=True, **g)[1].memory,
     "swla": lambda q, k, v, backend, **g: swla(
         q, k, v, window=2, eta=_eta(q, 0.5), backend=backend, chunk_size=16, output_final_state=True, **g)[1],
     "miras": lambda q, k, v, backend, **g: miras(

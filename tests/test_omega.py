@@ -70,8 +70,11 @@ def autograd_oracle(q, k, v, window, gamma, alpha, eta, h0, chunk_size=1):
 
 
 def run(backend, q, k, v, gamma, alpha, eta, h0, window, **kw):
-    return omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, initial_state=h0,
-                      output_final_state=True, backend=backend, **kw)
+    """(o, M): the linear memory's final state is MirasState(M, None)."""
+    o, state = omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, initial_state=h0,
+                          output_final_state=True, backend=backend, **kw)
+    assert state.momentum is None
+    return o, state.memory
 
 
 def frozen(q, k, v, gamma, alpha, eta, h0, window, chunk_size):

@@ -44,14 +44,14 @@ NO_KERNEL = ("the Triton kernel (Newton-Schulz on the momenta) serves memory='li
 
 
 def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5,
-                 coeffs: Coefficients = "muon") -> MirasConfig:
+                 ns_coeffs: Coefficients = "muon") -> MirasConfig:
     """ATLAS as a MIRAS configuration: l2 bias, decay after the gradient, Muon with NS_k.
 
     ``atlaslib.miras.miras(q, k, v, config=atlas_config(), ...)`` runs the same model as
     ``atlas(q, k, v, memory="residual", ...)``. [A] gives no window length c (it sweeps it).
     """
     return make_config(memory=memory, bias="l2", retention="decay", optimizer="muon", window=window,
-                       ns_steps=ns_steps, ns_coeffs=tuple(coeffs) if isinstance(coeffs, list) else coeffs,
+                       ns_steps=ns_steps, ns_coeffs=tuple(ns_coeffs) if isinstance(ns_coeffs, list) else ns_coeffs,
                        name="atlas")
 
 
@@ -75,10 +75,10 @@ def _linear_state(initial_state, B, H, V, D, q):
 
 def _per_token(loop):
     """A per-token loop in the backend table's signature: log_alpha becomes alpha, chunk_size as the loop wants."""
-    def run(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, M0, S0, chunk_size, log_alpha):
+    def run(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, M0, S0, chunk_size, log_alpha):
         alpha = alpha_from_log(alpha, log_alpha, compute_dtype(q))
         extra = {} if loop is atlas_recurrent else {"chunk_size": chunk_size}
-        return loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, M0, S0, **extra)
+        return loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, M0, S0, **extra)
     return run
 
 
@@ -86,19 +86,19 @@ LINEAR_BACKENDS = {"recurrent": _per_token(atlas_recurrent), "frozen_seq": _per_
                    "chunk": atlas_chunk, "triton": lazy(f"{__name__}.kernel", "atlas_triton")}
 
 
-def kernel_limits(fq, V, coeffs):
+def kernel_limits(fq, V, ns_coeffs):
     """What the Newton-Schulz kernel refuses, as ``core.dispatch`` wants it (None: it takes the inputs)."""
     from .kernel import MAX_SHORT_SIDE, MAX_SIDE, kernel_supports
-    if kernel_supports(fq.shape[-1], V, coeffs):
+    if kernel_supports(fq.shape[-1], V, ns_coeffs):
         return matrix_kernel_limits(fq)
     return (f"momenta of {V} x {fq.shape[-1]} (it takes sides up to {MAX_SHORT_SIDE} x {MAX_SIDE}) "
             f"or more than 3 coefficients")
 
 
 def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
-          eta: Gate = None, theta: Gate = None, ns_steps: int = 5, coeffs: Coefficients = "muon",
+          eta: Gate = None, theta: Gate = None, ns_steps: int = 5, ns_coeffs: Coefficients = "muon",
           phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
-          output_final_state: bool = False, backend: str = "auto", chunk_size: int = ATLAS_CHUNK_SIZE,
+          output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
           log_alpha: Gate = None) -> ModelOutput:
     """ATLAS: the Omega window, momentum, and Newton–Schulz on the momentum ([A] eqs 32-33).
 
@@ -122,7 +122,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
         theta: momentum decay in [0, 1], [B, H, T] or a number (None: 0, no momentum carried).
         ns_steps: k >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
             outside the momentum, or with theta = 0 the Omega rule, book ch. 5).
-        coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
+        ns_coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
             "quintic" (both converge to the polar factor U V^T) or a tuple (a, b[, c]).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
         memory: "linear" (M [V, D], this package's rooms), "mlp", "residual" ([A]'s ATLAS) or
@@ -140,7 +140,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
             fp32/fp16/bf16; CPU under
             TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
             where the kernel takes the inputs, chunk otherwise).
-        chunk_size: b of "chunk" and "frozen_seq", default 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
+        chunk_size: b of "chunk" and "frozen_seq"; None: 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
             ``DEFAULT_CHUNK_SIZE``). **It changes the model**: b = 1 is the per-token rule.
 
     Which equalities hold (book ch. 5; all tested in tests/test_atlas.py):
@@ -165,15 +165,16 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
     constant eta the decays are equal, otherwise they must be rescaled.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, ``MirasState`` in fp32 (fp64 for fp64 inputs) or None).
+        (o [B, H, T, V] in q's dtype, ``MirasState(memory, momentum)`` in fp32 (fp64 for fp64 inputs) or
+        None), for every memory: ATLAS carries its momentum, so even the linear memory's state is the pair.
     """
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
     check_ns_steps(ns_steps)
-    ns_coefficients(coeffs)
-    check_chunk_size(chunk_size)
+    ns_coefficients(ns_coeffs)
+    chunk_size = ATLAS_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
     cd = compute_dtype(q)
@@ -189,24 +190,24 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
         log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
     theta = gate_or_number("theta", theta, B, H, T, cd, q)
-    coeffs = tuple(coeffs) if isinstance(coeffs, list) else coeffs
+    ns_coeffs = tuple(ns_coeffs) if isinstance(ns_coeffs, list) else ns_coeffs
     if memory in DEEP_MEMORIES:
-        return _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, coeffs, phi, memory, initial_state,
+        return _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, ns_coeffs, phi, memory, initial_state,
                            output_final_state, backend, chunk_size, log_alpha)
     fq, fk = apply_feature_map(phi, q, k)
     D = fk.shape[-1]
     M0, S0 = _linear_state(initial_state, B, H, V, D, q)
     G = window_gates(gamma, B, H, T, window, cd, q.device)
-    o, M, S = dispatch(backend, fq, LINEAR_BACKENDS, fq, fk, v, window, G, alpha, eta, theta, ns_steps, coeffs,
+    o, M, S = dispatch(backend, fq, LINEAR_BACKENDS, fq, fk, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs,
                        M0, S0, chunk_size, log_alpha, model="atlas",
-                       unsupported=lambda: kernel_limits(fq, V, coeffs))
+                       unsupported=lambda: kernel_limits(fq, V, ns_coeffs))
     return o.to(q.dtype), (MirasState(M, S) if output_final_state else None)
 
 
-def _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, coeffs, phi, memory, initial_state,
+def _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, ns_coeffs, phi, memory, initial_state,
                 output_final_state, backend, chunk_size, log_alpha):
     """ATLAS with a deep memory: chapter 3's engine with optimizer "muon" and the Omega window."""
-    cfg = atlas_config(memory, window, ns_steps, coeffs)
+    cfg = atlas_config(memory, window, ns_steps, ns_coeffs)
 
     def engine(name):
         def run(q, k, v):

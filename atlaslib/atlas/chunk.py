@@ -38,13 +38,13 @@ from ..core.windows import band_gates
 from ..miras import DEFAULT_CHUNK_SIZE
 
 
-def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                 initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
                 orthogonalise=None):
     """Chunkwise ATLAS with a linear memory (see the module docstring).
 
     Arguments as ``atlas_recurrent`` plus ``chunk_size`` (b) and ``log_alpha`` (the retention as
-    its log, instead of alpha). ``orthogonalise(S, steps, coeffs)`` replaces ``newton_schulz`` in
+    its log, instead of alpha). ``orthogonalise(S, steps, ns_coeffs)`` replaces ``newton_schulz`` in
     step 3 (the Triton kernel's, ``kernel.atlas_triton``). Returns (o [B, H, T, V] in q's dtype,
     M_T, S_T [B, H, V, D]).
     """
@@ -79,7 +79,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
             S_all = S_all + B_cum[..., None, None] * S[:, :, None]
         # 3. Newton-Schulz on the batch of n momenta (each [V, D] matrix on its own)
-        U = ns(S_all, ns_steps, coeffs)
+        U = ns(S_all, ns_steps, ns_coeffs)
         # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i)
         if ga is None:
             D_alpha, A = torch.ones(n, n, dtype=cd, device=q.device).tril(), None

@@ -83,18 +83,18 @@ def newton_schulz_kernel(x_ptr, o_ptr, s_xn, s_xr, s_xc, s_on, s_or, s_oc, R, C,
     tl.store(p_o, b_x.to(o_ptr.dtype.element_ty), mask=m_x)
 
 
-def kernel_supports(rows: int, cols: int, coeffs) -> bool:
+def kernel_supports(rows: int, cols: int, ns_coeffs) -> bool:
     """Whether the kernel takes matrices [rows, cols] with these coefficients."""
     return (max(rows, cols) <= MAX_SIDE and min(rows, cols) <= MAX_SHORT_SIDE
-            and len(ns_coefficients(coeffs)) <= 3)
+            and len(ns_coefficients(ns_coeffs)) <= 3)
 
 
-def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torch.Tensor:
-    """``core.newton_schulz.newton_schulz(G, steps, coeffs)`` for fp32/fp16/bf16 G [..., m, n] on the
+def newton_schulz_triton(G: torch.Tensor, ns_steps: int = 5, ns_coeffs="muon") -> torch.Tensor:
+    """``core.newton_schulz.newton_schulz(G, ns_steps, ns_coeffs)`` for fp32/fp16/bf16 G [..., m, n] on the
     kernel (fp32 arithmetic; result in G's dtype); max(m, n) <= 128, min(m, n) <= 64, at most three
     coefficients."""
-    steps = check_ns_steps(steps)
-    poly = ns_coefficients(coeffs)
+    ns_steps = check_ns_steps(ns_steps)
+    poly = ns_coefficients(ns_coeffs)
     if len(poly) > 3:
         raise ValueError(f"the Newton-Schulz kernel takes at most three coefficients (a, b, c), got {len(poly)}")
     p0, p1, p2 = poly + (0.0,) * (3 - len(poly))
@@ -104,7 +104,7 @@ def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torc
                          f"way round), got {m} x {n}; use backend='chunk'")
     if G.dtype == torch.float64:
         raise ValueError("the Newton-Schulz kernel computes in fp32; use backend='chunk' for fp64")
-    if steps == 0:
+    if ns_steps == 0:
         return G
     x = G.reshape(-1, m, n)
     out = empty(x.shape, dtype=G.dtype, device=G.device)
@@ -117,15 +117,15 @@ def newton_schulz_triton(G: torch.Tensor, steps: int = 5, coeffs="muon") -> torc
         s_x[1], s_x[2] = s_x[2], s_x[1]
         s_o[1], s_o[2] = s_o[2], s_o[1]
     BR, BC = dot_tile(R), dot_tile(C)
-    newton_schulz_kernel[(x.shape[0],)](x, out, *s_x, *s_o, R, C, steps, p0, p1, p2, NORM_EPS,
+    newton_schulz_kernel[(x.shape[0],)](x, out, *s_x, *s_o, R, C, ns_steps, p0, p1, p2, NORM_EPS,
                                         BR=BR, BC=BC, num_warps=warps_for(BR, BC), num_stages=1)
     return out.view(G.shape)
 
 
-def atlas_triton(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_triton(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                  initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """The chunk form with Newton–Schulz on the kernel (see the module docstring); as ``atlas_chunk``."""
-    return atlas_chunk(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum,
+    return atlas_chunk(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum,
                        chunk_size, log_alpha, orthogonalise=newton_schulz_triton)
 
 

@@ -56,7 +56,7 @@ def start_state(M: torch.Tensor, S: torch.Tensor | None = None) -> AtlasState:
 
 
 def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=None, eta_t=None, theta_t=None,
-               ns_steps: int = 5, coeffs="muon", grad_at=None):
+               ns_steps: int = 5, ns_coeffs="muon", grad_at=None):
     """One token of ATLAS. Returns (the state after token t, y_t = M_t phi(q_t) [B, H, V]).
 
     q_t, k_t [B, H, D]; v_t [B, H, V]; G_t [B, H, c] per-offset window gates, [B, H] this token's
@@ -70,22 +70,22 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     keys, values, weights = window_rows(state.window, k_t, v_t, G_t)          # the last c pairs, t's own last
     grad = window_gradient(state.M if grad_at is None else grad_at, keys, values, weights)    # ∇_t
     S = grad if theta_t is None else _per_bh(theta_t, state.M) * state.S + grad              # S_t
-    M = _per_bh(alpha_t, state.M) * state.M - _per_bh(eta_t, state.M) * newton_schulz(S, ns_steps, coeffs)
+    M = _per_bh(alpha_t, state.M) * state.M - _per_bh(eta_t, state.M) * newton_schulz(S, ns_steps, ns_coeffs)
     y_t = torch.einsum("bhvd,bhd->bhv", M, q_t)                                # y_t = M_t phi(q_t)
     drop = max(keys.shape[2] - (window - 1), 0)                                # the oldest pair leaves
     rows = WindowState(M, keys[:, :, drop:], values[:, :, drop:], weights[:, :, drop:])
     return AtlasState(M, S, rows), y_t
 
 
-def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum, chunk_size):
+def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, chunk_size):
     M0 = start_memory(q, v, initial_state)
     state = start_state(M0, None if initial_momentum is None else initial_momentum.to(M0.dtype))
-    o, state = scan_tokens(lambda s, *x, **kw: atlas_step(s, *x[:3], window, *x[3:], ns_steps, coeffs, **kw),
+    o, state = scan_tokens(lambda s, *x, **kw: atlas_step(s, *x[:3], window, *x[3:], ns_steps, ns_coeffs, **kw),
                            state, q, k, v, G, alpha, eta, theta, freeze_every=chunk_size)
     return o, state.M, state.S
 
 
-def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                     initial_state=None, initial_momentum=None):
     """The per-token ATLAS rule with a linear memory (gradients at M_{t-1}).
 
@@ -94,17 +94,17 @@ def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None,
     initial_state, initial_momentum None or [B, H, V, D]. Returns (o [B, H, T, V] in q's dtype,
     M_T, S_T [B, H, V, D] in fp32, fp64 for fp64 inputs).
     """
-    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum, None)
+    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, None)
 
 
-def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, coeffs="muon",
+def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_steps=5, ns_coeffs="muon",
                      initial_state=None, initial_momentum=None, chunk_size=DEFAULT_CHUNK_SIZE):
     """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5).
 
     Sequential, so it is the oracle that ``atlas_chunk(b)`` must match for every b; at b = 1 it
     is ``atlas_recurrent``. Arguments and results as ``atlas_recurrent``.
     """
-    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, coeffs, initial_state, initial_momentum,
+    return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum,
                  chunk_size)
 
 

@@ -116,10 +116,10 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
             independent mode). output_final_state: also return the state after the last token
             (of the last segment; for "log", of the last token's own block).
         backend: "recurrent" (the definition, with the base's per-token loop), "chunk" (the base's
-            chunk form, batched readout in PyTorch), "triton" (the base's "auto", i.e. its kernel on
-            CUDA, and the readout kernel ``kernel.cached_readout_triton`` for matrix memories) or
-            "auto" (triton on CUDA where the kernel takes the inputs, else the base's "auto" and the
-            PyTorch readout).
+            chunk form, batched readout in PyTorch), "triton" (the base's backend="triton", i.e. its
+            kernel, which raises for a base without one, as any explicit "triton" does, and the readout
+            kernel ``kernel.cached_readout_triton`` for matrix memories) or "auto" (triton on CUDA where
+            the kernel takes the inputs, else the base's "auto" and the PyTorch readout).
         chunk_size: the base's chunk length; None (the default) leaves the base's own default (e.g. 16
             for Titans, OmegaNet and ATLAS, where the chunk length is part of the model).
         stats: optional dict; "reads" is increased by the number of memory passes of the readout
@@ -151,21 +151,23 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
         o, state = memory_caching_recurrent(*args, chunk_size, stats)
     elif name == "chunk":
         o, state = memory_caching_chunk(*args, "auto" if backend == "auto" else "chunk", chunk_size)
-    else:                       # the base's own kernel where it has one, the readout kernel
-        o, state = memory_caching_chunk(*args, "auto", chunk_size, readout=kernel_readout)
+    else:                       # the base's own kernel (explicit "triton", or "auto" chose it), the readout kernel
+        o, state = memory_caching_chunk(*args, backend, chunk_size, readout=kernel_readout)
     if stats is not None and name != "recurrent":         # the definition counts its reads one by one
         stats["reads"] = stats.get("reads", 0) + memory_reads(layout, top_k if aggregate == "ssc" else None)
     return o, (state if output_final_state else None)
 
 
-def log_linear_pp(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput], **options: Any) -> ModelOutput:
+def log_linear_pp(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput], u: Tensor | None = None,
+                  pool: str = "mean", base_kwargs: dict[str, Any] | None = None, initial_state: Any = None,
+                  output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
+                  stats: dict[str, Any] | None = None) -> ModelOutput:
     """Log-Linear++ ([MC] §4.3): GRM over the log-linear segmentation with independent compressors,
-    i.e. ``memory_caching(segments="log", mode="independent", aggregate="grm")``; other options
-    (u, pool, base_kwargs, initial_state, output_final_state, backend, chunk_size) as there."""
-    for name in ("segments", "mode", "aggregate", "top_k"):
-        if name in options:
-            raise ValueError(f"log_linear_pp fixes {name}; call memory_caching to choose it")
-    return memory_caching(q, k, v, base=base, segments="log", mode="independent", aggregate="grm", **options)
+    i.e. ``memory_caching(segments="log", mode="independent", aggregate="grm")``; the other arguments
+    (u, pool, base_kwargs, initial_state, output_final_state, backend, chunk_size, stats) as there."""
+    return memory_caching(q, k, v, base=base, segments="log", mode="independent", aggregate="grm", u=u, pool=pool,
+                          base_kwargs=base_kwargs, initial_state=initial_state, output_final_state=output_final_state,
+                          backend=backend, chunk_size=chunk_size, stats=stats)
 
 
 __all__ = ["memory_caching", "log_linear_pp", "memory_caching_recurrent", "memory_caching_chunk", "cached_readout",

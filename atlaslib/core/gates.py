@@ -11,6 +11,7 @@ dtype (fp32/fp64, which does hold 1 - 2^-12).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -43,3 +44,27 @@ def alpha_from_log(alpha, log_alpha, cd: torch.dtype):
     if log_alpha is None:
         return alpha
     return torch.exp(log_alpha.to(cd))
+
+
+def retention_gates(alpha, log_alpha, B: int, H: int, T: int, K: int | None = None, *, ref: torch.Tensor):
+    """``check_retention`` for a gate given as a tensor *or a number*; returns (alpha, log_alpha).
+
+    A number becomes one value per token, a [B, H, T] tensor in the compute dtype (fp32, fp64 for
+    fp64 ``ref``) on ``ref``'s device: alpha must lie in [0, 1], log_alpha be <= 0. Tensors pass
+    through ``check_retention`` unchanged; None stays None.
+    """
+    cd = torch.promote_types(ref.dtype, torch.float32)
+    if _is_number(alpha):
+        if not 0.0 <= float(alpha) <= 1.0:
+            raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+        alpha = torch.full((B, H, T), float(alpha), dtype=cd, device=ref.device)
+    if _is_number(log_alpha):
+        if not float(log_alpha) <= 0.0:
+            raise ValueError(f"log_alpha must be <= 0, got {log_alpha}")
+        log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=ref.device)
+    check_retention(alpha, log_alpha, B, H, T, K, ref=ref)
+    return alpha, log_alpha
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

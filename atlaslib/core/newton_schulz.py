@@ -27,7 +27,7 @@ end; the arithmetic runs in fp32 by default (fp64 input stays fp64) and in bf16 
 (``dtype=torch.bfloat16``, as Muon runs it on a GPU). Any leading dims are a batch: every
 [..., m, n] matrix is normalised and iterated on its own.
 
-``steps=0`` is the identity (G returned unchanged, not normalised): "no Newton–Schulz".
+``ns_steps=0`` is the identity (G returned unchanged, not normalised): "no Newton–Schulz".
 The normalisation belongs to the iteration and is skipped with it, so ``ns_steps=0``
 switches orthogonalisation off in ATLAS (which then is Titans / OmegaNet with eta outside
 the momentum, book ch. 5).
@@ -53,32 +53,32 @@ COEFFICIENTS = {
 NORM_EPS = 1e-7          # X_0 = G / (||G||_F + NORM_EPS), as Muon
 
 
-def ns_coefficients(coeffs) -> tuple:
-    """The polynomial coefficients (a, b, ...) of ``coeffs``: a name from ``COEFFICIENTS`` or a tuple.
+def ns_coefficients(ns_coeffs) -> tuple:
+    """The polynomial coefficients (a, b, ...) of ``ns_coeffs``: a name from ``COEFFICIENTS`` or a tuple.
 
     A tuple (or list) needs at least one finite real number; (a,) alone is allowed (X -> a X).
     """
-    if isinstance(coeffs, str):
-        if coeffs not in COEFFICIENTS:
-            raise ValueError(f"coeffs must be one of {sorted(COEFFICIENTS)} or a tuple (a, b[, c]) of the "
-                             f"polynomial p(A) = a I + b A + c A^2, got {coeffs!r}")
-        return COEFFICIENTS[coeffs]
-    if not isinstance(coeffs, (tuple, list)) or len(coeffs) == 0:
-        raise TypeError(f"coeffs must be a name ({', '.join(sorted(COEFFICIENTS))}) or a non-empty tuple "
-                        f"(a, b[, c]) of numbers, got {coeffs!r}")
-    for c in coeffs:
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in COEFFICIENTS:
+            raise ValueError(f"ns_coeffs must be one of {sorted(COEFFICIENTS)} or a tuple (a, b[, c]) of the "
+                             f"polynomial p(A) = a I + b A + c A^2, got {ns_coeffs!r}")
+        return COEFFICIENTS[ns_coeffs]
+    if not isinstance(ns_coeffs, (tuple, list)) or len(ns_coeffs) == 0:
+        raise TypeError(f"ns_coeffs must be a name ({', '.join(sorted(COEFFICIENTS))}) or a non-empty tuple "
+                        f"(a, b[, c]) of numbers, got {ns_coeffs!r}")
+    for c in ns_coeffs:
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(float(c)):
-            raise ValueError(f"coeffs must hold finite real numbers (a, b[, c]), got {coeffs!r}")
-    return tuple(float(c) for c in coeffs)
+            raise ValueError(f"ns_coeffs must hold finite real numbers (a, b[, c]), got {ns_coeffs!r}")
+    return tuple(float(c) for c in ns_coeffs)
 
 
-def check_ns_steps(steps) -> int:
+def check_ns_steps(ns_steps) -> int:
     """The number of Newton–Schulz steps k: an int >= 0 (0: no orthogonalisation)."""
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
-        raise TypeError(f"steps (ns_steps) must be an int >= 0, got {steps!r}")
-    if steps < 0:
-        raise ValueError(f"steps (ns_steps) must be >= 0 (0 switches Newton-Schulz off), got {steps}")
-    return int(steps)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, numbers.Integral):
+        raise TypeError(f"ns_steps must be an int >= 0, got {ns_steps!r}")
+    if ns_steps < 0:
+        raise ValueError(f"ns_steps must be >= 0 (0 switches Newton-Schulz off), got {ns_steps}")
+    return int(ns_steps)
 
 
 def _check_matrix(name, G):
@@ -90,13 +90,14 @@ def _check_matrix(name, G):
         raise TypeError(f"{name} must be a floating-point tensor, got {G.dtype}")
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs="muon", dtype: torch.dtype | None = None) -> torch.Tensor:
-    """NS_k(G): ``steps`` Newton–Schulz steps on every matrix [..., m, n] of G (see the module docstring).
+def newton_schulz(G: torch.Tensor, ns_steps: int = 5, ns_coeffs="muon",
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """NS_k(G): ``ns_steps`` Newton–Schulz steps on every matrix [..., m, n] of G (see the module docstring).
 
     Args:
         G: [..., m, n], any leading batch dims.
-        steps: k >= 0; 0 returns G itself (no normalisation either).
-        coeffs: "muon" (default), "cubic", "quintic", or a tuple (a, b[, c, ...]).
+        ns_steps: k >= 0; 0 returns G itself (no normalisation either).
+        ns_coeffs: "muon" (default), "cubic", "quintic", or a tuple (a, b[, c, ...]).
         dtype: the arithmetic's dtype. None: fp32, or fp64 for fp64 input. torch.bfloat16 runs
             it as Muon does.
 
@@ -104,13 +105,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs="muon", dtype: torch.d
         A tensor of G's shape and dtype.
     """
     _check_matrix("G", G)
-    steps = check_ns_steps(steps)
-    a, *rest = ns_coefficients(coeffs)
+    ns_steps = check_ns_steps(ns_steps)
+    a, *rest = ns_coefficients(ns_coeffs)
     if dtype is None:
         dtype = torch.float64 if G.dtype == torch.float64 else torch.float32
     elif not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be None or a floating torch.dtype, got {dtype!r}")
-    if steps == 0:
+    if ns_steps == 0:
         return G
     X = G.to(dtype)
     tall = X.shape[-2] > X.shape[-1]
@@ -118,7 +119,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, coeffs="muon", dtype: torch.d
         X = X.transpose(-1, -2)
     X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + NORM_EPS)
     eye = torch.eye(X.shape[-2], dtype=dtype, device=X.device) if len(rest) > 1 else None
-    for _ in range(steps):
+    for _ in range(ns_steps):
         A = X @ X.transpose(-1, -2)
         if not rest:                                       # p(A) = a I
             X = a * X

@@ -12,6 +12,11 @@ Gate = Union[torch.Tensor, float, None]
 FeatureMap = Union[str, Callable[[torch.Tensor], torch.Tensor], None]
 # Newton-Schulz coefficients: a name ("muon", "cubic", ...) or explicit (a, b, c) triples.
 Coefficients = Union[str, Sequence[Any]]
-# What every model returns: the output o [B, H, T, V] and the final state (None unless requested;
-# its type is the model's memory: a tensor, a dict of tensors or a state object).
+# What every model returns: the output o [B, H, T, V] and the final state, None unless requested.
+# The state's type belongs to the function, never to an argument: a tensor [B, H, V, D] where the memory
+# is always one matrix (linear_attention, delta_rule, swla), ``MirasState(memory, momentum)`` for every
+# function with a ``memory`` option (miras, omega_rule, atlas, dla, deep_transformer, dot), the base's
+# for memory_caching / log_linear_pp. The rest of the contract (book/notation.md, tests/test_contract.py):
+# gates as tensors or numbers, alpha or log_alpha, ``chunk_size=None`` for the model's own default,
+# ``backend="auto"``, ``beta`` for the delta rule's step and ``eta`` elsewhere, ``ns_steps``/``ns_coeffs``.
 ModelOutput = tuple[torch.Tensor, Any]

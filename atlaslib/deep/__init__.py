@@ -47,12 +47,14 @@ from torch import Tensor
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
-from ..core.gates import alpha_from_log, check_retention
+from ..core.gates import alpha_from_log, retention_gates
 from ..core.types import Gate, ModelOutput
 from ..core.validation import _value_check, gate_or_number
 from ..delta import delta_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..core.validation import check_window
+from ..miras import MirasState
+from ..omega.backends import memory_of_state
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
@@ -69,7 +71,7 @@ MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) 
 MEMORIES = ("linear", "mlp")     # the matrix memory, and chapter 3's MLP W2 act(W1 phi*(x)) with W1_0 = 0 (mlp.py)
 
 
-def check_memory(memory, activation=None, initial_state=None, model="deep_transformer"):
+def check_memory(memory, activation=None):
     """The memories deep_transformer and dot take (DLA has the residual and gated ones too), and the
     options only the deep memory has. Returns the activation (None for the linear memory)."""
     if memory not in MEMORIES:
@@ -78,11 +80,9 @@ def check_memory(memory, activation=None, initial_state=None, model="deep_transf
     if memory == "linear":
         if activation is not None:
             raise ValueError(f"activation={activation!r} is an option of memory='mlp'; the linear memory has none")
-        if initial_state is not None and model == "dot":
-            raise ValueError("dot: initial_state is an option of memory='mlp' (its W2, and W1 for the Taylor "
-                             "form); the linear DOT starts at zero")
         return None
     return check_activation("gelu" if activation is None else activation)
+
 
 def default_chunk_size(chunk_size: int | None, frozen: bool) -> int:
     """chunk_size=None: DEFAULT_CHUNK_SIZE where every b is exact, FROZEN_CHUNK_SIZE where b is part of the model."""
@@ -153,7 +153,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V].
-        alpha: retention in [0, 1], a number or [B, H, T] (None: 1). Or ``log_alpha`` [B, H, T] <= 0.
+        alpha: retention in [0, 1], a number or [B, H, T] (None: 1). Or ``log_alpha`` <= 0, [B, H, T] or a number.
         eta: write strength >= 0, a number or [B, H, T] (None: 1).
         phi_star: ``"kernel"`` (exact: the state is the coefficients u_j of the past features and a
             read is sum_j u_j exp(k_j^T q_t), O(T^2), book ch. 6 §kernel trick) or ``("taylor", P)``
@@ -177,9 +177,12 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
         initial_state: linear memory: [B, H, V (+1 with normalize), D] start memory; ``("taylor", P)``
             without window only. "mlp": ``{"W2": [B, H, V, h]}`` (W1 = 0; h is the hidden width) or, with
             ("taylor", P) only, ``{"W1": [B, H, h, D], "W2": [B, H, V, h]}``; None: W1 = 0 and W2 ~ N(0, 1/h)
-            per head from a generator seeded with 0, h = 4 K (``second_layer_init``).
-        output_final_state: return M_T (same restriction: the kernel form's state grows with T, and a
-            window must also remember the pairs it will drop); "mlp": ``{"W1", "W2"}`` of the Taylor form.
+            per head from a generator seeded with 0, h = 4 K (``second_layer_init``). Either may also come
+            as ``MirasState(memory, None)``, e.g. a previous call's final state.
+        output_final_state: return the final state as ``MirasState(memory, None)`` for every memory: the
+            linear memory's M_T [B, H, V (+1), D] or the "mlp" memory's ``{"W1", "W2"}`` (Taylor form only).
+            Same restriction as initial_state: the kernel form's state grows with T, and a window must also
+            remember the pairs it will drop, so there it raises ValueError.
         backend: "recurrent" (per token), "chunk" (masked matrix products), "triton" (``kernel.py``:
             phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
             1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
@@ -191,15 +194,15 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
             step moves W1 by act'(0): "relu" (act'(0) = 0 in torch) leaves the memory at its start forever.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, final state or None).
+        (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
     activation = check_memory(memory, activation)
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     cd = compute_dtype(q)
-    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
-    check_retention(alpha, log_alpha, B, H, T, ref=q)
+    initial_state = memory_of_state(initial_state)
     if window is not None:
         check_window(window)
     chunk_size = default_chunk_size(chunk_size, frozen=memory == "mlp")
@@ -211,8 +214,9 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
             raise ValueError("deep_transformer: window (SWDT) needs memory='linear': a deep memory cannot drop the "
                              "pair that leaves the window (for the Omega window on a deep memory use dot, or "
                              "atlaslib.miras.miras with bias='dot' and window=c)")
-        return mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state,
-                                    backend, chunk_size, activation)
+        o, state = mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state,
+                                        backend, chunk_size, activation)
+        return o, (MirasState(state, None) if output_final_state else None)
     matrix = form == "taylor" and window is None                     # the forms that have a matrix state
     if (initial_state is not None or output_final_state) and not matrix:
         raise ValueError("initial_state and output_final_state need phi_star=('taylor', P) and window=None: "
@@ -245,13 +249,13 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
                                     "or 'recurrent'")
     if normalize:
         o = o[..., :V].to(cd) / o[..., V:].to(cd)
-    return o.to(q.dtype), (state if output_final_state else None)
+    return o.to(q.dtype), (MirasState(state, None) if output_final_state else None)
 
 
 def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
         eta: Gate = None, phi_star: str | tuple[str, int] = "kernel", memory: str = "linear",
-        initial_state: Any = None, backend: str = "auto", chunk_size: int | None = None,
-        activation: str | None = None) -> ModelOutput:
+        initial_state: Any = None, output_final_state: bool = False, backend: str = "auto",
+        chunk_size: int | None = None, log_alpha: Gate = None, activation: str | None = None) -> ModelOutput:
     """The Deep Omega Transformer ([A] eq. 27): the Omega rule on phi*, with a linear or deep memory.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
@@ -274,7 +278,8 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
             factor of the step, eta_t gamma_t.
         alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the c = 1 forms run
             chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
-            alpha > 0) and the kernel chunk form works with log alpha.
+            alpha > 0) and the kernel chunk form works with log alpha. Or ``log_alpha`` (> -inf and <= 0,
+            a number or [B, H, T]), turned into alpha in fp32 (fp64 for fp64 inputs).
         eta: step >= 0 (a number or [B, H, T]; None: 1).
         phi_star: "kernel" (exact phi*: coefficients u_j of phi*(k_j), O(T^2); c = 1 has a chunk form that
             solves a triangular system, exact for every chunk_size; c > 1 a frozen-gradient one) or
@@ -287,8 +292,12 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
             delta rule), backends "recurrent", "frozen_seq", "chunk", "auto" = chunk, whose chunk form
             freezes the gradients per chunk (exact only at b = 1). With "kernel": ``dot_mlp_recurrent``
             (per token, W1 in coefficient form, O(T^2); backend "recurrent" or "auto").
-        initial_state: "mlp" only, as ``deep_transformer`` takes it (``{"W2": ...}``, plus "W1" for
-            the Taylor form; None: W1 = 0, W2 seeded, h = 4 K).
+        initial_state: ("taylor", P) with the linear memory: the start matrix [B, H, V, D] (None: zero);
+            "mlp": as ``deep_transformer`` takes it (``{"W2": ...}``, plus "W1" for the Taylor form; None:
+            W1 = 0, W2 seeded, h = 4 K). Either may come as ``MirasState(memory, None)``. The kernel form
+            (phi_star="kernel") keeps one coefficient per past token and has no start state (ValueError).
+        output_final_state: also return the final state, ``MirasState(memory, None)`` (the matrix, or the
+            "mlp" weights ``{"W1", "W2"}``); ValueError for the kernel form, as for initial_state.
         backend: "recurrent" (per token: the definition), "chunk", "triton" or "auto".
             c = 1, "kernel": "recurrent", "chunk" (both exact for every chunk_size) and "triton"
             (``kernel.dot_kernel_triton``: the same block solve in one program per head; fp32/bf16/fp16
@@ -309,16 +318,21 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
         activation: "mlp" only, as ``deep_transformer`` takes it (None: "gelu").
 
     Returns:
-        (o [B, H, T, V] in q's dtype, None).
+        (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
-    activation = check_memory(memory, activation, initial_state, model="dot")
+    activation = check_memory(memory, activation)
     B, H, T, K, V = check_qkv(q, k, v)
     form, order = check_phi_star(phi_star)
     c = check_window(window)
     check_gate("gamma", gamma, B, H, T, c, ref=q)
     cd = compute_dtype(q)
-    alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
+    alpha = alpha_from_log(alpha, log_alpha, cd)
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    initial_state = memory_of_state(initial_state)
+    if form == "kernel" and memory == "linear" and (initial_state is not None or output_final_state):
+        raise ValueError("dot: initial_state and output_final_state need phi_star=('taylor', P) (or memory='mlp'): "
+                         "the kernel form keeps one coefficient per past token, not a fixed-size matrix state")
     if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
         raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
     chunk_size = default_chunk_size(chunk_size, frozen=c > 1 or memory == "mlp")
@@ -329,7 +343,9 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     if c == 1 and memory == "linear":
         check_dot_step(eta, alpha)
     if memory == "mlp":                             # the deep Omega rule on phi* (mlp.py)
-        return mlp_dot(q, k, v, c, gamma, alpha, eta, order, initial_state, backend, chunk_size, activation)
+        o, state = mlp_dot(q, k, v, c, gamma, alpha, eta, order, initial_state, output_final_state, backend,
+                           chunk_size, activation)
+        return o, (MirasState(state, None) if output_final_state else None)
     if form == "kernel":
         check_exponents(q, k, None)
         check_exponents(k, k, None)
@@ -350,10 +366,12 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
                         unsupported=lambda: lazy(f"{__name__}.kernel", "dot_unsupported")(q))
         return o.to(q.dtype), None
     fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
+    check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
     if c > 1:                                       # the Omega rule on the features (chapter 4)
-        o, _ = omega_rule(fq, fk, v.to(cd), window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
-                          chunk_size=chunk_size)
-        return o.to(q.dtype), None
+        o, state = omega_rule(fq, fk, v.to(cd), window=c, gamma=gamma, alpha=alpha, eta=eta, backend=backend,
+                              chunk_size=chunk_size, initial_state=initial_state,
+                              output_final_state=output_final_state)
+        return o.to(q.dtype), state
     beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     vv = v.to(cd)
     if alpha is not None:                           # Gated DeltaNet decays before its step: undo it
@@ -361,9 +379,9 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit).
     # Its forms are called directly: delta_rule's cap beta <= 2 is DeltaNet's unit-key condition, not
     # DOT's (check_dot_step), and beta = eta / alpha exceeds it for stable DOT inputs.
-    o, _ = dispatch(backend, fq, delta_table(chunk_size), fq, fk, vv, beta, alpha, None, None,
-                    unsupported=lambda: matrix_kernel_limits(fq), model="dot")
-    return o.to(q.dtype), None
+    o, state = dispatch(backend, fq, delta_table(chunk_size), fq, fk, vv, beta, alpha, initial_state, None,
+                        unsupported=lambda: matrix_kernel_limits(fq), model="dot")
+    return o.to(q.dtype), (MirasState(state, None) if output_final_state else None)
 
 
 def check_dot_step(eta, alpha):

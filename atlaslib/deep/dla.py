@@ -42,7 +42,7 @@ def taylor_phi(order: int) -> Callable[[Tensor], Tensor]:
 
 def dla(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None, phi: FeatureMap = None,
         phi_star: tuple[str, int] | None = None, memory: str = "mlp", initial_state: Any = None,
-        output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+        output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
         log_alpha: Gate = None, **memory_options: Any) -> ModelOutput:
     """Deep linear attention: the MIRAS preset "dla" (dot-product bias, GD, decay, deep memory).
 
@@ -58,13 +58,15 @@ def dla(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None
             needs W1 to start at 0 (in the span of past features), which is
             ``deep_transformer(memory="mlp", phi_star="kernel")`` (or memory="linear").
         memory: "mlp" (W2 act(W1 x), default), "linear" (gated linear attention), "residual" or "gated"
-            (these two need the feature width to equal V).
+            (these two need the feature width to equal V). The one model whose default memory is not
+            "linear": a deep memory is what DLA is (its linear case is chapter 1's gated linear attention).
         initial_state: as in ``miras`` (None: zeros for the linear memory, seeded random weights for deep
             ones; a deep memory started at zero has zero gradients forever).
         output_final_state: also return the final ``MirasState``.
         backend: "recurrent" (per token), "frozen_seq" (per token, gradients frozen at chunk starts),
             "chunk" or "auto" (chunk: there is no Triton kernel for the dot-product bias).
-        chunk_size: b of "chunk" and "frozen_seq". It changes the model for a deep memory.
+        chunk_size: b of "chunk" and "frozen_seq" (None: chapter 3's ``DEFAULT_CHUNK_SIZE`` = 16). It changes
+            the model for a deep memory.
         **memory_options: ``expansion``, ``activation``, ``layer_norm`` of the deep memory.
 
     Returns:
@@ -86,6 +88,7 @@ def dla(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None
                              "atlaslib.deep.deep_transformer(memory='mlp' or 'linear', phi_star='kernel'), which "
                              "starts W1 at 0")
         phi = taylor_phi(order)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     return miras(q, k, v, preset="dla", memory=memory, alpha=alpha, eta=eta, phi=phi, initial_state=initial_state,
                  output_final_state=output_final_state, backend=backend, chunk_size=chunk_size, log_alpha=log_alpha,
                  **memory_options)

@@ -128,7 +128,8 @@ def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, o
     return o.to(q.dtype), None
 
 
-def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, backend, chunk_size, activation):
+def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, output_final_state, backend, chunk_size,
+            activation):
     """DOT with the deep memory (the deep Omega rule on phi*). order: P of ("taylor", P), None for the kernel."""
     B, H, T, K = q.shape
     V = v.shape[-1]
@@ -136,10 +137,14 @@ def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, backend, c
     W1, W2 = mlp_start(initial_state, B, H, K, V, D, q, q.dtype if q.dtype == torch.float64 else torch.float32)
     if order is not None:                     # chapter 3's engine as omega_rule(memory="mlp") runs it
         start, expansion = engine_state(W1, W2, D)
-        o, _ = miras(q, k, v, memory="mlp", bias="l2", optimizer="gd", retention="decay", window=window,
-                     gamma=gamma, alpha=alpha, eta=eta, phi=taylor_phi(order), initial_state=start, backend=backend,
-                     chunk_size=chunk_size, expansion=expansion, activation=activation)
-        return o, None
+        o, state = miras(q, k, v, memory="mlp", bias="l2", optimizer="gd", retention="decay", window=window,
+                         gamma=gamma, alpha=alpha, eta=eta, phi=taylor_phi(order), initial_state=start,
+                         output_final_state=output_final_state, backend=backend, chunk_size=chunk_size,
+                         expansion=expansion, activation=activation)
+        return o, (cropped_state(state, W2.shape[-1]) if output_final_state else None)
+    if output_final_state:
+        raise ValueError("output_final_state with phi_star='kernel' and memory='mlp': the first layer is one "
+                         "coefficient per past token, not a fixed-size state; use phi_star=('taylor', P)")
     check_exponents(q, k, None)
     check_exponents(k, k, None)
     table = {"recurrent": lambda: dot_mlp_recurrent(q, k, v, W2, alpha, eta, exp_kernel(), activation, window, gamma)}

@@ -4,11 +4,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state
+from ..core import check_chunk_size, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
-from ..core.gates import alpha_from_log, check_retention
-from ..core.types import ModelOutput
+from ..core.gates import alpha_from_log, retention_gates
+from ..core.types import Gate, ModelOutput
 from .chunk import delta_rule_chunk
 from .recurrent import delta_rule_recurrent
 
@@ -47,9 +47,9 @@ def delta_table(chunk_size: int) -> dict:
             "triton": lazy(f"{__name__}.kernel", "delta_rule_triton", differentiable=True)}
 
 
-def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor | None = None, longhorn: bool = False,
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: Gate = None, longhorn: bool = False,
                initial_state: Tensor | None = None, output_final_state: bool = False, backend: str = "auto",
-               chunk_size: int = DEFAULT_CHUNK_SIZE, log_alpha: Tensor | None = None) -> ModelOutput:
+               chunk_size: int | None = None, log_alpha: Gate = None) -> ModelOutput:
     """The delta rule with optional retention gates: DeltaNet, Gated DeltaNet and KDA.
 
     M_t = M_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  y_t = M_t q_t.
@@ -62,14 +62,14 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
         q, k: [B, H, T, K] queries and keys. Keys are used as given; the usual practice
             (and the regime where beta in [0, 2] means "stable") is l2-normalised keys.
         v: [B, H, T, V] values.
-        beta: [B, H, T] step sizes in [0, 2] (in [0, inf) when ``longhorn=True``). beta = 1
+        beta: [B, H, T] step sizes (or one number) in [0, 2] (in [0, inf) when ``longhorn=True``). beta = 1
             with a unit key overwrites the value stored under that key exactly; beta = 0
             skips the write. The cap 2 is where I - beta k k^T stops being a contraction
             for unit keys (eigenvalue 1 - beta along k).
-        alpha: retention in [0, 1]. ``None``: DeltaNet. ``[B, H, T]``: Gated DeltaNet, a
+        alpha: retention in [0, 1], or a number for every token. ``None``: DeltaNet. ``[B, H, T]``: Gated DeltaNet, a
             scalar decay per token. ``[B, H, T, K]``: KDA, a per-key-channel decay
             M Diag(alpha_t) applied before the update (diagonal-plus-rank-1 transition).
-        log_alpha: the same gate as its log (values <= 0, fp32 or fp64), instead of alpha;
+        log_alpha: the same gate as its log (values <= 0, fp32 or fp64, or a number), instead of alpha;
             never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
         longhorn: interpret ``beta`` as Longhorn's implicit step and use
             ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
@@ -83,7 +83,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
             computes the forward pass and the gradients (of q, k, v, beta, the gates and the
             initial state; the final state's gradient is taken) in kernels
             (``delta.kernel.DeltaRuleFunction``).
-        chunk_size: chunk length of the "chunk" backend (default 64; the kernel uses its own).
+        chunk_size: chunk length of the "chunk" backend (None: DEFAULT_CHUNK_SIZE = 64; the kernel uses its own).
             The chunk form is exact for every chunk size: it changes the speed, not the output.
 
     Returns:
@@ -91,10 +91,11 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, alpha: Tensor |
         unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_gate("beta", beta, B, H, T, low=0.0, high=None if longhorn else BETA_MAX, ref=q)
-    check_retention(alpha, log_alpha, B, H, T, K, ref=q)
+    beta = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,
+                          high=None if longhorn else BETA_MAX)
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, K, ref=q)
     check_state("initial_state", initial_state, (B, H, V, K), q)
-    check_chunk_size(chunk_size)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
     if longhorn:
         beta = longhorn_beta(beta, k)
     o, state = dispatch(backend, q, delta_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,

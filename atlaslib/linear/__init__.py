@@ -7,8 +7,8 @@ from torch import Tensor
 from ..core import check_chunk_size, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
-from ..core.gates import alpha_from_log, check_retention
-from ..core.types import ModelOutput
+from ..core.gates import alpha_from_log, retention_gates
+from ..core.types import Gate, ModelOutput
 from .chunk import linear_attention_chunk
 from .recurrent import linear_attention_recurrent
 
@@ -27,9 +27,9 @@ def linear_table(chunk_size: int) -> dict:
             "triton": lazy(f"{__name__}.kernel", "linear_attention_autograd", differentiable=True)}
 
 
-def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = None, normalize: bool = False,
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, normalize: bool = False,
                      initial_state: Tensor | None = None, output_final_state: bool = False, backend: str = "auto",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, log_alpha: Tensor | None = None) -> ModelOutput:
+                     chunk_size: int | None = None, log_alpha: Gate = None) -> ModelOutput:
     """Causal linear attention with optional retention gates.
 
     M_t = M_{t-1} alpha_t + v_t k_t^T,  y_t = M_t q_t (read after the update).
@@ -37,14 +37,14 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = 
     Args:
         q, k: [B, H, T, K] queries and keys, already passed through any feature map phi.
         v: [B, H, T, V] values.
-        alpha: retention, values in [0, 1]. ``None``: plain linear attention.
+        alpha: retention, values in [0, 1]. ``None``: plain linear attention. A number: that gate at every token.
             ``[B, H, T]``: one scalar per token (RetNet with a constant, Mamba2-style when
             data-dependent). ``[B, H, T, K]``: per-key-channel decay M Diag(alpha_t) (GLA).
         normalize: divide by z_t^T q_t with z_t = z_{t-1} alpha_t + k_t. Implemented by
             storing z as one extra value row (a value of constant 1), so the state then has
             shape [B, H, V+1, K] with z^T in its last row. Needs features with z^T q > 0
             (e.g. elu+1), otherwise the division is undefined.
-        log_alpha: the same gate as its log (values <= 0, fp32 or fp64, same shapes as alpha),
+        log_alpha: the same gate as its log (values <= 0, fp32 or fp64, same shapes as alpha, or a number),
             instead of alpha. It is never rounded to the activation dtype: in a bf16 model a gate
             1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha.
         initial_state: optional [B, H, V, K] (or [B, H, V+1, K] when normalize) start state.
@@ -54,17 +54,17 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Tensor | None = 
             "auto" (triton on CUDA, chunk otherwise). The Triton path runs kernels both ways
             (``linear.kernel.LinearAttentionFunction``: the forward's kernels, and the backward
             kernels of ``linear.backward``).
-        chunk_size: chunk length of the "chunk" backend (default 64). The chunk form is exact
+        chunk_size: chunk length of the "chunk" backend (None: DEFAULT_CHUNK_SIZE = 64). The chunk form is exact
             for every chunk size: it changes the speed, not the output.
 
     Returns:
         (o [B, H, T, V] in q's dtype, final state in fp32 (fp64 for fp64 inputs) — or None unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_retention(alpha, log_alpha, B, H, T, K, ref=q)
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, K, ref=q)
     Vs = V + 1 if normalize else V
     check_state("initial_state", initial_state, (B, H, Vs, K), q)
-    check_chunk_size(chunk_size)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     o, state = dispatch(backend, q, linear_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,

@@ -40,7 +40,7 @@ from .state import MirasState, init_state
 def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None = None,
           config: MirasConfig | None = None, alpha: Gate = None, eta: Gate = None, theta: Gate = None,
           delta: Gate = None, gamma: Tensor | None = None, phi: FeatureMap = None, initial_state: Any = None,
-          output_final_state: bool = False, backend: str = "auto", chunk_size: int = DEFAULT_CHUNK_SIZE,
+          output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
           log_alpha: Gate = None, **overrides: Any) -> ModelOutput:
     """Run any MIRAS configuration: memory, attentional bias, retention, optimizer.
 
@@ -89,7 +89,7 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
             ``KERNEL_CONFIGS``, chunk_size <= 64, K <= 256, fp32/fp16/bf16; CPU under
             TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
             where a kernel exists and its tiles fit, chunk otherwise).
-        chunk_size: b for "chunk", "frozen_seq" and "triton" (default ``DEFAULT_CHUNK_SIZE`` =
+        chunk_size: b for "chunk", "frozen_seq" and "triton" (None: ``DEFAULT_CHUNK_SIZE`` =
             16, shared with ``omega_rule`` and the mixers). **It changes the model** for every
             configuration whose gradient depends on the state.
 

@@ -120,7 +120,7 @@ class Problem(NamedTuple):
 
 
 def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=None, delta=None, gamma=None,
-            phi=None, initial_state=None, backend="auto", chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None,
+            phi=None, initial_state=None, backend="auto", chunk_size=None, log_alpha=None,
             **overrides) -> Problem:
     """Validate every argument of ``miras`` and return the engines' inputs (see ``Problem``)."""
     if preset is not None and config is not None:
@@ -146,7 +146,7 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     if bias.uses_delta:
         delta = gate_or_number("delta", cfg.delta if delta is None else delta, B, H, T, cd, q, high=None)
     gamma = gate_or_number("gamma", gamma, B, H, T, cd, q, width=cfg.window)
-    check_chunk_size(chunk_size)
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
     state = check_initial_state(initial_state, cfg, parts.memory, opt, B, H, q)
     backend = choose(backend, cfg, fq, V, chunk_size)
     eta = ret.effective_eta(eta.to(cd), fk.to(cd))                           # proximal: the implicit step

@@ -60,7 +60,7 @@ class AtlasMixer(WindowedMixer):
     default_eta_max = 0.1
 
     def __init__(self, d_model, n_heads, *, window: int = 1, memory: str | None = None, ns_steps: int = 5,
-                 coeffs="muon", momentum: bool = True, **kw):
+                 ns_coeffs="muon", momentum: bool = True, **kw):
         memory = self.default_memory if memory is None else memory
         if memory not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
@@ -70,7 +70,7 @@ class AtlasMixer(WindowedMixer):
         if memory in ("residual", "gated") and self.head_k_dim != self.head_v_dim:
             raise ValueError(f"memory={memory!r} needs head_k_dim == head_v_dim, "
                              f"got {self.head_k_dim} and {self.head_v_dim}")
-        self.memory, self.ns_steps, self.coeffs = memory, ns_steps, coeffs
+        self.memory, self.ns_steps, self.ns_coeffs = memory, ns_steps, ns_coeffs
         self.theta_proj = nn.Linear(d_model, n_heads) if momentum else None
 
     def theta(self, x):
@@ -85,7 +85,7 @@ class AtlasMixer(WindowedMixer):
         gamma, _, eta = self.gate_tensors(x, dtype, alpha=False)
         theta = self.theta(x)
         return atlas(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
-                     theta=None if theta is None else theta.to(dtype), ns_steps=self.ns_steps, coeffs=self.coeffs,
+                     theta=None if theta is None else theta.to(dtype), ns_steps=self.ns_steps, ns_coeffs=self.ns_coeffs,
                      memory=self.memory, backend=self.backend, chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
@@ -104,14 +104,14 @@ class AtlasMixer(WindowedMixer):
             return self.deep_step(q, k, v, gamma, alpha, eta, theta, state)
         state = start_state(empty_memory(q, v)) if state is None else state
         state, y_t = atlas_step(state, q[:, :, 0], k[:, :, 0], v[:, :, 0], self.window, gamma, alpha, eta, theta,
-                                self.ns_steps, self.coeffs)
+                                self.ns_steps, self.ns_coeffs)
         return y_t[:, :, None].to(q.dtype), state
 
     def deep_step(self, q, k, v, gamma, alpha, eta, theta, state):
         """One token of a deep memory on chapter 3's engine (``engine_step``: Muon and the Omega window),
         the engine ``atlas(memory=...)`` runs; it starts, as that forward does, from ``init_state``'s W_0."""
         B, H, _, D = q.shape
-        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.coeffs)
+        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
         parts = build_parts(cfg, D, v.shape[-1])
         if state is None:
             W0 = init_state(cfg, B, H, D, v.shape[-1], dtype=compute_dtype(q), device=q.device).memory
@@ -127,12 +127,12 @@ class AtlasMixer(WindowedMixer):
         Not counted, as for every windowed mixer: the last c - 1 pairs (and per-source gates)."""
         if self.memory == "linear":
             return 2 * super().state_size
-        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.coeffs)
+        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
         shapes = build_parts(cfg, self.feature_dim(), self.head_v_dim).memory.shapes
         return 2 * self.n_heads * sum(o * i for o, i in shapes.values())
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, memory={self.memory!r}, ns_steps={self.ns_steps}, coeffs={self.coeffs!r}"
+        return f"{super().extra_repr()}, memory={self.memory!r}, ns_steps={self.ns_steps}, ns_coeffs={self.ns_coeffs!r}"
 
 
 @register_mixer("atlas++")

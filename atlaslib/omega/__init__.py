@@ -20,6 +20,7 @@ from ..core.validation import check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
 from ..miras.memory import DEEP_MEMORIES, MEMORIES
+from ..miras import MirasState
 from .chunk import omega_chunk, swla_chunk
 from .backends import OMEGA_BACKENDS, SWLA_BACKENDS, kernel_limits, omega_deep, prepare
 from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
@@ -35,7 +36,7 @@ SWLA_CHUNK_SIZE = 64
 
 def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
                eta: Gate = None, phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
-               output_final_state: bool = False, backend: str = "auto", chunk_size: int = OMEGA_CHUNK_SIZE,
+               output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
                log_alpha: Gate = None) -> ModelOutput:
     """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
 
@@ -54,7 +55,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
     memories of OmegaNet ([A] §3) -- ``"mlp"`` (W2 act(W1 x)), ``"residual"``
     (x + W1 act(W2 x), needs D == V) and ``"gated"`` (ATLAS++) -- run on chapter 3's engine
     (``atlaslib.miras``, see ``omega_deep``): same window, gates and exactness table, but
-    no kernel, and the state is a ``MirasState`` of weight dicts.
+    no kernel. The state is a ``MirasState(memory, None)`` for every memory (the memory a tensor
+    [B, H, V, D] for "linear", a dict of weights for the deep ones; the Omega rule has no momentum).
 
     Args:
         q, k: [B, H, T, K] queries and keys (phi is applied here).
@@ -65,19 +67,20 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             weight in every window it belongs to); ``[B, H, T, window]`` per offset,
             gamma_i^{(t)} = gamma[..., t, t - i] (offset 0 is token t itself; entries that
             point before the sequence start are ignored). ``None``: all ones.
-        alpha: [B, H, T] retention in [0, 1] (``None``: 1).
-        log_alpha: the same gate as its log, [B, H, T], values <= 0, fp32 or fp64, instead of
+        alpha: [B, H, T] retention in [0, 1] or a number (``None``: 1).
+        log_alpha: the same gate as its log, [B, H, T] (values <= 0, fp32 or fp64) or a number, instead of
             alpha; never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
             Deep memories turn it into alpha in fp32 (fp64) at entry, as ``miras`` does.
-        eta: [B, H, T] inner learning rate >= 0 (``None``: 1). The step is stable while
+        eta: [B, H, T] inner learning rate >= 0, or a number (``None``: 1). The step is stable while
             eta_t * ||sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T|| <= 2: for unit features and
             gamma = 1 that is eta_t <= 2 / c, so eta = 1 with c > 2 can diverge.
         phi: feature map for q and k: ``None`` (identity), a name from
             ``core.FEATURE_MAPS`` or a callable [B, H, T, K] -> [B, H, T, D], e.g.
             ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
         memory: "linear", "mlp", "residual" or "gated" (see above).
-        initial_state: optional [B, H, V, D] start state M_0.
-        output_final_state: also return the state after the last token.
+        initial_state: optional start state: the memory (linear: a tensor [B, H, V, D]; deep: a dict of
+            weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state.
+        output_final_state: also return the state after the last token, a ``MirasState(memory, None)``.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
             M_{t-1}), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
             book ch. 4 §8), "triton" (the same chunk form as a GPU kernel; CPU under
@@ -86,7 +89,7 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
             fit, chunk otherwise).
         chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
-            (see below); b = 1 is the exact per-token rule. Default 16 (``OMEGA_CHUNK_SIZE``),
+            (see below); b = 1 is the exact per-token rule. None: 16 (``OMEGA_CHUNK_SIZE``),
             for every memory: the same as ``miras``, which runs the deep memories and is the
             same model for the linear one, and as the OmegaNet mixer.
 
@@ -111,22 +114,24 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
     whereas Gated DeltaNet takes it at alpha_t M_{t-1}: alpha_t M_{t-1}(I - beta_t k k^T) + beta_t v k^T.
 
     Returns:
-        (o [B, H, T, V] in q's dtype, final state [B, H, V, D] in fp32 (fp64 for fp64 inputs) — or None
+        (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` in fp32 (fp64 for fp64 inputs) — or None
         unless requested).
     """
-    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha)
+    chunk_size = OMEGA_CHUNK_SIZE if chunk_size is None else chunk_size
+    fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
+                                                           initial_state, chunk_size, log_alpha)
     if memory in DEEP_MEMORIES:
         return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
                           backend, chunk_size, log_alpha=log_alpha)
     o, state = dispatch(backend, fq, OMEGA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
                         chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
                         model="omega_rule")
-    return o, (state if output_final_state else None)
+    return o, (MirasState(state, None) if output_final_state else None)
 
 
 def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
          eta: Gate = None, phi: FeatureMap = None, initial_state: Tensor | None = None,
-         output_final_state: bool = False, backend: str = "auto", chunk_size: int = SWLA_CHUNK_SIZE,
+         output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
          log_alpha: Gate = None) -> ModelOutput:
     """Sliding-window linear attention: the Omega window with the dot-product bias -<M phi(k), v>.
 
@@ -143,10 +148,13 @@ def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None =
     window shapes the update, not the memory's contents. ([A] eq. 20 drops alpha_t and
     [A] eq. 55 flips the sign of the write.)
 
-    Arguments and results as ``omega_rule`` (no ``memory``: the state is linear), except the
-    default chunk_size, 64 (``SWLA_CHUNK_SIZE``): exact for every b, it only sets the speed.
+    Arguments as ``omega_rule`` (no ``memory``: the memory is one matrix), except the default
+    chunk_size (None: 64, ``SWLA_CHUNK_SIZE``): exact for every b, it only sets the speed. The state is
+    that matrix, a tensor [B, H, V, D] (as ``linear_attention``'s), in fp32 (fp64 for fp64 inputs).
     """
-    fq, fk = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size, log_alpha)
+    chunk_size = SWLA_CHUNK_SIZE if chunk_size is None else chunk_size
+    fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear",
+                                                           initial_state, chunk_size, log_alpha)
     o, state = dispatch(backend, fq, SWLA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
                         chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
                         model="swla")

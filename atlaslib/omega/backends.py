@@ -7,11 +7,12 @@ chapter 3's engine.
 """
 from __future__ import annotations
 
-from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window
+from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window, \
+    gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
-from ..core.gates import alpha_from_log, check_retention
-from ..miras import MEMORIES, miras
+from ..core.gates import alpha_from_log, retention_gates
+from ..miras import MEMORIES, MirasState, miras
 from .chunk import omega_chunk, swla_chunk
 from .recurrent import omega_recurrent, swla_recurrent
 
@@ -20,19 +21,32 @@ from .recurrent import omega_recurrent, swla_recurrent
 
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
-    """Validate every argument, apply phi to q and k, and return (phi(q), phi(k))."""
+    """Validate every argument and apply phi to q and k. Returns (phi(q), phi(k), alpha, eta, log_alpha,
+    initial_state): gates given as numbers become [B, H, T] tensors in the compute dtype, and a linear
+    memory's ``MirasState(M, None)`` start becomes M."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
     check_gate("gamma", gamma, B, H, T, window, ref=q)
-    check_retention(alpha, log_alpha, B, H, T, ref=q)
-    check_gate("eta", eta, B, H, T, low=0.0, high=None, ref=q)
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
+    eta = gate_or_number("eta", eta, B, H, T, compute_dtype(q), q, high=None)
     check_chunk_size(chunk_size)
     fq, fk = apply_feature_map(phi, q, k)
     if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
+        initial_state = memory_of_state(initial_state)
         check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
-    return fq, fk
+    return fq, fk, alpha, eta, log_alpha, initial_state
+
+
+def memory_of_state(initial_state):
+    """The memory of a start state given as the memory itself or as ``MirasState(memory, None)``."""
+    if isinstance(initial_state, tuple):
+        if not isinstance(initial_state, MirasState) or initial_state.momentum is not None:
+            raise ValueError("initial_state must be the memory (a tensor, or a dict of weights) or a "
+                             "MirasState(memory, None): this rule carries no momentum")
+        return initial_state.memory
+    return initial_state
 
 
 def kernel_limits(fq, window, chunk_size):
