@@ -172,7 +172,9 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
                          f"{MAX_DELTA_KEY}, got K={K}")
     Tp = g.shape[2] if g is not None else NT * CHUNK
     BK = dot_tile(K) if delta else key_block(K)
-    BV = min(dot_tile(V), 64 if BK <= 128 else 32)
+    # at K = 256 the delta rule's program holds [64, 256] tiles of q, k, w (and the decayed k): 32 value
+    # channels per program, 16 in fp32, keep it within an A100's shared memory
+    BV = min(dot_tile(V), 64 if BK <= 128 else (16 if q.element_size() == 4 else 32))
     dh = empty(B * H, NT, V, K, dtype=torch.float32, device=q.device)
     dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
     dht = None if dht is None else dht.to(torch.float32).contiguous()
