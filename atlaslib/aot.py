@@ -346,6 +346,7 @@ def cases():
                        torch.zeros(1, 2, K, K), chunk_size=b)
                 yield family, f"c={c} b={b} D=V={K} {dt}", windowed
     yield from linear_backward_cases()
+    yield from delta_backward_cases()
     yield from atlas_cases()
     yield from deep_cases()
     yield from caching_cases()
@@ -379,6 +380,23 @@ def linear_backward_cases():
                 w, du = torch.zeros(1, 2, Tp, K, dtype=q.dtype), torch.zeros(1, 2, Tp, K, dtype=q.dtype)
                 dstate_pass(q, v, mode, g, torch.zeros(1, 2, K, K), k=k, w=w, dv_local=du)
             yield "linear_bwd", f"reverse state pass, delta rule, gate=channel K=V={K} {dt}", delta_pass
+
+
+def delta_backward_cases():
+    """Chapter 2's backward (``delta.kernel.delta_rule_backward``) at every head size and dtype of the
+    forward, in the three gate modes, with an initial state and a final-state gradient: the forward's
+    kernels it reruns (WY factors, state pass, KDA's scores), the intra-chunk dv, the reverse state pass
+    in its delta-rule mode (``core.chunk_backward``) and the two per-chunk gradient kernels."""
+    from .delta.kernel import delta_rule_backward
+
+    for K, dt in sizes_and_dtypes():
+        for gate in ("none", "scalar", "channel"):
+            def backward(T, K=K, dt=dt, gate=gate):
+                q, k, v = _qkv(K, K, DTYPES[dt], T)
+                logs = None if gate == "none" else _gate(q.shape[:3] if gate == "scalar" else q.shape).log()
+                state = torch.zeros(1, 2, K, K)
+                delta_rule_backward(v, state, q, k, v, torch.full(q.shape[:3], 0.5), logs, state)
+            yield "delta_bwd", f"gate={gate} K=V={K} {dt}", backward
 
 
 def deep_cases():
@@ -479,7 +497,7 @@ def bare_cases(K=64, dt="bf16"):
     given as [B, T, H, K] views (read through their strides), as a model's mixers call them."""
     from .atlas.kernel import atlas_triton
     from .deep.kernel import deep_kernel_triton, dot_kernel_triton
-    from .delta.kernel import delta_rule_triton
+    from .delta.kernel import delta_rule_backward, delta_rule_triton
     from .linear.kernel import linear_attention_triton
     from .miras.kernel import titans_linear_triton
     from .omega.kernel import omega_triton, swla_triton
@@ -490,6 +508,8 @@ def bare_cases(K=64, dt="bf16"):
     label = f"bare views K=V={K} {dt}"
     yield "linear", label, lambda T: linear_attention_triton(*qkv(T))
     yield "delta", label, lambda T: delta_rule_triton(*qkv(T), torch.full((1, 2, T), 0.5))
+    yield "delta_bwd", label, lambda T: delta_rule_backward(qkv(T)[2], None, *qkv(T),
+                                                                      torch.full((1, 2, T), 0.5), None, None)
     yield "titans", f"b=64 {label}", lambda T: titans_linear_triton(*qkv(T), chunk_size=64)
     yield "omega", f"c=8 b=16 {label}", lambda T: omega_triton(*qkv(T), 8, chunk_size=16)
     yield "swla", f"c=8 b=16 {label}", lambda T: swla_triton(*qkv(T), 8, chunk_size=16)
@@ -572,7 +592,7 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
     parser.add_argument("--family", action="append", help="only these kernel families (linear, linear_bwd, "
-                        "delta, titans, omega, swla, atlas, deep, caching)")
+                        "delta, delta_bwd, titans, omega, swla, atlas, deep, caching)")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     parser.add_argument("--fast", action="store_true", help="stop each build once shared memory is allocated "
                         "(no LLVM, no ptxas): shared memory, 64-bit offsets and grids in about a second per "

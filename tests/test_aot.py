@@ -24,7 +24,7 @@ import torch
 from atlaslib import aot
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
-FAMILIES = {"linear", "linear_bwd", "delta", "titans", "omega", "swla", "atlas", "deep", "caching"}
+FAMILIES = {"linear", "linear_bwd", "delta", "delta_bwd", "titans", "omega", "swla", "atlas", "deep", "caching"}
 # Families whose grid is one program per matrix rather than one per head: chapter 5's
 # Newton-Schulz kernel, launched once per chunk on that chunk's B*H*b momenta.
 ONE_PROGRAM_PER_MATRIX = {"atlas"}
@@ -34,9 +34,10 @@ ONE_PROGRAM_PER_TOKEN_BLOCK = {"caching"}
 # Families run as the chunk-parallel forward (core.chunk_kernels): a state pass over chunks, and
 # intra-chunk and output kernels with a program per chunk.
 CHUNK_PARALLEL = {"linear", "delta"}
-# The chunk-parallel backward of chapter 1 and the reverse state pass (core.chunk_backward): the same
-# split, with the reverse pass as the serial part.
+# The chunk-parallel backward of chapters 1 and 2 (and the reverse state pass of core.chunk_backward):
+# the same split, with the reverse pass as the serial part.
 CHUNK_PARALLEL_BACKWARD = {"linear_bwd"}
+DELTA_BACKWARD = {"delta_bwd"}
 
 
 def family(build):
@@ -117,7 +118,8 @@ def test_grid_does_not_grow_with_the_sequence(builds):
     # (limit 2^31 - 1) and value tiles on axis 1 (limit 65535); the chunk-parallel kernels of
     # chapters 1-2, the Newton-Schulz kernel and the caching readout are checked on their own below
     per_head = [b for b in builds if family(b) not in
-                ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL | CHUNK_PARALLEL_BACKWARD]
+                ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL | CHUNK_PARALLEL_BACKWARD
+                | DELTA_BACKWARD]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
@@ -152,6 +154,26 @@ def test_backward_grids_grow_with_the_chunks_and_the_reverse_pass_does_not(build
     for b in backward:
         assert b["launches"] == [1, 1], b["config"]
         if b["kernel"] == "chunk_dstate_kernel":
+            assert b["grid_fixed_in_T"] and b["grid"][0] == 2 and len(b["grid"]) == 3, b["config"]
+        else:
+            assert not b["grid_fixed_in_T"], b["config"]
+            assert b["grid"][0] == 2 * -(-40 // CHUNK) and b["grid_long"][0] == 2 * -(-400 // CHUNK), b["config"]
+        assert all(n <= 65535 for n in b["grid"][1:])
+
+
+def test_delta_backward_grids_grow_with_the_chunks_and_the_state_passes_do_not(builds):
+    # Chapter 2's backward reruns the forward's WY factors and state pass (and KDA's scores), then the
+    # intra-chunk dv, the reverse state pass and the two per-chunk gradient kernels: each launched once;
+    # the per-chunk kernels have B*H*cdiv(T, BT) programs on axis 0, the two state passes keep
+    # (B*H, value blocks, key blocks) at every T
+    from atlaslib.core.chunk_kernels import CHUNK
+    backward = [b for b in builds if family(b) in DELTA_BACKWARD]
+    assert {b["kernel"] for b in backward} == {"delta_wy_kernel", "chunk_state_kernel", "channel_scores_kernel",
+                                               "delta_dv_local_kernel", "chunk_dstate_kernel",
+                                               "delta_bwd_state_kernel", "delta_bwd_wy_kernel"}
+    for b in backward:
+        assert b["launches"] == [1, 1], b["config"]
+        if b["kernel"] in ("chunk_state_kernel", "chunk_dstate_kernel"):
             assert b["grid_fixed_in_T"] and b["grid"][0] == 2 and len(b["grid"]) == 3, b["config"]
         else:
             assert not b["grid_fixed_in_T"], b["config"]

@@ -35,9 +35,10 @@ KERNEL_TESTS = {
     "atlaslib/core/kernels.py": ["test_linear_attention_kernel_on_gpu", "test_delta_rule_kernel_on_gpu"],
     "atlaslib/core/chunk_kernels.py": ["test_linear_attention_kernel_on_gpu", "test_linear_attention_long_bf16",
                                        "test_delta_rule_kernel_on_gpu"],
-    "atlaslib/core/chunk_backward.py": ["test_linear_attention_backward_on_gpu"],
+    "atlaslib/core/chunk_backward.py": ["test_linear_attention_backward_on_gpu", "test_delta_rule_backward_on_gpu"],
     "atlaslib/linear/backward.py": ["test_linear_attention_backward_on_gpu"],
-    "atlaslib/delta/kernel.py": ["test_delta_rule_kernel_on_gpu", "test_delta_rule_long_bf16"],
+    "atlaslib/delta/kernel.py": ["test_delta_rule_kernel_on_gpu", "test_delta_rule_long_bf16",
+                                 "test_delta_rule_backward_on_gpu"],
     "atlaslib/deep/kernel.py": ["test_deep_transformer_kernel_on_gpu", "test_bench_case_kernel_on_gpu"],
     "atlaslib/miras/kernel.py": ["test_bench_case_kernel_on_gpu"],
     "atlaslib/omega/kernel.py": ["test_bench_case_kernel_on_gpu"],
@@ -184,6 +185,36 @@ def test_delta_rule_kernel_on_gpu(gen, shape, mode, dtype):
     assert o.dtype == dtype
     assert_close(o.float(), ref, tol=TOL[dtype])
     assert_close(s, ref_s, tol=TOL[dtype], name="final state")
+
+
+@gpu
+@pytest.mark.parametrize("dtype, shape", CHAPTER_1_2_CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_delta_rule_backward_on_gpu(gen, shape, mode, dtype):
+    """The delta rule's backward kernels (``delta.kernel.DeltaRuleFunction``, the reverse state pass): gradients
+    of q, k, v, beta, the log-gates and the initial state, with a final-state gradient, against autograd
+    through the fp32 chunk form."""
+    from atlaslib.delta import delta_rule
+    B, H, T, K, V = shape
+    q, k, v, alpha, h0 = inputs(gen, B, H, length(T), K, V, mode)
+    beta = torch.rand(B, H, length(T), generator=gen).to(DEVICE)
+    logs = None if alpha is None else alpha.log()
+    do = torch.randn(B, H, length(T), V, generator=gen).to(DEVICE)
+    dht = torch.randn(B, H, V, K, generator=gen).to(DEVICE)
+
+    def grads(backend, dtype):
+        xs = [None if x is None else x.to(dtype if i < 3 else torch.float32).detach().requires_grad_()
+              for i, x in enumerate((q, k, v, beta, logs, h0))]
+        o, s = delta_rule(*xs[:4], log_alpha=xs[4], initial_state=xs[5], output_final_state=True, backend=backend)
+        ((o.float() * do).sum() + (s * dht).sum()).backward()
+        return [None if x is None else x.grad for x in xs]
+    ref = grads("chunk", torch.float32)
+    with poisoned_outputs():
+        got = grads("triton", dtype)
+    for name, a, r in zip(("q", "k", "v", "beta", "log_alpha", "initial state"), got, ref):
+        if r is not None:
+            assert torch.isfinite(a.float()).all(), name
+            assert_close(a.float(), r, tol=TOL[dtype], name=f"d{name}")
 
 
 @gpu

@@ -39,9 +39,40 @@ needs no copy) and in their own dtype (bf16/fp16 tiles go to tl.dot as they are;
 stored in it, as the fp32 inverse is cast before its products); absent inputs (no gate, no
 initial state) are ``None`` pointers, which Triton compiles away.
 
-The kernels are forward only. ``delta_rule(..., backend="triton")`` gets its gradients from
-``core.with_chunk_backward``: autograd through the chunk form, recomputed from the saved
-inputs. Runs under ``TRITON_INTERPRET=1`` on CPU.
+The backward (``DeltaRuleFunction``, what ``delta_rule(..., backend="triton")`` differentiates
+through) has the forward's three-phase shape in reverse. Only the inputs are saved; the backward
+first reruns (a) and (b) to get w, u, every h[c] and v_new. Write dH_c for the gradient of the
+state after chunk c (the final state's gradient, or 0, after the last chunk) and dv2 for the whole
+gradient of v_new. Then:
+
+(d) ``delta_dv_local_kernel``, per (chunk, value block): the part of dv2 from the chunk's own
+    outputs, dv_local = (A * causal decay)^T do (A recomputed, or KDA's Aq);
+(e) the reverse state pass (``core.chunk_backward.dstate_pass``), the only serial part, chunks last
+    to first: dv2 = dv_local + (K e^{g_n - g}) dH_c^T, and dH_{c-1} = dH_c e^{g_n} + do^T (Q e^g)
+    - dv2^T w, the last term because h[c] also entered v_new = u - w h[c]^T;
+(f) ``delta_bwd_state_kernel``, per (chunk, key block), everything that reads a state:
+    dq = (do h[c]) e^g + (dS * D) K  with dS = do v_new^T (causal) and D the decays of A,
+    dk = (v_new dH_c) e^{g_n - g} + (dS * D)^T Q,   and dw = -dv2 h[c] (from v_new = u - w h^T);
+(g) ``delta_bwd_wy_kernel``, per chunk, back through the WY factors with du = dv2. For X = R Y
+    (Y = Diag(beta)(K e^g) or Diag(beta) V) the gradient of Y is R^T dX, and the gradient of the
+    system matrix A = I + Diag(beta) L is -R^T dX X^T, summed over both factors: R is rebuilt by
+    the forward's inverse and never differentiated itself. Its strictly lower part, times beta,
+    is the gradient of L, which sends k.k gradients to both keys of every pair; the row sums of
+    the same products give dbeta.
+
+Log-gates: g is the cumulative sum of the log-gates inside each chunk, and every place g enters
+multiplies a q-side factor by e^{g_i} and a k-side factor by e^{-g_j}. So the gradient of g_t is
+a difference of two row sums per channel, q_t * dq_t - k_t * dk_t over the terms (f) and (g) build
+(for the WY factors, K e^g * d(K e^g) and the row-minus-column sums of dL * L), plus, on the
+chunk's last row, what g_n itself scales: e^{g_n} <dH_c, h[c]> and the keys of the state update.
+The gradient of the log-gates is then the reverse cumulative sum of dg inside each chunk.
+
+KDA's per-channel decays sit inside the k.k and q.k sums, so their gradients (dq, dk from dS,
+and dk from dL) are not single products: ``channel_score_grads`` splits the chunk into
+sub-chunks of 16 as ``channel_scores_kernel`` does, one product per earlier sub-chunk through a
+reference token (every exponent <= 0) and the diagonal blocks elementwise; never a [BT, BT, BK]
+tile. Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every
+gradient buffer are fp32. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -459,7 +490,7 @@ def _forward(q, k, v, beta, logs, initial_state):
 
 
 def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
-    """The gradients (dq, dk, dv, dbeta, dlogs, dh0) of the chunked delta rule, no gate or scalar gates.
+    """The gradients (dq, dk, dv, dbeta, dlogs, dh0) of the chunked delta rule (every gate mode).
 
     ``do`` [B, H, T, V], ``dht`` [B, H, V, K] or None: the gradients of the outputs and the final state.
     Recomputes the WY factors and the state pass (h[c], v_new), then runs the reverse state pass
@@ -529,17 +560,22 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
 
 
 class DeltaRuleFunction(torch.autograd.Function):
-    """The chunked delta rule (no gate, or scalar gates) with its backward in Triton kernels.
+    """The chunked delta rule (DeltaNet, Gated DeltaNet, KDA) with its backward in Triton kernels.
 
     Inputs: q, k [B, H, T, K], v [B, H, T, V], beta [B, H, T], the fp32 log-gates ``logs``
-    ([B, H, T], or None) and the initial state [B, H, V, K] (or None). Outputs (o, final state).
+    ([B, H, T] or [B, H, T, K], or None) and the initial state [B, H, V, K] (or None). Outputs (o, final state).
 
-    Stored for the backward: the inputs only (q, k, v, beta, logs, initial state), no
-    intermediate: the backward recomputes the WY factors w, u and the state pass (every h[c],
-    fp32, B*H*NT*V*K*4 bytes, and v_new), which a forward that kept them would hold from the
-    forward to the backward. The backward's own buffers, freed when it returns: h[c] and dH per chunk
-    (each B*H*NT*V*K*4 bytes), w, u, v_new, dv_local, dv2 (B*H*Tp*(K or V) in the inputs' dtype),
-    and dk, dw partials (B*H*Tp*K*4 bytes each).
+    Stored between forward and backward: the inputs only (q, k, v, beta, logs, initial state),
+    nothing else, so a training step holds no extra memory for it. The backward recomputes the WY
+    factors w, u and the state pass (every h[c], fp32, B*H*NT*V*K*4 bytes, and v_new) instead of
+    keeping them from the forward. Its own buffers, freed when it returns: h[c] and dH per chunk
+    (B*H*NT*V*K*4 bytes each); w, u, v_new, dv_local and dv2 (B*H*Tp*K or B*H*Tp*V elements in the
+    inputs' dtype); the fp32 partial dk and dw (B*H*Tp*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4
+    bytes for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the scores Aq, Ak (B*H*Tp*64*4 bytes
+    each). NT = cdiv(T, 64), Tp = 64 NT.
+
+    Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
+    tensors and is not itself differentiable).
     """
 
     @staticmethod
@@ -575,8 +611,7 @@ def _unwrapped(x):
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):
     """Triton forward; same arguments and results as ``delta_rule_recurrent`` (and ``log_alpha``).
 
-    Differentiable: with no gate or scalar gates through ``DeltaRuleFunction`` (the backward
-    kernels here); per-channel gates (KDA) through the chunk form (``core.with_chunk_backward``).
+    Differentiable through ``DeltaRuleFunction`` (the backward kernels here) in every gate mode.
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     needs_grad = torch.is_grad_enabled() and any(
