@@ -455,8 +455,9 @@ def test_the_chunk_size_default_is_the_engines(gen):
     from atlaslib.atlas import ATLAS_CHUNK_SIZE, atlas_chunk
     from atlaslib.atlas.kernel import atlas_triton
     default = lambda fn: inspect.signature(fn).parameters["chunk_size"].default     # noqa: E731
-    assert default(atlas) == default(atlas_chunk) == default(atlas_frozen_seq) == default(atlas_triton) \
-        == ATLAS_CHUNK_SIZE == default(miras) == miras_pkg.DEFAULT_CHUNK_SIZE
+    assert default(atlas) is None and default(miras) is None        # None: the model's own default, which is
+    assert default(atlas_chunk) == default(atlas_frozen_seq) == default(atlas_triton) \
+        == ATLAS_CHUNK_SIZE == miras_pkg.DEFAULT_CHUNK_SIZE
     q, k, v, kw = make_inputs(gen, T=40, K=4, V=4, h0=False)
     o = atlas(q, k, v, memory="residual", **kw)[0]
     kw.pop("window")

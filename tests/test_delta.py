@@ -286,7 +286,9 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"beta must have shape \[1, 2, 10\], got \[1, 2, 10, 4\]"):
         delta_rule(q, k, v, torch.full((1, 2, 10, 4), 0.5))
     with pytest.raises(TypeError, match="beta must be a torch.Tensor"):
-        delta_rule(q, k, v, 0.5)
+        delta_rule(q, k, v, "0.5")
+    with pytest.raises(ValueError, match=r"beta must lie in \[0.0, 2.0\]"):      # a number: one step for every token
+        delta_rule(q, k, v, 2.5)
     with pytest.raises(ValueError, match=r"beta must lie in \[0.0, 2.0\]"):
         delta_rule(q, k, v, torch.full((1, 2, 10), -0.1))
     with pytest.raises(ValueError, match=r"beta must lie in \[0.0, 2.0\]"):

@@ -35,7 +35,7 @@ def check_retention(alpha, log_alpha, B: int, H: int, T: int, K: int | None = No
                         f"small decays it exists to keep), got {log_alpha.dtype}")
 
 
-def alpha_from_log(alpha, log_alpha, cd: torch.dtype):
+def alpha_from_log(alpha, log_alpha, cd: torch.dtype) -> torch.Tensor | None:
     """The gate itself, for the forms that multiply by alpha (the per-token loops).
 
     ``alpha`` is returned unchanged when it was given; otherwise exp(log_alpha) in the compute dtype
@@ -46,7 +46,8 @@ def alpha_from_log(alpha, log_alpha, cd: torch.dtype):
     return torch.exp(log_alpha.to(cd))
 
 
-def retention_gates(alpha, log_alpha, B: int, H: int, T: int, K: int | None = None, *, ref: torch.Tensor):
+def retention_gates(alpha, log_alpha, B: int, H: int, T: int, K: int | None = None, *,
+                    ref: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``check_retention`` for a gate given as a tensor *or a number*; returns (alpha, log_alpha).
 
     A number becomes one value per token, a [B, H, T] tensor in the compute dtype (fp32, fp64 for

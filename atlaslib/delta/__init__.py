@@ -91,14 +91,14 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
         unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    beta = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,
-                          high=None if longhorn else BETA_MAX)
+    steps = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,
+                           high=None if longhorn else BETA_MAX)
     alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, K, ref=q)
     check_state("initial_state", initial_state, (B, H, V, K), q)
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
-    if longhorn:
-        beta = longhorn_beta(beta, k)
-    o, state = dispatch(backend, q, delta_table(chunk_size), q, k, v, beta, alpha, initial_state, log_alpha,
+    if longhorn and steps is not None:
+        steps = longhorn_beta(steps, k)
+    o, state = dispatch(backend, q, delta_table(chunk_size), q, k, v, steps, alpha, initial_state, log_alpha,
                         unsupported=lambda: matrix_kernel_limits(q), model="delta_rule")
     return o, (state if output_final_state else None)
 
