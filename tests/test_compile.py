@@ -1,4 +1,4 @@
-"""Every chapter's chunk form compiles into one graph (issue 13, item 6: no host syncs).
+"""Every chapter's chunk form compiles into one graph (no host syncs).
 
 ``torch.compile(..., fullgraph=True)`` turns any graph break into an error, so a ``.item()``,
 a branch on a tensor's value or an untraceable call on the hot path fails these tests. Each

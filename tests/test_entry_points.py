@@ -1,4 +1,4 @@
-"""One model, one default, whichever door it is reached by (issue 13, item 3 b-d).
+"""One model, one default, whichever door it is reached by.
 
 * The Omega rule's chunk form freezes gradients, so its chunk size is part of the model; it is a
   MIRAS model, and omega_rule, miras and the mixers must agree on its default.

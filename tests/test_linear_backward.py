@@ -160,3 +160,21 @@ def test_auto_on_cuda_trains_the_mixers_through_the_kernels(monkeypatch, name):
     assert calls
     for a, r in zip(got, ref):
         assert_close(a, r, tol=1e-5)
+
+
+def test_torch_func_grad_reaches_the_kernels(gen):
+    """``torch.func.grad`` through the Function gives autograd's gradients, and the fp64 loop's."""
+    (q, k, v, alpha, h0), do, _ = draw(gen, 40, "scalar")
+
+    def loss(q, k, v):
+        return (linear_attention(q, k, v, alpha=alpha, initial_state=h0, backend="triton")[0] * do).sum()
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    loss(*leaves).backward()
+    for g, x in zip(got, leaves):
+        torch.testing.assert_close(g, x.grad)
+    ref = [x.double().requires_grad_(True) for x in (q, k, v)]
+    (linear_attention(*ref, alpha=alpha.double(), initial_state=h0.double(), backend="recurrent")[0]
+     * do.double()).sum().backward()
+    for g, x in zip(got, ref):
+        assert_close(g.double(), x.grad, tol=1e-4)

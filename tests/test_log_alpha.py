@@ -1,4 +1,4 @@
-"""Retention gates as logs, end to end (issue 13, item 5).
+"""Retention gates as logs, end to end.
 
 Every public function that takes ``alpha`` also takes ``log_alpha``:
 * on fresh random inputs it gives what alpha = exp(log_alpha) gives, in fp64, on every backend

@@ -208,6 +208,20 @@ def as_fp32(x):
     return None if x is None else x.to(torch.float32).contiguous()
 
 
+def unwrapped(x):
+    """``x`` without torch.func's wrappers (``None`` stays ``None``).
+
+    An autograd Function's backward under ``torch.func.grad`` receives its saved tensors and
+    gradients wrapped for the transform; a kernel reads raw memory, so the backward of a kernel
+    Function unwraps them and runs under ``torch._C._DisableFuncTorch()`` (first order only: the
+    backward is not itself differentiated).
+    """
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    while x is not None and is_functorch_wrapped_tensor(x):
+        x = get_unwrapped(x)
+    return x
+
+
 def dot_tile(n: int) -> int:
     """A tile covering n rows or channels: a power of two, and at least 16, the least tl.dot takes."""
     return max(16, triton.next_power_of_2(n))

@@ -84,7 +84,7 @@ from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, n
                                   unit_lower_inverse)
 from ..core.chunking import gate_logs
 from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, dot_tile,
-                            feature_tile, forward_launch, load_block, precision, store_tile)
+                            feature_tile, forward_launch, load_block, precision, store_tile, unwrapped)
 from ..core.alloc import empty
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
@@ -591,21 +591,13 @@ class DeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         # under torch.func the saved tensors and gradients come wrapped for its transforms; the
         # kernels read raw memory, and the backward is not differentiated again (first order only)
-        q, k, v, beta, logs, h0, do, dht = map(_unwrapped, (*ctx.saved_tensors, do, dht))
+        q, k, v, beta, logs, h0, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         with torch._C._DisableFuncTorch():       # the buffers it allocates are plain tensors too
             dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, q, k, v, beta, logs, h0)
         return (dq, dk, dv, dbeta.to(beta.dtype), None if logs is None else dlogs.to(logs.dtype),
                 None if h0 is None else dh0.to(h0.dtype))
-
-
-def _unwrapped(x):
-    """``x`` without torch.func's wrappers (``None`` stays ``None``)."""
-    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
-    while x is not None and is_functorch_wrapped_tensor(x):
-        x = get_unwrapped(x)
-    return x
 
 
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):

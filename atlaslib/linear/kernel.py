@@ -24,8 +24,8 @@ Triton compiles away. ``core.kernels`` holds the set-up all chapters' kernels sh
 
 The backward kernels are in ``linear.backward``; ``LinearAttentionFunction`` ties the two
 together as one ``torch.autograd.Function`` (forward and ``setup_context`` apart, the form
-``torch.compile`` and ``torch.func`` ask for; the Triton launches of its backward take plain
-tensors, not torch.func's wrapped ones, so ``torch.func.grad`` does not reach through it), and
+``torch.compile`` and ``torch.func`` ask for; under ``torch.func.grad`` its backward unwraps the
+tensors for the kernels, first order only), and
 ``linear_attention(..., backend="triton")`` runs it (``linear_attention_autograd``). Gradients
 reach ``alpha`` or ``log_alpha`` through the log-gates the Function takes (their log and clamp
 stay in autograd). Runs under ``TRITON_INTERPRET=1`` on CPU.
@@ -38,7 +38,7 @@ from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
 from ..core.chunking import gate_logs
 from ..core.dispatch import forward_or_fallback, warn_at_caller
 from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
-    gate_mode
+    gate_mode, unwrapped
 
 # The state pass holds the delta rule's whole state; linear attention keeps the same limit.
 MAX_KEY = 256
@@ -92,13 +92,15 @@ class LinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht, _dh=None):
         from .backward import linear_attention_backward
-        q, k, v, logs, h0, ht, h = ctx.saved_tensors
+        # under torch.func the saved tensors and gradients come wrapped (``core.kernels.unwrapped``)
+        q, k, v, logs, h0, ht, h, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:
             do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         gate = gate_mode(logs)
-        g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
-        grads = linear_attention_backward(q, k, v, gate, g, as_fp32(h0), do, dht, h=h,
-                                          ht=ht if h is not None else None)
+        with torch._C._DisableFuncTorch():       # the buffers the backward allocates are plain tensors too
+            g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
+            grads = linear_attention_backward(q, k, v, gate, g, as_fp32(h0), do, dht, h=h,
+                                              ht=ht if h is not None else None)
         need = ctx.needs_input_grad
         dlog = grads.dlog if need[3] else None
         dh0 = grads.dh0.to(h0.dtype) if need[4] else None
