@@ -310,6 +310,14 @@ def sizes_and_dtypes():
     yield ODD_SIZE, "fp32"
 
 
+def backward_sizes_and_dtypes():
+    """The backward families' subset of ``sizes_and_dtypes``: every tile width once in the element
+    size that fills its shared memory most (fp32 at 16 and 256, the odd size for the 128 tile) and
+    bf16 at 64, 128 and 256. Each configuration builds four to seven kernels, so the full cross
+    product would add minutes to ``make test`` for tiles the forward's families already cover."""
+    yield from ((16, "fp32"), (64, "bf16"), (128, "bf16"), (256, "bf16"), (256, "fp32"), (ODD_SIZE, "fp32"))
+
+
 def cases():
     """(kernel family, config label, call(T)) for every configuration checked."""
     from .delta.kernel import delta_rule_triton
@@ -355,15 +363,15 @@ def cases():
 
 def linear_backward_cases():
     """Chapter 1's backward (``linear.backward``) and the reverse state pass it shares with chapter 2
-    (``core.chunk_backward.dstate_pass``), at every head size and dtype of the forward, in the three gate
-    modes, with a final-state gradient; the reverse pass also in its delta-rule mode (all K key channels
+    (``core.chunk_backward.dstate_pass``), at ``backward_sizes_and_dtypes``, in the three gate modes,
+    with a final-state gradient; the reverse pass also in its delta-rule mode (all K key channels
     in one program, BV = 32 at K = 256), as chapter 2's backward launches it."""
     from .core.chunk_backward import dstate_pass
     from .core.chunk_kernels import CHUNK
     from .core.kernels import chunk_gates
     from .linear.backward import linear_attention_backward
 
-    for K, dt in sizes_and_dtypes():
+    for K, dt in backward_sizes_and_dtypes():
         for gate in ("none", "scalar", "channel"):
             def backward(T, K=K, dt=dt, gate=gate):
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
@@ -383,13 +391,13 @@ def linear_backward_cases():
 
 
 def delta_backward_cases():
-    """Chapter 2's backward (``delta.kernel.delta_rule_backward``) at every head size and dtype of the
-    forward, in the three gate modes, with an initial state and a final-state gradient: the forward's
+    """Chapter 2's backward (``delta.kernel.delta_rule_backward``) at ``backward_sizes_and_dtypes``,
+    in the three gate modes, with an initial state and a final-state gradient: the forward's
     kernels it reruns (WY factors, state pass, KDA's scores), the intra-chunk dv, the reverse state pass
     in its delta-rule mode (``core.chunk_backward``) and the two per-chunk gradient kernels."""
     from .delta.kernel import delta_rule_backward
 
-    for K, dt in sizes_and_dtypes():
+    for K, dt in backward_sizes_and_dtypes():
         for gate in ("none", "scalar", "channel"):
             def backward(T, K=K, dt=dt, gate=gate):
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
