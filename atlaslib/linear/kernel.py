@@ -36,7 +36,6 @@ import torch
 
 from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
 from ..core.chunking import gate_logs
-from ..core.dispatch import forward_or_fallback, warn_at_caller
 from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
     gate_mode, unwrapped
 
@@ -113,23 +112,12 @@ def linear_attention_autograd(q, k, v, alpha=None, initial_state=None, log_alpha
 
     Same arguments and results as ``linear_attention_triton``. ``alpha``/``log_alpha`` become fp32
     log-gates in autograd (clamped below at ``core.chunking.LOG_FLOOR`` as everywhere), so their
-    gradients follow. Without
-    gradients, or where a card cannot run the kernels (out of shared memory), it is the plain
-    forward (``core.dispatch.forward_or_fallback``).
+    gradients follow. Without gradients it is the plain forward. A card that cannot hold the
+    kernels' tiles gets the chunk form from the caller (``core.dispatch.call_backend``).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     tensors = (q, k, v, logs, initial_state)
     if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-        return forward_or_fallback(linear_attention_triton, _chunk_form, q, k, v, None, initial_state, logs)
-    from triton.runtime.errors import OutOfResources
-    try:
-        o, ht, _ = LinearAttentionFunction.apply(q, k, v, logs, initial_state, keep_states)
-    except OutOfResources as exc:
-        warn_at_caller(f"linear attention's kernels do not fit this GPU ({exc}); using the chunk form instead")
-        return _chunk_form(q, k, v, None, initial_state, logs)
+        return linear_attention_triton(q, k, v, None, initial_state, logs)
+    o, ht, _ = LinearAttentionFunction.apply(q, k, v, logs, initial_state, keep_states)
     return o, ht
-
-
-def _chunk_form(q, k, v, alpha, initial_state, log_alpha):
-    from .chunk import linear_attention_chunk
-    return linear_attention_chunk(q, k, v, alpha, initial_state, CHUNK, log_alpha)
