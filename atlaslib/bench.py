@@ -239,6 +239,21 @@ def _table(rows):
     return format_table(fmt, digits=2)
 
 
+def write_rows_json(path, rows: list[dict], **settings) -> dict:
+    """Write {card, versions, date, settings, rows} to ``path`` (NaN and inf become null); returns the dict."""
+    import json
+    import math
+
+    from .bench_fla import environment
+    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v      # noqa: E731
+    doc = {**environment(), "settings": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in settings.items()},
+           "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.write("\n")
+    return doc
+
+
 def main(argv=None):
     load_chapter_cases()
     p = argparse.ArgumentParser(prog="python -m atlaslib.bench", description=__doc__.split("\n\n")[0])
@@ -263,7 +278,7 @@ def main(argv=None):
     p.add_argument("--vs", choices=["fla"], default=None,
                    help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
                         "PyTorch references at a small one; --T with --B --H --K --V --dtype: that shape instead)")
-    p.add_argument("--json", default=None, help="with --vs fla: also write the table and environment to this file")
+    p.add_argument("--json", default=None, help="also write the rows, the card, versions, date and settings to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -293,7 +308,11 @@ def main(argv=None):
         print(_table(scaling(args.models, Ts, backend=backend, **kw)))
     else:
         Ts = args.T or ([256] if args.quick else [1024, 4096])
-        print(_table(run_benchmarks(args.models, Ts, backends=args.backends, **kw)))
+        rows = run_benchmarks(args.models, Ts, backends=args.backends, **kw)
+        print(_table(rows))
+        if args.json:
+            write_rows_json(args.json, rows, Ts=Ts, **{k: v for k, v in kw.items() if k != "progress"})
+            print(f"wrote {args.json}")
         notes = case_notes(args.models, Ts, **kw)
         if notes:
             print("\n" + "\n".join(notes))
