@@ -278,7 +278,8 @@ def main(argv=None):
     p.add_argument("--vs", choices=["fla"], default=None,
                    help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
                         "PyTorch references at a small one; --T with --B --H --K --V --dtype: that shape instead)")
-    p.add_argument("--json", default=None, help="also write the rows, the card, versions, date and settings to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the rows, the card, versions, date and settings to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

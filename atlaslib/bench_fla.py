@@ -251,7 +251,7 @@ def default_timer(device):
     from .bench import time_calls
     if str(device).startswith("cuda"):
         return cuda_event_times
-    return lambda fns, warmup, repeats: time_calls(fns, device, warmup=warmup, repeats=repeats)
+    return lambda fns, *, warmup, repeats: time_calls(fns, device, warmup=warmup, repeats=repeats)
 
 
 # ---------------------------------------------------------------------------- the table
@@ -260,8 +260,9 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
             backward=None, timer=None, peak=None, fns=None, seed=0) -> list[dict]:
     """One row per model at ``shape``: see the module docstring. ``impl`` (fla's side: "chunk" or "naive"),
     ``backend`` (ours: "triton" or "chunk") and ``backward`` (time forward + backward) default by device
-    (CUDA: chunk / triton / True; CPU: naive / chunk / False). ``timer(fns, warmup, repeats) -> medians``,
-    ``peak(fn, device) -> MiB`` and ``fns`` (fla's functions by path) can be replaced, e.g. by a test."""
+    (CUDA: chunk / triton / True; CPU: naive / chunk / False). ``timer(fns, *, warmup, repeats) -> medians``
+    (keywords, as ``cuda_event_times`` takes them), ``peak(fn, device) -> MiB`` and ``fns`` (fla's functions by
+    path) can be replaced, e.g. by a test."""
     from .bench import peak_memory_mib
     on_gpu = str(device).startswith("cuda")
     impl = impl or ("chunk" if on_gpu else "naive")
@@ -283,7 +284,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
                 row["loop_rel_err"] = relative_error(ours(model, x, "recurrent"), o_fla)
             del o_ours, o_fla
             fwd = {"ours": lambda: ours(model, x, backend), "fla": lambda: fla_fn(f)}
-            t = timer(fwd, warmup, repeats)
+            t = timer(fwd, warmup=warmup, repeats=repeats)
             row.update(ours_ms=t["ours"], fla_ms=t["fla"], speedup=t["fla"] / t["ours"],
                        ours_MiB=peak(fwd["ours"], device), fla_MiB=peak(fwd["fla"], device))
         if backward:
@@ -291,7 +292,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
             xg, fg = with_grads(x), with_grads(f)
             both = {"ours": forward_backward(lambda z: ours(model, z, backend), xg, do),
                     "fla": forward_backward(fla_fn, fg, do)}
-            t = timer(both, warmup, repeats)
+            t = timer(both, warmup=warmup, repeats=repeats)
             row.update(ours_fwdbwd_ms=t["ours"], fla_fwdbwd_ms=t["fla"], fwdbwd_speedup=t["fla"] / t["ours"])
             back = (lambda t: t) if impl == "naive" and model == "deltanet" else from_fla
             row["grad_rel_err"] = max(relative_error(a, back(b)) for a, b in zip(both["ours"](), both["fla"]()))

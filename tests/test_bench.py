@@ -287,7 +287,7 @@ def test_vs_fla_cuda_path_on_fakes(dtype, tmp_path):
     fakes, seen = _fake_fla_chunk_ops()
     shape = bench_fla.Shape(2, 3, 20, 8, 4, dtype)
     times = iter(range(1, 1000))
-    timer = lambda fns, warmup, repeats: {name: float(next(times)) for name in fns}      # noqa: E731
+    timer = lambda fns, *, warmup, repeats: {name: float(next(times)) for name in fns}      # noqa: E731
     rows = bench_fla.compare(bench_fla.MODELS, shape, impl="chunk", backend="chunk", backward=True, timer=timer,
                              peak=lambda fn, device: 1.5, fns=fakes)
     fp32 = dtype == "float32"

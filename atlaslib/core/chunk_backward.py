@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
-from .chunk_kernels import CHUNK, key_block, num_chunks
+from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, precision, \
     state_slice, store_tile
 
@@ -172,9 +172,9 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
                          f"{MAX_DELTA_KEY}, got K={K}")
     Tp = g.shape[2] if g is not None else NT * CHUNK
     BK = dot_tile(K) if delta else key_block(K)
-    # at K = 256 the delta rule's program holds [64, 256] tiles of q, k, w (and the decayed k): 32 value
-    # channels per program, 16 in fp32, keep it within an A100's shared memory
-    BV = min(dot_tile(V), 64 if BK <= 128 else (16 if q.element_size() == 4 else 32))
+    # the delta rule's program holds [64, K] tiles of q, k, w (and the decayed k) per pipeline stage
+    BV, stages = (delta_state_tiles(K, V, q.element_size(), backward=True) if delta
+                  else (min(dot_tile(V), 64), 3))
     dh = empty(B * H, NT, V, K, dtype=torch.float32, device=q.device)
     dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
     dht = None if dht is None else dht.to(torch.float32).contiguous()
@@ -186,6 +186,6 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         _strides(q), _strides(k) if delta else (0, 0, 0, 0), _strides(w), _strides(dv_local), _strides(do),
         _strides(dv2),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype),
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=stages,
     )
     return dh, dh0, dv2

@@ -284,6 +284,21 @@ def channel_scores(run, g, with_keys: bool):
     return aq, ak
 
 
+def delta_state_tiles(K: int, V: int, element_size: int, backward: bool = False) -> tuple[int, int]:
+    """(BV, num_stages) of a state pass that holds all K key channels (the delta rule's, both ways).
+
+    Triton software-pipelines the loop over chunks: every stage keeps its own copy of the chunk's
+    [64, K] tiles (k, w, the per-channel gates, and q backward), so shared memory grows with the
+    stages times the bytes of a key row. Three stages while a row is at most 128 bytes, two up to
+    256, then one; the backward at 1 KB rows (fp32, K = 256) also takes 16 value channels. Every
+    configuration then fits an A100 (163 KB; ``make aot`` builds them at several chunks, where the
+    pipeline exists: at one chunk Triton drops the loop and the size reads several times smaller).
+    """
+    row = dot_tile(K) * element_size
+    stages = 3 if row <= 128 else 2 if row <= 256 else 1
+    return min(dot_tile(V), 16 if backward and row > 512 else 64), stages
+
+
 def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     """(b): (h [B*H, NT, V, K] fp32, final state [B, H, V, K] fp32, v_new or None).
 
@@ -294,7 +309,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     BK_all = dot_tile(K)
     delta = w is not None
     BK = BK_all if delta else key_block(K)
-    BV = min(dot_tile(V), 64 if BK <= 128 else 32)
+    BV, stages = delta_state_tiles(K, V, run.q.element_size()) if delta else (min(dot_tile(V), 64), 3)
     h = empty(B * H, NT, V, K, dtype=torch.float32, device=run.q.device)
     ht = run.state()
     vn = empty(B, H, Tp, V, dtype=run.q.dtype, device=run.q.device) if delta else None
@@ -305,7 +320,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
         run.strides[1], tuple(src.stride()), tuple(w.stride()) if delta else zero,
         tuple(vn.stride()) if delta else zero,
         run.T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_stages=stages,
     )
     return h, ht, vn
 
