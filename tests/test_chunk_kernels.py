@@ -79,3 +79,25 @@ def test_bf16_inputs_within_bf16_rounding(gen, model, mode):
     o, _ = both(model, "triton", *half, beta, h0)
     assert o.dtype == torch.bfloat16
     assert_close(o.float(), ref_o.float(), tol=2e-2, name="bf16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_chunk_states_are_the_prefix_states_in_the_state_dtype(gen, dtype):
+    """h[c], the state at the start of chunk c, equals the loop's final state over the first 64c tokens;
+    stored in fp32 for fp32 inputs and in the inputs' dtype for 16-bit ones (``state_dtype``)."""
+    from atlaslib.core.chunk_kernels import state_dtype, state_pass
+    from atlaslib.core.kernels import chunk_gates, forward_launch
+    q, k, v, alpha, _, h0 = inputs(gen, 3 * CHUNK + 5, "scalar", K=16, V=16)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    run = forward_launch(q, k, v, BV=64)
+    gate, g, Tp = chunk_gates(alpha, None, run.T, CHUNK)
+    h, _, _ = state_pass(run, gate, g, Tp, h0)
+    assert h.dtype == state_dtype(dtype) == (torch.float32 if dtype == torch.float32 else dtype)
+    h = h.view(1, 2, -1, 16, 16)
+    assert_close(h[:, :, 0].float(), h0, tol=1e-5 if dtype == torch.float32 else 1e-2, name="h[0]")
+    for c in range(1, h.shape[2]):
+        n = c * CHUNK
+        _, ref = linear_attention(q[:, :, :n].double(), k[:, :, :n].double(), v[:, :, :n].double(),
+                                  alpha=alpha[:, :, :n].double(), initial_state=h0.double(),
+                                  output_final_state=True, backend="recurrent")
+        assert_close(h[:, :, c].float(), ref.float(), tol=1e-5 if dtype == torch.float32 else 1e-2, name=f"h[{c}]")

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
-from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks
+from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks, state_dtype
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, precision, \
     state_slice, store_tile
 
@@ -60,7 +60,7 @@ def chunk_dstate_kernel(
         dv2_c = du_c + (k_c * e^{g_n - g_c}) dH^T              (delta rule: ``w_ptr`` given)
         dH   <- dH Diag(e^{g_n}) + do_c^T (q_c * e^{g_c}) - dv2_c^T w_c   (last term: delta rule)
 
-    and writes the gradient of the initial state to ``dh0_ptr``. dh [B*H, NT, V, K] fp32.
+    and writes the gradient of the initial state to ``dh0_ptr``. dh [B*H, NT, V, K] (``state_dtype``).
     """
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
@@ -81,7 +81,7 @@ def chunk_dstate_kernel(
 
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        tl.store(dh_ptr + i_c * V * K + o_h, b_dh, mask=m_s)
+        tl.store(dh_ptr + i_c * V * K + o_h, b_dh.to(dh_ptr.dtype.element_ty), mask=m_s)
         o_t = i_c * BT + o_i
         m_t = o_t < T
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
@@ -151,11 +151,11 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         want_dh0: also return the gradient of the initial state.
 
     Returns ``(dh, dh0, dv2)``:
-        dh: [B*H, NT, V, K] fp32, NT = cdiv(T, 64): dh[:, c] is the gradient of the loss with
-            respect to the state AFTER chunk c (= the state at the start of chunk c + 1; for the
-            last chunk, ``dht`` or zero). These are what chunk c's gradient kernels need for the
-            terms through h[c+1]: dv_c += (k_c e^{g_n-g_c}) dh[c]^T, dk_c += (v_c dh[c]) e^{g_n-g_c}.
-            Size: B*H*NT*V*K*4 bytes, the same as the forward's stored chunk states h.
+        dh: [B*H, NT, V, K] in ``state_dtype`` (bf16/fp16 inputs: theirs; else fp32), NT = cdiv(T, 64):
+            dh[:, c] is the gradient of the loss with respect to the state AFTER chunk c (= the state at the start of
+            chunk c + 1; for the last chunk, ``dht`` or zero). These are what chunk c's gradient kernels need
+            for the terms through h[c+1]: dv_c += (k_c e^{g_n-g_c}) dh[c]^T, dk_c += (v_c dh[c]) e^{g_n-g_c}.
+            The same size as the forward's stored chunk states h.
         dh0: [B, H, V, K] fp32, the gradient of the initial state (the state at the start of
             chunk 0), or None when ``want_dh0`` is False.
         dv2: delta rule only (else None): [B, H, Tp, V] in ``dv2_dtype``, the whole gradient of
@@ -173,9 +173,9 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
     Tp = g.shape[2] if g is not None else NT * CHUNK
     BK = dot_tile(K) if delta else key_block(K)
     # the delta rule's program holds [64, K] tiles of q, k, w (and the decayed k) per pipeline stage
-    BV, stages = (delta_state_tiles(K, V, q.element_size(), backward=True) if delta
+    BV, stages = (delta_state_tiles(K, V, q.element_size()) if delta
                   else (min(dot_tile(V), 64), 3))
-    dh = empty(B * H, NT, V, K, dtype=torch.float32, device=q.device)
+    dh = empty(B * H, NT, V, K, dtype=state_dtype(q.dtype), device=q.device)
     dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
     dht = None if dht is None else dht.to(torch.float32).contiguous()
     dv2 = None

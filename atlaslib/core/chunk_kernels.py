@@ -159,7 +159,7 @@ def chunk_state_kernel(
         h[c] = M;   v_new = u - w M^T  (delta rule: ``w_ptr`` given; ``v_ptr`` holds u)
         M <- M Diag(e^{g_n}) + v_new^T (k * e^{g_n - g})          (v_new = v otherwise)
 
-    h [B*H, NT, V, K] fp32; the delta rule needs all K key channels in one program (BK >= K).
+    h [B*H, NT, V, K] (``state_dtype``); the delta rule needs all K key channels in one program (BK >= K).
     """
     i_bh = tl.program_id(0).to(tl.int64)
     i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
@@ -178,7 +178,7 @@ def chunk_state_kernel(
     o_h = o_v[:, None] * K + o_k[None, :]    # the slice inside one [V, K] state
 
     for i_c in range(0, NT):
-        tl.store(h_ptr + i_c * V * K + o_h, b_M, mask=m_s)
+        tl.store(h_ptr + i_c * V * K + o_h, b_M.to(h_ptr.dtype.element_ty), mask=m_s)
         o_t = i_c * BT + o_i
         m_t = o_t < T
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
@@ -284,23 +284,30 @@ def channel_scores(run, g, with_keys: bool):
     return aq, ak
 
 
-def delta_state_tiles(K: int, V: int, element_size: int, backward: bool = False) -> tuple[int, int]:
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the stored chunk states h[c] (and of their gradients dh[c]): the inputs' when 16-bit,
+    since every product that reads them takes 16-bit operands anyway (the running state itself stays
+    fp32 in registers); fp32 otherwise. Halves the largest buffer of a bf16 call."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def delta_state_tiles(K: int, V: int, element_size: int) -> tuple[int, int]:
     """(BV, num_stages) of a state pass that holds all K key channels (the delta rule's, both ways).
 
     Triton software-pipelines the loop over chunks: every stage keeps its own copy of the chunk's
     [64, K] tiles (k, w, the per-channel gates, and q backward), so shared memory grows with the
     stages times the bytes of a key row. Three stages while a row is at most 128 bytes, two up to
-    256, then one; the backward at 1 KB rows (fp32, K = 256) also takes 16 value channels. Every
+    256, then one; 1 KB rows (fp32, K = 256) also take 16 value channels instead of 64. Every
     configuration then fits an A100 (163 KB; ``make aot`` builds them at several chunks, where the
     pipeline exists: at one chunk Triton drops the loop and the size reads several times smaller).
     """
     row = dot_tile(K) * element_size
     stages = 3 if row <= 128 else 2 if row <= 256 else 1
-    return min(dot_tile(V), 16 if backward and row > 512 else 64), stages
+    return min(dot_tile(V), 16 if row > 512 else 64), stages
 
 
 def state_pass(run, gate, g, Tp, h0, u=None, w=None):
-    """(b): (h [B*H, NT, V, K] fp32, final state [B, H, V, K] fp32, v_new or None).
+    """(b): (h [B*H, NT, V, K] in ``state_dtype``, final state [B, H, V, K] fp32, v_new or None).
 
     Linear attention (``w`` None) splits the state into [BV, BK] blocks of 64 x 64 at most;
     the delta rule (``u``, ``w`` [B, H, Tp, V or K] from its WY kernel) holds all K channels.
@@ -310,7 +317,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     delta = w is not None
     BK = BK_all if delta else key_block(K)
     BV, stages = delta_state_tiles(K, V, run.q.element_size()) if delta else (min(dot_tile(V), 64), 3)
-    h = empty(B * H, NT, V, K, dtype=torch.float32, device=run.q.device)
+    h = empty(B * H, NT, V, K, dtype=state_dtype(run.q.dtype), device=run.q.device)
     ht = run.state()
     vn = empty(B, H, Tp, V, dtype=run.q.dtype, device=run.q.device) if delta else None
     src = u if delta else run.v

@@ -295,7 +295,7 @@ def delta_bwd_state_kernel(
         b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
         b_dk += tl.dot(b_vn, b_dh.to(dt), input_precision=PRECISION)
         b_dw -= tl.dot(b_dv2, b_h.to(dt), input_precision=PRECISION)
-        b_hdh += tl.sum(b_h * b_dh, axis=0)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
 
     b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
     b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
@@ -565,14 +565,14 @@ class DeltaRuleFunction(torch.autograd.Function):
     Inputs: q, k [B, H, T, K], v [B, H, T, V], beta [B, H, T], the fp32 log-gates ``logs``
     ([B, H, T] or [B, H, T, K], or None) and the initial state [B, H, V, K] (or None). Outputs (o, final state).
 
-    Stored between forward and backward: the inputs only (q, k, v, beta, logs, initial state),
-    nothing else, so a training step holds no extra memory for it. The backward recomputes the WY
-    factors w, u and the state pass (every h[c], fp32, B*H*NT*V*K*4 bytes, and v_new) instead of
-    keeping them from the forward. Its own buffers, freed when it returns: h[c] and dH per chunk
-    (B*H*NT*V*K*4 bytes each); w, u, v_new, dv_local and dv2 (B*H*Tp*K or B*H*Tp*V elements in the
-    inputs' dtype); the fp32 partial dk and dw (B*H*Tp*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4
-    bytes for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the scores Aq, Ak (B*H*Tp*64*4 bytes
-    each). NT = cdiv(T, 64), Tp = 64 NT.
+    Stored between forward and backward: the inputs only (q, k, v, beta, logs, initial state), nothing else, so a
+    training step holds no extra memory for it. The backward recomputes the WY factors w, u and the state pass
+    (every h[c] and v_new) instead of keeping them from the forward. Its own buffers, freed when it returns:
+    h[c] and dH per chunk (B*H*NT*V*K elements each, in the inputs' dtype when it is 16-bit, else fp32:
+    ``core.chunk_kernels.state_dtype``); w, u, v_new, dv_local and dv2 (B*H*Tp*K or B*H*Tp*V elements in the
+    inputs' dtype); the fp32 partial dk and dw (B*H*Tp*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4 bytes
+    for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the scores Aq, Ak (B*H*Tp*64*4 bytes each). NT =
+    cdiv(T, 64), Tp = 64 NT.
 
     Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
     tensors and is not itself differentiable).

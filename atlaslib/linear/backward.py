@@ -43,12 +43,12 @@ every B_t with t >= s, d log alpha_s = sum_{t>=s} dL/dB_t: a reverse cumulative 
 sequence, done on the host. dq and dk here are the complete gradients (state and intra-chunk
 terms), which the kernels hold in fp32 before rounding them to the input dtype.
 
-What is stored: the recomputed chunk-start states h [B*H, NT, V, K] fp32 and the reverse pass's
-dh of the same size (NT = cdiv(T, 64)); the per-channel scores A [B*H, Tp, 64] fp32 and, for
-per-channel gates, dA [B*H, Tp, 64] and the state terms of dq, dk [B*H, Tp, K] fp32; the
-log-gate shares [B*H, Tp(, K)] fp32 (per key block of 64 for scalar gates). The forward keeps
-only its inputs and the final state, unless ``keep_states`` keeps h too (then the backward
-skips the state pass).
+What is stored: the recomputed chunk-start states h [B*H, NT, V, K] (fp32, or the inputs' dtype when it is
+16-bit: ``core.chunk_kernels.state_dtype``) and the reverse pass's dh of the same size (NT = cdiv(T, 64)); the
+per-channel scores A [B*H, Tp, 64] fp32 and, for per-channel gates, dA [B*H, Tp, 64] and the state terms of
+dq, dk [B*H, Tp, K] fp32; the log-gate shares [B*H, Tp(, K)] fp32 (per key block of 64 for scalar gates).
+The forward keeps only its inputs and the final state, unless ``keep_states`` keeps h too (then the
+backward skips the state pass).
 
 Precision as in the forward: bf16/fp16 tiles go to tl.dot in their dtype with fp32 sums, fp32
 intermediates (dh, dA, decayed tiles) are rounded to the input dtype before a product, fp32
@@ -81,7 +81,7 @@ def linear_dv_kernel(
 ):
     """dv = (k * e^{g_n - g}) dh[c]^T + (A * D)^T do for chunk c, value block i_v. (A * D)^T is
     formed here as k q^T for no gate and scalar gates; read transposed from ``a_ptr`` (the
-    forward's ``channel_scores_kernel``) for per-channel gates. dh [B*H, NT, V, K] fp32."""
+    forward's ``channel_scores_kernel``) for per-channel gates. h, dh [B*H, NT, V, K] (``state_dtype``)."""
     i_p = tl.program_id(0).to(tl.int64)
     i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H

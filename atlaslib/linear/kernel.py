@@ -54,7 +54,7 @@ def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=N
 
 
 def _log_gates_forward(q, k, v, logs, initial_state):
-    """The forward of the Function: (o, final state, chunk-start states h [B*H, NT, V, K] fp32)."""
+    """The forward of the Function: (o, final state, chunk-start states h [B*H, NT, V, K])."""
     feature_tile(q.shape[-1], MAX_KEY)
     run = forward_launch(q, k, v, BV=64)
     gate = gate_mode(logs)
