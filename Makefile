@@ -89,13 +89,20 @@ experiments: $(STAMP)
 # Card, torch and triton first; then every kernel family compiled for the card (the interpreter explicitly
 # off) against its chunk form in fp32 and bf16/fp16 (tests/test_gpu.py), then chapters 1-2 against fla-core
 # (python -m atlaslib.bench --vs fla), written to results/gpu_bench.json. Without CUDA: says so, succeeds.
+# With pytest-xdist the tests compile in 8 processes (compilation dominates: minutes serially), then run
+# once more in one process (cached builds, seconds) for the check that every kernel was launched.
+# GPU_PY=python3: use a Python that already has torch, triton and fla-core (no .venv is built).
 GPU_BENCH_JSON := results/gpu_bench.json
-gpu-test: $(STAMP)
-	@$(PY) -c "from atlaslib.bench_fla import environment as e; d = e(); \
+GPU_PY ?= $(PY)
+GPU_RUN := PYTHONPATH=$(CURDIR) TRITON_INTERPRET=0 $(GPU_PY)
+gpu-test: $(if $(filter $(PY),$(GPU_PY)),$(STAMP))
+	@$(GPU_RUN) -c "from atlaslib.bench_fla import environment as e; d = e(); \
 	    print('card:', d['card'], '| torch', d['torch'], '(CUDA', str(d['cuda']) + ')', '| triton', d['triton'], '| fla-core', d['fla-core'])"
-	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
-	    TRITON_INTERPRET=0 $(PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py && \
-	    TRITON_INTERPRET=0 $(PY) -m atlaslib.bench --vs fla --json $(GPU_BENCH_JSON); \
+	@if $(GPU_RUN) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	    parallel=$$($(GPU_RUN) -c "import xdist" 2>/dev/null && echo "-n 8"); \
+	    $(GPU_RUN) -m pytest -q -p no:cacheprovider $$parallel tests/test_gpu.py && \
+	    { [ -z "$$parallel" ] || $(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_gpu.py; } && \
+	    $(GPU_RUN) -m atlaslib.bench --vs fla --json $(GPU_BENCH_JSON); \
 	else \
 	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter, and the CPU side of bench --vs fla)"; \
 	fi

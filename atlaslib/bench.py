@@ -34,12 +34,12 @@ per-chunk work).
 linear attention, scalar and per-channel gates, DeltaNet, Gated DeltaNet and KDA. On CUDA, at B=4,
 H=16, T=4096, K=V=128 in bf16 and B=2, H=8, T=4096, K=V=64 in fp32, one row per model with our forward
 time (``backend="triton"``) and fla's Triton kernels' time, their ratio, the relative error against
-fla, the peak memory of each, and forward + backward times (ours: autograd through the chunk form);
+fla, the peak memory of each, and forward + backward times (ours: the backward kernels of chapters 1-2);
 CUDA-event medians, the two sides interleaved. On a CPU: our chunk forms (and the relative error of our
 per-token loops) against fla's pure-PyTorch references at a small size. ``--json PATH`` writes the table
 with the card, versions, date and shapes. fla-core is optional and benchmark-only:
-``pip install --no-deps -r requirements-fla.txt`` (pinned; torch and triton stay as pinned). GPU numbers
-for the current kernels have not been measured yet.
+``pip install --no-deps -r requirements-fla.txt`` (pinned; torch and triton stay as pinned). fla-core
+0.6.0 refuses its gated backward on Hopper cards under Triton older than 3.7.1 (the version pinned here).
 
 Every chapter adds its rows with ``core.benchcases.register_bench_case(name, builder,
 flops=...)`` in a module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases``

@@ -39,9 +39,8 @@ fla / ours (> 1: ours faster), the relative error of our output against fla's (F
 difference over fla's), the peak memory of each forward (beyond its inputs, as in the main table),
 and the same for forward + backward (gradients of q, k, v, beta and the gate, from a fixed random
 output gradient): the times, the largest relative error of our gradients against fla's (over the
-inputs), and the peak memory of the pair. Our backward is linear attention's backward kernels
-(``linear.backward``) for the three linear-attention rows, and autograd through the PyTorch chunk
-form where a model has no backward kernels of its own yet. Times are medians
+inputs), and the peak memory of the pair. Our backward is the backward kernels of chapter 1
+(``linear.backward``) and chapter 2 (``delta.kernel.DeltaRuleFunction``). Times are medians
 of ``--repeats`` rounds measured with CUDA events, the two sides called in turn within each round,
 after ``--warmup`` untimed rounds (fla autotunes each op on its first call: 25-35 s each).
 
@@ -51,7 +50,8 @@ reference: a check of both models against an independent implementation.
 
 ``--json PATH`` writes the table with the card, the versions, the date and the shapes.
 
-GPU numbers with the current kernels have not been measured yet.
+fla-core 0.6.0 refuses its gated backward (``chunk_bwd_dqkwg``) on Hopper cards under Triton older than
+3.7.1, which gives wrong results there: run the forward + backward columns with the pinned Triton.
 """
 from __future__ import annotations
 

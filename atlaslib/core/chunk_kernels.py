@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, state_slice, \
-    store_tile
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, chunk_program, dot_tile, load_block, load_state, \
+    load_state_tile, state_slice, store_tile
 from .alloc import empty
 
 # Tokens per chunk, and per sub-chunk of the per-channel scores.
@@ -94,9 +94,8 @@ def channel_scores_kernel(
     """Rows of sub-chunk i_s of chunk i_c: Aq[i, j] = sum_c q_ic k_jc e^{g_ic - g_jc} for j <= i
     and, when ``ak_ptr`` is given, Ak[i, j] = the same with k_i for q_i, for j < i (0 elsewhere);
     both fp32 [B*H, Tp, BT] (row: token, column: token within its chunk)."""
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_s = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_s = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     g_ptr += i_bh * Tp * K
     dt = k_ptr.dtype.element_ty
@@ -218,9 +217,8 @@ def chunk_output_kernel(
     """o = (q * e^g) h[c]^T + (A * causal) v for chunk c, value block i_v. A = (q k^T) * e^{g_i - g_j}
     computed here for no gate and scalar gates; read from ``a_ptr`` (``channel_scores_kernel``)
     for per-channel gates. ``v_ptr``: v, or the delta rule's corrected values v_new."""
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_v = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
     h_ptr += (i_bh * NT + i_c) * V * K
@@ -238,7 +236,7 @@ def chunk_output_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
-        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
         if GATE == GATE_CHANNEL:
             b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
             b_q = (b_q * tl.exp(b_g)).to(dt)

@@ -72,6 +72,21 @@ def at_head(ptr, strides, i_b, i_h):
 
 
 @triton.jit
+def chunk_program(NT, H):
+    """(i_bh, i_c, i_b, i_h) of a program whose axis 0 enumerates (batch*head, chunk) pairs, in int64
+    (offsets of later heads can exceed 2^31)."""
+    i_p = tl.program_id(0).to(tl.int64)
+    i_bh = i_p // NT
+    return i_bh, i_p % NT, i_bh // H, i_bh % H
+
+
+@triton.jit
+def load_state_tile(ptr, o_v, o_k, m_v, m_k, K):
+    """The [BV, BK] slice (rows o_v, columns o_k) of one stored [V, K] state, h[c] or dh[c]; 0 where masked."""
+    return tl.load(ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+
+
+@triton.jit
 def load_block(ptr, strides, o_rows, o_cols, m_rows, m_cols):
     """The block (rows o_rows, channels o_cols) of the head ``ptr`` points at, in its own dtype; 0 where masked."""
     p_x = ptr + o_rows[:, None] * strides[2] + o_cols[None, :] * strides[3]

@@ -83,8 +83,9 @@ import triton.language as tl
 from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
                                   unit_lower_inverse)
 from ..core.chunking import gate_logs
-from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, dot_tile,
-                            feature_tile, forward_launch, load_block, precision, store_tile, unwrapped)
+from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, chunk_program,
+                            dot_tile, feature_tile, forward_launch, load_block, load_state_tile, precision, store_tile,
+                            unwrapped)
 from ..core.alloc import empty
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
@@ -99,9 +100,7 @@ def delta_wy_kernel(
     GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}."""
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c = i_p // NT, i_p % NT
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
     w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     dt = k_ptr.dtype.element_ty
@@ -211,9 +210,8 @@ def delta_dv_local_kernel(
     """dv_local = (A * causal decay)^T do for chunk i_c, value block i_v: the gradient of v_new from
     the chunk's own outputs. A = q k^T (times e^{g_i - g_j}) is recomputed, or read from ``a_ptr``
     (per-channel gates). Rows t >= T are written as 0 (rows of padded tokens up to Tp)."""
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_v = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
     dt = q_ptr.dtype.element_ty
@@ -260,9 +258,8 @@ def delta_bwd_state_kernel(
 
     dq in q's dtype (final); dk, dw fp32 [B, H, Tp, K]; dg fp32 [B*H, NK, Tp], one row per key block.
     """
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_k = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_k = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     vn_ptr, do_ptr = at_head(vn_ptr, s_vn, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
     dv2_ptr, dq_ptr = at_head(dv2_ptr, s_dv2, i_b, i_h), at_head(dq_ptr, s_dq, i_b, i_h)
@@ -285,9 +282,8 @@ def delta_bwd_state_kernel(
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_s = m_v[:, None] & m_k[None, :]
-        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
-        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
+        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
         b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
         b_vn = load_block(vn_ptr, s_vn, o_t, o_v, m_t, m_v)
         b_dv2 = load_block(dv2_ptr, s_dv2, o_t, o_v, m_t, m_v)
@@ -352,9 +348,7 @@ def delta_bwd_wy_kernel(
     d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T). Adds dk1 (the state kernel's
     partial dk) and writes dk, dv in their dtypes, dbeta fp32 [B*H, T], dg fp32 [B*H, Tp].
     """
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c = i_p // NT, i_p % NT
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
     w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     dw_ptr, du_ptr = at_head(dw_ptr, s_dw, i_b, i_h), at_head(du_ptr, s_du, i_b, i_h)

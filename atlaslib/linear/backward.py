@@ -65,8 +65,8 @@ import triton.language as tl
 from ..core.alloc import empty
 from ..core.chunk_backward import dstate_pass
 from ..core.chunk_kernels import CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, state_pass
-from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, dot_tile, load_block, \
-    precision, store_tile
+from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, chunk_program, dot_tile, \
+    load_block, load_state_tile, precision, store_tile
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,9 +82,8 @@ def linear_dv_kernel(
     """dv = (k * e^{g_n - g}) dh[c]^T + (A * D)^T do for chunk c, value block i_v. (A * D)^T is
     formed here as k q^T for no gate and scalar gates; read transposed from ``a_ptr`` (the
     forward's ``channel_scores_kernel``) for per-channel gates. h, dh [B*H, NT, V, K] (``state_dtype``)."""
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_v = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_v = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
     dh_ptr += (i_bh * NT + i_c) * V * K
@@ -102,7 +101,7 @@ def linear_dv_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
-        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
+        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
         if GATE == GATE_CHANNEL:
             b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
             b_gn = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
@@ -144,9 +143,8 @@ def linear_dqk_kernel(
     * per-channel gates: the state terms (fp32, [B*H, Tp, K]) and the causal dA (fp32, [B*H, Tp,
       BT], written by key block 0) for ``channel_dqk_kernel``.
     """
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_k = i_p // NT, i_p % NT, tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_k = tl.program_id(1)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     v_ptr, do_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
     dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
@@ -166,11 +164,10 @@ def linear_dqk_kernel(
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        m_s = m_v[:, None] & m_k[None, :]
         b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
-        b_h = tl.load(h_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
-        b_dh = tl.load(dh_ptr + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
+        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
         b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
         b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
         b_dk += tl.dot(b_v, b_dh.to(dt), input_precision=PRECISION)
@@ -223,9 +220,8 @@ def channel_dqk_kernel(
     (for dk) against its last token e, e^{g_i - g_j} = e^{g_i - g_e} e^{g_e - g_j}: every exponent
     <= 0. The diagonal 16 x 16 block is summed elementwise, one token per step.
     """
-    i_p = tl.program_id(0).to(tl.int64)
-    i_bh, i_c, i_s, i_k = i_p // NT, i_p % NT, tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_s, i_k = tl.program_id(1), tl.program_id(2)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
     g_ptr += i_bh * Tp * K
