@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atlaslib.core.testing import TOLERANCE, assert_close, rel_rmse
+from atlaslib.core.testing import TOLERANCE, assert_close, rel_rmse, window_l2_grad
 from atlaslib.deep import dot, exp_features
 from atlaslib.nn import MIXERS, TinyLM, available_mixers, make_mixer
 from atlaslib.nn.deep_mixers import CoefficientCache, KernelCache
@@ -176,13 +176,7 @@ def omega_by_autograd(fq, fk, v, c, gamma, alpha, eta, kappa=None):
     B, Hh, T, _ = fk.shape
     M, ys = torch.zeros(B, Hh, v.shape[-1], fk.shape[-1], dtype=v.dtype), []
     for t in range(T):
-        M_var = M.clone().requires_grad_(True)
-        loss = 0.0
-        for i in range(max(0, t - c + 1), t + 1):
-            w = 1.0 if gamma is None else (gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i])
-            pred = torch.einsum("bhvd,bhd->bhv", M_var, fk[:, :, i])
-            loss = loss + (w * 0.5 * (pred - v[:, :, i]).square().sum(-1)).sum()
-        (grad,) = torch.autograd.grad(loss, M_var)
+        grad = window_l2_grad(M, fk, v, t, c, gamma)
         a = 1.0 if alpha is None else alpha[:, :, t, None, None]
         M = a * M - eta[:, :, t, None, None] * grad
         ys.append(torch.einsum("bhvd,bhd->bhv", M, fq[:, :, t]))
