@@ -11,6 +11,12 @@ from atlaslib.exercises.generate import BEGIN, END
 from atlaslib.grade import grade, table
 
 ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
+
+
+def chapter_notebooks(stem):
+    """(the solutions notebook, the student notebook) of exercises/<stem>.ipynb."""
+    return ROOT / "exercises" / "solutions" / f"{stem}.ipynb", ROOT / "exercises" / f"{stem}.ipynb"
 
 
 def rows(report):
@@ -54,3 +60,15 @@ def planted_copy(solution, tmp_path, function, body):
     path = tmp_path / Path(solution).name
     nbformat.write(nb, path)
     return path
+
+
+def assert_planted_loses_its_points(solution, tmp_path, function, body, points, exercise=None):
+    """Grade the solutions with ``function``'s answer replaced by ``body``: its exercise (``exercise``,
+    by default named as the function) fails with no points and every other one keeps its own. Returns
+    that exercise's row of the report."""
+    exercise = exercise or function
+    report = grade(planted_copy(solution, tmp_path, function, body), timeout=TIMEOUT, progress=False)
+    row = rows(report)[exercise]
+    assert row["status"] == "failed" and row["earned"] == 0, table(report)
+    assert report["earned"] == report["points"] - points[exercise], table(report)
+    return row

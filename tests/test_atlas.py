@@ -16,6 +16,7 @@ import torch
 
 from atlaslib.atlas import atlas, atlas_config, atlas_frozen_seq, newton_schulz, polar
 from atlaslib.core import assert_close, poisoned_outputs, random_gate, random_qkv, rel_rmse
+from atlaslib.core.testing import window_l2_grad
 from atlaslib.core.windows import window_gates
 from atlaslib.delta import delta_rule
 from atlaslib.miras import MirasState, make_config, miras
@@ -133,18 +134,12 @@ def oracle(q, k, v, window, gamma, alpha, eta, theta, initial_state, ns_steps=5,
     """ATLAS written independently: the windowed l2 loss differentiated by autograd at M_{t-1}
     (or at the chunk-start state), S_t = theta_t S_{t-1} + grad, M_t = alpha_t M_{t-1} - eta_t NS(S_t)."""
     B, H, T, K = q.shape
-    G = window_gates(gamma, B, H, T, window, F64, q.device)           # G[t, j] = gamma_{t-j}^{(t)}
     M, S = initial_state
     outs = []
     for t in range(T):
         if t % chunk_size == 0:
             anchor = M
-        W = anchor.detach().clone().requires_grad_(True)
-        loss = 0.0
-        for i in range(max(0, t - window + 1), t + 1):
-            err = (W @ k[:, :, i, :, None])[..., 0] - v[:, :, i]
-            loss = loss + (G[:, :, t, t - i] * 0.5 * err.square().sum(-1)).sum()
-        (grad,) = torch.autograd.grad(loss, W)
+        grad = window_l2_grad(anchor, k, v, t, window, gamma)
         S = theta[:, :, t, None, None] * S + grad
         M = alpha[:, :, t, None, None] * M - eta[:, :, t, None, None] * newton_schulz(S, ns_steps, coeffs)
         outs.append((M @ q[:, :, t, :, None])[..., 0])

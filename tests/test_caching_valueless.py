@@ -18,11 +18,6 @@ from atlaslib.core import random_qkv
 F64 = torch.float64
 
 
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-
-
 def masked_softmax_attention(u, k, v):
     T = u.shape[2]
     scores = (u @ k.mT).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)

@@ -18,11 +18,6 @@ from atlaslib.deep import (MAX_EXPONENT, deep_transformer, dot, dot_coefficient_
 F64 = torch.float64
 
 
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-
-
 def taylor_exp(s, P):
     return sum(s ** n / math.factorial(n) for n in range(P + 1))
 

@@ -18,11 +18,6 @@ from atlaslib.miras import PRESETS, MirasState, init_state, miras
 F64 = torch.float64
 
 
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-
-
 # Memories written out by hand (not the engine's Memory classes); weights W [B, H, out, in], x [B, H, in].
 def _lin(W, x):
     return (W @ x[..., None])[..., 0]

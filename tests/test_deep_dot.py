@@ -12,22 +12,11 @@ import pytest
 import torch
 
 from atlaslib.core import assert_close, random_gate, random_qkv
+from atlaslib.core.testing import window_gate
 from atlaslib.deep import dot, dot_chunk, dot_coefficient_recurrent, dot_window_chunk, exp_features
 from atlaslib.omega import omega_frozen_seq
 
 F64 = torch.float64
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-
-
-def gate_of(gamma, t, i):
-    """gamma_i^{(t)} [B, H] from either layout (None: 1)."""
-    if gamma is None:
-        return 1.0
-    return gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i]
 
 
 def window_reference(fq, fk, v, c, gamma, alpha, eta):
@@ -39,7 +28,7 @@ def window_reference(fq, fk, v, c, gamma, alpha, eta):
         grad = torch.zeros_like(M)
         for i in range(max(0, t - c + 1), t + 1):
             err = torch.einsum("bhvd,bhd->bhv", M, fk[:, :, i]) - v[:, :, i]
-            g = gate_of(gamma, t, i)
+            g = window_gate(gamma, t, i)
             g = g[..., None, None] if isinstance(g, torch.Tensor) else g
             grad = grad + g * err[..., None] * fk[:, :, i, None, :]
         a = 1.0 if alpha is None else alpha[:, :, t, None, None]

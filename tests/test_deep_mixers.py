@@ -3,7 +3,7 @@
 Each mixer's sequence mixing is checked against a reference written here from the math (masked
 softmax with cumulative log-decays, autograd on the window loss, autograd on the dot-product loss of
 an MLP memory), or against another model it must equal (softmax attention, SWA); not against
-atlaslib.deep.
+atlaslib.deep, but for one check that DOT's mixer hands its gates to ``dot`` as they are.
 """
 import math
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atlaslib.core.testing import TOLERANCE, assert_close, rel_rmse
-from atlaslib.deep import exp_features
+from atlaslib.core.testing import TOLERANCE, assert_close, rel_rmse, window_l2_grad
+from atlaslib.deep import dot, exp_features
 from atlaslib.nn import MIXERS, TinyLM, available_mixers, make_mixer
 from atlaslib.nn.deep_mixers import CoefficientCache, KernelCache
 
@@ -176,13 +176,7 @@ def omega_by_autograd(fq, fk, v, c, gamma, alpha, eta, kappa=None):
     B, Hh, T, _ = fk.shape
     M, ys = torch.zeros(B, Hh, v.shape[-1], fk.shape[-1], dtype=v.dtype), []
     for t in range(T):
-        M_var = M.clone().requires_grad_(True)
-        loss = 0.0
-        for i in range(max(0, t - c + 1), t + 1):
-            w = 1.0 if gamma is None else (gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i])
-            pred = torch.einsum("bhvd,bhd->bhv", M_var, fk[:, :, i])
-            loss = loss + (w * 0.5 * (pred - v[:, :, i]).square().sum(-1)).sum()
-        (grad,) = torch.autograd.grad(loss, M_var)
+        grad = window_l2_grad(M, fk, v, t, c, gamma)
         a = 1.0 if alpha is None else alpha[:, :, t, None, None]
         M = a * M - eta[:, :, t, None, None] * grad
         ys.append(torch.einsum("bhvd,bhd->bhv", M, fq[:, :, t]))
@@ -201,6 +195,20 @@ def test_dot_on_taylor_features_is_the_omega_rule(gen, kw):
         gamma, alpha, eta = mixer.gate_tensors(x, torch.float64)
     assert_close(o, omega_by_autograd(exp_features(q, 2), exp_features(k, 2), v, mixer.window, gamma, alpha, eta),
                  name="dot (taylor 2) vs autograd")
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 3, "gamma": "source"}])
+def test_dot_mixer_passes_its_retention_as_log_gates(gen, kw):
+    """The mixer passes log alpha (as the other mixers do); dot given the gates alpha themselves agrees."""
+    seeded(gen)
+    mixer = make_mixer("dot", D, H, backend="recurrent", **kw)
+    x = x_of(gen)
+    with torch.no_grad():
+        q, k, v, o = mix_inputs(mixer, x)
+        gamma, alpha, eta = mixer.gate_tensors(x, torch.float32)
+        ref, _ = dot(q, k, v, window=mixer.window, gamma=gamma, alpha=alpha, eta=eta, backend="recurrent")
+    assert alpha is not None
+    assert_close(o, ref, name="dot mixer vs dot")
 
 
 def test_dot_kernel_is_the_limit_of_the_taylor_features(gen):

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from atlaslib.core import assert_close, random_gate, random_qkv
+from atlaslib.core.testing import window_gate
 from atlaslib.deep import (deep_mlp_recurrent, deep_transformer, dot, dot_mlp_recurrent, exp_features, exp_kernel,
                            second_layer_init)
 from atlaslib.miras import miras
@@ -21,18 +22,6 @@ from atlaslib.omega import omega_rule
 
 F64 = torch.float64
 ACT = {"gelu": F.gelu, "tanh": torch.tanh, "silu": F.silu}
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-
-
-def gate_of(gamma, t, i):
-    """gamma_i^{(t)} [B, H] from either layout (None: 1)."""
-    if gamma is None:
-        return 1.0
-    return gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i]
 
 
 def reference(fq, fk, v, W1, W2, alpha, eta, act, bias="dot", c=1, gamma=None):
@@ -46,7 +35,7 @@ def reference(fq, fk, v, W1, W2, alpha, eta, act, bias="dot", c=1, gamma=None):
             for i in range(max(0, t - c + 1), t + 1):
                 y = (Bw @ act(A @ fk[:, :, i, :, None]))[..., 0]                    # W2 act(W1 phi(k_i))
                 l_i = -(y * v[:, :, i]).sum(-1) if bias == "dot" else 0.5 * (y - v[:, :, i]).square().sum(-1)
-                loss = loss + gate_of(gamma, t, i) * l_i
+                loss = loss + window_gate(gamma, t, i) * l_i
             g1, g2 = torch.autograd.grad(loss.sum(), (A, Bw))
         a = 1.0 if alpha is None else alpha[:, :, t, None, None]
         e = eta[:, :, t, None, None]

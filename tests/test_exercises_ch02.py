@@ -6,7 +6,6 @@ The correct answers here are written from the math or the library, not copied fr
 exercises/solutions/ch02_delta.ipynb. TRITON_INTERPRET=1 is set by conftest.py before
 triton is imported.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +15,11 @@ import triton.language as tl
 from atlaslib.delta import delta_rule
 from atlaslib.delta.chunk import chunk_step as library_chunk_step
 from atlaslib.exercises import ch02, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch02_delta.ipynb"
-STUDENT = ROOT / "exercises" / "ch02_delta.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch02_delta")
 POINTS = {e.name: e.points for e in registry("ch02")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def mv(M, x):
@@ -421,16 +416,9 @@ def test_untouched_student_notebook_scores_zero_via_cli():
     assert_student_scores_zero(STUDENT, POINTS, TIMEOUT)
 
 
-def planted_copy(tmp_path, function, body):
-    return plant(SOLUTION, tmp_path, function, body)
-
-
 def test_planted_unit_key_beta_loses_exactly_its_points(tmp_path):
-    report = grade(planted_copy(tmp_path, "kda_beta", "return eta / (1.0 + eta)"), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["kda_beta"]["status"] == "failed" and r["kda_beta"]["earned"] == 0, table(report)
-    assert "key norms" in r["kda_beta"]["verdict"]
-    assert report["earned"] == report["points"] - POINTS["kda_beta"], table(report)
+    row = assert_planted_loses_its_points(SOLUTION, tmp_path, "kda_beta", "return eta / (1.0 + eta)", POINTS)
+    assert "key norms" in row["verdict"], row
 
 
 @pytest.mark.library_rules
@@ -439,8 +427,5 @@ def test_planted_autograd_answer_loses_exactly_its_points(tmp_path):
             "    X = torch.linalg.solve_triangular(torch.eye(L.shape[-1]) + beta[..., None] * L, Z, upper=False, "
             "unitriangular=True)\n"
             "    return torch.autograd.grad((X * dX).sum(), (L, beta, Z))")
-    report = grade(planted_copy(tmp_path, "wy_solve_backward", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["wy_backward"]["status"] == "failed" and r["wy_backward"]["earned"] == 0, table(report)
-    assert "torch.autograd.grad" in r["wy_backward"]["verdict"], table(report)
-    assert report["earned"] == report["points"] - POINTS["wy_backward"], table(report)
+    row = assert_planted_loses_its_points(SOLUTION, tmp_path, "wy_solve_backward", body, POINTS, exercise="wy_backward")
+    assert "torch.autograd.grad" in row["verdict"], row

@@ -6,7 +6,6 @@ The correct answers here are written from the math (autograd oracles, plain loop
 library, not copied from exercises/solutions/ch03_miras.ipynb. TRITON_INTERPRET=1 is set
 by conftest.py before triton is imported.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,18 +14,14 @@ import triton
 import triton.language as tl
 
 from atlaslib.exercises import ch03, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 from atlaslib.core.chunking import causal_decay
 from atlaslib.miras import make_config, miras
 from atlaslib.miras.optimizer import build_optimizer
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch03_miras.ipynb"
-STUDENT = ROOT / "exercises" / "ch03_miras.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch03_miras")
 POINTS = {e.name: e.points for e in registry("ch03")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def test_registered_with_at_least_five_exercises():
@@ -333,16 +328,9 @@ def test_untouched_student_notebook_scores_zero_via_cli():
     assert_student_scores_zero(STUDENT, POINTS, TIMEOUT)
 
 
-def planted_copy(tmp_path, function, body):
-    return plant(SOLUTION, tmp_path, function, body)
-
-
 def test_planted_minus_delta_squared_loses_exactly_its_points(tmp_path):
     body = ("e = torch.einsum('bhvk,bhk->bhv', M, k) - v; "
             "psi = torch.where(e.norm(dim=-1, keepdim=True) <= delta[..., None], e, delta[..., None] * torch.sign(e)); "
             "return alpha[..., None, None] * M - eta[..., None, None] * "
             "(psi[..., :, None] * k[..., None, :] - delta[..., None, None] ** 2)")
-    report = grade(planted_copy(tmp_path, "yaad_step", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["yaad_step"]["status"] == "failed" and r["yaad_step"]["earned"] == 0, table(report)
-    assert report["earned"] == report["points"] - POINTS["yaad_step"], table(report)
+    assert_planted_loses_its_points(SOLUTION, tmp_path, "yaad_step", body, POINTS)

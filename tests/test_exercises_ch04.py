@@ -8,7 +8,6 @@ triton is imported.
 """
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +16,13 @@ import triton.language as tl
 
 from atlaslib.core import TaylorFeatures, monomial_features, tensor_power
 from atlaslib.exercises import ch04, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 from atlaslib.omega import omega_chunk, omega_rule
 from atlaslib.core.windows import band_gates
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch04_omega.ipynb"
-STUDENT = ROOT / "exercises" / "ch04_omega.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch04_omega")
 POINTS = {e.name: e.points for e in registry("ch04")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def test_registered_with_at_least_four_exercises():
@@ -301,14 +296,7 @@ def test_untouched_student_notebook_scores_zero_via_cli():
     assert_student_scores_zero(STUDENT, POINTS, TIMEOUT)
 
 
-def planted_copy(tmp_path, function, body):
-    return plant(SOLUTION, tmp_path, function, body)
-
-
 def test_planted_eq11_sign_loses_exactly_its_points(tmp_path):
     body = ("return alpha[..., None, None] * M - eta[..., None, None] * "
             "(gamma[..., None] * (k_win @ M.transpose(-1, -2) + v_win)).transpose(-1, -2) @ k_win")
-    report = grade(planted_copy(tmp_path, "omega_step", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["omega_step"]["status"] == "failed" and r["omega_step"]["earned"] == 0, table(report)
-    assert report["earned"] == report["points"] - POINTS["omega_step"], table(report)
+    assert_planted_loses_its_points(SOLUTION, tmp_path, "omega_step", body, POINTS)

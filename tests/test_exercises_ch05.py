@@ -6,7 +6,6 @@ The correct answers here are written from the math or the library, not copied fr
 exercises/solutions/ch05_atlas.ipynb. TRITON_INTERPRET=1 is set by conftest.py before
 triton is imported.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +14,11 @@ import triton.language as tl
 
 from atlaslib.atlas import atlas_step, newton_schulz, start_state
 from atlaslib.exercises import ch05, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch05_atlas.ipynb"
-STUDENT = ROOT / "exercises" / "ch05_atlas.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch05_atlas")
 POINTS = {e.name: e.points for e in registry("ch05")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def test_registered_with_at_least_four_exercises():
@@ -318,10 +313,7 @@ def test_planted_table1_ascent_loses_exactly_its_points(tmp_path):
     body = ("return (alpha[..., None, None] * M - eta[..., None, None] * newton_schulz(theta[..., None, None] * S - "
             "(torch.einsum('bhvd,bhd->bhv', M, k) - v)[..., :, None] * k[..., None, :], ns_steps), "
             "theta[..., None, None] * S - (torch.einsum('bhvd,bhd->bhv', M, k) - v)[..., :, None] * k[..., None, :])")
-    report = grade(plant(SOLUTION, tmp_path, "atlas_step", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["atlas_step"]["status"] == "failed" and r["atlas_step"]["earned"] == 0, table(report)
-    assert report["earned"] == report["points"] - POINTS["atlas_step"], table(report)
+    assert_planted_loses_its_points(SOLUTION, tmp_path, "atlas_step", body, POINTS)
 
 
 # ---- the rules hold however the answer reaches the library, and a kernel must compute the output ------

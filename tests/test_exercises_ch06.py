@@ -8,7 +8,6 @@ triton is imported.
 """
 import itertools
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,15 +17,11 @@ import triton.language as tl
 from atlaslib.core.featuremaps import monomial_features
 from atlaslib.deep import deep_transformer, exp_features
 from atlaslib.exercises import ch06, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch06_deep.ipynb"
-STUDENT = ROOT / "exercises" / "ch06_deep.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch06_deep")
 POINTS = {e.name: e.points for e in registry("ch06")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def test_registered_with_five_exercises():
@@ -313,10 +308,7 @@ def test_planted_paper_sign_loses_exactly_its_points(tmp_path):
     # [A] eqs. 28-31's sign: the step climbs the error instead of descending it
     body = ("return torch.cat([alpha[..., None, None] * U, (eta[..., None] * (torch.einsum('bhj,bhjv->bhv', "
             "torch.exp(torch.einsum('bhjk,bhk->bhj', keys, k)), U) - v))[:, :, None]], dim=2)")
-    report = grade(plant(SOLUTION, tmp_path, "dot_step", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["dot_step"]["status"] == "failed" and r["dot_step"]["earned"] == 0, table(report)
-    assert report["earned"] == report["points"] - POINTS["dot_step"], table(report)
+    assert_planted_loses_its_points(SOLUTION, tmp_path, "dot_step", body, POINTS)
 
 
 def test_triton_check_catches_masking_after_the_exponential():

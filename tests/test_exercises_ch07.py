@@ -6,7 +6,6 @@ The correct answers here are written from the math or the library, not copied fr
 exercises/solutions/ch07_caching.ipynb. TRITON_INTERPRET=1 is set by conftest.py before
 triton is imported.
 """
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,15 +14,11 @@ import triton.language as tl
 
 from atlaslib.caching import cached_readout, dyadic_blocks, readout_weights
 from atlaslib.exercises import ch07, registry
-from atlaslib.grade import grade, table
-from grading_helpers import assert_full_marks, assert_student_scores_zero, rows
-from grading_helpers import planted_copy as plant
+from grading_helpers import (TIMEOUT, assert_full_marks, assert_planted_loses_its_points, assert_student_scores_zero,
+                             chapter_notebooks)
 
-ROOT = Path(__file__).resolve().parents[1]
-SOLUTION = ROOT / "exercises" / "solutions" / "ch07_caching.ipynb"
-STUDENT = ROOT / "exercises" / "ch07_caching.ipynb"
+SOLUTION, STUDENT = chapter_notebooks("ch07_caching")
 POINTS = {e.name: e.points for e in registry("ch07")}
-TIMEOUT = 30   # per cell; the slowest cell (imports) takes a few seconds on 2 busy cores
 
 
 def test_registered_with_five_exercises():
@@ -342,10 +337,7 @@ def test_untouched_student_notebook_scores_zero_via_cli():
 def test_planted_residual_grm_loses_exactly_its_points(tmp_path):
     # every gamma 1: residual memory instead of GRM
     body = "return online + torch.einsum('bhnvk,bhk->bhv', states, q)"
-    report = grade(plant(SOLUTION, tmp_path, "grm_readout", body), timeout=TIMEOUT, progress=False)
-    r = rows(report)
-    assert r["grm_readout"]["status"] == "failed" and r["grm_readout"]["earned"] == 0, table(report)
-    assert report["earned"] == report["points"] - POINTS["grm_readout"], table(report)
+    assert_planted_loses_its_points(SOLUTION, tmp_path, "grm_readout", body, POINTS)
 
 
 def test_triton_check_always_catches_a_maximum_over_the_cached_slots_only():

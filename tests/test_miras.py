@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse
+from atlaslib.core.testing import assert_causal_mixer
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 from atlaslib.atlas import atlas_config
@@ -750,16 +751,7 @@ def test_mixer_shape_causality_grad_and_backends(gen, name):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     mixer = make_mixer(name, 16, 2, **({} if name == "ttt_linear" else {"expansion": 2}))
     x = torch.randn(2, 11, 16, generator=gen, requires_grad=True)
-    y = mixer(x)
-    assert y.shape == x.shape and torch.isfinite(y).all()
-    t = 6                                              # causality: token t changes no earlier output
-    x2 = x.detach().clone()
-    x2[:, t] += torch.randn(2, 16, generator=gen)
-    y2 = mixer(x2)
-    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5) and not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5)
-    y.square().sum().backward()
-    missing = [n for n, p in mixer.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
-    assert not missing, f"no (finite) gradient for {missing}"
+    assert_causal_mixer(mixer, x, 6, gen)
     assert any(n.startswith("initial.") for n, _ in mixer.named_parameters()), "W_0 is learned"
     with torch.no_grad():                              # chunk_size 1 is the per-token engine (fp64: Moneta's
         mixer.double()                                 # 1/||A||^2 amplifies fp32 rounding)

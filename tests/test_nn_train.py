@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch import nn
 
+from atlaslib.core.testing import assert_causal_mixer
 from atlaslib.nn import MIXERS, TinyLM, TokenMixer, available_mixers, make_mixer, register_mixer
 from atlaslib.tasks import mqar
 from atlaslib.train import MQARTask, compare_mixers, format_table, mqar_accuracy, train_mqar
@@ -18,19 +19,7 @@ def test_chapter1_mixers_registered():
 def test_mixer_shape_causality_and_grad(gen, name):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     mixer = make_mixer(name, 24, 3, backend="chunk")
-    x = torch.randn(2, 13, 24, generator=gen, requires_grad=True)
-    y = mixer(x)
-    assert y.shape == x.shape and torch.isfinite(y).all()
-    # causality: changing token t must not change any output before t
-    t = 7
-    x2 = x.detach().clone()
-    x2[:, t] += torch.randn(2, 24, generator=gen)
-    y2 = mixer(x2)
-    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5)
-    assert not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5)
-    y.square().sum().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
-    assert all(p.grad is not None for p in mixer.parameters())
+    assert_causal_mixer(mixer, torch.randn(2, 13, 24, generator=gen, requires_grad=True), 7, gen)
 
 
 @pytest.mark.parametrize("name", ["linear", "retnet", "mamba2", "gla"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from atlaslib.core import TaylorFeatures, assert_close, poisoned_outputs, random_gate, random_qkv, rel_rmse
+from atlaslib.core.testing import window_gate, window_l2_grad
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 from atlaslib.omega import omega_frozen_seq, omega_rule, swla
@@ -34,13 +35,6 @@ def make_inputs(gen, B, H, T, K, V, window, gmode, *, gates=True, h0=True, dtype
     return q, k, v, gamma, alpha, eta, state
 
 
-def gamma_of(gamma, t, i):
-    """gamma_i^{(t)}, written out for the oracle: per source token gamma[i], per offset gamma[t, t-i]."""
-    if gamma is None:
-        return torch.ones(())
-    return gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i]
-
-
 def autograd_oracle(q, k, v, window, gamma, alpha, eta, h0, chunk_size=1):
     """M_t = alpha_t M_{t-1} - eta_t * autograd of the windowed l2 loss, in fp64.
 
@@ -55,13 +49,7 @@ def autograd_oracle(q, k, v, window, gamma, alpha, eta, h0, chunk_size=1):
     for t in range(T):
         if t % chunk_size == 0:
             anchor = M
-        W = anchor.detach().clone().requires_grad_(True)
-        loss = 0.0
-        for i in range(max(0, t - window + 1), t + 1):
-            pred = (W @ k[:, :, i, :, None])[..., 0]
-            per_bh = 0.5 * (pred - v[:, :, i]).square().sum(-1)           # [B, H]
-            loss = loss + (gamma_of(gamma, t, i) * per_bh).sum()
-        (grad,) = torch.autograd.grad(loss, W)
+        grad = window_l2_grad(anchor, k, v, t, window, gamma)
         a_t = 1.0 if alpha is None else alpha[:, :, t, None, None]
         e_t = 1.0 if eta is None else eta[:, :, t, None, None]
         M = a_t * M - e_t * grad
@@ -447,7 +435,7 @@ def deep_oracle(q, k, v, window, gamma, alpha, eta, W0, chunk_size=1):
         loss = 0.0
         for i in range(max(0, t - window + 1), t + 1):
             per_bh = 0.5 * (mlp(anchor, k[:, :, i]) - v[:, :, i]).square().sum(-1)
-            loss = loss + (gamma_of(gamma, t, i) * per_bh).sum()
+            loss = loss + (window_gate(gamma, t, i) * per_bh).sum()
         grads = torch.autograd.grad(loss, list(anchor.values()))
         a_t = 1.0 if alpha is None else alpha[:, :, t, None, None]
         W = {n: a_t * W[n] - eta[:, :, t, None, None] * g for n, g in zip(anchor, grads)}

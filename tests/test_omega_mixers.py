@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from atlaslib import bench
+from atlaslib.core.testing import assert_causal_mixer
 from atlaslib.nn import TinyLM, available_mixers, make_mixer
 from atlaslib.nn.omega_mixers import OmegaNet, SWLA
 
@@ -37,19 +38,7 @@ def test_registered():
 def test_shape_causality_and_grad(gen, name, kw):
     seeded(gen)
     mixer = make_mixer(name, 24, 3, backend="chunk", chunk_size=4, **kw)
-    x = torch.randn(2, 13, 24, generator=gen, requires_grad=True)
-    y = mixer(x)
-    assert y.shape == x.shape and torch.isfinite(y).all()
-    t = 6                                     # changing token t leaves every earlier output alone
-    x2 = x.detach().clone()
-    x2[:, t] += torch.randn(2, 24, generator=gen)
-    y2 = mixer(x2)
-    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5)
-    assert not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5)
-    y.square().sum().backward()
-    assert torch.isfinite(x.grad).all()
-    missing = [n for n, p in mixer.named_parameters() if p.grad is None]
-    assert not missing, f"parameters without gradient: {missing}"
+    assert_causal_mixer(mixer, torch.randn(2, 13, 24, generator=gen, requires_grad=True), 6, gen)
 
 
 def test_gates_ranges_and_shapes():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atlaslib.core.testing import TOLERANCE, assert_close, random_gate, random_qkv, rel_rmse
+from atlaslib.core.testing import TOLERANCE, assert_close, random_gate, random_qkv, rel_rmse, window_gate
 from atlaslib.delta import delta_rule
 from atlaslib.delta.recurrent import delta_rule_recurrent, delta_rule_step
 from atlaslib.linear import linear_attention
@@ -128,7 +128,7 @@ def window_rule_by_autograd(q, k, v, c, gamma, alpha, eta, M0, hebbian):
         M_var = M.clone().requires_grad_(True)
         loss = 0.0
         for i in range(max(0, t - c + 1), t + 1):
-            w = 1.0 if gamma is None else (gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i])
+            w = window_gate(gamma, t, i)
             pred = torch.einsum("bhvd,bhd->bhv", M_var, k[:, :, i])
             l_i = -(pred * v[:, :, i]).sum(-1) if hebbian else 0.5 * (pred - v[:, :, i]).square().sum(-1)
             loss = loss + (w * l_i).sum()

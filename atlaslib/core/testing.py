@@ -92,3 +92,40 @@ def random_gate(B, H, T, K=None, *, low=0.8, high=1.0, dtype=torch.float32, devi
     shape = (B, H, T) if K is None else (B, H, T, K)
     u = torch.rand(*shape, generator=generator)
     return (low + (high - low) * u).to(device=device, dtype=dtype)
+
+
+def window_gate(gamma, t: int, i: int):
+    """gamma_i^{(t)} [B, H], the weight of pair i in token t's window loss, for the oracles: per source
+    token (gamma [B, H, T]) gamma[i], per offset (gamma [B, H, T, c]) gamma[t, t - i]; 1 without gates."""
+    if gamma is None:
+        return 1.0
+    return gamma[:, :, i] if gamma.dim() == 3 else gamma[:, :, t, t - i]
+
+
+def assert_causal_mixer(mixer, x, t: int, generator=None):
+    """A token mixer on x [B, T, d] (requires_grad): the output has x's shape and is finite, changing token t
+    leaves every earlier output alone and changes the later ones, and a loss on the output gives x and every
+    parameter a finite gradient."""
+    y = mixer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    x2 = x.detach().clone()
+    x2[:, t] += torch.randn(x.shape[0], x.shape[-1], generator=generator)
+    y2 = mixer(x2)
+    assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5), f"token {t} changed an earlier output"
+    assert not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5), f"token {t} changed no output"
+    y.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    missing = [n for n, p in mixer.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert not missing, f"no (finite) gradient for {missing}"
+
+
+def window_l2_grad(W, k, v, t: int, window: int, gamma=None):
+    """By autograd, for the oracles: the gradient at W [B, H, V, D] of token t's window loss
+    sum_{t - c < i <= t} gamma_i^{(t)} 1/2 ||W k_i - v_i||^2, with k [B, H, T, D] and v [B, H, T, V]."""
+    W = W.detach().clone().requires_grad_(True)
+    loss = 0.0
+    for i in range(max(0, t - window + 1), t + 1):
+        err = torch.einsum("bhvd,bhd->bhv", W, k[:, :, i]) - v[:, :, i]
+        loss = loss + (window_gate(gamma, t, i) * 0.5 * err.square().sum(-1)).sum()
+    (grad,) = torch.autograd.grad(loss, W)
+    return grad

@@ -59,7 +59,7 @@ from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
 from .mlp import DEFAULT_EXPANSION, check_activation, mlp_deep_transformer, mlp_dot, second_layer_init
-from .validation import MAX_EXPONENT, check_exponents, check_phi_star
+from .validation import MAX_EXPONENT, check_exponents, check_phi_star, check_read_write_exponents
 from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
                         hebbian_recurrent)
 
@@ -347,8 +347,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
                            chunk_size, activation)
         return o, (MirasState(state, None) if output_final_state else None)
     if form == "kernel":
-        check_exponents(q, k, None)
-        check_exponents(k, k, None)
+        check_read_write_exponents(q, k)
         if c > 1:                                   # the window: per token, or frozen per chunk
             table: dict[str, Callable[..., Any]] = {
                 "recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),

@@ -35,7 +35,7 @@ from ..miras import miras
 from ..miras.memory import ACTIVATIONS
 from .dla import dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
-from .validation import check_exponents
+from .validation import check_read_write_exponents
 from .recurrent import deep_mlp_recurrent, dot_mlp_recurrent
 
 DEFAULT_EXPANSION = 4            # h = 4 K by default, as chapter 3's engine (expansion 4)
@@ -56,10 +56,15 @@ def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):
     return w.to(dtype=dtype, device=device)[None].expand(B, H, V, hidden).contiguous()
 
 
-def mlp_start(initial_state, B, H, K, V, D, ref, dtype):
-    """(W1 or None for zero, W2) from ``initial_state``; D is the feature width (None: the exact phi*)."""
+def mlp_start(initial_state, q, v, order):
+    """(W1 or None for zero, W2, D) from ``initial_state`` (None: W2 drawn in fp32, fp64 for fp64 q); D is the width
+    C(K + P, P) of the features of order P (None: the exact phi*)."""
+    B, H, _, K = q.shape
+    V = v.shape[-1]
+    D = None if order is None else exp_feature_dim(K, order)
     if initial_state is None:
-        return None, second_layer_init(B, H, V, DEFAULT_EXPANSION * K, dtype, ref.device)
+        dtype = q.dtype if q.dtype == torch.float64 else torch.float32
+        return None, second_layer_init(B, H, V, DEFAULT_EXPANSION * K, dtype, q.device), D
     allowed = {"W2"} if D is None else {"W1", "W2"}
     if not isinstance(initial_state, dict) or "W2" not in initial_state or set(initial_state) - allowed:
         got = sorted(initial_state) if isinstance(initial_state, dict) else type(initial_state).__name__
@@ -72,10 +77,18 @@ def mlp_start(initial_state, B, H, K, V, D, ref, dtype):
         raise ValueError(f"initial_state['W2'] must be a tensor [B, H, V, h] = [{B}, {H}, {V}, h] with h >= 1, got "
                          f"{tuple(W2.shape) if isinstance(W2, torch.Tensor) else type(W2).__name__}")
     hidden = W2.shape[-1]
-    check_state("initial_state['W2']", W2, (B, H, V, hidden), ref)
+    check_state("initial_state['W2']", W2, (B, H, V, hidden), q)
     W1 = initial_state.get("W1")
-    check_state("initial_state['W1']", W1, (B, H, hidden, D), ref)
-    return W1, W2
+    check_state("initial_state['W1']", W1, (B, H, hidden, D), q)
+    return W1, W2, D
+
+
+def check_exact_phi(q, k, output_final_state):
+    """The deep memory on the exact phi* keeps its first layer as one coefficient per past token."""
+    if output_final_state:
+        raise ValueError("output_final_state with phi_star='kernel' and memory='mlp': the first layer is one "
+                         "coefficient per past token, not a fixed-size state; use phi_star=('taylor', P)")
+    check_read_write_exponents(q, k)
 
 
 def engine_state(W1, W2, D):
@@ -106,21 +119,14 @@ EXACT_PHI_MISSING = ("phi_star='kernel' with memory='mlp' is per token only (the
 def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state, backend,
                          chunk_size, activation):
     """DeepTransformer with the deep memory (DLA on phi*). order: P of ("taylor", P), None for the kernel."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    D = None if order is None else exp_feature_dim(K, order)
-    W1, W2 = mlp_start(initial_state, B, H, K, V, D, q, q.dtype if q.dtype == torch.float64 else torch.float32)
+    W1, W2, D = mlp_start(initial_state, q, v, order)
     if order is not None:
         start, expansion = engine_state(W1, W2, D)
         o, state = dla(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", order), memory="mlp",
                        initial_state=start, output_final_state=output_final_state, backend=backend,
                        chunk_size=chunk_size, log_alpha=log_alpha, expansion=expansion, activation=activation)
         return o, (cropped_state(state, W2.shape[-1]) if output_final_state else None)
-    if output_final_state:
-        raise ValueError("output_final_state with phi_star='kernel' and memory='mlp': the first layer is one "
-                         "coefficient per past token, not a fixed-size state; use phi_star=('taylor', P)")
-    check_exponents(q, k, None)
-    check_exponents(k, k, None)
+    check_exact_phi(q, k, output_final_state)
     table = {"recurrent": lambda: deep_mlp_recurrent(q, k, v, W2, alpha_from_log(alpha, log_alpha, W2.dtype), eta,
                                                      exp_kernel(), activation)}
     o, _ = dispatch(exact_phi_backend(backend), q, table, model="deep_transformer(memory='mlp')",
@@ -131,10 +137,7 @@ def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, o
 def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, output_final_state, backend, chunk_size,
             activation):
     """DOT with the deep memory (the deep Omega rule on phi*). order: P of ("taylor", P), None for the kernel."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    D = None if order is None else exp_feature_dim(K, order)
-    W1, W2 = mlp_start(initial_state, B, H, K, V, D, q, q.dtype if q.dtype == torch.float64 else torch.float32)
+    W1, W2, D = mlp_start(initial_state, q, v, order)
     if order is not None:                     # chapter 3's engine as omega_rule(memory="mlp") runs it
         start, expansion = engine_state(W1, W2, D)
         o, state = miras(q, k, v, memory="mlp", bias="l2", optimizer="gd", retention="decay", window=window,
@@ -142,11 +145,7 @@ def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, output_fin
                          output_final_state=output_final_state, backend=backend, chunk_size=chunk_size,
                          expansion=expansion, activation=activation)
         return o, (cropped_state(state, W2.shape[-1]) if output_final_state else None)
-    if output_final_state:
-        raise ValueError("output_final_state with phi_star='kernel' and memory='mlp': the first layer is one "
-                         "coefficient per past token, not a fixed-size state; use phi_star=('taylor', P)")
-    check_exponents(q, k, None)
-    check_exponents(k, k, None)
+    check_exact_phi(q, k, output_final_state)
     table = {"recurrent": lambda: dot_mlp_recurrent(q, k, v, W2, alpha, eta, exp_kernel(), activation, window, gamma)}
     o, _ = dispatch(exact_phi_backend(backend), q, table, model="dot(memory='mlp')", missing=EXACT_PHI_MISSING)
     return o.to(q.dtype), None

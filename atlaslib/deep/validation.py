@@ -77,3 +77,10 @@ def check_exponents(q, k, window):
         if how == "device":
             torch._assert_async(top <= MAX_EXPONENT,
                                 f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
+
+
+def check_read_write_exponents(q, k):
+    """The unwindowed kernel forms that also write through exp: the reads exp(k_i^T q_t) and the
+    corrections exp(k_i^T k_t) of the delta / Omega update (DOT, and the deep memory's gradient) must not overflow."""
+    check_exponents(q, k, None)
+    check_exponents(k, k, None)

@@ -20,18 +20,13 @@ from ..miras import make_config, memory_gradient, miras
 from ..miras.optimizer import build_optimizer
 from ..miras.retention import build_retention
 from .ch01 import clones, triton_setup
-from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output, guarded,
-                       guarded_output, unpack)
+from .checking import (CheckFailed, Registry, call, case, check_guards, check_shape, compare, compare_kernel_output,
+                       guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch03")
 
 # fp32 inputs unless stated; a correct answer agrees to ~1e-6, a wrong one is off by far more.
 TOL = 1e-4
-
-
-def _shape_check(name, got, want):
-    if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(want):
-        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}")
 
 
 @EXERCISES.check("ttt_mlp_grads", title="TTT-MLP's inner gradients by hand", points=2,
@@ -53,8 +48,8 @@ def ttt_mlp_grads(fn, gen):
         ref = memory_gradient(make_config("ttt_mlp", expansion=e), {"W1": W1, "W2": W2}, k[:, None], v[:, None])
         with case(f"N={N}, K={K}, hidden h={h}, V={V}"):
             g1, g2 = unpack(call(fn, *clones(W1, W2, k, v)), ("grad_W1", "grad_W2"))
-            _shape_check("grad_W1", g1, W1.shape)
-            _shape_check("grad_W2", g2, W2.shape)
+            check_shape("grad_W1", g1, W1.shape)
+            check_shape("grad_W2", g2, W2.shape)
             compare("grad_W2", g2, ref["W2"], 1e-8)
             compare("grad_W1", g1, ref["W1"], 1e-8)
     return f"both gradients match the engine's autograd on {len(cases)} random MLP memories"
@@ -96,7 +91,7 @@ def yaad_step(fn, gen):
                          output_final_state=True, backend="recurrent")
         with case(f"B={B}, H={H}, K={K}, V={V}, rows on both sides of the threshold"):
             got = call(fn, *clones(M, k, v, alpha, eta, delta))
-            _shape_check("M_t", got, M.shape)
+            check_shape("M_t", got, M.shape)
             compare("M_t", got, state.memory, TOL)
     return f"M_t matches atlaslib.miras (preset yaad, linear memory) on {len(cases)} random steps, both branches"
 
@@ -121,8 +116,8 @@ def memora_loop(fn, gen):
         W_ref = c * torch.softmax(state.memory.flatten(-2), dim=-1).view_as(state.memory)
         with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, c={c:g}"):
             o, W_T = unpack(call(fn, *clones(Z0, q, k, v, alpha, eta), c), ("o", "W_T"))
-            _shape_check("o", o, o_ref.shape)
-            _shape_check("W_T", W_T, W_ref.shape)
+            check_shape("o", o, o_ref.shape)
+            check_shape("W_T", W_T, W_ref.shape)
             compare("o", o, o_ref, TOL)
             compare("W_T", W_T, W_ref, TOL)
     return f"outputs and final weights match atlaslib.miras (retention='kl') on {len(cases)} random sequences"
@@ -163,8 +158,8 @@ def momentum_chunk(fn, gen):
         M_ref, S_ref = torch.stack(states, dim=1), S["M"]
         with case(f"N={N}, chunk n={n}, V={V}, K={K}, momentum decay theta in [{low}, {high}]"):
             got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_n"))
-            _shape_check("M", got_M, M_ref.shape)
-            _shape_check("S_n", got_S, S_ref.shape)
+            check_shape("M", got_M, M_ref.shape)
+            check_shape("S_n", got_S, S_ref.shape)
             compare("M", got_M, M_ref, TOL)
             compare("S_n", got_S, S_ref, TOL)
     return f"all the chunk's memories and its final momentum match the per-token recursion on {len(cases)} chunks"

@@ -18,8 +18,8 @@ from ..atlas import atlas_step as one_token
 from ..core.testing import random_gate, random_qkv
 from ..miras.optimizer import build_optimizer
 from .ch01 import clones, triton_setup
-from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output, guarded,
-                       guarded_output, unpack)
+from .checking import (CheckFailed, Registry, call, case, check_guards, check_shape, compare, compare_kernel_output,
+                       guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch05", helpers={"atlaslib.atlas": ("newton_schulz",)})   # what the notebook may import
 
@@ -31,11 +31,6 @@ COEFFS = {"muon": COEFFICIENTS["muon"], "cubic": (*COEFFICIENTS["cubic"], 0.0), 
 
 # Everything that computes Newton-Schulz for the learner
 NEWTON_SCHULZ = ("atlaslib.core.newton_schulz.newton_schulz", "atlaslib.atlas.kernel.newton_schulz_triton")
-
-
-def _shape_check(name, got, want):
-    if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(want):
-        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}")
 
 
 def _coeffs(name, gen):
@@ -65,7 +60,7 @@ def ns_step(fn, gen):
         shape = "tall" if m > n else ("square" if m == n else "wide")
         with case(f"B={B}, H={H}, {m} x {n} ({shape}), coefficients {name} {coeffs}"):
             got = call(fn, G.clone(), coeffs)
-            _shape_check("NS_1(G)", got, G.shape)
+            check_shape("NS_1(G)", got, G.shape)
             compare("NS_1(G)", got, ref, TOL)
     return f"NS_1(G) matches atlaslib.atlas.newton_schulz on {len(cases)} batches (wide, square and tall matrices)"
 
@@ -107,7 +102,7 @@ def ns_polynomial(fn, gen):
         ref = torch.diagonal(U.T @ newton_schulz(G, steps, coeffs) @ Vm)
         with case(f"{m} x {n}, {spectrum} singular values, k={steps}, coefficients {name} {coeffs}"):
             got = call(fn, sigma.clone(), steps, coeffs)
-            _shape_check("the singular values", got, sigma.shape)
+            check_shape("the singular values", got, sigma.shape)
             compare("the singular values", got, ref, 1e-8)
     return (f"the singular values of NS_k(G) match atlaslib.atlas.newton_schulz on {len(cases)} spectra "
             "(k = 0 to 5, rank-deficient and ill-conditioned included)")
@@ -135,8 +130,8 @@ def atlas_step(fn, gen):
         state, _ = one_token(start_state(M, S), k, k, v, 1, None, alpha, eta, theta, steps)
         with case(f"B={B}, H={H}, D={D}, V={V}, ns_steps={steps}"):
             M_t, S_t = unpack(call(fn, *clones(M, S, k, v, alpha, eta, theta), steps), ("M_t", "S_t"))
-            _shape_check("M_t", M_t, M.shape)
-            _shape_check("S_t", S_t, S.shape)
+            check_shape("M_t", M_t, M.shape)
+            check_shape("S_t", S_t, S.shape)
             for name, got in (("S_t", S_t), ("M_t", M_t)):
                 if isinstance(got, torch.Tensor) and got.dtype != M.dtype:
                     raise CheckFailed(f"{name} has dtype {got.dtype}, but the inputs are {M.dtype}: keep the "
@@ -179,7 +174,7 @@ def momenta(fn, gen):
             if isinstance(got, torch.Tensor) and tuple(got.shape) == (N, V, D) and n > 1:
                 raise CheckFailed(f"S has shape {list(got.shape)}: that is one momentum; return all n = {n} of "
                                   f"them, [{N}, {n}, {V}, {D}] (Newton-Schulz needs every S_t)")
-            _shape_check("S", got, ref.shape)
+            check_shape("S", got, ref.shape)
             if isinstance(got, torch.Tensor) and got.is_floating_point() and got.isnan().any() \
                     and not ref.isnan().any():
                 raise CheckFailed(f"S is NaN at {int(got.isnan().sum())} entries where the momenta are finite: a "

@@ -19,8 +19,8 @@ from ..core import softmax_attention
 from ..core.testing import random_gate, random_qkv
 from ..deep import coefficient_recurrent, dot_coefficient_recurrent, exp_features
 from .ch01 import clones, triton_setup
-from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output,
-                       compare_number, guarded, guarded_output)
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare, compare_finite,
+                       compare_kernel_output, compare_number, guarded, guarded_output)
 
 EXERCISES = Registry("ch06")
 
@@ -35,11 +35,6 @@ KERNEL_READS = ("atlaslib.deep.deep_transformer", "atlaslib.deep.recurrent.coeff
 
 MASK_HINT = (" Here the scores above the diagonal are 100, where exp overflows fp32: mask the scores to -inf "
              "before the exponential, not its result after it (inf * 0 is NaN).")
-
-
-def _shape_check(name, got, want, hint=""):
-    if isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(want):
-        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}{hint}")
 
 
 @EXERCISES.check("phi_star", title="The truncated exponential feature map and its dimension", points=2,
@@ -100,7 +95,7 @@ def kernel_read(fn, gen):
         ref, _ = coefficient_recurrent(q, k, u)
         with case(f"B={B}, H={H}, T={T}, K={K}, V={V}"):
             got = call(fn, *clones(u, k, q))
-            _shape_check("y", got, ref.shape)
+            check_shape("y", got, ref.shape)
             compare("y", got, ref, 1e-8)
     return f"y matches atlaslib.deep's kernel-trick read on {len(cases)} random sequences"
 
@@ -131,7 +126,7 @@ def dot_step(fn, gen):
                     U = call(fn, *clones(U, k[:, :, :t], k[:, :, t], v[:, :, t], alpha[:, :, t], eta[:, :, t]))
                     if not isinstance(U, torch.Tensor):
                         raise CheckFailed(f"U_t should be a torch.Tensor, got {type(U).__name__}")
-                    _shape_check("U_t", U, (B, H, t + 1, V), " (one coefficient per key so far, the new one last)")
+                    check_shape("U_t", U, (B, H, t + 1, V), " (one coefficient per key so far, the new one last)")
                     U = U.to(torch.float64)
                     for x, out in zip(probes, reads):
                         weights = torch.exp(k[:, :, :t + 1] @ x[:, :, t, :, None])[..., 0]   # exp(k_j.x_t)
@@ -159,11 +154,9 @@ def normaliser(fn, gen):
         label = "" if size <= 3 else " (a score q.k/sqrt(K) of 120: exp(120) overflows fp32)"
         with case(f"B={B}, H={H}, T={T}, K={K}, V={V}{label}"):
             got = call(fn, *clones(q, k, v))
-            _shape_check("o", got, ref.shape)
-            if isinstance(got, torch.Tensor) and got.is_floating_point() and not torch.isfinite(got).all():
-                raise CheckFailed("o is not finite (inf or NaN): exp of a large score overflowed; subtract each "
-                                  "row's largest visible score before exp (the factor cancels in the quotient)")
-            compare("o", got.to(ref.dtype) if isinstance(got, torch.Tensor) else got, ref, TOL)
+            check_shape("o", got, ref.shape)
+            compare_finite("o", got, ref, TOL, ": exp of a large score overflowed; subtract each row's largest "
+                                               "visible score before exp (the factor cancels in the quotient)")
     return (f"y_t / (z_t^T phi*(q_t)) matches causal softmax attention on {len(cases)} random cases, "
             "large scores included")
 

@@ -14,8 +14,8 @@ import torch
 
 from ..caching import cached_readout, dyadic_blocks, make_layout, readout_weights
 from .ch01 import clones, triton_setup
-from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_number,
-                       guarded, guarded_output, unpack)
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare_finite,
+                       compare_number, guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch07")
 
@@ -32,21 +32,6 @@ READOUTS = ("atlaslib.caching.memory_caching", "atlaslib.caching.log_linear_pp",
 
 OVERFLOW_HINT = (" (exp of a score above 88.7 overflows fp32: subtract the largest score of the softmax, the "
                  "online one included, before exp; the factor cancels)")
-
-
-def _shape_check(name, got, want, hint=""):
-    if not isinstance(got, torch.Tensor):
-        raise CheckFailed(f"{name} should be a torch.Tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(want):
-        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}{hint}")
-
-
-def _compare_finite(name, got, ref, tol=TOL, hint=OVERFLOW_HINT):
-    """``compare``, with ``hint`` when the answer is inf or NaN where the reference is not."""
-    if isinstance(got, torch.Tensor) and got.is_floating_point() and not torch.isfinite(got).all() \
-            and torch.isfinite(ref).all():
-        raise CheckFailed(f"{name} is not finite (inf or NaN){hint}")
-    compare(name, got.to(ref.dtype) if isinstance(got, torch.Tensor) else got, ref, tol)
 
 
 # A kernel's output that is not finite: an overflow, or NaN read from outside an input
@@ -159,8 +144,8 @@ def grm_readout(fn, gen):
         ref = _grm_reference(q, u, states, pooled, online, online_pool)
         with case(_label(B, H, N, K, V, large)):
             got = call(fn, *clones(q, u, states, pooled, online, online_pool))
-            _shape_check("y", got, ref.shape)
-            _compare_finite("y", got, ref)
+            check_shape("y", got, ref.shape)
+            compare_finite("y", got, ref, TOL, OVERFLOW_HINT)
     return f"y matches atlaslib.caching's GRM readout on {len(TOKEN_CASES)} random cases, large relevances included"
 
 
@@ -183,10 +168,10 @@ def soup(fn, gen):
         with case(_label(B, H, N, K, V, large)):
             got = call(fn, *clones(q, u, states, pooled, online_state, online_pool))
             M_star, y = unpack(got, ("M_star", "y"))
-            _shape_check("M_star", M_star, M_ref.shape, " (one matrix [V, K] per batch and head)")
-            _compare_finite("M_star", M_star, M_ref)
-            _shape_check("y", y, y_ref.shape)
-            _compare_finite("y = M_star q", y, y_ref)
+            check_shape("M_star", M_star, M_ref.shape, " (one matrix [V, K] per batch and head)")
+            compare_finite("M_star", M_star, M_ref, TOL, OVERFLOW_HINT)
+            check_shape("y", y, y_ref.shape)
+            compare_finite("y = M_star q", y, y_ref, TOL, OVERFLOW_HINT)
     return (f"the soup's memory is GRM's mixture of the states and its read equals the GRM readout on "
             f"{len(TOKEN_CASES)} random cases")
 
@@ -211,10 +196,10 @@ def ssc_weights(fn, gen):
         with case(f"B={B}, H={H}, T={T}, J={J}, top_k={top_k}{note}"):
             got = call(fn, *clones(scores, online_score), top_k)
             w, g_s = unpack(got, ("w", "gamma_s"))
-            _shape_check("w", w, w_ref.shape, " (one weight per slot, 0 for the slots not selected)")
-            _shape_check("gamma_s", g_s, g_ref.shape)
-            _compare_finite("w", w, w_ref)
-            _compare_finite("gamma_s", g_s, g_ref)
+            check_shape("w", w, w_ref.shape, " (one weight per slot, 0 for the slots not selected)")
+            check_shape("gamma_s", g_s, g_ref.shape)
+            compare_finite("w", w, w_ref, TOL, OVERFLOW_HINT)
+            compare_finite("gamma_s", g_s, g_ref, TOL, OVERFLOW_HINT)
     return f"the weights match atlaslib.caching's SSC on {len(cases)} random cases, top_k >= J included"
 
 
@@ -255,7 +240,7 @@ def triton_grm_weights(fn, gen):
             check_guards("w", w)
             check_guards("g", g)
             for name, got, ref in (("w", w, w_ref), ("g", g, g_ref)):
-                _compare_finite(name, got, ref, tol, hint=KERNEL_HINT)
+                compare_finite(name, got, ref, tol, KERNEL_HINT)
     # the same text on CPU and GPU, so the stored output is valid on both
     return (f"the kernel's weights match atlaslib.caching's GRM on {len(cases)} odd-sized cases (log-linear and "
             "constant segments), with no stray loads or stores")

@@ -342,6 +342,22 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None) ->
         raise CheckFailed(str(e)) from None
 
 
+def check_shape(name: str, got, want, hint: str = "") -> None:
+    """Fail unless ``got`` is a tensor of shape ``want``; ``hint`` is added to a wrong shape's message."""
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{name} should be a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want):
+        raise CheckFailed(f"{name} has shape {list(got.shape)}, expected {list(want)}{hint}")
+
+
+def compare_finite(name: str, got, expected: torch.Tensor, tol: float, hint: str) -> None:
+    """``compare`` (in ``expected``'s dtype), with ``hint`` when the answer is inf or NaN where ``expected`` is not."""
+    if isinstance(got, torch.Tensor) and got.is_floating_point() and not torch.isfinite(got).all() \
+            and torch.isfinite(expected).all():
+        raise CheckFailed(f"{name} is not finite (inf or NaN){hint}")
+    compare(name, got.to(expected.dtype) if isinstance(got, torch.Tensor) else got, expected, tol)
+
+
 def compare_number(name: str, got, expected: float, tol: float = 1e-9) -> None:
     """A scalar answer: ints, floats, numpy scalars and 0-d tensors are all accepted."""
     if isinstance(got, bool) or got is None:

@@ -207,9 +207,9 @@ class DOTMixer(WindowedMixer):
         return exp_features(q.to(cd), self.order), exp_features(k.to(cd), self.order)
 
     def mix(self, q, k, v, x):
-        gamma, alpha, eta = self.gate_tensors(x, gate_dtype(q))
-        return dot(q, k, v, window=self.window, gamma=gamma, alpha=alpha, eta=eta, phi_star=self.phi_star,
-                   backend=self.backend, chunk_size=self.chunk_size)[0]
+        gamma, _, eta = self.gate_tensors(x, gate_dtype(q), alpha=False)
+        return dot(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
+                   phi_star=self.phi_star, backend=self.backend, chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
         """The per-token rule (the forward's model for c = 1 with any chunk_size; for c > 1 with
