@@ -531,15 +531,22 @@ def largest_grid(launches: list[Launch]) -> tuple:
     return max((launch.grid for launch in launches), key=math.prod)
 
 
+def representative(short: Launch, longer: Launch) -> Launch:
+    """The launch whose build stands for the kernel at every length: ``longer`` when an integer
+    argument is 1 in ``short`` and not in ``longer``. Triton compiles an argument equal to 1 as the
+    constant 1, so at one chunk (T <= 64) a loop over chunks is unrolled away with its software
+    pipeline, and its shared memory reads several times too small (the reverse state pass of the
+    delta rule: 40 KB at one chunk, 233 KB at seven). Otherwise ``short``: same code, faster build."""
+    ints = [(a, b) for a, b in zip(short.args, longer.args) if isinstance(a, int) and not isinstance(a, bool)]
+    return longer if any(a == 1 and b != 1 for a, b in ints) else short
+
+
 def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -> list[Build]:
     """Build every configuration (of ``families``, default all) for every target (``full``: see ``build``).
 
-    Each kernel a call launches is built from the longer call (T = 400, seven chunks): at T <= 64
-    the chunk count is 1, which Triton specialises as a constant, so a loop over chunks compiles
-    without its software pipeline and its shared memory reads several times too small (the reverse
-    state pass: 40 KB at one chunk, 233 KB at two). One launched more than once (ATLAS: once per
-    chunk) is built from its first launch, which has the largest grid; the later ones differ only in
-    their grid.
+    Each kernel a call launches is built from the short call (T = 40), unless ``representative``
+    picks the longer one (T = 400). One launched more than once (ATLAS: once per chunk) is built
+    from its first launch, which has the largest grid; the later ones differ only in their grid.
     """
     from tqdm.auto import tqdm
 
@@ -553,7 +560,7 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
     with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
         for family, label, launches, longer in todo:
             for target in targets:
-                result = build(longer[0], target, f"{family}: {label}", full)
+                result = build(representative(launches[0], longer[0]), target, f"{family}: {label}", full)
                 results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
                                                    grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
                                                    launches=(len(launches), len(longer)),

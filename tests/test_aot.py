@@ -251,3 +251,15 @@ def test_gpu_test_target_degrades_cleanly_without_cuda():
     out = subprocess.run(["make", "-s", "gpu-test"], capture_output=True, text=True, cwd=root, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "no CUDA device" in out.stdout
+
+
+def test_a_loop_over_chunks_is_built_where_it_runs_more_than_once():
+    # Triton compiles an integer argument equal to 1 as a constant, which drops a loop over one chunk
+    # with its pipeline: such a kernel is built from the longer call, any other from the short one
+    short = aot.Launch(kernel=None, grid=(2,), args=(None, 40, 2, 1), kwargs={"BT": 64})
+    longer = aot.Launch(kernel=None, grid=(2,), args=(None, 400, 2, 7), kwargs={"BT": 64})
+    assert aot.representative(short, longer) is longer
+    assert aot.representative(aot.Launch(None, (2,), (None, 40, 2, True), {}),
+                              aot.Launch(None, (2,), (None, 400, 2, False), {})).args[1] == 40
+    assert aot.representative(aot.Launch(None, (2,), (None, 40, 3), {}),
+                              aot.Launch(None, (2,), (None, 400, 3), {})).args[1] == 40

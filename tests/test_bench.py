@@ -356,3 +356,30 @@ def test_fla_pins_are_exact_and_installed_by_the_venv():
     rule = re.search(r"^\$\(STAMP\):([^\n]*)\n((?:\t[^\n]*\n)+)", make, flags=re.M)
     assert rule and "requirements-fla.txt" in rule.group(1).split()
     assert "--no-deps -r requirements-fla.txt" in rule.group(2)
+
+
+def test_vs_fla_records_a_refused_backward_and_times_ours_alone():
+    """fla raises in some backward passes (gated ones on Hopper under Triton < 3.7.1): the row keeps our
+    forward + backward time and says why fla's is missing, instead of the whole table failing."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    from atlaslib import bench_fla
+    fakes, _ = _fake_fla_chunk_ops()
+
+    class Refuse(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("this card and Triton give wrong gradients here\nsecond line")
+    path = bench_fla.FLA_CHUNK["linear_scalar_gate"]
+    original = fakes[path]
+    fakes[path] = lambda *a, **kw: tuple(Refuse.apply(o) if torch.is_tensor(o) else o for o in original(*a, **kw))
+    timer = lambda fns, *, warmup, repeats: {name: 2.0 for name in fns}      # noqa: E731
+    (row,) = bench_fla.compare(["linear_scalar_gate"], bench_fla.Shape(1, 2, 20, 8, 4, "float32"), impl="chunk",
+                               backend="chunk", backward=True, timer=timer, peak=lambda fn, device: 1.5, fns=fakes)
+    assert row["ours_fwdbwd_ms"] == 2.0 and row["ours_fwdbwd_MiB"] == 1.5 and row["speedup"] == 1.0
+    assert "fla_fwdbwd_ms" not in row and "grad_rel_err" not in row and "fwdbwd_speedup" not in row
+    assert row["note"] == "fla's backward refused: this card and Triton give wrong gradients here"
+    assert "refused" in bench_fla.format_rows([row])
