@@ -59,12 +59,9 @@ def test_the_defaults_are_declared_once():
 LIBRARY_CALLS = ("linear_attention", "delta_rule", "miras", "omega_rule", "swla", "atlas", "deep_transformer", "dot",
                  "dla", "memory_caching")
 GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "yaad", "memora",
-         "atlas", "atlas++", "mag", "mal", "deep_transformer", "swdt", "dla", "memory_caching")
+         "atlas", "atlas++", "mag", "mal", "deep_transformer", "swdt", "dla", "memory_caching", "dot")
 ATTENTION = ("softmax", "swa")                       # no chunk form, no retention gate
 HYBRIDS = ("mag", "mal")                             # their memory branch (atlas by default) makes the call
-# the DOT mixer passes its retention as alpha in (0, 1] (dot's c = 1 forms divide by alpha, and turn a
-# log_alpha into alpha at entry); it must arrive in fp32 all the same, never rounded to the model's bf16
-ALPHA_IN_FP32 = ("dot",)
 
 
 def spy(seen, real):
@@ -92,10 +89,6 @@ def test_every_mixer_passes_its_chunk_size_and_a_log_gate(monkeypatch, gen, name
     with torch.no_grad():
         mixer(torch.randn(1, 11, 16, generator=gen).to(torch.bfloat16))
     assert len(seen) == 1 and seen[0]["chunk_size"] == 5
-    if name in ALPHA_IN_FP32:
-        assert seen[0]["alpha"].dtype == torch.float32 and seen[0].get("log_alpha") is None
-        assert ((seen[0]["alpha"] > 0) & (seen[0]["alpha"] < 1)).all()
-        return
     assert seen[0].get("alpha") is None, "retention must travel as log_alpha"
     if name in GATED:
         assert seen[0]["log_alpha"].dtype == torch.float32
