@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import inspect
 import json
 import math
 import os
@@ -532,13 +533,18 @@ def largest_grid(launches: list[Launch]) -> tuple:
 
 
 def representative(short: Launch, longer: Launch) -> Launch:
-    """The launch whose build stands for the kernel at every length: ``longer`` when an integer
-    argument is 1 in ``short`` and not in ``longer``. Triton compiles an argument equal to 1 as the
-    constant 1, so at one chunk (T <= 64) a loop over chunks is unrolled away with its software
-    pipeline, and its shared memory reads several times too small (the reverse state pass of the
-    delta rule: 40 KB at one chunk, 233 KB at seven). Otherwise ``short``: same code, faster build."""
-    ints = [(a, b) for a, b in zip(short.args, longer.args) if isinstance(a, int) and not isinstance(a, bool)]
-    return longer if any(a == 1 and b != 1 for a, b in ints) else short
+    """The launch whose build stands for the kernel at every length: ``longer`` when a loop of the
+    kernel runs up to an integer argument that is 1 in ``short`` and not in ``longer``. Triton
+    compiles an argument equal to 1 as the constant 1, so at one chunk (T <= 64) a loop over chunks
+    is unrolled away with its software pipeline, and its shared memory reads several times too small
+    (the reverse state pass of the delta rule: 40 KB at one chunk, 233 KB at seven). Otherwise
+    ``short``: the same code, and a faster build."""
+    source = inspect.getsource(short.kernel.fn)
+    for name, a, b in zip(inspect.signature(short.kernel.fn).parameters, short.args, longer.args):
+        one = isinstance(a, int) and not isinstance(a, bool) and a == 1 and b != 1
+        if one and re.search(rf"range\([^)]*\b{name}\b", source):
+            return longer
+    return short
 
 
 def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -> list[Build]:

@@ -255,11 +255,16 @@ def test_gpu_test_target_degrades_cleanly_without_cuda():
 
 def test_a_loop_over_chunks_is_built_where_it_runs_more_than_once():
     # Triton compiles an integer argument equal to 1 as a constant, which drops a loop over one chunk
-    # with its pipeline: such a kernel is built from the longer call, any other from the short one
-    short = aot.Launch(kernel=None, grid=(2,), args=(None, 40, 2, 1), kwargs={"BT": 64})
-    longer = aot.Launch(kernel=None, grid=(2,), args=(None, 400, 2, 7), kwargs={"BT": 64})
-    assert aot.representative(short, longer) is longer
-    assert aot.representative(aot.Launch(None, (2,), (None, 40, 2, True), {}),
-                              aot.Launch(None, (2,), (None, 400, 2, False), {})).args[1] == 40
-    assert aot.representative(aot.Launch(None, (2,), (None, 40, 3), {}),
-                              aot.Launch(None, (2,), (None, 400, 3), {})).args[1] == 40
+    # with its pipeline: a kernel that loops up to such an argument is built from the longer call
+    # (chapter 1's state pass loops over the NT chunks), any other from the short one (the output
+    # kernel has NT = 1 too, but only divides by it)
+    from atlaslib.core.chunk_kernels import chunk_output_kernel, chunk_state_kernel
+    from atlaslib.linear.kernel import linear_attention_triton
+
+    def launches(T):
+        q = torch.randn(1, 2, T, 16)
+        return aot.by_kernel(aot.captured_launches(lambda: linear_attention_triton(q, q, q, None, None)))
+    short, longer = launches(40), launches(400)
+    state, output = chunk_state_kernel.fn.__name__, chunk_output_kernel.fn.__name__
+    assert aot.representative(short[state][0], longer[state][0]) is longer[state][0]
+    assert aot.representative(short[output][0], longer[output][0]) is short[output][0]
