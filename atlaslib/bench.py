@@ -239,15 +239,19 @@ def _table(rows):
     return format_table(fmt, digits=2)
 
 
+def finite_rows(rows: list[dict]) -> list[dict]:
+    """The rows with NaN and inf as None (JSON has neither)."""
+    import math
+    return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+
+
 def write_rows_json(path, rows: list[dict], **settings) -> dict:
     """Write {card, versions, date, settings, rows} to ``path`` (NaN and inf become null); returns the dict."""
     import json
-    import math
 
     from .bench_fla import environment
-    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v      # noqa: E731
     doc = {**environment(), "settings": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in settings.items()},
-           "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+           "rows": finite_rows(rows)}
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
         fh.write("\n")

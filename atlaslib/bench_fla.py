@@ -58,7 +58,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
-import math
 import platform
 import statistics
 import warnings
@@ -350,10 +349,9 @@ def environment() -> dict:
 
 def write_json(path, rows: list[dict], shapes, env: dict | None = None, **meta) -> dict:
     """Write {environment, shapes, dtypes, rows, ...} to ``path``; NaN/inf become null. Returns the dict."""
-    clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v      # noqa: E731
+    from .bench import finite_rows
     doc = {**(env or environment()), **meta, "shapes": [asdict(s) for s in shapes],
-           "dtypes": sorted({s.dtype for s in shapes}),
-           "rows": [{k: clean(v) for k, v in r.items()} for r in rows]}
+           "dtypes": sorted({s.dtype for s in shapes}), "rows": finite_rows(rows)}
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
         fh.write("\n")
