@@ -72,6 +72,14 @@ def at_head(ptr, strides, i_b, i_h):
 
 
 @triton.jit
+def head_program(H):
+    """(i_bh, i_b, i_h) of a program whose axis 0 enumerates batch*head, in int64 (offsets of later
+    heads can exceed 2^31)."""
+    i_bh = tl.program_id(0).to(tl.int64)
+    return i_bh, i_bh // H, i_bh % H
+
+
+@triton.jit
 def chunk_program(NT, H):
     """(i_bh, i_c, i_b, i_h) of a program whose axis 0 enumerates (batch*head, chunk) pairs, in int64
     (offsets of later heads can exceed 2^31)."""
