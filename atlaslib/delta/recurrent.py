@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import compute_dtype
-from ..linear.recurrent import decay_state
+from ..linear.recurrent import decay_state, token_loop
 
 
 def delta_rule_step(M, q_t, k_t, v_t, beta_t, alpha_t=None):
@@ -34,17 +33,9 @@ def delta_rule_step(M, q_t, k_t, v_t, beta_t, alpha_t=None):
 
 
 def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):
-    """Per-token loop. q, k: [B,H,T,K]; v: [B,H,T,V]; beta: [B,H,T]; alpha: None, [B,H,T] or [B,H,T,K].
+    """Per-token loop (chapter 1's ``token_loop``). q, k: [B,H,T,K]; v: [B,H,T,V]; beta: [B,H,T];
+    alpha: None, [B,H,T] or [B,H,T,K].
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    cd, out_dtype = compute_dtype(q), q.dtype
-    M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
-    outputs = []
-    for t in range(T):
-        alpha_t = None if alpha is None else alpha[:, :, t]
-        M, y_t = delta_rule_step(M, q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], alpha_t)
-        outputs.append(y_t)
-    return torch.stack(outputs, dim=2).to(out_dtype), M
+    return token_loop(delta_rule_step, q, k, v, beta, alpha=alpha, initial_state=initial_state)

@@ -38,18 +38,29 @@ def linear_attention_step(M, q_t, k_t, v_t, alpha_t=None):
     return M, torch.einsum("bhvk,bhk->bhv", M, q_t)              # y_t = M_t q_t
 
 
-def linear_attention_recurrent(q, k, v, alpha=None, initial_state=None):
-    """Per-token loop. q, k: [B,H,T,K]; v: [B,H,T,V]; alpha: None, [B,H,T] or [B,H,T,K].
+def token_loop(step, q, k, v, *per_token, alpha=None, initial_state=None):
+    """Runs M_t, y_t = step(M_{t-1}, q_t, k_t, v_t, *per_token_t, alpha_t) for t = 1..T from M_0 =
+    ``initial_state`` (zeros when None). q, k: [B,H,T,K]; v: [B,H,T,V]; each of ``per_token`` and
+    alpha: [B,H,T, ...] (alpha may be None).
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
     B, H, T, K = q.shape
     V = v.shape[-1]
-    cd, out_dtype = compute_dtype(q), q.dtype
+    cd = compute_dtype(q)
     M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
     outputs = []
     for t in range(T):
+        token = [x[:, :, t] for x in (q, k, v, *per_token)]
         alpha_t = None if alpha is None else alpha[:, :, t]
-        M, y_t = linear_attention_step(M, q[:, :, t], k[:, :, t], v[:, :, t], alpha_t)
+        M, y_t = step(M, *token, alpha_t)
         outputs.append(y_t)
-    return torch.stack(outputs, dim=2).to(out_dtype), M
+    return torch.stack(outputs, dim=2).to(q.dtype), M
+
+
+def linear_attention_recurrent(q, k, v, alpha=None, initial_state=None):
+    """Per-token loop. q, k: [B,H,T,K]; v: [B,H,T,V]; alpha: None, [B,H,T] or [B,H,T,K].
+
+    Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
+    """
+    return token_loop(linear_attention_step, q, k, v, alpha=alpha, initial_state=initial_state)
