@@ -47,14 +47,14 @@ from torch import Tensor
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
-from ..core.gates import alpha_from_log, retention_gates
+from ..core.gates import alpha_from_log
 from ..core.types import Gate, ModelOutput
-from ..core.validation import _value_check, gate_or_number
+from ..core.validation import _value_check
 from ..delta import delta_table
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule
 from ..core.validation import check_window
 from ..miras import MirasState
-from ..omega.backends import memory_of_state
+from ..omega.backends import memory_of_state, step_gates
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
@@ -82,6 +82,11 @@ def check_memory(memory, activation=None):
             raise ValueError(f"activation={activation!r} is an option of memory='mlp'; the linear memory has none")
         return None
     return check_activation("gelu" if activation is None else activation)
+
+
+def check_inputs(q, k, v, memory, activation, phi_star):
+    """The checks deep_transformer and dot start with: (activation, (B, H, T, K, V), (form, order))."""
+    return check_memory(memory, activation), check_qkv(q, k, v), check_phi_star(phi_star)
 
 
 def default_chunk_size(chunk_size: int | None, frozen: bool) -> int:
@@ -196,12 +201,9 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
-    activation = check_memory(memory, activation)
-    B, H, T, K, V = check_qkv(q, k, v)
-    form, order = check_phi_star(phi_star)
+    activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
     cd = compute_dtype(q)
-    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
-    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
+    alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     initial_state = memory_of_state(initial_state)
     if window is not None:
         check_window(window)
@@ -320,15 +322,12 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
-    activation = check_memory(memory, activation)
-    B, H, T, K, V = check_qkv(q, k, v)
-    form, order = check_phi_star(phi_star)
+    activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
     c = check_window(window)
     check_gate("gamma", gamma, B, H, T, c, ref=q)
     cd = compute_dtype(q)
-    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
+    alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     alpha = alpha_from_log(alpha, log_alpha, cd)
-    eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
     initial_state = memory_of_state(initial_state)
     if form == "kernel" and memory == "linear" and (initial_state is not None or output_final_state):
         raise ValueError("dot: initial_state and output_final_state need phi_star=('taylor', P) (or memory='mlp'): "

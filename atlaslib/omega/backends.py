@@ -7,6 +7,8 @@ chapter 3's engine.
 """
 from __future__ import annotations
 
+import torch
+
 from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window, \
     gate_or_number
 from ..core.chunking import compute_dtype
@@ -29,14 +31,20 @@ def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chun
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
     check_gate("gamma", gamma, B, H, T, window, ref=q)
-    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
-    eta = gate_or_number("eta", eta, B, H, T, compute_dtype(q), q, high=None)
+    alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     check_chunk_size(chunk_size)
     fq, fk = apply_feature_map(phi, q, k)
     if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
         initial_state = memory_of_state(initial_state)
         check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
     return fq, fk, alpha, eta, log_alpha, initial_state
+
+
+def step_gates(alpha, log_alpha, eta, B: int, H: int, T: int, q: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """(alpha, log_alpha, eta) checked, the retention gates as ``core.gates.retention_gates`` returns them
+    and eta (a number or [B, H, T]) as a [B, H, T] tensor in the compute dtype (None stays None)."""
+    alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, ref=q)
+    return alpha, log_alpha, gate_or_number("eta", eta, B, H, T, compute_dtype(q), q, high=None)
 
 
 def memory_of_state(initial_state):
