@@ -112,9 +112,7 @@ def huber(x, d):
 
 
 class HuberBias(Bias):
-    name = "huber"
-    formula = "Huber (i), per coordinate: Σⱼ H_δ(eⱼ)"
-    uses_delta = True
+    name, formula, uses_delta = "huber", "Huber (i), per coordinate: Σⱼ H_δ(eⱼ)", True
 
     def psi(self, y, v, delta):
         e, d = y - v, delta[..., None]
@@ -125,9 +123,7 @@ class HuberBias(Bias):
 
 
 class HuberNormBias(Bias):
-    name = "huber_norm"
-    formula = "Huber (ii), on the norm: H_δ(‖e‖₂)"
-    uses_delta = True
+    name, formula, uses_delta = "huber_norm", "Huber (ii), on the norm: H_δ(‖e‖₂)", True
 
     def psi(self, y, v, delta):
         e = y - v
@@ -140,9 +136,7 @@ class HuberNormBias(Bias):
 
 
 class HuberSwitchBias(Bias):
-    name = "huber_switch"
-    formula = "Huber (iii), switch: ℓ2 if ‖e‖ ≤ δₜ, else δₜ·ℓ1"
-    uses_delta = True
+    name, formula, uses_delta = "huber_switch", "Huber (iii), switch: ℓ2 if ‖e‖ ≤ δₜ, else δₜ·ℓ1", True
 
     def psi(self, y, v, delta):
         e = y - v
@@ -155,9 +149,7 @@ class HuberSwitchBias(Bias):
 
 
 class ValueShiftBias(Bias):
-    name = "value_shift"
-    formula = "robust to value shifts: max over ‖s‖ ≤ δ of ½‖e − s‖²"
-    uses_delta = True
+    name, formula, uses_delta = "value_shift", "robust to value shifts: max over ‖s‖ ≤ δ of ½‖e − s‖²", True
 
     def psi(self, y, v, delta):
         e = y - v

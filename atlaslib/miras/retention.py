@@ -61,7 +61,8 @@ class Retention:
 
     @classmethod
     def describe(cls, cfg) -> str:
-        return cls.formula
+        """``formula`` with the configuration's numbers filled in."""
+        return cls.formula.format(cfg=cfg)
 
     def read(self, Z: dict) -> dict:
         """The memory's weights from the raw state (any leading dims)."""
@@ -78,25 +79,19 @@ class Retention:
 
 
 class NoRetention(Retention):
-    name = "none"
-    formula = "none"
-    uses_alpha = False
+    name, formula, uses_alpha = "none", "none", False
 
 
 class Decay(Retention):
-    name = "decay"
-    formula = "scalar decay αₜ (after the gradient)"
+    name, formula = "decay", "scalar decay αₜ (after the gradient)"
 
 
 class DecayFirst(Retention):
-    name = "decay_first"
-    formula = "scalar decay αₜ (gradient at αₜM)"
-    grad_at_decayed = True
+    name, formula, grad_at_decayed = "decay_first", "scalar decay αₜ (gradient at αₜM)", True
 
 
 class Proximal(DecayFirst):
-    name = "proximal"
-    formula = "proximal (implicit) step, optional αₜ"
+    name, formula = "proximal", "proximal (implicit) step, optional αₜ"
 
     def effective_eta(self, eta, k):
         """Longhorn's implicit step eta / (1 + eta ||phi(k)||^2): one GD step then lands on the
@@ -106,12 +101,8 @@ class Proximal(DecayFirst):
 
 class KL(Retention):
     name = "kl"
-    formula = "KL on the simplex: W = c·softmax(Z)"
+    formula = "KL on the simplex, c={cfg.scale:g}: W = c·softmax(Z)"
     identity_read = False
-
-    @classmethod
-    def describe(cls, cfg):
-        return f"KL on the simplex, c={cfg.scale:g}: W = c·softmax(Z)"
 
     def read(self, Z):
         c = self.cfg.scale
@@ -120,13 +111,8 @@ class KL(Retention):
 
 class Lq(Retention):
     name = "lq"
-    formula = "ℓq normalisation: W = A / ‖A‖_q^(q−2)"
+    formula = "ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
     identity_read = False
-
-    @classmethod
-    def describe(cls, cfg):
-        return f"ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
-
     scalar_read = True          # W = Z / nu(Z) with a scalar nu per matrix: readouts can use the dual form
 
     def divisor(self, a):
@@ -142,12 +128,8 @@ class Lq(Retention):
 
 class ElasticNet(Retention):
     name = "elastic"
-    formula = "elastic net: soft threshold S_γ(αW + u)"
+    formula = "elastic net: S_γ(αW + u), γ={cfg.threshold:g}"
     linear = False
-
-    @classmethod
-    def describe(cls, cfg):
-        return f"elastic net: S_γ(αW + u), γ={cfg.threshold:g}"
 
     def combine(self, Z, u, alpha):
         return {n: soft_threshold(z, self.cfg.threshold) for n, z in super().combine(Z, u, alpha).items()}
