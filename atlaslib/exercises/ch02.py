@@ -37,10 +37,15 @@ def random_beta(B, H, T, gen, low=0.1, high=1.5):
     return low + (high - low) * torch.rand(B, H, T, generator=gen)
 
 
+# the library's delta rule, its chunkwise forms and its per-token forms: what the exercises that write one may not call
+DELTA_RULE = ("atlaslib.delta.delta_rule",)
+CHUNK_FORMS = ("atlaslib.delta.chunk.chunk_step", "atlaslib.delta.chunk.delta_rule_chunk")
+PER_TOKEN = ("atlaslib.delta.recurrent.delta_rule_recurrent", "atlaslib.delta.recurrent.delta_rule_step")
+
+
 @EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2,
                   functions=("loss_gradient", "delta_step"),
-                  forbidden=("atlaslib.delta.delta_rule", "atlaslib.delta.recurrent.delta_rule_recurrent",
-                             "atlaslib.delta.recurrent.delta_rule_step"))
+                  forbidden=DELTA_RULE + PER_TOKEN)
 def delta_step(grad_fn, step_fn, gen):
     """grad_fn(M, k, v) -> dL/dM of 1/2||M k - v||^2;  step_fn(M, k, v, beta, alpha) -> M_t.
 
@@ -81,9 +86,7 @@ def corrected_values(M0, k, v, beta, alpha):
 
 @EXERCISES.check("ut_solve", title="The UT transform: one triangular solve per chunk", points=3,
                   functions=("ut_solve",),
-                  forbidden=("atlaslib.delta.delta_rule",
-                             "atlaslib.delta.chunk.chunk_step",
-                             "atlaslib.delta.chunk.delta_rule_chunk"))
+                  forbidden=DELTA_RULE + CHUNK_FORMS)
 def ut_solve(fn, gen):
     """fn(M0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
     cases = [  # (B, H, n, K, V, lowest gate)
@@ -106,11 +109,7 @@ def ut_solve(fn, gen):
 
 @EXERCISES.check("chunkwise", title="The chunkwise delta rule over a whole sequence", points=3,
                   functions=("chunkwise",),
-                  forbidden=("atlaslib.delta.delta_rule",
-                             "atlaslib.delta.chunk.chunk_step",
-                             "atlaslib.delta.chunk.delta_rule_chunk",
-                             "atlaslib.delta.recurrent.delta_rule_recurrent",
-                             "atlaslib.delta.recurrent.delta_rule_step"))
+                  forbidden=DELTA_RULE + CHUNK_FORMS + PER_TOKEN)
 def chunkwise(fn, gen):
     """fn(q, k, v, beta, alpha, chunk_size) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha None or [B,H,T]."""
     cases = [  # (B, H, T, K, V, gated, chunk sizes)

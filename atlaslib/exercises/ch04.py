@@ -31,6 +31,12 @@ EXERCISES = Registry("ch04")
 # fp32 inputs; a correct answer agrees to ~1e-6, a wrong one is off by far more than this.
 TOL = 1e-4
 
+# the library's Omega rule, its chunkwise forms and its per-token forms: what the exercises that write one may not call
+OMEGA_RULE = ("atlaslib.omega.omega_rule",)
+CHUNK_FORMS = ("atlaslib.omega.chunk.omega_chunk", "atlaslib.omega.chunk.windowed_chunk",
+               "atlaslib.omega.recurrent.omega_frozen_seq")
+PER_TOKEN = ("atlaslib.omega.recurrent.omega_recurrent", "atlaslib.omega.recurrent.omega_step")
+
 
 @EXERCISES.check("monomials", title="The polynomial feature map and its dimension", points=2,
                   functions=("monomials", "feature_dim"),
@@ -71,8 +77,7 @@ def window_rows(B, H, c, D, V, gen):
 
 @EXERCISES.check("omega_step", title="One Omega step with gates", points=2,
                   functions=("omega_step",),
-                  forbidden=("atlaslib.omega.omega_rule", "atlaslib.omega.recurrent.omega_recurrent",
-                             "atlaslib.omega.recurrent.omega_step"))
+                  forbidden=OMEGA_RULE + PER_TOKEN)
 def omega_step(fn, gen):
     """fn(M [B,H,V,D], k_win [B,H,c,D], v_win [B,H,c,V], gamma [B,H,c], alpha [B,H], eta [B,H]) -> M_t.
 
@@ -114,12 +119,7 @@ def band(fn, gen):
 
 @EXERCISES.check("chunkwise", title="The chunkwise Omega rule (frozen gradients)", points=3,
                   functions=("omega_chunkwise",),
-                  forbidden=("atlaslib.omega.omega_rule",
-                             "atlaslib.omega.chunk.omega_chunk",
-                             "atlaslib.omega.chunk.windowed_chunk",
-                             "atlaslib.omega.recurrent.omega_frozen_seq",
-                             "atlaslib.omega.recurrent.omega_recurrent",
-                             "atlaslib.omega.recurrent.omega_step"))
+                  forbidden=OMEGA_RULE + CHUNK_FORMS + PER_TOKEN)
 def chunkwise(fn, gen):
     """fn(q, k, v, gamma [B,H,T,c], alpha None or [B,H,T], eta [B,H,T], chunk_size) -> (o [B,H,T,V], M_T [B,H,V,D]).
 
