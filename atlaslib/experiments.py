@@ -134,11 +134,11 @@ class Size:
     steps: int
     batch_size: int
     window: int             # the sliding window of swa / swdt / mag / mal
-    vocab_size: int = 128
+    vocab_size: int = MQARTask.vocab_size   # the data's defaults are MQARTask's
     n_layers: int = 2
     n_heads: int = 4
-    num_train: int = 20_000
-    num_test: int = 1_000
+    num_train: int = MQARTask.num_train
+    num_test: int = MQARTask.num_test
     warmup: int = 50
 
 
