@@ -39,9 +39,10 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
-from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks, state_dtype
-from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, dot_tile, load_block, load_state, precision, \
-    state_slice, store_tile
+from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks, state_dtype, state_pass_start, \
+    store_chunk_state
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_tokens, \
+    dot_tile, load_block, load_state_tile, precision, store_tile
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -62,48 +63,33 @@ def chunk_dstate_kernel(
 
     and writes the gradient of the initial state to ``dh0_ptr``. dh [B*H, NT, V, K] (``state_dtype``).
     """
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
+    i_bh, i_b, i_h, o_v, o_k, m_v, m_k, o_s, m_s, b_dh = state_pass_start(dht_ptr, H, V, K, BV, BK)
     q_ptr, do_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
     if w_ptr is not None:
         k_ptr, w_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(w_ptr, s_w, i_b, i_h)
         du_ptr, dv2_ptr = at_head(du_ptr, s_du, i_b, i_h), at_head(dv2_ptr, s_dv2, i_b, i_h)
     dt = q_ptr.dtype.element_ty
 
-    o_i = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
-    b_dh = load_state(dht_ptr, o_s, m_s, BV, BK)
-    dh_ptr += i_bh * NT * V * K
-    o_h = o_v[:, None] * K + o_k[None, :]    # the slice inside one [V, K] state
-
     for i_r in range(0, NT):
         i_c = NT - 1 - i_r
-        tl.store(dh_ptr + i_c * V * K + o_h, b_dh.to(dh_ptr.dtype.element_ty), mask=m_s)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T
+        store_chunk_state(dh_ptr, i_bh, i_c, NT, V, K, o_v, o_k, m_s, b_dh)
+        _, o_t, m_t = chunk_tokens(i_c, BT, T)
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
         b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
         if w_ptr is not None:
             b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         # the chunk's decays: q * e^g (what the outputs read) and k * e^{g_n - g} (what the state keeps)
+        if GATE != GATE_NONE:
+            b_g, b_g_last = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
         if GATE == GATE_NONE:
             b_qg = b_q
             if w_ptr is not None:
                 b_kd = b_k
         elif GATE == GATE_SCALAR:
-            # g is padded to Tp (a multiple of BT) with log-gate 0, so row i_c*BT+BT-1 exists
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
             b_qg = (b_q * tl.exp(b_g)[:, None]).to(dt)
             if w_ptr is not None:
                 b_kd = (b_k * tl.exp(b_g_last - b_g)[:, None]).to(dt)
         else:
-            p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
-            b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
-            b_g_last = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
             b_qg = (b_q * tl.exp(b_g)).to(dt)
             if w_ptr is not None:
                 b_kd = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
@@ -124,6 +110,33 @@ def chunk_dstate_kernel(
 
     if dh0_ptr is not None:
         tl.store(dh0_ptr + o_s, b_dh, mask=m_s)
+
+
+@triton.jit
+def state_grad_terms(do_ptr, s_do, v_ptr, s_v, dv2_ptr, s_dv2, h_ptr, dh_ptr, o_t, m_t, o_k, m_k, V, K,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk c's products with its states, summed over value blocks (fp32): do v^T [BT, BT], do h[c] and v dh[c]
+    [BT, BK] on key channels o_k; with ``dv2_ptr`` (the delta rule, v = v_new) also -dv2 h[c] and sum_v h[c] * dh[c]."""
+    dt = do_ptr.dtype.element_ty
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v, m_v = channel_block(i_v, BV, V)
+        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
+        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
+        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
+        b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
+        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
+        b_dk += tl.dot(b_v, b_dh.to(dt), input_precision=PRECISION)
+        if dv2_ptr is not None:
+            b_dv2 = load_block(dv2_ptr, s_dv2, o_t, o_v, m_t, m_v)
+            b_dw -= tl.dot(b_dv2, b_h.to(dt), input_precision=PRECISION)
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
+    return b_dA, b_dq, b_dk, b_dw, b_hdh
 
 
 def _strides(x):

@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, chunk_program, dot_tile, load_block, load_state, \
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_block_program, \
+    chunk_log_gates, chunk_program, chunk_state, chunk_tokens, dot_tile, head_program, load_block, load_state, \
     load_state_tile, state_slice, store_tile
 from .alloc import empty
 
@@ -111,14 +112,13 @@ def channel_scores_kernel(
     b_Aq = tl.zeros([BC, BT], dtype=tl.float32)
     b_Ak = tl.zeros([BC, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
-        b_kr = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
-        b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
+        o_k, m_k = channel_block(i_k, BK, K)
         b_gr = tl.load(g_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_gc = tl.load(g_ptr + o_c[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_gn = tl.load(g_ptr + t_r * K + o_k, mask=m_k, other=0.0)
+        b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
+        b_kr = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
+        b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
         # earlier sub-chunks: (x_i e^{g_i - g_r}) (k_j e^{g_r - g_j})^T, both exponents <= 0
         b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gn[None, :] - b_gc, float("-inf")))).to(dt)
         b_dr = tl.exp(b_gr - b_gn[None, :])
@@ -147,6 +147,24 @@ def channel_scores_kernel(
 # (b) the state pass: sequential over chunks only
 # ---------------------------------------------------------------------------------------
 @triton.jit
+def state_pass_start(init_ptr, H, V, K, BV: tl.constexpr, BK: tl.constexpr):
+    """Program (i_bh, i_v, i_k) of a state pass (or its reverse): (i_bh, i_b, i_h), its value and key channels and
+    their masks, its slice (o_s, m_s) of a [B, H, V, K] state, and that slice of ``init_ptr`` in fp32 (0 if None)."""
+    i_bh, i_b, i_h = head_program(H)
+    o_v, m_v = channel_block(tl.program_id(1), BV, V)
+    o_k, m_k = channel_block(tl.program_id(2), BK, K)
+    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
+    return i_bh, i_b, i_h, o_v, o_k, m_v, m_k, o_s, m_s, load_state(init_ptr, o_s, m_s, BV, BK)
+
+
+@triton.jit
+def store_chunk_state(h_ptr, i_bh, i_c, NT, V, K, o_v, o_k, m_s, b_M):
+    """Write the program's slice of the running state as h[c] of a [B*H, NT, V, K] buffer, in its dtype."""
+    p_h = h_ptr + i_bh * NT * V * K + i_c * V * K + o_v[:, None] * K + o_k[None, :]
+    tl.store(p_h, b_M.to(h_ptr.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
 def chunk_state_kernel(
     k_ptr, v_ptr, w_ptr, g_ptr, h0_ptr, h_ptr, ht_ptr, vn_ptr,
     s_k, s_v, s_w, s_vn,
@@ -160,44 +178,29 @@ def chunk_state_kernel(
 
     h [B*H, NT, V, K] (``state_dtype``); the delta rule needs all K key channels in one program (BK >= K).
     """
-    i_bh = tl.program_id(0).to(tl.int64)
-    i_b, i_h, i_v, i_k = i_bh // H, i_bh % H, tl.program_id(1), tl.program_id(2)
+    i_bh, i_b, i_h, o_v, o_k, m_v, m_k, o_s, m_s, b_M = state_pass_start(h0_ptr, H, V, K, BV, BK)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
     if w_ptr is not None:
         w_ptr, vn_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(vn_ptr, s_vn, i_b, i_h)
     dt = k_ptr.dtype.element_ty
 
-    o_i = tl.arange(0, BT)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
-    b_M = load_state(h0_ptr, o_s, m_s, BV, BK)
-    h_ptr += i_bh * NT * V * K
-    o_h = o_v[:, None] * K + o_k[None, :]    # the slice inside one [V, K] state
-
     for i_c in range(0, NT):
-        tl.store(h_ptr + i_c * V * K + o_h, b_M.to(h_ptr.dtype.element_ty), mask=m_s)
-        o_t = i_c * BT + o_i
-        m_t = o_t < T
+        store_chunk_state(h_ptr, i_bh, i_c, NT, V, K, o_v, o_k, m_s, b_M)
+        _, o_t, m_t = chunk_tokens(i_c, BT, T)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v).to(tl.float32)
         if w_ptr is not None:
             b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
             b_v -= tl.dot(b_w, tl.trans(b_M).to(dt), input_precision=PRECISION)
             store_tile(vn_ptr, s_vn, o_t, o_v, m_t, m_v, b_v)
+        if GATE != GATE_NONE:
+            b_g, b_g_last = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
         if GATE == GATE_NONE:
             b_M += tl.dot(tl.trans(b_v.to(dt)), b_k, input_precision=PRECISION)
         elif GATE == GATE_SCALAR:
-            # g is padded to Tp (a multiple of BT) with log-gate 0, so row i_c*BT+BT-1 exists
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
             b_v_end = (b_v * tl.exp(b_g_last - b_g)[:, None]).to(dt)
             b_M = b_M * tl.exp(b_g_last) + tl.dot(tl.trans(b_v_end), b_k, input_precision=PRECISION)
         else:
-            p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
-            b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
-            b_g_last = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
             b_k_end = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
             b_M = b_M * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_v.to(dt)), b_k_end, input_precision=PRECISION)
 
@@ -217,37 +220,30 @@ def chunk_output_kernel(
     """o = (q * e^g) h[c]^T + (A * causal) v for chunk c, value block i_v. A = (q k^T) * e^{g_i - g_j}
     computed here for no gate and scalar gates; read from ``a_ptr`` (``channel_scores_kernel``)
     for per-channel gates. ``v_ptr``: v, or the delta rule's corrected values v_new."""
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_v = tl.program_id(1)
+    i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_v, m_v = chunk_block_program(NT, H, T, BT, BV, V)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
-    h_ptr += (i_bh * NT + i_c) * V * K
+    h_ptr = chunk_state(h_ptr, i_bh, i_c, NT, V, K)
     dt = q_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
 
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     b_A = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        o_k, m_k = channel_block(i_k, BK, K)
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
-        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
         if GATE == GATE_CHANNEL:
-            b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
             b_q = (b_q * tl.exp(b_g)).to(dt)
         else:
             b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
             b_A += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
         b_o += tl.dot(b_q, tl.trans(b_h).to(dt), input_precision=PRECISION)
+    m_causal = o_i[:, None] >= o_i[None, :]
     if GATE == GATE_NONE:
         b_A = tl.where(m_causal, b_A, 0.0)
     elif GATE == GATE_SCALAR:
-        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+        b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
         b_o *= tl.exp(b_g)[:, None]
         b_A *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
     else:

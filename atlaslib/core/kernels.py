@@ -28,7 +28,10 @@ does the same set-up around its own inputs, and this module holds it once:
   constexpr, so ``if h0_ptr is not None:`` is decided when the kernel is compiled.
 
 And, inside the kernels (``@triton.jit`` functions, inlined where they are called):
-``at_head`` moves a pointer to the program's head through the batch and head strides,
+``head_program``/``chunk_program``/``chunk_block_program`` give a program's head (and chunk, and
+block of channels), ``chunk_tokens`` a chunk's rows and tokens, ``channel_block`` a block of
+channels, ``chunk_state`` a chunk's stored state h[c], ``chunk_log_gates`` a chunk's log-gates g
+and g_n (its last row), ``at_head`` moves a pointer to the program's head through the batch and head strides,
 ``load_block``/``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that
 head through the token and channel strides (``load_block`` in the tensor's dtype, ``load_tile``
 in fp32), ``state_slice``/``load_state`` give the
@@ -86,6 +89,53 @@ def chunk_program(NT, H):
     i_p = tl.program_id(0).to(tl.int64)
     i_bh = i_p // NT
     return i_bh, i_p % NT, i_bh // H, i_bh % H
+
+
+@triton.jit
+def channel_block(i, BN: tl.constexpr, N):
+    """Offsets i * BN + [0, BN) of block i of N channels (or tokens), and their mask (< N)."""
+    o_n = i * BN + tl.arange(0, BN)
+    return o_n, o_n < N
+
+
+@triton.jit
+def chunk_tokens(i_c, BT: tl.constexpr, T):
+    """(o_i, o_t, m_t) of chunk i_c: its rows 0..BT-1, their tokens i_c * BT + o_i, and which are < T."""
+    o_i = tl.arange(0, BT)
+    o_t = i_c * BT + o_i
+    return o_i, o_t, o_t < T
+
+
+@triton.jit
+def chunk_block_program(NT, H, T, BT: tl.constexpr, BN: tl.constexpr, N):
+    """A program of (batch*head, chunk) on axis 0 and block of BN channels (of N) on axis 1:
+    chunk_program's (i_bh, i_c, i_b, i_h), chunk_tokens' (o_i, o_t, m_t) and the block's (o_n, m_n)."""
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    o_i, o_t, m_t = chunk_tokens(i_c, BT, T)
+    o_n, m_n = channel_block(tl.program_id(1), BN, N)
+    return i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_n, m_n
+
+
+@triton.jit
+def chunk_state(ptr, i_bh, i_c, NT, V, K):
+    """``ptr`` moved to h[c] (or dh[c]) of head i_bh in a contiguous [B*H, NT, V, K] buffer of chunk states."""
+    return ptr + (i_bh * NT + i_c) * V * K
+
+
+@triton.jit
+def chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT: tl.constexpr, GATE: tl.constexpr):
+    """(g, g_n): chunk-local log-gates at tokens o_t and at the chunk's last row; [BT] and a scalar
+    (GATE_SCALAR, g [B*H, Tp]), or [BT, BK] and [BK] on key channels o_k (GATE_CHANNEL, g [B*H, Tp, K])."""
+    # g is padded to Tp (whole chunks) with log-gate 0, so the last row i_c*BT+BT-1 always exists
+    t_n = i_c * BT + BT - 1
+    if GATE == GATE_SCALAR:
+        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
+        b_gn = tl.load(g_ptr + i_bh * Tp + t_n)
+    else:
+        g_ptr += i_bh * Tp * K
+        b_g = tl.load(g_ptr + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gn = tl.load(g_ptr + t_n * K + o_k, mask=m_k, other=0.0)
+    return b_g, b_gn
 
 
 @triton.jit

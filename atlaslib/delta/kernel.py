@@ -83,13 +83,41 @@ import triton.language as tl
 from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
                                   unit_lower_inverse)
 from ..core.chunking import gate_logs
-from ..core.kernels import (GATE_CHANNEL, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, chunk_gates, chunk_program,
-                            dot_tile, feature_tile, forward_launch, load_block, load_state_tile, precision, store_tile,
-                            unwrapped)
+from ..core.chunk_backward import state_grad_terms
+from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
+                            chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
+                            dot_tile, feature_tile, forward_launch, load_block, precision, store_tile, unwrapped)
 from ..core.alloc import empty
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
 MAX_KEY = 256
+
+
+@triton.jit
+def decayed_scores(x_ptr, s_x, y_ptr, s_y, a_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, STRICT: tl.constexpr,
+                   GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+    """(X Y^T) * e^{g_t - g_j} on the chunk's pairs j <= t (j < t if STRICT), else 0, fp32 [BT, BT]: X = Y = K
+    gives L, X = Q, Y = K the output scores A. b_g: scalar log-gates; per-channel gates read it from ``a_ptr``."""
+    if STRICT:
+        m_lower = o_i[:, None] > o_i[None, :]
+    else:
+        m_lower = o_i[:, None] >= o_i[None, :]
+    if GATE == GATE_CHANNEL:
+        b_A = tl.load(a_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
+    else:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            o_k, m_k = channel_block(i_k, BK, K)
+            b_x = load_block(x_ptr, s_x, o_t, o_k, m_t, m_k)
+            b_y = b_x                                   # y_ptr None: Y = X, loaded once
+            if y_ptr is not None:
+                b_y = load_block(y_ptr, s_y, o_t, o_k, m_t, m_k)
+            b_A += tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION)
+        if GATE == GATE_SCALAR:
+            b_A *= tl.exp(tl.where(m_lower, b_g[:, None] - b_g[None, :], float("-inf")))
+        else:
+            b_A = tl.where(m_lower, b_A, 0.0)
+    return b_A
 
 
 @triton.jit
@@ -104,46 +132,30 @@ def delta_wy_kernel(
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
     w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     dt = k_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
+    o_i, o_t, m_t = chunk_tokens(i_c, BT, T)
     m_all = o_t < Tp                        # w and u are written for every padded row too
-    m_strict = o_i[:, None] > o_i[None, :]
-    b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-
+    b_g = None
+    if GATE == GATE_SCALAR:
+        b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
     # L: strictly lower decayed k.k products of the chunk
-    if GATE == GATE_CHANNEL:
-        b_L = tl.load(ak_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
-    else:
-        b_L = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
-            b_L += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-        if GATE == GATE_SCALAR:
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_L *= tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
-        else:
-            b_L = tl.where(m_strict, b_L, 0.0)
+    b_L = decayed_scores(k_ptr, s_k, None, s_k, ak_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, True, GATE, BT, BK, PRECISION)
 
     # R Diag(beta): the inverse in fp32, cast to the inputs' dtype for its products
+    b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
     b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
     b_Rb = (b_R * b_beta[None, :]).to(dt)
 
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        o_k, m_k = channel_block(i_k, BK, K)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         if GATE == GATE_SCALAR:
             b_k = (b_k * tl.exp(b_g)[:, None]).to(dt)
         elif GATE == GATE_CHANNEL:
-            b_gk = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
             b_k = (b_k * tl.exp(b_gk)).to(dt)
         store_tile(w_ptr, s_w, o_t, o_k, m_all, m_k, tl.dot(b_Rb, b_k, input_precision=PRECISION))
     for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
+        o_v, m_v = channel_block(i_v, BV, V)
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
         store_tile(u_ptr, s_u, o_t, o_v, m_all, m_v, tl.dot(b_Rb, b_v, input_precision=PRECISION))
 
@@ -210,31 +222,14 @@ def delta_dv_local_kernel(
     """dv_local = (A * causal decay)^T do for chunk i_c, value block i_v: the gradient of v_new from
     the chunk's own outputs. A = q k^T (times e^{g_i - g_j}) is recomputed, or read from ``a_ptr``
     (per-channel gates). Rows t >= T are written as 0 (rows of padded tokens up to Tp)."""
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_v = tl.program_id(1)
+    i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_v, m_v = chunk_block_program(NT, H, T, BT, BV, V)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
     dt = q_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
-    if GATE == GATE_CHANNEL:
-        b_A = tl.load(a_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
-    else:
-        b_A = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, o_k < K)
-            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
-            b_A += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        if GATE == GATE_SCALAR:
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_A *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
-        else:
-            b_A = tl.where(m_causal, b_A, 0.0)
+    b_g = None
+    if GATE == GATE_SCALAR:
+        b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
+    b_A = decayed_scores(q_ptr, s_q, k_ptr, s_k, a_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, False, GATE, BT, BK, PRECISION)
     b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
     b_dv = tl.dot(tl.trans(b_A.to(dt)), b_do, input_precision=PRECISION)
     store_tile(dv_ptr, s_dv, o_t, o_v, o_t < Tp, m_v, b_dv)
@@ -258,56 +253,30 @@ def delta_bwd_state_kernel(
 
     dq in q's dtype (final); dk, dw fp32 [B, H, Tp, K]; dg fp32 [B*H, NK, Tp], one row per key block.
     """
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_k = tl.program_id(1)
+    i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_k, m_k = chunk_block_program(NT, H, T, BT, BK, K)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     vn_ptr, do_ptr = at_head(vn_ptr, s_vn, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
     dv2_ptr, dq_ptr = at_head(dv2_ptr, s_dv2, i_b, i_h), at_head(dq_ptr, s_dq, i_b, i_h)
     dk_ptr, dw_ptr = at_head(dk_ptr, s_dk, i_b, i_h), at_head(dw_ptr, s_dw, i_b, i_h)
-    h_ptr += (i_bh * NT + i_c) * V * K
-    dh_ptr += (i_bh * NT + i_c) * V * K
+    h_ptr, dh_ptr = chunk_state(h_ptr, i_bh, i_c, NT, V, K), chunk_state(dh_ptr, i_bh, i_c, NT, V, K)
     dt = q_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_t, m_k = o_t < T, o_k < K
     m_causal = o_i[:, None] >= o_i[None, :]
 
-    b_dS = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-    b_hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
-        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
-        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
-        b_vn = load_block(vn_ptr, s_vn, o_t, o_v, m_t, m_v)
-        b_dv2 = load_block(dv2_ptr, s_dv2, o_t, o_v, m_t, m_v)
-        b_dS += tl.dot(b_do, tl.trans(b_vn), input_precision=PRECISION)
-        b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
-        b_dk += tl.dot(b_vn, b_dh.to(dt), input_precision=PRECISION)
-        b_dw -= tl.dot(b_dv2, b_h.to(dt), input_precision=PRECISION)
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
-
+    # dS = do v_new^T, the state terms of dq and dk, dw = -dv2 h[c], and <h[c], dH> per key channel
+    b_dS, b_dq, b_dk, b_dw, b_hdh = state_grad_terms(do_ptr, s_do, vn_ptr, s_vn, dv2_ptr, s_dv2, h_ptr, dh_ptr,
+                                                     o_t, m_t, o_k, m_k, V, K, BT, BK, BV, PRECISION)
     b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
     b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
     b_last = o_i == BT - 1
+    if GATE != GATE_NONE:
+        b_g, b_g_last = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
     if GATE == GATE_SCALAR:
-        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-        b_g_last = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
         b_dq *= tl.exp(b_g)[:, None]
         b_dk *= tl.exp(b_g_last - b_g)[:, None]
         # the last row's g_n scales h[c] and every k * e^{g_n - g} of the state update
         b_dgn = tl.sum(b_hdh) * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
         b_dS = tl.where(m_causal, b_dS * tl.exp(b_g[:, None] - b_g[None, :]), 0.0)
     elif GATE == GATE_CHANNEL:
-        p_g = g_ptr + i_bh * Tp * K
-        b_g = tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_g_last = tl.load(p_g + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
         b_dq *= tl.exp(b_g)
         b_dk *= tl.exp(b_g_last[None, :] - b_g)
         b_dgn = b_hdh * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
@@ -315,7 +284,7 @@ def delta_bwd_state_kernel(
     else:
         b_dS = tl.where(m_causal, b_dS, 0.0)
     if GATE == GATE_CHANNEL:
-        b_dqS, b_dkS = channel_score_grads(b_dS, q_ptr, s_q, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+        b_dqS, b_dkS = channel_score_grads(b_dS, q_ptr, s_q, k_ptr, s_k, g_ptr + i_bh * Tp * K, i_c, o_k, m_k, T, K,
                                            BT, BC, BK, PRECISION)
         b_dq += b_dqS
         b_dk += b_dkS
@@ -327,10 +296,18 @@ def delta_bwd_state_kernel(
     store_tile(dw_ptr, s_dw, o_t, o_k, o_t < Tp, m_k, b_dw)
     if GATE == GATE_SCALAR:
         b_dg = tl.sum(b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32), axis=1) + tl.where(b_last, b_dgn, 0.0)
-        tl.store(dg_ptr + (i_bh * tl.num_programs(1) + i_k) * Tp + o_t, b_dg)
+        tl.store(dg_ptr + (i_bh * tl.num_programs(1) + tl.program_id(1)) * Tp + o_t, b_dg)
     elif GATE == GATE_CHANNEL:
         b_dg = b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32) + tl.where(b_last[:, None], b_dgn[None, :], 0.0)
         tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
+
+
+@triton.jit
+def wy_factor_grads(dx_ptr, s_dx, x_ptr, s_x, b_Rt, o_t, m_t, o_n, m_n, PRECISION: tl.constexpr):
+    """One block of channels of a WY factor X = R Y, from dX: (dX X^T, its share of G; dY = R^T dX), fp32."""
+    b_dx = load_block(dx_ptr, s_dx, o_t, o_n, m_t, m_n).to(b_Rt.dtype)
+    b_x = load_block(x_ptr, s_x, o_t, o_n, m_t, m_n)
+    return tl.dot(b_dx, tl.trans(b_x), input_precision=PRECISION), tl.dot(b_Rt, b_dx, input_precision=PRECISION)
 
 
 @triton.jit
@@ -356,27 +333,15 @@ def delta_bwd_wy_kernel(
     dv_ptr = at_head(dv_ptr, s_dv, i_b, i_h)
     dt = k_ptr.dtype.element_ty
 
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
+    o_i, o_t, m_t = chunk_tokens(i_c, BT, T)
     m_strict = o_i[:, None] > o_i[None, :]
     b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
 
     # L and R = (I + Diag(beta) L)^{-1}, as in the forward
-    if GATE == GATE_CHANNEL:
-        b_L = tl.load(ak_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
-    else:
-        b_L = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, o_k < K)
-            b_L += tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
-        if GATE == GATE_SCALAR:
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_D = tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
-            b_L *= b_D
-        else:
-            b_L = tl.where(m_strict, b_L, 0.0)
+    b_g = None
+    if GATE == GATE_SCALAR:
+        b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
+    b_L = decayed_scores(k_ptr, s_k, None, s_k, ak_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, True, GATE, BT, BK, PRECISION)
     b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
     b_Rt = tl.trans(b_R).to(dt)
 
@@ -385,26 +350,20 @@ def delta_bwd_wy_kernel(
     b_dbk = tl.zeros([BT], dtype=tl.float32)           # sum_k dYw * (K e^g): dbeta's part through w
     b_dbv = tl.zeros([BT], dtype=tl.float32)           # sum_v dYu * V: dbeta's part through u
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_dw = load_block(dw_ptr, s_dw, o_t, o_k, m_t, m_k).to(dt)
-        b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
-        b_G += tl.dot(b_dw, tl.trans(b_w), input_precision=PRECISION)
-        b_dY = tl.dot(b_Rt, b_dw, input_precision=PRECISION)
+        o_k, m_k = channel_block(i_k, BK, K)
+        b_dww, b_dY = wy_factor_grads(dw_ptr, s_dw, w_ptr, s_w, b_Rt, o_t, m_t, o_k, m_k, PRECISION)
+        b_G += b_dww
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k).to(tl.float32)
         if GATE == GATE_SCALAR:
             b_k *= tl.exp(b_g)[:, None]
         elif GATE == GATE_CHANNEL:
-            b_k *= tl.exp(tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :],
-                                  other=0.0))
+            b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
+            b_k *= tl.exp(b_gk)
         b_dbk += tl.sum(b_dY * b_k, axis=1)
     for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        b_du = load_block(du_ptr, s_du, o_t, o_v, m_t, m_v).to(dt)
-        b_u = load_block(u_ptr, s_u, o_t, o_v, m_t, m_v)
-        b_G += tl.dot(b_du, tl.trans(b_u), input_precision=PRECISION)
-        b_dY = tl.dot(b_Rt, b_du, input_precision=PRECISION)
+        o_v, m_v = channel_block(i_v, BV, V)
+        b_duu, b_dY = wy_factor_grads(du_ptr, s_du, u_ptr, s_u, b_Rt, o_t, m_t, o_v, m_v, PRECISION)
+        b_G += b_duu
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
         b_dbv += tl.sum(b_dY * b_v.to(tl.float32), axis=1)
         store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dY * b_beta[:, None])
@@ -417,19 +376,19 @@ def delta_bwd_wy_kernel(
         b_dLL = b_dL * b_L
         b_dg = b_beta * b_dbk + tl.sum(b_dLL, axis=1) - tl.sum(b_dLL, axis=0)
         tl.store(dg_ptr + i_bh * Tp + o_t, b_dg)
-        b_dL *= b_D                                    # the gradient of the plain k.k products
+        # the gradient of the plain k.k products: times L's decays e^{g_t - g_j}
+        b_dL *= tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
 
     # dk = dk1 + beta e^g (R^T dw) + the k.k products' two sides (decayed per channel for KDA)
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        o_k, m_k = channel_block(i_k, BK, K)
         b_dw = load_block(dw_ptr, s_dw, o_t, o_k, m_t, m_k).to(dt)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         b_dkg = tl.dot(b_Rt, b_dw, input_precision=PRECISION) * b_beta[:, None]     # d(K e^g)
         if GATE == GATE_CHANNEL:
-            p_g = g_ptr + i_bh * Tp * K
-            b_eg = tl.exp(tl.load(p_g + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0))
-            b_dx, b_dy = channel_score_grads(b_dL, k_ptr, s_k, k_ptr, s_k, p_g, i_c, o_k, m_k, T, K,
+            b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
+            b_eg = tl.exp(b_gk)
+            b_dx, b_dy = channel_score_grads(b_dL, k_ptr, s_k, k_ptr, s_k, g_ptr + i_bh * Tp * K, i_c, o_k, m_k, T, K,
                                              BT, BC, BK, PRECISION)
             b_kf = b_k.to(tl.float32)
             b_dk = b_dkg * b_eg + b_dx + b_dy

@@ -63,10 +63,11 @@ import triton
 import triton.language as tl
 
 from ..core.alloc import empty
-from ..core.chunk_backward import dstate_pass
+from ..core.chunk_backward import dstate_pass, state_grad_terms
 from ..core.chunk_kernels import CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, state_pass
-from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, chunk_program, dot_tile, \
-    load_block, load_state_tile, precision, store_tile
+from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, channel_block, \
+    chunk_block_program, chunk_log_gates, chunk_program, chunk_state, dot_tile, load_block, load_state_tile, \
+    precision, store_tile
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,29 +83,21 @@ def linear_dv_kernel(
     """dv = (k * e^{g_n - g}) dh[c]^T + (A * D)^T do for chunk c, value block i_v. (A * D)^T is
     formed here as k q^T for no gate and scalar gates; read transposed from ``a_ptr`` (the
     forward's ``channel_scores_kernel``) for per-channel gates. h, dh [B*H, NT, V, K] (``state_dtype``)."""
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_v = tl.program_id(1)
+    i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_v, m_v = chunk_block_program(NT, H, T, BT, BV, V)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
-    dh_ptr += (i_bh * NT + i_c) * V * K
+    dh_ptr = chunk_state(dh_ptr, i_bh, i_c, NT, V, K)
     dt = k_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
     m_causal_t = o_i[None, :] >= o_i[:, None]            # row j (key), column i (query): i >= j
 
     b_dv = tl.zeros([BT, BV], dtype=tl.float32)
     b_At = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
+        o_k, m_k = channel_block(i_k, BK, K)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
         if GATE == GATE_CHANNEL:
-            b_g = tl.load(g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gn = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
+            b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
             b_k = (b_k * tl.exp(b_gn[None, :] - b_g)).to(dt)
         else:
             b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
@@ -113,8 +106,7 @@ def linear_dv_kernel(
     if GATE == GATE_NONE:
         b_At = tl.where(m_causal_t, b_At, 0.0)
     elif GATE == GATE_SCALAR:
-        b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-        b_gn = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
+        b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
         b_dv *= tl.exp(b_gn - b_g)[:, None]
         b_At *= tl.exp(tl.where(m_causal_t, b_g[None, :] - b_g[:, None], float("-inf")))
     else:
@@ -143,51 +135,30 @@ def linear_dqk_kernel(
     * per-channel gates: the state terms (fp32, [B*H, Tp, K]) and the causal dA (fp32, [B*H, Tp,
       BT], written by key block 0) for ``channel_dqk_kernel``.
     """
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_k = tl.program_id(1)
+    i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_k, m_k = chunk_block_program(NT, H, T, BT, BK, K)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     v_ptr, do_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(do_ptr, s_do, i_b, i_h)
     dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
-    h_ptr += (i_bh * NT + i_c) * V * K
-    dh_ptr += (i_bh * NT + i_c) * V * K
+    h_ptr, dh_ptr = chunk_state(h_ptr, i_bh, i_c, NT, V, K), chunk_state(dh_ptr, i_bh, i_c, NT, V, K)
     dt = q_ptr.dtype.element_ty
 
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_t, m_k = o_t < T, o_k < K
+    b_dA, b_dq, b_dk, _, _ = state_grad_terms(do_ptr, s_do, v_ptr, s_v, None, s_v, h_ptr, dh_ptr, o_t, m_t, o_k, m_k,
+                                              V, K, BT, BK, BV, PRECISION)
     m_causal = o_i[:, None] >= o_i[None, :]
-
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    for i_v in range(0, tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
-        b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
-        b_h = load_state_tile(h_ptr, o_v, o_k, m_v, m_k, K)
-        b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
-        b_dA += tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_dq += tl.dot(b_do, b_h.to(dt), input_precision=PRECISION)
-        b_dk += tl.dot(b_v, b_dh.to(dt), input_precision=PRECISION)
+    if GATE != GATE_NONE:
+        b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
     if GATE == GATE_CHANNEL:
-        p_g = g_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
-        b_g = tl.load(p_g, mask=m_k[None, :], other=0.0)
-        b_gn = tl.load(g_ptr + i_bh * Tp * K + (i_c * BT + BT - 1) * K + o_k, mask=m_k, other=0.0)
         b_dq *= tl.exp(b_g)
         b_dk *= tl.exp(b_gn[None, :] - b_g)
         p_x = i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
         tl.store(dq32_ptr + p_x, b_dq, mask=m_k[None, :])
         tl.store(dk32_ptr + p_x, b_dk, mask=m_k[None, :])
-        if i_k == 0:
+        if tl.program_id(1) == 0:
             tl.store(da_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :], tl.where(m_causal, b_dA, 0.0))
     else:
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         if GATE == GATE_SCALAR:
-            b_g = tl.load(g_ptr + i_bh * Tp + o_t)
-            b_gn = tl.load(g_ptr + i_bh * Tp + i_c * BT + BT - 1)
             b_dq *= tl.exp(b_g)[:, None]
             b_dk *= tl.exp(b_gn - b_g)[:, None]
             b_dA *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
@@ -200,7 +171,7 @@ def linear_dqk_kernel(
         store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
         if GATE == GATE_SCALAR:
             b_dg = tl.sum(b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk, axis=1)
-            tl.store(dg_ptr + (i_k * BH + i_bh) * Tp + o_t, b_dg)
+            tl.store(dg_ptr + (tl.program_id(1) * BH + i_bh) * Tp + o_t, b_dg)
 
 
 @triton.jit
@@ -237,8 +208,7 @@ def channel_dqk_kernel(
     m_r, m_c = o_r < T, o_c < T
     m_before = o_j < i_s * BC
     m_after = o_j >= (i_s + 1) * BC
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    o_k, m_k = channel_block(i_k, BK, K)
 
     b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
     b_k = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
