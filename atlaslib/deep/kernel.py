@@ -45,7 +45,8 @@ system on its own columns). The program walks blocks of BT tokens in order; for 
   forward substitution on the BT x BT tile); U is written to the buffer;
 * the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j: the diagonal block from registers, then
   a second pass over the earlier blocks (two passes, so that only one of the block's [BT, BK] tiles,
-  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32);
+  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32).
+  Both passes are ``earlier_blocks``, with the keys and g_{t-1}, then with the queries and g_t;
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
