@@ -81,7 +81,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.kernels import (as_fp32, at_head, chunk_program, feature_tile, forward_launch, load_tile, store_tile,
+                            value_tile)
+from ..core.memory_kernels import key_channels, value_channels
 from .chunk import check_readout
 
 MAX_KEY = 256
@@ -169,18 +171,17 @@ def cached_readout_fwd_kernel(
     BJ: tl.constexpr, ONE_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    i_p = tl.program_id(0).to(tl.int64)     # int64: offsets of later heads can exceed 2^31
-    i_bh, i_tb = i_p // NT, (i_p % NT).to(tl.int32)
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
+    i_bh, i_tb, i_b, i_h = chunk_program(NT, H)        # int64: offsets of later heads can exceed 2^31
+    i_tb = i_tb.to(tl.int32)                           # this program's block of BT tokens
     q_ptr, online_ptr, y_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(online_ptr, s_on, i_b, i_h), \
         at_head(y_ptr, s_y, i_b, i_h)
     states_ptr += i_bh * N * V * K
 
     o_t = i_tb * BT + tl.arange(0, BT)      # the block's tokens
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < T
+    o_k, m_k = key_channels(BK, K)
+    o_v, m_v = value_channels(tl.program_id(1), BV, V)
     o_j = tl.arange(0, BJ)
-    m_t, m_k, m_v = o_t < T, o_k < K, o_v < V
     SCORES: tl.constexpr = AGG != AGG_RESIDUAL
     b_u = tl.zeros([BT, BK], dtype=tl.float32)
     b_rs = tl.zeros([BT], dtype=tl.float32)

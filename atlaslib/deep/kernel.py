@@ -45,7 +45,8 @@ system on its own columns). The program walks blocks of BT tokens in order; for 
   forward substitution on the BT x BT tile); U is written to the buffer;
 * the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j: the diagonal block from registers, then
   a second pass over the earlier blocks (two passes, so that only one of the block's [BT, BK] tiles,
-  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32);
+  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32).
+  Both passes are ``earlier_blocks``, with the keys and g_{t-1}, then with the queries and g_t;
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
@@ -69,6 +70,7 @@ import triton.language as tl
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
 from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
 
@@ -90,18 +92,11 @@ def deep_kernel_fwd_kernel(
     NORMALIZE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
-    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
-
+    i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
+    q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
+    o_k, m_k = key_channels(BK, K)
     o_m = tl.arange(0, BM)                  # rows of a query block
     o_n = tl.arange(0, BN)                  # rows of a key block
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
 
     for start in range(0, T, BM):
         o_t = start + o_m                   # the query block's tokens
@@ -217,24 +212,37 @@ def log_decay_from(g_ptr, o_t, m_t, b_gref):
 
 
 @triton.jit
+def earlier_blocks(b_acc, b_x, b_gx, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T,
+                   BT: tl.constexpr, PRECISION: tl.constexpr):
+    """b_acc + sum_{j < start} e^{gx_t - g_j} exp(k_j . x_t) u_j for the rows x_t of b_x (keys for the
+    recall, with gx = g_{t-1}; queries for the read, with gx = g_t): the earlier blocks of BT tokens in
+    order, their keys and coefficients read back from this head's k and u. Decays (g_ptr: this head's
+    g, None without gates) relative to b_gref, as b_gx."""
+    for kstart in range(0, start, BT):
+        o_s = kstart + tl.arange(0, BT)
+        m_s = o_s < T
+        b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+        b_S = tl.dot(b_x, tl.trans(b_kj), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_S += b_gx[:, None] - log_decay_from(g_ptr, o_s, m_s, b_gref)[None, :]
+        b_acc += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
+    return b_acc
+
+
+@triton.jit
 def dot_kernel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr, o_ptr,
     s_q, s_k, s_v, s_o, s_u,
     T, H, K, V,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
+    q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
     u_ptr = at_head(u_ptr, s_u, i_b, i_h)   # fp32 coefficients u_j, written block by block
-
-    o_i = tl.arange(0, BT)                  # rows of a block
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
+    if g_ptr is not None:
+        g_ptr, gp_ptr = g_ptr + i_bh * T, gp_ptr + i_bh * T    # this head's g_t and g_{t-1}
+    o_k, m_k = key_channels(BK, K)
+    o_i, m_causal = chunk_rows(BT)                                 # rows of a block, j <= t
     m_strict = o_i[:, None] > o_i[None, :]
 
     for start in range(0, T, BT):
@@ -243,9 +251,11 @@ def dot_kernel_fwd_kernel(
         b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
         if g_ptr is not None:
             # g_t and g_{t-1} relative to g at the block's first row: subtracted in fp64, then fp32
-            b_gref = tl.load(g_ptr + i_bh * T + start)
-            b_gq = log_decay_from(g_ptr + i_bh * T, o_t, m_t, b_gref)
-            b_gp = log_decay_from(gp_ptr + i_bh * T, o_t, m_t, b_gref)
+            b_gref = tl.load(g_ptr + start)
+            b_gq = log_decay_from(g_ptr, o_t, m_t, b_gref)
+            b_gp = log_decay_from(gp_ptr, o_t, m_t, b_gref)
+        else:
+            b_gref, b_gq, b_gp = 0.0, 0.0, 0.0   # no decays (never read)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
@@ -254,15 +264,8 @@ def dot_kernel_fwd_kernel(
         # what the earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
         # weights e^{g_{t-1} - g_j} exp(k_j.k_t). Two passes over them (this one with the keys, the
         # read below with the queries) hold one [BT, BK] tile of the block at a time: fp32 spills otherwise
-        b_recall = tl.zeros([BT, BV], dtype=tl.float32)
-        for kstart in range(0, start, BT):
-            o_s = kstart + o_i
-            m_s = o_s < T
-            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
-            b_S = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
-            if g_ptr is not None:
-                b_S += b_gp[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
-            b_recall += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
+        b_recall = earlier_blocks(tl.zeros([BT, BV], dtype=tl.float32), b_k, b_gp, start,
+                                  k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
 
         # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower; masked to
         # -inf before the exponential, rows past T zero (so their rows of the inverse stay finite)
@@ -281,15 +284,8 @@ def dot_kernel_fwd_kernel(
         if g_ptr is not None:
             b_S += b_gq[:, None] - b_gq[None, :]
         b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_S, float("-inf")))
-        b_acc = tl.dot(b_P, b_u, input_precision=PRECISION)
-        for kstart in range(0, start, BT):
-            o_s = kstart + o_i
-            m_s = o_s < T
-            b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
-            b_S = tl.dot(b_q, tl.trans(b_kj), input_precision=PRECISION)
-            if g_ptr is not None:
-                b_S += b_gq[:, None] - log_decay_from(g_ptr + i_bh * T, o_s, m_s, b_gref)[None, :]
-            b_acc += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
+        b_acc = earlier_blocks(tl.dot(b_P, b_u, input_precision=PRECISION), b_q, b_gq, start,
+                               k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
         # the next blocks read this block's coefficients back: every thread's stores first
         tl.debug_barrier()

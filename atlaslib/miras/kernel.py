@@ -73,7 +73,8 @@ inputs, TF32 for half-precision inputs, and always IEEE for the decay product D_
 
 q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
 needs no copy); absent gates and start states are ``None`` pointers, which Triton compiles
-away. ``core.kernels`` holds the set-up all four chapters' kernels share.
+away. ``core.kernels`` holds the set-up all four chapters' kernels share, ``core.memory_kernels``
+the start (head, channels, chunk rows) of the per-head kernels.
 
 Forward only: ``miras(..., backend="triton")`` gets gradients by
 ``core.with_chunk_backward`` (autograd through the chunk form). Runs under
@@ -86,8 +87,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.kernels import (as_fp32, at_head, dot_tile, feature_tile, forward_launch, load_state, load_tile,
-                            state_slice, store_tile, value_tile)
+from ..core.kernels import (as_fp32, dot_tile, feature_tile, forward_launch, load_state, load_tile, state_slice,
+                            store_tile, value_tile)
+from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.validation import check_chunk_size, check_qkv, check_state
 from .config import DEFAULT_CHUNK_SIZE
 
@@ -130,18 +132,10 @@ def titans_linear_fwd_kernel(
     T, H, K, V, b,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
-    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
-
-    o_i = tl.arange(0, BT)                  # rows of a chunk
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
+    i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
+    q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
+    o_k, m_k = key_channels(BK, K)
+    o_i, m_causal = chunk_rows(BT)                                 # rows of a chunk, n <= t
 
     # this program's slices of the memory M and the momentum S, [BV, BK] each, in fp32
     o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)

@@ -25,7 +25,8 @@ per-offset gates G [B, H, T, c] (both gamma parametrisations, zeros for tokens b
 the start), eta, and the chunk-local cumulative log-gates g. q, k, v are read through
 their strides (a [B, T, H, D] tensor transposed to [B, H, T, D] needs no copy); absent
 inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton compiles
-away. ``core.kernels`` holds the set-up all four chapters' kernels share.
+away. ``core.kernels`` holds the set-up all four chapters' kernels share, ``core.memory_kernels``
+the start (head, channels, chunk rows) of the per-head kernels.
 
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
@@ -40,8 +41,9 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
-from ..core.kernels import (as_fp32, at_head, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
-                            load_state, load_tile, state_slice, store_tile, value_tile)
+from ..core.kernels import (as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch, load_state,
+                            load_tile, state_slice, store_tile, value_tile)
+from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.windows import window_gates
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -64,20 +66,12 @@ def omega_fwd_kernel(
     HEBBIAN: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh = tl.program_id(0).to(tl.int64)   # int64: offsets of later heads can exceed 2^31
-    i_b, i_h, i_v = i_bh // H, i_bh % H, tl.program_id(1)
-    # this program's head of q, k, v, o, each read through its own strides (views need no copy)
-    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    v_ptr, o_ptr = at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+    i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
+    q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
     G_ptr += i_bh * T * c                   # the host's gates, fp32 and contiguous
-
-    o_i = tl.arange(0, BT)                  # rows of a chunk
+    o_d, m_d = key_channels(BD, D)
+    o_i, m_causal = chunk_rows(BT)                                 # rows of a chunk, n <= t
     o_j = tl.arange(0, BW)                  # rows of its window
-    o_d = tl.arange(0, BD)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_d = o_d < D
-    m_v = o_v < V
-    m_causal = o_i[:, None] >= o_i[None, :]
 
     # this program's slice M [BV, BD] of the state, in fp32 (zeros without h0)
     o_s, m_s = state_slice(i_bh, o_v, o_d, V, D)

@@ -1,0 +1,51 @@
+"""The set-up the per-head forward kernels of chapters 3, 4 and 6 (and chapter 7's readout) share.
+
+Those kernels have one program per (batch*head, block of BV value channels), the grid
+``core.kernels.forward_launch`` gives, and each starts the same way: find its head and its value
+channels, move q, k, v, o to that head, and lay out the offsets and masks of its key channels and
+of the rows of a chunk. These ``@triton.jit`` helpers (inlined where they are called) do that once;
+the arithmetic of each chapter's rule stays in its own kernel.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .kernels import at_head, head_program
+
+
+@triton.jit
+def head_value_block(H, V, BV: tl.constexpr):
+    """A program of the grid (B*H, cdiv(V, BV)): its head (i_bh, i_b, i_h, int64, from ``head_program``)
+    and its block of BV value channels, axis 1 (offsets o_v and mask m_v: value channels never mix)."""
+    i_bh, i_b, i_h = head_program(H)
+    o_v, m_v = value_channels(tl.program_id(1), BV, V)
+    return i_bh, i_b, i_h, o_v, m_v
+
+
+@triton.jit
+def value_channels(i_v, BV: tl.constexpr, V):
+    """Offsets i_v * BV .. i_v * BV + BV - 1 of value block i_v, and their mask (< V)."""
+    o_v = i_v * BV + tl.arange(0, BV)
+    return o_v, o_v < V
+
+
+@triton.jit
+def key_channels(BK: tl.constexpr, K):
+    """Offsets 0 .. BK - 1 of all key (feature) channels, and their mask (< K): every program holds whole keys."""
+    o_k = tl.arange(0, BK)
+    return o_k, o_k < K
+
+
+@triton.jit
+def qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h):
+    """q, k, v and o moved to head (i_b, i_h), each through its own strides (views need no copy)."""
+    return at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h), \
+        at_head(v_ptr, s_v, i_b, i_h), at_head(o_ptr, s_o, i_b, i_h)
+
+
+@triton.jit
+def chunk_rows(BT: tl.constexpr):
+    """Rows 0 .. BT - 1 of a chunk (o_i) and the causal mask [BT, BT] of the chunk: row t sees n <= t."""
+    o_i = tl.arange(0, BT)
+    return o_i, o_i[:, None] >= o_i[None, :]
