@@ -81,9 +81,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import (as_fp32, at_head, chunk_program, feature_tile, forward_launch, load_tile, store_tile,
-                            value_tile)
-from ..core.memory_kernels import key_channels, value_channels
+from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch, load_tile,
+                            store_tile, value_tile)
+from ..core.memory_kernels import key_channels
 from .chunk import check_readout
 
 MAX_KEY = 256
@@ -180,7 +180,7 @@ def cached_readout_fwd_kernel(
     o_t = i_tb * BT + tl.arange(0, BT)      # the block's tokens
     m_t = o_t < T
     o_k, m_k = key_channels(BK, K)
-    o_v, m_v = value_channels(tl.program_id(1), BV, V)
+    o_v, m_v = channel_block(tl.program_id(1), BV, V)
     o_j = tl.arange(0, BJ)
     SCORES: tl.constexpr = AGG != AGG_RESIDUAL
     b_u = tl.zeros([BT, BK], dtype=tl.float32)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import at_head, head_program
+from .kernels import at_head, channel_block, head_program
 
 
 @triton.jit
@@ -19,22 +19,14 @@ def head_value_block(H, V, BV: tl.constexpr):
     """A program of the grid (B*H, cdiv(V, BV)): its head (i_bh, i_b, i_h, int64, from ``head_program``)
     and its block of BV value channels, axis 1 (offsets o_v and mask m_v: value channels never mix)."""
     i_bh, i_b, i_h = head_program(H)
-    o_v, m_v = value_channels(tl.program_id(1), BV, V)
+    o_v, m_v = channel_block(tl.program_id(1), BV, V)
     return i_bh, i_b, i_h, o_v, m_v
-
-
-@triton.jit
-def value_channels(i_v, BV: tl.constexpr, V):
-    """Offsets i_v * BV .. i_v * BV + BV - 1 of value block i_v, and their mask (< V)."""
-    o_v = i_v * BV + tl.arange(0, BV)
-    return o_v, o_v < V
 
 
 @triton.jit
 def key_channels(BK: tl.constexpr, K):
     """Offsets 0 .. BK - 1 of all key (feature) channels, and their mask (< K): every program holds whole keys."""
-    o_k = tl.arange(0, BK)
-    return o_k, o_k < K
+    return channel_block(0, BK, K)
 
 
 @triton.jit
