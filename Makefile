@@ -52,10 +52,7 @@ book: $(STAMP) mathjax
 	$(VENV)/bin/jupyter-book build -W -n --keep-going .
 	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
 
-# The library tests run in one process, on one core: the notebooks run beside them on the other
-# (-O keeps each target's output together).
-test: lint
-	$(MAKE) --no-print-directory -j2 -O test-lib test-notebooks
+test: lint test-lib test-notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
