@@ -19,13 +19,14 @@ export PYTHONHASHSEED := 0
 # claims with bands measured across these settings and seeds (chapters 1-4, MQAR cells).
 export MPLBACKEND := Agg
 
-.PHONY: help venv book test lint test-lib test-notebooks test-fast lab bench experiments aot gpu-test exercises clean mathjax browser
+.PHONY: help venv book test lint test-lib test-aot test-rest test-notebooks test-fast lab bench experiments aot gpu-test exercises clean mathjax browser
 
 help:
 	@echo "make book       build the HTML book into _build/html"
 	@echo "make test       every test: make lint, make test-lib and make test-notebooks"
 	@echo "make lint       ruff (pyflakes, pycodestyle) and mypy on the public entry points"
 	@echo "make test-lib   the tests/ folder: library, kernels (Triton interpreter), grader, book build, browser"
+	@echo "                (make test-aot: its ahead-of-time kernel builds; make test-rest: everything else)"
 	@echo "make test-notebooks  the chapters and exercise solutions under nbval (their stored outputs)"
 	@echo "make test-fast  library and kernels only, no browser, book or notebooks (a few minutes): the edit-test loop"
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
@@ -52,14 +53,25 @@ book: $(STAMP) mathjax
 	$(VENV)/bin/jupyter-book build -W -n --keep-going .
 	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
 
-test: lint test-lib test-notebooks
+# The ahead-of-time builds (tests/test_aot.py) already compile in two processes, one per target, so
+# they run alone; the rest of tests/ and the notebooks are one process each and run side by side, one
+# thread each, on the two cores (serially: 29 + 11 min measured on 2 cores; this way about 10 + 20).
+test: lint
+	$(MAKE) test-aot
+	$(MAKE) -j2 --output-sync=target OMP_NUM_THREADS=1 test-rest test-notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
-test-lib: $(STAMP) mathjax browser
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider tests
+PYTEST_LIB := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+test-lib: test-aot test-rest
+
+test-aot: $(STAMP)
+	$(PYTEST_LIB) tests/test_aot.py
+
+test-rest: $(STAMP) mathjax browser
+	$(PYTEST_LIB) --ignore=tests/test_aot.py tests
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
@@ -68,7 +80,7 @@ test-notebooks: $(STAMP)
 # The tests not marked slow (tests/conftest.py lists what is: the book, browser, notebook and grader
 # tests, and the longest library tests): a few minutes on 2 cores.
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+	$(PYTEST_LIB) -m "not slow" tests
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab book
