@@ -114,7 +114,7 @@ gpu-test: $(if $(filter $(PY),$(GPU_PY)),$(STAMP))
 	    parallel=$$($(GPU_RUN) -c "import xdist" 2>/dev/null && echo "-n 8"); \
 	    $(GPU_RUN) -m pytest -q -p no:cacheprovider $$parallel tests/test_gpu.py && \
 	    { [ -z "$$parallel" ] || $(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_gpu.py; } && \
-	    $(GPU_RUN) -m atlaslib.bench --vs fla --json $(GPU_BENCH_JSON); \
+	    $(GPU_RUN) -m atlaslib.bench --vs fla --profile --json $(GPU_BENCH_JSON); \
 	else \
 	    echo "make gpu-test: no CUDA device on this machine, nothing to run (make test checks the kernels in Triton's interpreter, and the CPU side of bench --vs fla)"; \
 	fi

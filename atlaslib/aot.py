@@ -589,13 +589,14 @@ def oversized_build(target_name: str = "sm_80", full: bool = True) -> Build:
     return build(launch, target_name, "linear: oversized output BT=256 BK=256 BV=64 fp32", full)
 
 
-def format_table(results: list[Build]) -> str:
-    from .tables import format_table as table
+def format_builds(results: list[Build]) -> str:
+    """The builds as a table: kernel, configuration, target, shared memory against the limit, registers."""
+    from .tables import format_table
     rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
              "regs": r.registers, "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",
              "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
-    return table(rows, columns=list(rows[0]))
+    return format_table(rows, columns=list(rows[0]))
 
 
 def popen_subprocess(args: list[str]) -> subprocess.Popen:
@@ -638,7 +639,7 @@ def main(argv=None):
         for r in results:
             print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits)))
     else:
-        print(format_table(results))
+        print(format_builds(results))
         bad = [r for r in results if not (r.fits and r.int64_bases)]
         print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets")
     return 0

@@ -282,6 +282,8 @@ def main(argv=None):
     p.add_argument("--vs", choices=["fla"], default=None,
                    help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
                         "PyTorch references at a small one; --T with --B --H --K --V --dtype: that shape instead)")
+    p.add_argument("--profile", action="store_true",
+                   help="--vs fla: also each forward's largest kernels (CUDA) or operators (CPU), both sides")
     p.add_argument("--json", default=None,
                    help="also write the rows, the card, versions, date and settings to this file")
     args = p.parse_args(argv)
@@ -298,7 +300,7 @@ def main(argv=None):
         try:
             bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS, warmup=args.warmup,
                           repeats=None if args.repeats == p.get_default("repeats") else args.repeats,
-                          json_path=args.json)
+                          json_path=args.json, profile=args.profile)
         except bench_fla.FlaMissing as e:
             p.exit(2, f"{p.prog}: {e}\n")
         return

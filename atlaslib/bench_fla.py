@@ -48,7 +48,9 @@ On a CPU the same command compares our chunk forms (``backend="chunk"``) with fl
 references at a small size (``CPU_SHAPE``), and also reports our per-token loop's error against the
 reference: a check of both models against an independent implementation.
 
-``--json PATH`` writes the table with the card, the versions, the date and the shapes.
+``--json PATH`` writes the table with the card, the versions, the date and the shapes. ``--profile`` adds,
+for each row, the forward's largest kernels on both sides (``kernel_times``: torch.profiler, self time
+per call), printed after the table and kept in the JSON rows: the first place to look when a ratio is low.
 
 fla-core 0.6.0 refuses its gated backward (``chunk_bwd_dqkwg``) on Hopper cards under Triton older than
 3.7.1, which gives wrong results there: run the forward + backward columns with the pinned Triton.
@@ -253,15 +255,59 @@ def default_timer(device):
     return lambda fns, *, warmup, repeats: time_calls(fns, device, warmup=warmup, repeats=repeats)
 
 
+def kernel_times(fn, device, *, calls: int = 3, top: int = 8) -> list[dict]:
+    """Where the time of ``fn()`` goes, from ``torch.profiler`` over ``calls`` calls after one untimed call.
+
+    On CUDA the GPU kernels, on a CPU the operators, by self time: the ``top`` largest as
+    {"kernel", "ms" (per call), "launches" (per call)}, then one {"kernel": "all (N)", ...} row with the sum
+    over all N of them. On a GPU, that sum against the CUDA-event time of the call is the time the GPU
+    spent idle, waiting for the host.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = str(device).startswith("cuda")
+    fn()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        for _ in range(calls):
+            fn()
+        if on_gpu:
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        if us > 0 and (not on_gpu or e.device_type == DeviceType.CUDA):
+            rows.append({"kernel": e.key, "ms": us / 1000 / calls, "launches": e.count / calls})
+    rows.sort(key=lambda r: -r["ms"])
+    total = {"kernel": f"all ({len(rows)})", "ms": sum(r["ms"] for r in rows),
+             "launches": sum(r["launches"] for r in rows)}
+    return rows[:top] + [total]
+
+
+def format_profile(rows: list[dict], width: int = 72) -> str:
+    """One block per row that has a "profile": our forward's kernels, then fla's (``kernel_times``)."""
+    from .tables import format_table
+    out = []
+    for r in rows:
+        if "profile" not in r:
+            continue
+        lines = [{"side": side, "kernel": k["kernel"][:width], "ms": k["ms"], "launches": f"{k['launches']:g}"}
+                 for side in ("ours", "fla") for k in r["profile"][side]]
+        out.append(f"{r['model']} {r['dtype']} B={r['B']} H={r['H']} T={r['T']} K={r['K']} V={r['V']}, forward, "
+                   f"ms per call (ours {r['ours_ms']:.3f}, fla {r['fla_ms']:.3f} by the timer):\n"
+                   + format_table(lines, ["side", "kernel", "ms", "launches"], digits=3))
+    return "\n\n".join(out)
+
+
 # ---------------------------------------------------------------------------- the table
 
 def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None, backend=None, warmup=1, repeats=3,
-            backward=None, timer=None, peak=None, fns=None, seed=0) -> list[dict]:
+            backward=None, timer=None, peak=None, fns=None, seed=0, profile=False) -> list[dict]:
     """One row per model at ``shape``: see the module docstring. ``impl`` (fla's side: "chunk" or "naive"),
     ``backend`` (ours: "triton" or "chunk") and ``backward`` (time forward + backward) default by device
     (CUDA: chunk / triton / True; CPU: naive / chunk / False). ``timer(fns, *, warmup, repeats) -> medians``
     (keywords, as ``cuda_event_times`` takes them), ``peak(fn, device) -> MiB`` and ``fns`` (fla's functions by
-    path) can be replaced, e.g. by a test."""
+    path) can be replaced, e.g. by a test. ``profile``: each row also gets "profile", the forward's
+    ``kernel_times`` on both sides."""
     from .bench import peak_memory_mib
     on_gpu = str(device).startswith("cuda")
     impl = impl or ("chunk" if on_gpu else "naive")
@@ -286,6 +332,8 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
             t = timer(fwd, warmup=warmup, repeats=repeats)
             row.update(ours_ms=t["ours"], fla_ms=t["fla"], speedup=t["fla"] / t["ours"],
                        ours_MiB=peak(fwd["ours"], device), fla_MiB=peak(fwd["fla"], device))
+            if profile:
+                row["profile"] = {side: kernel_times(fn, device) for side, fn in fwd.items()}
         if backward:
             do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
             xg, fg = with_grads(x), with_grads(f)
@@ -317,7 +365,7 @@ COLUMNS = ["model", "dtype", "B", "H", "T", "K", "V", "fla", "ours_ms", "fla_ms"
 
 def format_rows(rows: list[dict]) -> str:
     """The aligned table (columns a row lacks are left out; speedups as "1.23x", errors as "1.2e-03")."""
-    from .train import format_table
+    from .tables import format_table
     columns = [c for c in COLUMNS if any(c in r for r in rows)]
     out = []
     for r in rows:
@@ -358,8 +406,9 @@ def write_json(path, rows: list[dict], shapes, env: dict | None = None, **meta) 
     return doc
 
 
-def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path=None, out=print) -> list[dict]:
-    """The ``--vs fla`` command: header, table, optional JSON."""
+def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path=None, profile=False,
+        out=print) -> list[dict]:
+    """The ``--vs fla`` command: header, table, optional profiles (``--profile``), optional JSON."""
     require_fla()
     on_gpu = str(device).startswith("cuda")
     shapes = shapes or (GPU_SHAPES if on_gpu else (CPU_SHAPE,))
@@ -371,10 +420,13 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
         out("(CPU: our chunk forms against fla's PyTorch references; loop_rel_err: our per-token loop against them)")
     rows = []
     for s in shapes:
-        rows += compare(models, s, device=device, warmup=warmup, repeats=repeats)
+        rows += compare(models, s, device=device, warmup=warmup, repeats=repeats, profile=profile)
     out(format_rows(rows))
     out("speedup = fla time / ours (> 1: ours faster); rel_err = ||ours - fla|| / ||fla||; MiB: forward peak "
         "beyond the inputs" + ("; fwdbwd: forward + backward, gradients of every input" if on_gpu else ""))
+    if profile:
+        out("\nWhere each forward's time goes (torch.profiler; " + ("GPU kernels" if on_gpu else "CPU operators")
+            + ", self time):\n\n" + format_profile(rows))
     if json_path:
         write_json(json_path, rows, shapes, env, device=str(device), warmup=warmup, repeats=repeats,
                    ours_backend="triton" if on_gpu else "chunk")

@@ -210,6 +210,34 @@ def test_vs_fla_cpu_command(capsys, tmp_path):
         assert r["ours_MiB"] > 0 and r["fla_MiB"] > 0
 
 
+def test_kernel_times_finds_the_operators_a_call_runs():
+    """``kernel_times`` on a CPU: a call that runs two matrix products and one exponential per call is seen as
+    such (launches per call), sorted by time, with the sum over every operator last."""
+    from atlaslib.bench_fla import kernel_times
+    a = torch.randn(256, 256)
+    rows = kernel_times(lambda: torch.mm(torch.mm(a, a), a).exp(), "cpu", calls=2, top=50)
+    by_name = {r["kernel"]: r for r in rows[:-1]}
+    assert by_name["aten::mm"]["launches"] == 2 and by_name["aten::exp"]["launches"] == 1
+    assert [r["ms"] for r in rows[:-1]] == sorted((r["ms"] for r in rows[:-1]), reverse=True)
+    assert rows[-1]["kernel"] == f"all ({len(rows) - 1})"
+    assert rows[-1]["ms"] == pytest.approx(sum(r["ms"] for r in rows[:-1]))
+    assert kernel_times(lambda: torch.mm(a, a), "cpu", top=1)[0]["kernel"] == "aten::mm"
+
+
+def test_vs_fla_profile_on_a_cpu(capsys):
+    """``--vs fla --profile``: after the table, each row's forward operators on both sides."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    bench.main(["--vs", "fla", "--T", "64", "--B", "1", "--H", "2", "--K", "16", "--V", "8", "--repeats", "1",
+                "--warmup", "0", "--models", "linear", "kda", "--profile"])
+    out = capsys.readouterr().out
+    profiles = out.split("Where each forward's time goes")[1]
+    for model in ("linear", "kda"):
+        block = profiles.split(f"{model} float32 B=1 H=2 T=64 K=16 V=8, forward")[1].split("\n\n")[0]
+        sides = [line.split()[0] for line in block.splitlines()[3:]]
+        assert sides[0] == "ours" and sides[-1] == "fla" and set(sides) == {"ours", "fla"}
+        assert sum(line.split()[1].startswith("all") for line in block.splitlines()) == 2
+
+
 def test_vs_fla_without_fla_says_how_to_install(monkeypatch, capsys):
     import sys
     monkeypatch.setitem(sys.modules, "fla", None)                # import fla -> ImportError
