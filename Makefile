@@ -53,25 +53,22 @@ book: $(STAMP) mathjax
 	$(VENV)/bin/jupyter-book build -W -n --keep-going .
 	@echo "The book is at file://$(CURDIR)/_build/html/index.html"
 
-# The ahead-of-time builds (tests/test_aot.py) already compile in two processes, one per target, so
-# they run alone; the rest of tests/ and the notebooks are one process each and run side by side, one
-# thread each, on the two cores (serially: 29 + 11 min measured on 2 cores; this way about 10 + 20).
-test: lint
-	$(MAKE) test-aot
-	$(MAKE) -j2 --output-sync=target OMP_NUM_THREADS=1 test-rest test-notebooks
+test: lint test-lib test-notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
 PYTEST_LIB := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+# tests/test_aot.py compiles in two processes of its own (one per GPU target); the other files run in
+# two pytest-xdist processes, one thread each, a file per process at a time (tests/conftest.py: GROUPS).
 test-lib: test-aot test-rest
 
 test-aot: $(STAMP)
 	$(PYTEST_LIB) tests/test_aot.py
 
 test-rest: $(STAMP) mathjax browser
-	$(PYTEST_LIB) --ignore=tests/test_aot.py tests
+	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadgroup --ignore=tests/test_aot.py tests
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
