@@ -13,7 +13,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Two threads, the two cores CI has; one per process when pytest-xdist runs two (`make test-rest`).
+# Two threads, the two cores CI has; one per process when pytest-xdist runs two (`make test-rest`,
+# `make test-fast`).
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 DEFAULT_SEED = 20250101
