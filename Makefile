@@ -61,14 +61,14 @@ lint: $(STAMP)
 
 PYTEST_LIB := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 # tests/test_aot.py compiles in two processes of its own (one per GPU target); the other files run in
-# two pytest-xdist processes, one thread each, a file per process at a time (tests/conftest.py: GROUPS).
+# two pytest-xdist processes, one thread each; each file runs whole in one of them (--dist loadfile).
 test-lib: test-aot test-rest
 
 test-aot: $(STAMP)
 	$(PYTEST_LIB) tests/test_aot.py
 
 test-rest: $(STAMP) mathjax browser
-	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadgroup --ignore=tests/test_aot.py tests
+	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadfile --ignore=tests/test_aot.py tests
 
 test-notebooks: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
@@ -77,7 +77,7 @@ test-notebooks: $(STAMP)
 # The tests not marked slow (tests/conftest.py lists what is: the book, browser, notebook and grader
 # tests, and the longest library tests), in two processes as test-rest: about 2 minutes on 2 cores.
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadgroup -m "not slow" tests
+	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadfile -m "not slow" tests
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab book

@@ -81,7 +81,8 @@ def ensure_mathjax() -> None:
 
 @functools.lru_cache(maxsize=None)
 def build_book() -> tuple[Path, int, str]:
-    """Build the book exactly as `make book` does, from scratch, into _build/test/.
+    """Build the book exactly as `make book` does, from scratch, into _build/test/ (_build/test-gw0/ ...
+    in a pytest-xdist process, so that two processes never build into the same folder).
 
     Returns (html_dir, exit_code, log). Set ATLAS_BOOK_HTML to an existing _build/html to
     reuse it (handy while editing the tests; then exit_code is 0 and log empty).
@@ -90,7 +91,8 @@ def build_book() -> tuple[Path, int, str]:
     if reuse:
         return Path(reuse), 0, ""
     ensure_mathjax()
-    out = ROOT / "_build" / "test"  # not _build/html: a reader's `make book` stays as it is
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    out = ROOT / "_build" / (f"test-{worker}" if worker else "test")   # not _build/html: a reader's book stays
     shutil.rmtree(out, ignore_errors=True)
     cmd = [str(VENV_BIN / "jupyter-book"), "build", "-W", "-n", "--keep-going",
            "--path-output", str(out), "."]

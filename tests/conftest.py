@@ -73,7 +73,6 @@ def poisoned(monkeypatch):
 def pytest_configure(config):
     config.addinivalue_line("markers", "library_rules: keep the exercises' ban on calling the library's answer")
     config.addinivalue_line("markers", "slow: left out by `make test-fast` (see SLOW_FILES and SLOW_TESTS)")
-    config.addinivalue_line("markers", "xdist_group(name): one pytest-xdist process runs the group (see GROUPS)")
 
 
 # What `make test-fast` (pytest -m "not slow") leaves out, so that it runs in a few minutes on 2 cores:
@@ -115,17 +114,10 @@ SLOW_TESTS: set[str] = {
 }
 
 
-# Under pytest-xdist (`--dist loadgroup`, as `make test-rest` runs it) each file runs in one process, so
-# module fixtures are built once; files that write the same place share a group: both build the book
-# into _build/test (``browser_helpers.build_book``).
-GROUPS = {"test_book.py": "book", "test_browser.py": "book"}
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path, _, rest = item.nodeid.partition("::")
         file = path.rsplit("/", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group(GROUPS.get(file, file)))
         function = f"{file}::{getattr(item, 'originalname', None) or item.name}"
         if file in SLOW_FILES or function in SLOW_TESTS or f"{file}::{rest}" in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
