@@ -100,10 +100,11 @@ experiments: $(STAMP)
 # (python -m atlaslib.bench --vs fla), written to results/gpu_bench.json. Without CUDA: says so, succeeds.
 # With pytest-xdist the tests compile in 8 processes (compilation dominates: minutes serially), then run
 # once more in one process (cached builds, seconds) for the check that every kernel was launched.
-# GPU_PY=python3: use a Python that already has torch, triton and fla-core (no .venv is built).
+# GPU_PY=python3: use a Python that already has torch, triton and fla-core (no .venv is built); a PYTHONPATH
+# already set (e.g. fla-core installed with --target) is kept after the repository.
 GPU_BENCH_JSON := results/gpu_bench.json
 GPU_PY ?= $(PY)
-GPU_RUN := PYTHONPATH=$(CURDIR) TRITON_INTERPRET=0 $(GPU_PY)
+GPU_RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) TRITON_INTERPRET=0 $(GPU_PY)
 gpu-test: $(if $(filter $(PY),$(GPU_PY)),$(STAMP))
 	@$(GPU_RUN) -c "from atlaslib.bench_fla import environment as e; d = e(); \
 	    print('card:', d['card'], '| torch', d['torch'], '(CUDA', str(d['cuda']) + ')', '| triton', d['triton'], '| fla-core', d['fla-core'])"
