@@ -48,7 +48,9 @@ On a CPU the same command compares our chunk forms (``backend="chunk"``) with fl
 references at a small size (``CPU_SHAPE``), and also reports our per-token loop's error against the
 reference: a check of both models against an independent implementation.
 
-``--json PATH`` writes the table with the card, the versions, the date and the shapes. ``--profile`` adds,
+Every forward row is measured first, then (CUDA) the forward + backward columns of each row; a line is
+printed as each is measured, with the time so far. ``--json PATH`` writes the table with the card, the
+versions, the date and the shapes, rewritten after each row ("complete": false until the end). ``--profile`` adds,
 for each row, the forward's largest kernels on both sides (``kernel_times``: torch.profiler, self time
 per call), printed after the table and kept in the JSON rows: the first place to look when a ratio is low.
 
@@ -62,6 +64,7 @@ import importlib
 import json
 import platform
 import statistics
+import time
 import warnings
 from dataclasses import asdict, dataclass
 
@@ -301,13 +304,15 @@ def format_profile(rows: list[dict], width: int = 72) -> str:
 # ---------------------------------------------------------------------------- the table
 
 def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None, backend=None, warmup=1, repeats=3,
-            backward=None, timer=None, peak=None, fns=None, seed=0, profile=False) -> list[dict]:
+            forward=True, backward=None, timer=None, peak=None, fns=None, seed=0, profile=False) -> list[dict]:
     """One row per model at ``shape``: see the module docstring. ``impl`` (fla's side: "chunk" or "naive"),
     ``backend`` (ours: "triton" or "chunk") and ``backward`` (time forward + backward) default by device
-    (CUDA: chunk / triton / True; CPU: naive / chunk / False). ``timer(fns, *, warmup, repeats) -> medians``
+    (CUDA: chunk / triton / True; CPU: naive / chunk / False); ``forward=False`` leaves the forward columns
+    out (``run`` measures them in a pass of their own). ``timer(fns, *, warmup, repeats) -> medians``
     (keywords, as ``cuda_event_times`` takes them), ``peak(fn, device) -> MiB`` and ``fns`` (fla's functions by
     path) can be replaced, e.g. by a test. ``profile``: each row also gets "profile", the forward's
-    ``kernel_times`` on both sides."""
+    ``kernel_times`` on both sides. "wall_s" and "fwdbwd_wall_s": the wall time the forward and the
+    forward + backward columns took, compilation and fla's autotuning included."""
     from .bench import peak_memory_mib
     on_gpu = str(device).startswith("cuda")
     impl = impl or ("chunk" if on_gpu else "naive")
@@ -322,18 +327,22 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
         f = fla_inputs(model, x, impl)
         fla_fn, fla_name, note = fla_call(model, impl, dtype, fns)
         row = {"model": model, **asdict(shape), "ours": backend, "fla": fla_name}
-        with torch.no_grad():
-            o_ours, o_fla = ours(model, x, backend), fla_fn(f)
-            row["rel_err"] = relative_error(o_ours, o_fla)
-            if not on_gpu:
-                row["loop_rel_err"] = relative_error(ours(model, x, "recurrent"), o_fla)
-            del o_ours, o_fla
-            fwd = {"ours": lambda: ours(model, x, backend), "fla": lambda: fla_fn(f)}
-            t = timer(fwd, warmup=warmup, repeats=repeats)
-            row.update(ours_ms=t["ours"], fla_ms=t["fla"], speedup=t["fla"] / t["ours"],
-                       ours_MiB=peak(fwd["ours"], device), fla_MiB=peak(fwd["fla"], device))
-            if profile:
-                row["profile"] = {side: kernel_times(fn, device) for side, fn in fwd.items()}
+        started = time.perf_counter()
+        if forward:
+            with torch.no_grad():
+                o_ours, o_fla = ours(model, x, backend), fla_fn(f)
+                row["rel_err"] = relative_error(o_ours, o_fla)
+                if not on_gpu:
+                    row["loop_rel_err"] = relative_error(ours(model, x, "recurrent"), o_fla)
+                del o_ours, o_fla
+                fwd = {"ours": lambda: ours(model, x, backend), "fla": lambda: fla_fn(f)}
+                t = timer(fwd, warmup=warmup, repeats=repeats)
+                row.update(ours_ms=t["ours"], fla_ms=t["fla"], speedup=t["fla"] / t["ours"],
+                           ours_MiB=peak(fwd["ours"], device), fla_MiB=peak(fwd["fla"], device))
+                if profile:
+                    row["profile"] = {side: kernel_times(fn, device) for side, fn in fwd.items()}
+            row["wall_s"] = time.perf_counter() - started
+            started = time.perf_counter()
         if backward:
             do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
             xg, fg = with_grads(x), with_grads(f)
@@ -352,6 +361,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
                            fla_fwdbwd_MiB=peak(both["fla"], device))
                 back = (lambda t: t) if impl == "naive" and model == "deltanet" else from_fla
                 row["grad_rel_err"] = max(relative_error(a, back(b)) for a, b in zip(both["ours"](), fla_grads))
+            row["fwdbwd_wall_s"] = time.perf_counter() - started
         if note:
             row["note"] = note
         rows.append(row)
@@ -406,9 +416,28 @@ def write_json(path, rows: list[dict], shapes, env: dict | None = None, **meta) 
     return doc
 
 
+def progress_line(row: dict, elapsed: float) -> str:
+    """One line as soon as a row's forward (or forward + backward) columns are measured, with the time so far."""
+    head = (f"[{elapsed:5.0f} s] {row['model']} {row['dtype']} B={row['B']} H={row['H']} T={row['T']} K={row['K']} "
+            f"V={row['V']}: ")
+    if "ours_fwdbwd_ms" in row:
+        fla = (f"fla {row['fla_fwdbwd_ms']:.3f} ms ({row['fwdbwd_speedup']:.2f}x), grad_rel_err "
+               f"{row['grad_rel_err']:.1e}" if "fla_fwdbwd_ms" in row else "fla refused")
+        return head + (f"forward + backward ours {row['ours_fwdbwd_ms']:.3f} ms, {fla} "
+                       f"(row {row['fwdbwd_wall_s']:.0f} s)")
+    return head + (f"forward ours {row['ours_ms']:.3f} ms, fla {row['fla_ms']:.3f} ms ({row['speedup']:.2f}x), "
+                   f"rel_err {row['rel_err']:.1e} (row {row['wall_s']:.0f} s)")
+
+
 def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path=None, profile=False,
         out=print) -> list[dict]:
-    """The ``--vs fla`` command: header, table, optional profiles (``--profile``), optional JSON."""
+    """The ``--vs fla`` command: header, table, optional profiles (``--profile``), optional JSON.
+
+    Every forward row first (the columns the targets are about), then on CUDA the forward + backward
+    columns of each row. A line is printed as each is measured, and the JSON file is rewritten after
+    each with "complete": false until the end, so that a run stopped early (fla's first calls autotune
+    for minutes on a fresh machine) still leaves what it measured.
+    """
     require_fla()
     on_gpu = str(device).startswith("cuda")
     shapes = shapes or (GPU_SHAPES if on_gpu else (CPU_SHAPE,))
@@ -418,9 +447,24 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
         f"triton {env['triton']}")
     if not on_gpu:
         out("(CPU: our chunk forms against fla's PyTorch references; loop_rel_err: our per-token loop against them)")
-    rows = []
+    meta = dict(device=str(device), warmup=warmup, repeats=repeats, ours_backend="triton" if on_gpu else "chunk")
+    rows, started = [], time.perf_counter()
+    kw = dict(device=device, warmup=warmup, repeats=repeats, profile=profile)
+
+    def measured(row):
+        if json_path:
+            write_json(json_path, rows, shapes, env, complete=False, **meta)
+        out(progress_line(row, time.perf_counter() - started))
+
     for s in shapes:
-        rows += compare(models, s, device=device, warmup=warmup, repeats=repeats, profile=profile)
+        for model in models:
+            rows += compare([model], s, backward=False, **kw)
+            measured(rows[-1])
+    if on_gpu:
+        for row in rows:
+            s = Shape(*(row[f] for f in ("B", "H", "T", "K", "V", "dtype")))
+            row.update(compare([row["model"]], s, forward=False, backward=True, **kw)[0])
+            measured(row)
     out(format_rows(rows))
     out("speedup = fla time / ours (> 1: ours faster); rel_err = ||ours - fla|| / ||fla||; MiB: forward peak "
         "beyond the inputs" + ("; fwdbwd: forward + backward, gradients of every input" if on_gpu else ""))
@@ -428,7 +472,6 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
         out("\nWhere each forward's time goes (torch.profiler; " + ("GPU kernels" if on_gpu else "CPU operators")
             + ", self time):\n\n" + format_profile(rows))
     if json_path:
-        write_json(json_path, rows, shapes, env, device=str(device), warmup=warmup, repeats=repeats,
-                   ours_backend="triton" if on_gpu else "chunk")
+        write_json(json_path, rows, shapes, env, complete=True, **meta)
         out(f"wrote {json_path}")
     return rows

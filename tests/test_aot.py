@@ -38,6 +38,9 @@ CHUNK_PARALLEL = {"linear", "delta"}
 # the same split, with the reverse pass as the serial part.
 CHUNK_PARALLEL_BACKWARD = {"linear_bwd"}
 DELTA_BACKWARD = {"delta_bwd"}
+# Kernels with a program per block of queries, as FlashAttention's forward: chapter 6's kernel-trick
+# DeepTransformer, whose query blocks share nothing.
+QUERY_BLOCK_KERNELS = {"deep_kernel_fwd_kernel"}
 
 
 def family(build):
@@ -119,7 +122,7 @@ def test_grid_does_not_grow_with_the_sequence(builds):
     # chapters 1-2, the Newton-Schulz kernel and the caching readout are checked on their own below
     per_head = [b for b in builds if family(b) not in
                 ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL | CHUNK_PARALLEL_BACKWARD
-                | DELTA_BACKWARD]
+                | DELTA_BACKWARD and b["kernel"] not in QUERY_BLOCK_KERNELS]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
@@ -179,6 +182,17 @@ def test_delta_backward_grids_grow_with_the_chunks_and_the_state_passes_do_not(b
             assert not b["grid_fixed_in_T"], b["config"]
             assert b["grid"][0] == 2 * -(-40 // CHUNK) and b["grid_long"][0] == 2 * -(-400 // CHUNK), b["config"]
         assert all(n <= 65535 for n in b["grid"][1:])
+
+
+def test_query_block_grids_grow_with_the_sequence(builds):
+    # Chapter 6's kernel-trick forward: (B*H, value blocks, query blocks of BM = 32 or 64 rows), so
+    # T = 400 launches cdiv(400, BM) query blocks where T = 40 launched cdiv(40, BM)
+    blocks = [b for b in builds if b["kernel"] in QUERY_BLOCK_KERNELS]
+    assert blocks
+    for b in blocks:
+        assert b["launches"] == [1, 1] and len(b["grid"]) == 3 and b["grid"][:2] == b["grid_long"][:2], b["config"]
+        assert b["grid"][0] == 2 and b["grid"][1] <= 65535, b["config"]
+        assert (b["grid"][2], b["grid_long"][2]) in {(-(-40 // bm), -(-400 // bm)) for bm in (32, 64)}, b["config"]
 
 
 def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):

@@ -198,7 +198,11 @@ def test_vs_fla_cpu_command(capsys, tmp_path):
                 "--warmup", "0", "--json", str(path)])
     out = capsys.readouterr().out
     assert "fla_ms" in out and "rel_err" in out and f"wrote {path}" in out
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert [line.split("] ")[1].split()[0] for line in progress] == FLA_MODELS
+    assert all(": forward ours " in p for p in progress)
     doc = json.loads(path.read_text())
+    assert doc["complete"] is True
     assert doc["fla-core"] == "0.6.0" and doc["torch"] == torch.__version__ and doc["date"]
     assert doc["shapes"] == [{"B": 2, "H": 3, "T": 64, "K": 16, "V": 8, "dtype": "float32"}]
     rows = {r["model"]: r for r in doc["rows"]}
@@ -208,6 +212,26 @@ def test_vs_fla_cpu_command(capsys, tmp_path):
         assert r["rel_err"] < 2e-6 and r["loop_rel_err"] < 2e-6, r
         assert r["ours_ms"] > 0 and r["fla_ms"] > 0 and r["speedup"] == pytest.approx(r["fla_ms"] / r["ours_ms"])
         assert r["ours_MiB"] > 0 and r["fla_MiB"] > 0
+
+
+def test_vs_fla_stopped_early_leaves_the_rows_it_measured(tmp_path):
+    """A run stopped after its second row (a time limit on a GPU machine) leaves a JSON file with those two
+    rows, marked incomplete."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    import json
+    from atlaslib import bench_fla
+    path, lines = tmp_path / "fla.json", []
+
+    def out(line):
+        lines.append(line)
+        if sum(x.startswith("[") for x in lines) == 2:             # two rows measured
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        bench_fla.run("cpu", shapes=[bench_fla.Shape(1, 2, 64, 8, 4)], models=FLA_MODELS[:4], warmup=0, repeats=1,
+                      json_path=path, out=out)
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is False and [r["model"] for r in doc["rows"]] == FLA_MODELS[:2]
+    assert all(r["wall_s"] > 0 and r["rel_err"] < 2e-6 for r in doc["rows"])
 
 
 def test_kernel_times_finds_the_operators_a_call_runs():
@@ -336,6 +360,13 @@ def test_vs_fla_cuda_path_on_fakes(dtype, tmp_path):
     doc = bench_fla.write_json(tmp_path / "g.json", rows, [shape], {"card": "fake"}, device="cuda")
     assert json.loads((tmp_path / "g.json").read_text()) == json.loads(json.dumps(doc))
     assert doc["card"] == "fake" and doc["dtypes"] == [dtype] and len(doc["rows"]) == 6
+    # the two passes of ``run``: forward columns alone, then forward + backward alone, same numbers
+    times = iter(range(1, 1000))
+    kw = dict(impl="chunk", backend="chunk", timer=timer, peak=lambda fn, device: 1.5, fns=fakes)
+    (fwd,) = bench_fla.compare(["kda"], shape, backward=False, **kw)
+    (bwd,) = bench_fla.compare(["kda"], shape, forward=False, backward=True, **kw)
+    assert "ours_fwdbwd_ms" not in fwd and "rel_err" not in bwd and "ours_ms" not in bwd
+    assert fwd["rel_err"] == rows[-1]["rel_err"] and bwd["grad_rel_err"] == rows[-1]["grad_rel_err"]
 
 
 def test_cuda_event_times_interleave_and_take_medians(monkeypatch):

@@ -8,10 +8,11 @@ optionally divided by the same sum with v_i replaced by 1 (``normalize``), where
 i <= t, and i > t - c with a window c (SWDT). That is causal attention with a per-token
 log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAttention's forward:
 
-* one program per (batch*head, block of BV value channels). It walks the query blocks of BM rows
-  in order and, for each, the key blocks of BN rows that block can see: from the block holding
-  its oldest visible key (t0 - c + 1) up to the diagonal. (Walking the query blocks inside the
-  program keeps the grid (B*H, cdiv(V, BV)) independent of T, as every chapter's kernel does.)
+* one program per (batch*head, block of BV value channels, block of BM queries): query blocks
+  share nothing, so the grid (B*H, cdiv(V, BV), cdiv(T, BM)) grows with T and fills the GPU even
+  at one head. Each program walks the key blocks of BN rows its queries can see: from the block
+  holding its oldest visible key (t0 - c + 1) up to the diagonal. The last query block (the most
+  keys) gets the first program index, so the longest programs start first.
 * the exponent of a tile is S = Q K^T + (g_t - g_i), masked to -inf outside the window *before*
   the exponential (the chunk form's ``kernel_weights``). The decays come from the host as the fp64
   running sum g; each query block subtracts g at its first row, in fp64, before rounding to fp32,
@@ -22,6 +23,10 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
   so exp never overflows whatever the scores (the factor e^{-m} cancels in acc / l);
 * without ``normalize`` the weights are e^{S} themselves: like the chunk form, no shift (there is
   no quotient for it to cancel in), so ``deep_transformer`` refuses scores above MAX_EXPONENT first.
+* fp16/bf16 inputs reach ``tl.dot`` in their own dtype (tensor-core products, fp32 accumulation), and
+  the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
+  unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there.
+  fp32 inputs stay exact fp32 products (``ieee``).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -69,7 +74,7 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
-from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_tile, store_tile, value_tile
+from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_block, load_tile, store_tile, value_tile
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
@@ -89,7 +94,7 @@ def deep_kernel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, eta_ptr, o_ptr,
     s_q, s_k, s_v, s_o,
     T, H, K, V, c,
-    NORMALIZE: tl.constexpr,
+    NORMALIZE: tl.constexpr, P_IN_INPUT_DTYPE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
@@ -98,51 +103,55 @@ def deep_kernel_fwd_kernel(
     o_m = tl.arange(0, BM)                  # rows of a query block
     o_n = tl.arange(0, BN)                  # rows of a key block
 
-    for start in range(0, T, BM):
-        o_t = start + o_m                   # the query block's tokens
-        m_t = o_t < T
-        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
-        if g_ptr is not None:
-            # log-decays relative to g at the block's first row: subtracted in fp64, then fp32
-            b_gref = tl.load(g_ptr + i_bh * T + start)
-            b_gq = (tl.load(g_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32)
-        b_acc = tl.zeros([BM, BV], dtype=tl.float32)
-        b_m = tl.full([BM], float("-inf"), tl.float32)          # running row max (normalize)
-        b_l = tl.zeros([BM], dtype=tl.float32)                  # running sum of eta_i e^{S - m}
+    # this program's query block (axis 2), the last first: it sees the most keys, so it starts early
+    start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BM
+    o_t = start + o_m                   # the query block's tokens
+    m_t = o_t < T
+    b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)          # in the inputs' dtype: tensor-core products
+    if g_ptr is not None:
+        # log-decays relative to g at the block's first row: subtracted in fp64, then fp32
+        b_gref = tl.load(g_ptr + i_bh * T + start)
+        b_gq = (tl.load(g_ptr + i_bh * T + o_t, mask=m_t, other=0.0) - b_gref).to(tl.float32)
+    b_acc = tl.zeros([BM, BV], dtype=tl.float32)
+    b_m = tl.full([BM], float("-inf"), tl.float32)          # running row max (normalize)
+    b_l = tl.zeros([BM], dtype=tl.float32)                  # running sum of eta_i e^{S - m}
 
-        lo = tl.maximum(start - c + 1, 0)                       # the oldest key the block sees
-        lo = (lo // BN) * BN
-        hi = tl.minimum(start + BM, T)                          # past the block's last row
-        for kstart in range(lo, hi, BN):
-            o_s = kstart + o_n              # the key block's tokens
-            m_s = o_s < T
-            b_k = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
-            b_v = load_tile(v_ptr, s_v, o_s, o_v, m_s, m_v)
-            b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-            if g_ptr is not None:
-                b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
-                b_S += b_gq[:, None] - b_gk[None, :]
-            m_ok = (o_s[None, :] <= o_t[:, None]) & (o_s[None, :] > o_t[:, None] - c) & m_s[None, :]
-            b_S = tl.where(m_ok, b_S, float("-inf"))            # masked before the exponential
-            if NORMALIZE:
-                b_m_new = tl.maximum(b_m, tl.max(b_S, 1))
-                b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # rows that see nothing yet
-                b_p = tl.exp(b_S - b_shift[:, None])
-                b_scale = tl.exp(b_m - b_shift)
-                b_m = b_m_new
-            else:
-                b_p = tl.exp(b_S)
-            if eta_ptr is not None:
-                b_p = b_p * tl.load(eta_ptr + i_bh * T + o_s, mask=m_s, other=0.0)[None, :]
-            if NORMALIZE:
-                b_l = b_l * b_scale + tl.sum(b_p, 1)
-                b_acc = b_acc * b_scale[:, None]
-            b_acc += tl.dot(b_p, b_v, input_precision=PRECISION)
+    lo = tl.maximum(start - c + 1, 0)                       # the oldest key the block sees
+    lo = (lo // BN) * BN
+    hi = tl.minimum(start + BM, T)                          # past the block's last row
+    for kstart in range(lo, hi, BN):
+        o_s = kstart + o_n              # the key block's tokens
+        m_s = o_s < T
+        b_k = load_block(k_ptr, s_k, o_s, o_k, m_s, m_k)
+        b_v = load_block(v_ptr, s_v, o_s, o_v, m_s, m_v)
+        b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
+        if g_ptr is not None:
+            b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
+            b_S += b_gq[:, None] - b_gk[None, :]
+        m_ok = (o_s[None, :] <= o_t[:, None]) & (o_s[None, :] > o_t[:, None] - c) & m_s[None, :]
+        b_S = tl.where(m_ok, b_S, float("-inf"))            # masked before the exponential
         if NORMALIZE:
-            # 0/0 where every visible eta is 0, as in the chunk form; rows past T (which may see
-            # no key at all with a window) are not stored and divide by 1
-            b_acc = b_acc / tl.where(m_t, b_l, 1.0)[:, None]
-        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
+            b_m_new = tl.maximum(b_m, tl.max(b_S, 1))
+            b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)   # rows that see nothing yet
+            b_p = tl.exp(b_S - b_shift[:, None])
+            b_scale = tl.exp(b_m - b_shift)
+            b_m = b_m_new
+        else:
+            b_p = tl.exp(b_S)
+        if eta_ptr is not None:
+            b_p = b_p * tl.load(eta_ptr + i_bh * T + o_s, mask=m_s, other=0.0)[None, :]
+        if NORMALIZE:
+            b_l = b_l * b_scale + tl.sum(b_p, 1)
+            b_acc = b_acc * b_scale[:, None]
+        if P_IN_INPUT_DTYPE:
+            b_acc += tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+        else:
+            b_acc += tl.dot(b_p, b_v.to(tl.float32), input_precision=PRECISION)
+    if NORMALIZE:
+        # 0/0 where every visible eta is 0, as in the chunk form; rows past T (which may see
+        # no key at all with a window) are not stored and divide by 1
+        b_acc = b_acc / tl.where(m_t, b_l, 1.0)[:, None]
+    store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
 
 
 def kernel_limits(q) -> str | None:
@@ -162,14 +171,16 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DeepTransformer kernel")
     BK = feature_tile(run.K, MAX_KEY)
-    BM = BN = 64 if (run.precision != "ieee" and BK <= 128) else 32       # see TILES above
+    half = run.q.dtype in (torch.float16, torch.bfloat16)
+    BM = BN = 64 if (half and BK <= 128) else 32                      # see TILES above
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # fp64: see the module's docstring
     c = run.T if window is None else min(int(window), run.T)         # c >= T: no window
-    deep_kernel_fwd_kernel[run.grid](
+    deep_kernel_fwd_kernel[(*run.grid, triton.cdiv(run.T, BM))](
         run.q, run.k, run.v, g, as_fp32(eta), run.o, *run.strides,
         run.T, run.H, run.K, run.V, c,
-        NORMALIZE=bool(normalize), BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+        NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
+        BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
     )
     return run.o, None
 
