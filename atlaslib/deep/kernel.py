@@ -37,22 +37,24 @@ across programs, each recomputing the scores). Launched with num_stages=1, as ch
 ``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
 features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
 
-``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), the block
-solve of ``chunk.dot_chunk`` in one program per (batch*head, block of BV value channels). The
-coefficients solve u_t = eta_t (v_t - sum_{j<t} e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j), a system on
-tokens that never mixes value channels, so splitting V is exact (each value block solves the same
-system on its own columns). The program walks blocks of BT tokens in order; for each block:
+``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), in two
+kernels. The coefficients solve u_t = eta_t (v_t - sum_{j<t} e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j),
+a system on tokens that never mixes value channels, so splitting V is exact (each value block
+solves the same system on its own columns). The solve is ``chunk.dot_chunk``'s block solve in one
+program per (batch*head, block of BV value channels), walking blocks of BT tokens in order; for
+each block:
 
 * recall: sum over the earlier blocks of e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j, their keys and their
-  coefficients read back from an fp32 buffer [B, H, T, V] in global memory (O(T^2), as attention);
+  coefficients read back from an fp32 buffer U [B, H, T, V] in global memory (O(T^2), as attention);
 * the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L[t, j] = e^{g_{t-1} - g_j}
   exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (blocked
   forward substitution on the BT x BT tile); U is written to the buffer;
-* the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j: the diagonal block from registers, then
-  a second pass over the earlier blocks (two passes, so that only one of the block's [BT, BK] tiles,
-  keys or queries, is live beside an earlier block's keys: one pass holding both spills in fp32).
-  Both passes are ``earlier_blocks``, with the keys and g_{t-1}, then with the queries and g_t;
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
+
+The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and
+nothing else, so it waits for the solve and then runs in parallel: it is the kernel-trick
+DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
+one program per block of queries. Only the solve is sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -81,12 +83,14 @@ from ..delta.kernel import unit_lower_inverse
 
 # Every program holds whole keys and queries ([BN, BK] and [BM, BK] tiles): K <= 256.
 MAX_KEY = 256
-# TILES. Query and key blocks BM = BN = 64 for fp16/bf16 inputs with BK <= 128, else 32. Measured by
-# building for sm_90 (``atlaslib.aot``, num_stages=1, gates and eta on): with fp32 inputs (exact
-# fp32 products, tl.dot on FMA units) 64-row blocks spill 3-17 KB a thread at 4 warps (about
-# 100-200 B at 8 warps, 255 registers), 32-row blocks none (108-128 registers, 24-41 KB shared at
-# K = 64-128); bf16 inputs at 64-row blocks and K = 64 take 48 KB and 228 registers, no spills.
-# Speed has not been measured on a GPU.
+# TILES. Query and key blocks BM = BN = 64 when q, k and v are all fp16/bf16 with BK <= 128, else 32;
+# 8 warps for fp32 tiles past BK = 64, else 4. Measured by building for sm_90 (``atlaslib.aot``,
+# num_stages=1, gates and eta on): with fp32 tiles (exact fp32 products, tl.dot on FMA units) 64-row
+# blocks spill 3-17 KB a thread at 4 warps, and 32-row blocks at 4 warps spill 0.6 KB (K = 128) to
+# 2.2 KB (K = 256) in the one-query-block-per-program form, none at 8 warps (80-170 registers);
+# bf16 q, k, v at 64-row blocks and K = 64: 24 KB shared, 174 registers, no spills. On an H100
+# (B=1, H=4, T=2048, K=V=64, fp32) the earlier form, one program walking every query block, took
+# 8.4 ms where the chunk form took 7.2 ms; the grid over query blocks has not been timed yet.
 
 
 @triton.jit
@@ -171,7 +175,8 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DeepTransformer kernel")
     BK = feature_tile(run.K, MAX_KEY)
-    half = run.q.dtype in (torch.float16, torch.bfloat16)
+    # fp16/bf16 q, k and v (DOT's read has fp16/bf16 q, k and fp32 coefficients as v: fp32 tiles)
+    half = run.q.dtype in (torch.float16, torch.bfloat16) and run.v.dtype == run.q.dtype
     BM = BN = 64 if (half and BK <= 128) else 32                      # see TILES above
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # fp64: see the module's docstring
@@ -181,6 +186,7 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
         run.T, run.H, run.K, run.V, c,
         NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
         BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+        num_warps=8 if (not half and BK > 64) else 4,
     )
     return run.o, None
 
@@ -211,9 +217,10 @@ DOT_MAX_KEY = 128
 # (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 8-16 KB and no spills at K = 16,
 # 32 (fp32) and 64 (176-255 registers); at K = 128, fp32 (FMA products) spills 164-176 B a thread
 # whatever the tiles tried (BV 16-64, 8 or 16 warps), bf16 none with 16-row blocks (200 registers).
-# One pass over the earlier blocks holding both the block's keys and its queries spilled 2-5 KB at
-# fp32 K = 128 (16- or 32-row blocks, 4 or 8 warps), hence the two passes; 64-row blocks spilled
-# 28-728 B at bf16 K = 64. Speed has not been measured on a GPU.
+# (Those builds also held the read, since moved to ``deep_kernel_fwd_kernel``: a pass over the earlier
+# blocks holding both the block's keys and its queries spilled 2-5 KB at fp32 K = 128, and 64-row
+# blocks spilled 28-728 B at bf16 K = 64.) On an H100 (B=1, H=4, T=2048, K=V=64, fp32), the kernel
+# that also read took 45.5 ms where the chunk form took 28.7 ms: the read is now parallel.
 
 
 @triton.jit
@@ -223,38 +230,36 @@ def log_decay_from(g_ptr, o_t, m_t, b_gref):
 
 
 @triton.jit
-def earlier_blocks(b_acc, b_x, b_gx, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T,
+def earlier_blocks(b_acc, b_k, b_gp, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T,
                    BT: tl.constexpr, PRECISION: tl.constexpr):
-    """b_acc + sum_{j < start} e^{gx_t - g_j} exp(k_j . x_t) u_j for the rows x_t of b_x (keys for the
-    recall, with gx = g_{t-1}; queries for the read, with gx = g_t): the earlier blocks of BT tokens in
-    order, their keys and coefficients read back from this head's k and u. Decays (g_ptr: this head's
-    g, None without gates) relative to b_gref, as b_gx."""
+    """b_acc + sum_{j < start} e^{gp_t - g_j} exp(k_j . k_t) u_j for the block's keys b_k (gp = g_{t-1}):
+    what the earlier blocks of BT tokens recall, in order, their keys and coefficients read back from
+    this head's k and u. Decays (g_ptr: this head's g, None without gates) relative to b_gref, as b_gp."""
     for kstart in range(0, start, BT):
         o_s = kstart + tl.arange(0, BT)
         m_s = o_s < T
         b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
-        b_S = tl.dot(b_x, tl.trans(b_kj), input_precision=PRECISION)
+        b_S = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
         if g_ptr is not None:
-            b_S += b_gx[:, None] - log_decay_from(g_ptr, o_s, m_s, b_gref)[None, :]
+            b_S += b_gp[:, None] - log_decay_from(g_ptr, o_s, m_s, b_gref)[None, :]
         b_acc += tl.dot(tl.exp(b_S), load_tile(u_ptr, s_u, o_s, o_v, m_s, m_v), input_precision=PRECISION)
     return b_acc
 
 
 @triton.jit
-def dot_kernel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr, o_ptr,
-    s_q, s_k, s_v, s_o, s_u,
+def dot_solve_kernel(
+    k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr,
+    s_k, s_v, s_u,
     T, H, K, V,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
-    q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
-    u_ptr = at_head(u_ptr, s_u, i_b, i_h)   # fp32 coefficients u_j, written block by block
+    k_ptr, v_ptr, u_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     if g_ptr is not None:
         g_ptr, gp_ptr = g_ptr + i_bh * T, gp_ptr + i_bh * T    # this head's g_t and g_{t-1}
     o_k, m_k = key_channels(BK, K)
-    o_i, m_causal = chunk_rows(BT)                                 # rows of a block, j <= t
-    m_strict = o_i[:, None] > o_i[None, :]
+    o_i, _ = chunk_rows(BT)
+    m_strict = o_i[:, None] > o_i[None, :]                         # j < t inside a block
 
     for start in range(0, T, BT):
         o_t = start + o_i                   # the block's tokens
@@ -273,8 +278,7 @@ def dot_kernel_fwd_kernel(
             b_eta = tl.where(m_t, 1.0, 0.0)  # rows past T write nothing
 
         # what the earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
-        # weights e^{g_{t-1} - g_j} exp(k_j.k_t). Two passes over them (this one with the keys, the
-        # read below with the queries) hold one [BT, BK] tile of the block at a time: fp32 spills otherwise
+        # weights e^{g_{t-1} - g_j} exp(k_j.k_t)
         b_recall = earlier_blocks(tl.zeros([BT, BV], dtype=tl.float32), b_k, b_gp, start,
                                   k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
 
@@ -288,16 +292,6 @@ def dot_kernel_fwd_kernel(
         b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_v - b_recall, 0.0), input_precision=PRECISION)
         store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, b_u)
-
-        # the read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j.q_t) u_j: the diagonal block, then the earlier ones
-        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
-        b_S = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        if g_ptr is not None:
-            b_S += b_gq[:, None] - b_gq[None, :]
-        b_P = tl.exp(tl.where(m_causal & m_t[None, :], b_S, float("-inf")))
-        b_acc = earlier_blocks(tl.dot(b_P, b_u, input_precision=PRECISION), b_q, b_gq, start,
-                               k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
-        store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
         # the next blocks read this block's coefficients back: every thread's stores first
         tl.debug_barrier()
 
@@ -321,9 +315,13 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
     U = empty(run.B, run.H, run.T, run.V, dtype=torch.float32, device=q.device)   # the coefficients u_t
-    dot_kernel_fwd_kernel[run.grid](
-        run.q, run.k, run.v, g, gp, as_fp32(eta), U, run.o, *run.strides, tuple(U.stride()),
+    dot_solve_kernel[run.grid](
+        run.k, run.v, g, gp, as_fp32(eta), U, *run.strides[1:3], tuple(U.stride()),
         run.T, run.H, run.K, run.V,
         BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if (fp32 or BK > 64) else 4,
     )
-    return run.o, None
+    # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
+    # allocates its own output, so run's unused one is freed first)
+    q, k = run.q, run.k
+    del run
+    return deep_kernel_triton(q, k, U, alpha)
