@@ -20,7 +20,8 @@ Every grid is checked as well, at T = 40 and T = 400. Most kernels' programs loo
 chunks, so a head's kernel launches the same grid at both. Chapters 1 and 2 run the
 chunk-parallel forward (``core.chunk_kernels``): their intra-chunk and output kernels have a
 program per chunk, so those grids grow with the number of chunks, while their state pass
-keeps the grid independent of T. Chapter 5's Newton–Schulz kernel is one program per
+keeps the grid independent of T. Chapter 6's kernel-trick forward (also DOT's read) has a program
+per block of queries, as FlashAttention's, so its grid grows with T. Chapter 5's Newton–Schulz kernel is one program per
 momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its grid is
 bounded by B*H*b and its number of launches grows with T. A call that launches several
 kernels has each of them built.

@@ -4,9 +4,10 @@ The interpreter tests check the kernels' numbers; these check what only a real b
 that each configuration the dispatch launches compiles, fits the target's shared memory,
 adds 64-bit offsets to its pointers, and keeps its grid independent of the sequence
 length (checked on their own: the chunk-parallel kernels of chapters 1-2, whose intra-chunk and
-output grids grow with the number of chunks while the state pass keeps its grid; the
-Newton-Schulz kernel, one program per matrix of a chunk; the caching readout). The builds run
-in a subprocess with ``TRITON_INTERPRET`` unset (``atlaslib.aot``).
+output grids grow with the number of chunks while the state pass keeps its grid; chapter 6's
+kernel-trick forward, a program per block of queries; the Newton-Schulz kernel, one program per
+matrix of a chunk; the caching readout). The builds run in a subprocess with ``TRITON_INTERPRET``
+unset (``atlaslib.aot``).
 
 Full builds take minutes per kernel on 2 cores (ptxas on 64x256 fp32 tiles: 1.5-2.5 min), far
 beyond the CI budget, so ``make test`` builds each configuration only until its shared memory is
