@@ -168,6 +168,24 @@ def test_compare_mixers_rows_and_table():
     assert "grows with T" in lines[2] and lines[0].split() == ["mixer", "state_size", "accuracy"]
 
 
+def test_compare_mixers_in_processes_gives_the_one_thread_rows():
+    # two models trained side by side in spawned processes (one thread each) against the same two
+    # trained here one after the other on one thread: the same numbers, in the order asked
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=64, num_test=16)
+    kw = dict(d_model=16, n_layers=1, n_heads=2, steps=3, batch_size=8, progress=False)
+    mixers = ["deltanet", ("linear+norm", "linear", {"normalize": True})]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        here = compare_mixers(mixers, task, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    apart = compare_mixers(mixers, task, processes=2, **kw)
+    assert [r["mixer"] for r in apart] == ["deltanet", "linear+norm"]
+    for a, b in zip(here, apart):
+        assert {k: v for k, v in a.items() if k != "seconds"} == {k: v for k, v in b.items() if k != "seconds"}
+
+
 # ---- gates stay in fp32 in a bf16 model -------------------------------------------------------
 
 @pytest.mark.parametrize("name, module, function", [
