@@ -80,16 +80,18 @@ def test_log_alpha_numbers_and_zero_eta(gen):
             assert_close(got, want, tol=1e-5)
 
 
-def test_bf16_inputs(gen):
-    """bf16 takes 64-row query and key blocks (fp32 takes 32): T = 100 spans two of each."""
-    q, k, v, alpha, eta = inputs(gen, B=1, T=100, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(gen, dtype):
+    """16-bit inputs take 64-row query and key blocks (fp32 takes 32): T = 100 spans two of each. Their
+    weights go to the product with v in the inputs' dtype, except unnormalised fp16 (kept fp32)."""
+    q, k, v, alpha, eta = inputs(gen, B=1, T=100, dtype=dtype)
     for normalize in (False, True):
         for window in (None, 5, 70):
             want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
             got, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window,
                                       backend="triton")
-            assert got.dtype == torch.bfloat16
-            assert_close(got, want.bfloat16(), tol=2e-2)
+            assert got.dtype == dtype
+            assert_close(got, want.to(dtype), tol=2e-2)
 
 
 def test_views_are_read_in_place(gen):

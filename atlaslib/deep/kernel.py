@@ -132,7 +132,9 @@ def deep_kernel_fwd_kernel(
         if g_ptr is not None:
             b_gk = (tl.load(g_ptr + i_bh * T + o_s, mask=m_s, other=0.0) - b_gref).to(tl.float32)
             b_S += b_gq[:, None] - b_gk[None, :]
-        m_ok = (o_s[None, :] <= o_t[:, None]) & (o_s[None, :] > o_t[:, None] - c) & m_s[None, :]
+        # causal, in the window, a real key, a real query (rows past T see nothing: their decays are
+        # not those of any token, and unmasked they could overflow a 16-bit cast of the unstored rows)
+        m_ok = (o_s[None, :] <= o_t[:, None]) & (o_s[None, :] > o_t[:, None] - c) & m_s[None, :] & m_t[:, None]
         b_S = tl.where(m_ok, b_S, float("-inf"))            # masked before the exponential
         if NORMALIZE:
             b_m_new = tl.maximum(b_m, tl.max(b_S, 1))
