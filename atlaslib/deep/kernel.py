@@ -61,7 +61,7 @@ refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q
 log-decays g_t and g_{t-1} come from the host in fp64 and are taken relative to g at the block's
 first row before rounding, as above. Rows past T get eta = 0 and zero rows of L, so they write
 nothing and their rows of the inverse stay finite. Tiles: K <= 128 (DOT_MAX_KEY), BV <= 64,
-BT = 32, or 16 past BK = 32 (fp32) or BK = 64 (fp16/bf16); see DOT TILES below.
+BT = 32, or 16 past BK = 32; see DOT TILES below.
 
 Forward only: ``deep_transformer(..., backend="triton")`` and ``dot(..., backend="triton")`` get their
 gradients from ``core.with_chunk_backward`` (autograd through ``chunk.masked_chunk``, ``chunk.dot_chunk``,
@@ -214,15 +214,14 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
 # Every program holds a block's keys (or queries) beside an earlier block's keys, the block's
 # inverse and two accumulators: K <= 128.
 DOT_MAX_KEY = 128
-# DOT TILES. Blocks of BT = 32 tokens, 16 for fp32 inputs at BK >= 64 and for fp16/bf16 at BK = 128;
-# 8 warps, 4 for fp16/bf16 up to BK = 64; BV <= 64. Measured by building for sm_80 and sm_90
-# (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 8-16 KB and no spills at K = 16,
-# 32 (fp32) and 64 (176-255 registers); at K = 128, fp32 (FMA products) spills 164-176 B a thread
-# whatever the tiles tried (BV 16-64, 8 or 16 warps), bf16 none with 16-row blocks (200 registers).
-# (Those builds also held the read, since moved to ``deep_kernel_fwd_kernel``: a pass over the earlier
-# blocks holding both the block's keys and its queries spilled 2-5 KB at fp32 K = 128, and 64-row
-# blocks spilled 28-728 B at bf16 K = 64.) On an H100 (B=1, H=4, T=2048, K=V=64, fp32), the kernel
-# that also read took 45.5 ms where the chunk form took 28.7 ms: the read is now parallel.
+# DOT TILES. The solve holds its tiles in fp32 whatever the inputs (``load_tile``), so one rule serves
+# every dtype: blocks of BT = 32 tokens up to BK = 32, else 16; 8 warps; BV <= 64. Measured by building
+# for sm_80 and sm_90 (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 7-16 KB, no
+# spills up to K = 64 (164-204 registers); at K = 128, 140-156 B a thread whatever the tiles tried (BV
+# 16-64, 8 or 16 warps). (Earlier builds that also held the read, since moved to
+# ``deep_kernel_fwd_kernel``, spilled 2-5 KB at K = 128 in one pass over the earlier blocks.) On an H100
+# (B=1, H=4, T=2048, K=V=64, fp32) the kernel that also read took 45.5 ms where the chunk form took
+# 28.7 ms: the read is now parallel.
 
 
 @triton.jit
@@ -311,8 +310,7 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
     BK = feature_tile(run.K, DOT_MAX_KEY)
-    fp32 = run.precision == "ieee"
-    BT = 16 if BK > (32 if fp32 else 64) else 32                      # see DOT TILES above
+    BT = 16 if BK > 32 else 32                                       # see DOT TILES above
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
@@ -320,7 +318,7 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None):
     dot_solve_kernel[run.grid](
         run.k, run.v, g, gp, as_fp32(eta), U, *run.strides[1:3], tuple(U.stride()),
         run.T, run.H, run.K, run.V,
-        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8 if (fp32 or BK > 64) else 4,
+        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8,
     )
     # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
     # allocates its own output, so run's unused one is freed first)
