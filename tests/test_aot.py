@@ -186,14 +186,16 @@ def test_delta_backward_grids_grow_with_the_chunks_and_the_state_passes_do_not(b
 
 
 def test_query_block_grids_grow_with_the_sequence(builds):
-    # Chapter 6's kernel-trick forward: (B*H, value blocks, query blocks of BM = 32 or 64 rows), so
-    # T = 400 launches cdiv(400, BM) query blocks where T = 40 launched cdiv(40, BM)
+    # Chapter 6's kernel-trick forward: (B*H * query blocks of BM = 32 or 64 rows on axis 0, limit
+    # 2^31 - 1; value blocks on axis 1), so T = 400 launches B*H*cdiv(400, BM) where T = 40 launched
+    # B*H*cdiv(40, BM)
     blocks = [b for b in builds if b["kernel"] in QUERY_BLOCK_KERNELS]
     assert blocks
     for b in blocks:
-        assert b["launches"] == [1, 1] and len(b["grid"]) == 3 and b["grid"][:2] == b["grid_long"][:2], b["config"]
-        assert b["grid"][0] == 2 and b["grid"][1] <= 65535, b["config"]
-        assert (b["grid"][2], b["grid_long"][2]) in {(-(-40 // bm), -(-400 // bm)) for bm in (32, 64)}, b["config"]
+        assert b["launches"] == [1, 1] and len(b["grid"]) == 2 and b["grid"][1] == b["grid_long"][1], b["config"]
+        assert b["grid"][1] <= 65535, b["config"]
+        assert (b["grid"][0], b["grid_long"][0]) in {(2 * -(-40 // bm), 2 * -(-400 // bm)) for bm in (32, 64)}, \
+            b["config"]
 
 
 def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):

@@ -8,11 +8,11 @@ optionally divided by the same sum with v_i replaced by 1 (``normalize``), where
 i <= t, and i > t - c with a window c (SWDT). That is causal attention with a per-token
 log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAttention's forward:
 
-* one program per (batch*head, block of BV value channels, block of BM queries): query blocks
-  share nothing, so the grid (B*H, cdiv(V, BV), cdiv(T, BM)) grows with T and fills the GPU even
+* one program per (block of BM queries, batch*head, block of BV value channels): query blocks
+  share nothing, so the grid (B*H*cdiv(T, BM), cdiv(V, BV)) grows with T and fills the GPU even
   at one head. Each program walks the key blocks of BN rows its queries can see: from the block
-  holding its oldest visible key (t0 - c + 1) up to the diagonal. The last query block (the most
-  keys) gets the first program index, so the longest programs start first.
+  holding its oldest visible key (t0 - c + 1) up to the diagonal. The last query blocks of every
+  head (the most keys) get the first program indices, so the longest programs start first.
 * the exponent of a tile is S = Q K^T + (g_t - g_i), masked to -inf outside the window *before*
   the exponential (the chunk form's ``kernel_weights``). The decays come from the host as the fp64
   running sum g; each query block subtracts g at its first row, in fp64, before rounding to fp32,
@@ -76,7 +76,8 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
-from ..core.kernels import as_fp32, at_head, feature_tile, forward_launch, load_block, load_tile, store_tile, value_tile
+from ..core.kernels import (as_fp32, at_head, channel_block, feature_tile, forward_launch, load_block, load_tile,
+                            store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
@@ -87,8 +88,9 @@ MAX_KEY = 256
 # 8 warps for fp32 tiles past BK = 64, else 4. Measured by building for sm_90 (``atlaslib.aot``,
 # num_stages=1, gates and eta on): with fp32 tiles (exact fp32 products, tl.dot on FMA units) 64-row
 # blocks spill 3-17 KB a thread at 4 warps, and 32-row blocks at 4 warps spill 0.6 KB (K = 128) to
-# 2.2 KB (K = 256) in the one-query-block-per-program form, none at 8 warps (80-170 registers);
-# bf16 q, k, v at 64-row blocks and K = 64: 24 KB shared, 174 registers, no spills. On an H100
+# 2.2 KB (K = 256) in the one-query-block-per-program form, none at 8 warps (76-186 registers; at
+# K = 64 and 4 warps, 118-128 registers and 4 B on sm_80); bf16 q, k, v at 64-row blocks and K = 64:
+# 16-24 KB shared, 128-204 registers, no spills (sm_80 and sm_90). On an H100
 # (B=1, H=4, T=2048, K=V=64, fp32) the earlier form, one program walking every query block, took
 # 8.4 ms where the chunk form took 7.2 ms; the grid over query blocks has not been timed yet.
 
@@ -97,18 +99,23 @@ MAX_KEY = 256
 def deep_kernel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, eta_ptr, o_ptr,
     s_q, s_k, s_v, s_o,
-    T, H, K, V, c,
+    T, H, K, V, c, NQ,
     NORMALIZE: tl.constexpr, P_IN_INPUT_DTYPE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
+    # axis 0 enumerates (query block, batch*head) pairs, the last query block of every head first: those
+    # see the most keys, so the longest programs start first; axis 1, blocks of value channels
+    i_p = tl.program_id(0).to(tl.int64)
+    BH = tl.num_programs(0) // NQ
+    i_bh = i_p % BH
+    i_b, i_h = i_bh // H, i_bh % H
+    start = ((NQ - 1 - i_p // BH) * BM).to(tl.int32)             # tokens within a head: T < 2^31
+    o_v, m_v = channel_block(tl.program_id(1), BV, V)
     q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
     o_k, m_k = key_channels(BK, K)
     o_m = tl.arange(0, BM)                  # rows of a query block
     o_n = tl.arange(0, BN)                  # rows of a key block
 
-    # this program's query block (axis 2), the last first: it sees the most keys, so it starts early
-    start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BM
     o_t = start + o_m                   # the query block's tokens
     m_t = o_t < T
     b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)          # in the inputs' dtype: tensor-core products
@@ -183,9 +190,10 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # fp64: see the module's docstring
     c = run.T if window is None else min(int(window), run.T)         # c >= T: no window
-    deep_kernel_fwd_kernel[(*run.grid, triton.cdiv(run.T, BM))](
+    NQ = triton.cdiv(run.T, BM)                                      # query blocks per head
+    deep_kernel_fwd_kernel[(run.B * run.H * NQ, triton.cdiv(run.V, run.BV))](
         run.q, run.k, run.v, g, as_fp32(eta), run.o, *run.strides,
-        run.T, run.H, run.K, run.V, c,
+        run.T, run.H, run.K, run.V, c, NQ,
         NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
         BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
         num_warps=8 if (not half and BK > 64) else 4,
