@@ -101,3 +101,30 @@ def test_stored_chunk_states_are_the_prefix_states_in_the_state_dtype(gen, dtype
                                   alpha=alpha[:, :, :n].double(), initial_state=h0.double(),
                                   output_final_state=True, backend="recurrent")
         assert_close(h[:, :, c].float(), ref.float(), tol=1e-5 if dtype == torch.float32 else 1e-2, name=f"h[{c}]")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_short_sequences_hold_no_padded_chunk(gen, grad):
+    """Every per-token buffer of the delta rule's kernels (w, u, v_new; backward dv_local, dv2, dk, dw)
+    has T rows: a 3-token sequence costs its two states (h[0] and the final state) and a few rows, not
+    whole 64-row chunks (Memory Caching runs blocks of 1-32 tokens as batch rows). The bound lies
+    between the two: the padded buffers alone would pass it."""
+    from atlaslib.bench import peak_memory_mib
+    B, H, T, K, V = 16, 2, 3, 32, 32
+    q, k, v, alpha, beta, _ = inputs(gen, T, "scalar", B=B, H=H, K=K, V=V)
+    leaves = (q, k, v, beta)
+    for x in leaves:
+        x.requires_grad_(grad)
+
+    def call():
+        o, s = delta_rule(q, k, v, beta, alpha=alpha, output_final_state=True, backend="triton")
+        if grad:
+            (o.sum() + s.sum()).backward()
+        return o, s
+
+    with torch.set_grad_enabled(grad):
+        peak = peak_memory_mib(call, "cpu") * 2**20
+    state = B * H * V * K * 4
+    padded = CHUNK * (K + 2 * V) * 4 * B * H            # w, u and v_new over one whole chunk
+    bound = (4 if grad else 2) * state + padded // 2
+    assert peak < bound, f"peak {peak / 2**10:.0f} KiB >= {bound / 2**10:.0f} KiB"

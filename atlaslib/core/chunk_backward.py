@@ -97,7 +97,7 @@ def chunk_dstate_kernel(
             # dv_new = dv_local + (k * e^{g_n - g}) dH^T, with dH the gradient of the state after this chunk
             b_dv2 = load_block(du_ptr, s_du, o_t, o_v, m_t, m_v).to(tl.float32)
             b_dv2 += tl.dot(b_kd, tl.trans(b_dh).to(dt), input_precision=PRECISION)
-            store_tile(dv2_ptr, s_dv2, o_t, o_v, o_t < Tp, m_v, b_dv2)
+            store_tile(dv2_ptr, s_dv2, o_t, o_v, m_t, m_v, b_dv2)
             b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
         # dH <- dH Diag(e^{g_n}) + do^T (q e^g) [- dv_new^T w]
         if GATE == GATE_SCALAR:
@@ -157,7 +157,7 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
             of ``CHUNK`` = 64 with log-gate 0 (``core.kernels.chunk_gates(..., CHUNK)``).
         dht: None, or [B, H, V, K] gradient of the final state (any float dtype; read as fp32).
         k, w, dv_local: the delta rule (``w`` given; then all three): k [B, H, T, K] its keys, w
-            [B, H, Tp or T, K] the WY factor with v_new = u - w h[c]^T, dv_local [B, H, Tp or T, V]
+            [B, H, T, K] the WY factor with v_new = u - w h[c]^T, dv_local [B, H, T, V]
             the gradient of v_new from the intra-chunk output term, in the input dtype (any
             strides; rows t >= T are never read). Needs K <= 256 (all key channels in one program).
         dv2_dtype: dtype of the stored dv_new (default: dv_local's).
@@ -171,8 +171,8 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
             The same size as the forward's stored chunk states h.
         dh0: [B, H, V, K] fp32, the gradient of the initial state (the state at the start of
             chunk 0), or None when ``want_dh0`` is False.
-        dv2: delta rule only (else None): [B, H, Tp, V] in ``dv2_dtype``, the whole gradient of
-            v_new, dv_local + (k * e^{g_n - g}) dh[c]^T per chunk; rows t >= T hold 0.
+        dv2: delta rule only (else None): [B, H, T, V] in ``dv2_dtype``, the whole gradient of
+            v_new, dv_local + (k * e^{g_n - g}) dh[c]^T per chunk.
     """
     B, H, T, K = q.shape
     V = do.shape[-1]
@@ -193,7 +193,7 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
     dht = None if dht is None else dht.to(torch.float32).contiguous()
     dv2 = None
     if delta:
-        dv2 = empty(B, H, Tp, V, dtype=dv2_dtype or dv_local.dtype, device=q.device)
+        dv2 = empty(B, H, T, V, dtype=dv2_dtype or dv_local.dtype, device=q.device)
     chunk_dstate_kernel[(B * H, triton.cdiv(V, BV), triton.cdiv(K, BK))](
         q, k, w, dv_local, do, g, dht, dh, dh0, dv2,
         _strides(q), _strides(k) if delta else (0, 0, 0, 0), _strides(w), _strides(dv_local), _strides(do),

@@ -313,7 +313,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     BV, stages = delta_state_tiles(K, V, run.q.element_size()) if delta else (min(dot_tile(V), 64), 3)
     h = empty(B * H, NT, V, K, dtype=state_dtype(run.q.dtype), device=run.q.device)
     ht = run.state()
-    vn = empty(B, H, Tp, V, dtype=run.q.dtype, device=run.q.device) if delta else None
+    vn = empty(B, H, run.T, V, dtype=run.q.dtype, device=run.q.device) if delta else None
     src = u if delta else run.v
     zero = (0, 0, 0, 0)
     chunk_state_kernel[(B * H, triton.cdiv(V, BV), triton.cdiv(K, BK))](

@@ -133,7 +133,6 @@ def delta_wy_kernel(
     w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     dt = k_ptr.dtype.element_ty
     o_i, o_t, m_t = chunk_tokens(i_c, BT, T)
-    m_all = o_t < Tp                        # w and u are written for every padded row too
     b_g = None
     if GATE == GATE_SCALAR:
         b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
@@ -153,11 +152,11 @@ def delta_wy_kernel(
         elif GATE == GATE_CHANNEL:
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
             b_k = (b_k * tl.exp(b_gk)).to(dt)
-        store_tile(w_ptr, s_w, o_t, o_k, m_all, m_k, tl.dot(b_Rb, b_k, input_precision=PRECISION))
+        store_tile(w_ptr, s_w, o_t, o_k, m_t, m_k, tl.dot(b_Rb, b_k, input_precision=PRECISION))
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v, m_v = channel_block(i_v, BV, V)
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
-        store_tile(u_ptr, s_u, o_t, o_v, m_all, m_v, tl.dot(b_Rb, b_v, input_precision=PRECISION))
+        store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, tl.dot(b_Rb, b_v, input_precision=PRECISION))
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def delta_dv_local_kernel(
 ):
     """dv_local = (A * causal decay)^T do for chunk i_c, value block i_v: the gradient of v_new from
     the chunk's own outputs. A = q k^T (times e^{g_i - g_j}) is recomputed, or read from ``a_ptr``
-    (per-channel gates). Rows t >= T are written as 0 (rows of padded tokens up to Tp)."""
+    (per-channel gates)."""
     i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_v, m_v = chunk_block_program(NT, H, T, BT, BV, V)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
     do_ptr, dv_ptr = at_head(do_ptr, s_do, i_b, i_h), at_head(dv_ptr, s_dv, i_b, i_h)
@@ -232,7 +231,7 @@ def delta_dv_local_kernel(
     b_A = decayed_scores(q_ptr, s_q, k_ptr, s_k, a_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, False, GATE, BT, BK, PRECISION)
     b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
     b_dv = tl.dot(tl.trans(b_A.to(dt)), b_do, input_precision=PRECISION)
-    store_tile(dv_ptr, s_dv, o_t, o_v, o_t < Tp, m_v, b_dv)
+    store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dv)
 
 
 @triton.jit
@@ -292,8 +291,8 @@ def delta_bwd_state_kernel(
         b_dq += tl.dot(b_dS.to(dt), b_k, input_precision=PRECISION)
         b_dk += tl.dot(tl.trans(b_dS).to(dt), b_q, input_precision=PRECISION)
     store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
-    store_tile(dk_ptr, s_dk, o_t, o_k, o_t < Tp, m_k, b_dk)
-    store_tile(dw_ptr, s_dw, o_t, o_k, o_t < Tp, m_k, b_dw)
+    store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
+    store_tile(dw_ptr, s_dw, o_t, o_k, m_t, m_k, b_dw)
     if GATE == GATE_SCALAR:
         b_dg = tl.sum(b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32), axis=1) + tl.where(b_last, b_dgn, 0.0)
         tl.store(dg_ptr + (i_bh * tl.num_programs(1) + tl.program_id(1)) * Tp + o_t, b_dg)
@@ -416,11 +415,14 @@ def _backward_launch(q, k, v, do):
 
 
 def wy_factors(run, gate, g, beta, ak):
-    """(a): the WY factors w [B, H, Tp, K] and u [B, H, Tp, V] of every chunk, in q's dtype."""
+    """(a): the WY factors w [B, H, T, K] and u [B, H, T, V] of every chunk, in q's dtype. w, u, v_new
+    and their gradients have T rows, and every kernel masks the rows past T: a short sequence (memory
+    caching runs its blocks of 1-32 tokens as batch rows) pays for no padded chunk. Only the log-gates
+    g and the per-channel scores A are padded to whole chunks (their kernels read whole chunks)."""
     NT = num_chunks(run.T)
     Tp = NT * CHUNK
-    w = empty(run.B, run.H, Tp, run.K, dtype=run.q.dtype, device=run.q.device)
-    u = empty(run.B, run.H, Tp, run.V, dtype=run.q.dtype, device=run.q.device)
+    w = empty(run.B, run.H, run.T, run.K, dtype=run.q.dtype, device=run.q.device)
+    u = empty(run.B, run.H, run.T, run.V, dtype=run.q.dtype, device=run.q.device)
     delta_wy_kernel[(run.B * run.H * NT,)](
         run.k, run.v, beta, g, ak, w, u,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
@@ -467,7 +469,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     w, u = wy_factors(run, gate, g, beta, ak)
     h, _, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)
     # dv_local, then the reverse state pass: dH per chunk, dv2 = the whole gradient of v_new, dh0
-    dv_local = empty(B, H, Tp, V, dtype=dt, device=dev)
+    dv_local = empty(B, H, T, V, dtype=dt, device=dev)
     delta_dv_local_kernel[(B * H * NT, triton.cdiv(V, BV))](
         run.q, run.k, do, g, aq, dv_local,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv_local.stride()),
@@ -477,8 +479,8 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dh, dh0, dv2 = dstate_pass(run.q, do, gate, g, dht, k=run.k, w=w, dv_local=dv_local)
     # per chunk: the terms through the states, then back through the WY factors
     dq = empty(B, H, T, K, dtype=dt, device=dev)
-    dk1 = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
-    dw = empty(B, H, Tp, K, dtype=torch.float32, device=dev)
+    dk1 = empty(B, H, T, K, dtype=torch.float32, device=dev)
+    dw = empty(B, H, T, K, dtype=torch.float32, device=dev)
     # dg: fp32 [B*H, NK, Tp] (scalar gates: one row per key block) or [B*H, Tp, K] (per channel)
     dg_shape = (B * H, NK, Tp) if gate == GATE_SCALAR else (B * H, Tp, K) if gate == GATE_CHANNEL else None
     dg1 = None if dg_shape is None else empty(*dg_shape, dtype=torch.float32, device=dev)
@@ -522,8 +524,8 @@ class DeltaRuleFunction(torch.autograd.Function):
     training step holds no extra memory for it. The backward recomputes the WY factors w, u and the state pass
     (every h[c] and v_new) instead of keeping them from the forward. Its own buffers, freed when it returns:
     h[c] and dH per chunk (B*H*NT*V*K elements each, in the inputs' dtype when it is 16-bit, else fp32:
-    ``core.chunk_kernels.state_dtype``); w, u, v_new, dv_local and dv2 (B*H*Tp*K or B*H*Tp*V elements in the
-    inputs' dtype); the fp32 partial dk and dw (B*H*Tp*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4 bytes
+    ``core.chunk_kernels.state_dtype``); w, u, v_new, dv_local and dv2 (B*H*T*K or B*H*T*V elements in the
+    inputs' dtype); the fp32 partial dk and dw (B*H*T*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4 bytes
     for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the scores Aq, Ak (B*H*Tp*64*4 bytes each). NT =
     cdiv(T, 64), Tp = 64 NT.
 
