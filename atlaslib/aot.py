@@ -427,15 +427,16 @@ def deep_cases():
 def dot_cases():
     """DOT with c = 1 and phi_star="kernel" (``dot_kernel_triton``): the coefficient solve, gates and
     eta on, at the head sizes it takes (K <= 128) in fp32 and bf16, which change its blocks (16 rows
-    for fp32 at K >= 64 and bf16 at K = 128, else 32) and warps."""
+    for fp32 at K >= 64 and bf16 at K = 128, else 32) and warps. Leaves of one block (``leaf=1``
+    rounds up to it), so T = 40 already splits and launches the recall kernel too."""
     from .deep.kernel import dot_kernel_triton
 
     for K in (16, 64, 128):
         for dt in ("fp32", "bf16"):
             def dot(T, K=K, dt=dt):
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
-                dot_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5))
-            yield "deep", f"dot c=1 K=V={K} {dt}", dot
+                dot_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5), leaf=1)
+            yield "deep", f"dot c=1 leaf=block K=V={K} {dt}", dot
 
 
 def caching_cases():

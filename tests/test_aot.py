@@ -42,6 +42,9 @@ DELTA_BACKWARD = {"delta_bwd"}
 # Kernels with a program per block of queries, as FlashAttention's forward: chapter 6's kernel-trick
 # DeepTransformer, whose query blocks share nothing.
 QUERY_BLOCK_KERNELS = {"deep_kernel_fwd_kernel"}
+# DOT's recursive solve: the serial leaf kernel (a program per head and value block, launched once per
+# leaf) and the recall kernel between halves (a program per block of tokens).
+DOT_SOLVE_KERNELS = {"dot_solve_kernel", "dot_recall_kernel"}
 
 
 def family(build):
@@ -123,7 +126,7 @@ def test_grid_does_not_grow_with_the_sequence(builds):
     # chapters 1-2, the Newton-Schulz kernel and the caching readout are checked on their own below
     per_head = [b for b in builds if family(b) not in
                 ONE_PROGRAM_PER_MATRIX | ONE_PROGRAM_PER_TOKEN_BLOCK | CHUNK_PARALLEL | CHUNK_PARALLEL_BACKWARD
-                | DELTA_BACKWARD and b["kernel"] not in QUERY_BLOCK_KERNELS]
+                | DELTA_BACKWARD and b["kernel"] not in QUERY_BLOCK_KERNELS | DOT_SOLVE_KERNELS]
     assert per_head and all(b["grid_fixed_in_T"] for b in per_head)
     assert all(b["grid"][0] == 2 and len(b["grid"]) == 2 and b["grid"][1] <= 65535 for b in per_head)
     assert all(b["launches"] == [1, 1] for b in per_head)
@@ -196,6 +199,23 @@ def test_query_block_grids_grow_with_the_sequence(builds):
         assert b["grid"][1] <= 65535, b["config"]
         assert (b["grid"][0], b["grid_long"][0]) in {(2 * -(-40 // bm), 2 * -(-400 // bm)) for bm in (32, 64)}, \
             b["config"]
+
+
+def test_dot_leaves_keep_their_grid_and_the_recall_grid_grows(builds):
+    # DOT's solve (chapter 6): the leaf kernel keeps the grid (B*H, value blocks) and is launched once per
+    # leaf, more often at T = 400; between two halves the recall kernel has a program per block of the
+    # later half's tokens (B*H * blocks on axis 0), one launch fewer than the leaves
+    leaves = {(b["config"], b["target"]): b for b in builds if b["kernel"] == "dot_solve_kernel"}
+    recalls = [b for b in builds if b["kernel"] == "dot_recall_kernel"]
+    assert leaves and recalls
+    for b in leaves.values():
+        assert b["grid_fixed_in_T"] and b["grid"][0] == 2 and len(b["grid"]) == 2, b["config"]
+        assert 1 <= b["launches"][0] < b["launches"][1], b["config"]
+    for b in recalls:
+        leaf = leaves[(b["config"], b["target"])]
+        assert [n + 1 for n in b["launches"]] == list(leaf["launches"]), b["config"]
+        assert b["grid"][0] % 2 == 0 and b["grid_long"][0] > b["grid"][0] and b["grid"][1] == leaf["grid"][1]
+        assert b["grid"][1] <= 65535
 
 
 def test_newton_schulz_grid_is_one_program_per_matrix_of_a_chunk(builds):

@@ -260,6 +260,20 @@ def test_dot_triton_many_blocks_and_wide_values(gen, K):
     assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
 
 
+@pytest.mark.parametrize("K, T, leaf", [(5, 75, 32), (5, 140, 40), (100, 75, 16), (100, 45, 1)])
+@pytest.mark.parametrize("gates", [True, False])
+def test_dot_triton_recursive_solve(gen, K, T, leaf, gates):
+    """The solve split in halves down to leaves of ``leaf`` tokens (rounded up to the block: 32 at K = 5,
+    16 at K = 100), the later halves' right-hand sides corrected by the recall kernel: three leaves
+    of 32 (75 = 32 + 32 + 11), four of 64 and a partial one (140), five of 16, three of 16 (leaf = 1
+    rounds up): every split equals the definition (and one leaf, the default at these T)."""
+    from atlaslib.deep.kernel import dot_kernel_triton
+    q, k, v, alpha, eta = dot_inputs(gen, B=2, H=1, T=T, K=K, V=70, gates=gates)
+    with poisoned_outputs():
+        got, _ = dot_kernel_triton(q, k, v, alpha, eta, leaf=leaf)
+    assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
+
+
 @pytest.mark.parametrize("K", [16, 100])
 def test_dot_triton_bf16_and_views(gen, K):
     """bf16 inputs (tf32 products; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);

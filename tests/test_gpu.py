@@ -39,7 +39,8 @@ KERNEL_TESTS = {
     "atlaslib/linear/backward.py": ["test_linear_attention_backward_on_gpu"],
     "atlaslib/delta/kernel.py": ["test_delta_rule_kernel_on_gpu", "test_delta_rule_long_bf16",
                                  "test_delta_rule_backward_on_gpu"],
-    "atlaslib/deep/kernel.py": ["test_deep_transformer_kernel_on_gpu", "test_bench_case_kernel_on_gpu"],
+    "atlaslib/deep/kernel.py": ["test_deep_transformer_kernel_on_gpu", "test_dot_solve_in_halves_on_gpu",
+                                "test_bench_case_kernel_on_gpu"],
     "atlaslib/miras/kernel.py": ["test_bench_case_kernel_on_gpu"],
     "atlaslib/omega/kernel.py": ["test_bench_case_kernel_on_gpu"],
     "atlaslib/atlas/kernel.py": ["test_bench_case_kernel_on_gpu", "test_newton_schulz_kernel_on_gpu"],
@@ -248,6 +249,25 @@ def test_deep_transformer_kernel_on_gpu(gen, dtype, T, K, V, normalize, window):
     with poisoned_outputs():
         o, _ = deep_transformer(q.to(dtype), k.to(dtype), v.to(dtype), alpha=alpha, eta=eta, normalize=normalize,
                                 window=window, backend="triton")
+    assert o.dtype == dtype
+    assert_close(o.float(), ref, tol=TOL[dtype])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dot_solve_in_halves_on_gpu(gen, dtype):
+    """DOT's solve split down to leaves of one block (``leaf=1``), so the recall kernel runs between every
+    two halves (the bench row below splits T = 300 into leaves of 128 only), against the chunk form."""
+    from atlaslib.deep import dot_chunk
+    from atlaslib.deep.kernel import dot_kernel_triton
+    T = length(300)
+    q, k, v = random_qkv(1, 2, T, 64, 64, generator=gen)
+    k = 0.5 * k / k.norm(dim=-1, keepdim=True)                      # |k|^2 = 1/4: a stable delta rule on phi*
+    alpha, eta = random_gate(1, 2, T, low=0.9, generator=gen), 0.1 + 0.4 * torch.rand(1, 2, T, generator=gen)
+    q, k, v, alpha, eta = (x.to(DEVICE) for x in (q, k, v, alpha, eta))
+    ref, _ = dot_chunk(q, k, v, alpha, eta, "exp", 64)
+    with poisoned_outputs():
+        o, _ = dot_kernel_triton(q.to(dtype), k.to(dtype), v.to(dtype), alpha, eta, leaf=1)
     assert o.dtype == dtype
     assert_close(o.float(), ref, tol=TOL[dtype])
 

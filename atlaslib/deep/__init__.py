@@ -27,9 +27,10 @@ GD keeps W1 in the span of the past features (chapter 6 §7). With ("taylor", P)
 exact only at b = 1; "frozen_seq" is its oracle); with phi_star="kernel" both run per token with W1 as
 coefficients of the past features (``deep_mlp_recurrent``, ``dot_mlp_recurrent``, O(T^2), exact phi*).
 
-``kernel.py`` also holds ``dot``'s kernel for c = 1 and phi_star="kernel" (``dot_kernel_triton``): per
-block of tokens, the unit lower-triangular system of the coefficients solved in registers, the earlier
-blocks' coefficients read back from global memory (O(T^2), as attention); K <= 128. With phi*_P and
+``kernel.py`` also holds ``dot``'s kernel for c = 1 and phi_star="kernel" (``dot_kernel_triton``): the unit
+lower-triangular system of the coefficients solved in halves, recursively (what the first half recalls
+subtracted from the second half's right-hand sides in parallel, O(T^2) as attention), leaves of 128
+tokens solved block by block in registers; K <= 128. With phi*_P and
 c = 1, ``dot`` is chapter 2's ``delta_rule`` on the features, its kernel included.
 
 Not here: a kernel for SWDT on phi*_P and for ``dot``'s kernel form with c > 1, a chunk
@@ -302,7 +303,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
             "mlp" weights ``{"W1", "W2"}``); ValueError for the kernel form, as for initial_state.
         backend: "recurrent" (per token: the definition), "chunk", "triton" or "auto".
             c = 1, "kernel": "recurrent", "chunk" (both exact for every chunk_size) and "triton"
-            (``kernel.dot_kernel_triton``: the same block solve in one program per head; fp32/bf16/fp16
+            (``kernel.dot_kernel_triton``: the same solve, recursively in halves; fp32/bf16/fp16
             inputs, K <= 128; forward only, gradients through the chunk form); "auto" = the kernel on
             CUDA where it takes the inputs, else chunk.
             c = 1, ("taylor", P): chapter 2's ``delta_rule`` on the features, with its backends (its

@@ -37,24 +37,28 @@ across programs, each recomputing the scores). Launched with num_stages=1, as ch
 ``hebbian_triton``: phi_star=("taylor", P) without a window is chapter 1's matrix memory on the
 features phi*_P with values eta_t v_t, so it runs chapter 1's kernel on them (D <= 256).
 
-``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), in two
+``dot_kernel_triton``: DOT with c = 1 and phi_star="kernel" (the delta rule on phi*), in three
 kernels. The coefficients solve u_t = eta_t (v_t - sum_{j<t} e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j),
-a system on tokens that never mixes value channels, so splitting V is exact (each value block
-solves the same system on its own columns). The solve is ``chunk.dot_chunk``'s block solve in one
-program per (batch*head, block of BV value channels), walking blocks of BT tokens in order; for
-each block:
+a unit lower-triangular system on tokens that never mixes value channels, so splitting V is exact
+(each value block solves the same system on its own columns). An fp32 buffer U [B, H, T, V] starts as
+v and ends as the coefficients. The solve is recursive (DOT SOLVE below): the first half of a range of
+tokens is solved, then ``dot_recall_kernel`` subtracts what it recalls at the second half's keys,
+sum_j e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j over the first half, from the second half's rows of U (a
+program per block of BT tokens and head: parallel, O(T^2) in all, as attention), then the second half
+is solved. A range of at most DOT_LEAF tokens is solved by ``dot_solve_kernel``, ``chunk.dot_chunk``'s
+block solve in one program per (batch*head, block of BV value channels), walking blocks of BT tokens
+in order; for each block:
 
-* recall: sum over the earlier blocks of e^{g_{t-1} - g_j} exp(k_j^T k_t) u_j, their keys and their
-  coefficients read back from an fp32 buffer U [B, H, T, V] in global memory (O(T^2), as attention);
-* the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L[t, j] = e^{g_{t-1} - g_j}
+* recall: the same sum over the leaf's earlier blocks, their keys and coefficients read back from U;
+* the block's own system (I + Diag(eta) L) U = Diag(eta) (U - recall), L[t, j] = e^{g_{t-1} - g_j}
   exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (blocked
-  forward substitution on the BT x BT tile); U is written to the buffer;
+  forward substitution on the BT x BT tile); U is written back;
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
 
 The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and
 nothing else, so it waits for the solve and then runs in parallel: it is the kernel-trick
 DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
-one program per block of queries. Only the solve is sequential.
+one program per block of queries. Only the leaves of the solve are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -76,8 +80,8 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
-from ..core.kernels import (as_fp32, at_head, channel_block, feature_tile, forward_launch, load_block, load_tile,
-                            store_tile, value_tile)
+from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch, load_block,
+                            load_tile, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
@@ -223,13 +227,22 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
 # inverse and two accumulators: K <= 128.
 DOT_MAX_KEY = 128
 # DOT TILES. The solve holds its tiles in fp32 whatever the inputs (``load_tile``), so one rule serves
-# every dtype: blocks of BT = 32 tokens up to BK = 32, else 16; 8 warps; BV <= 64. Measured by building
-# for sm_80 and sm_90 (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 7-16 KB, no
-# spills up to K = 64 (164-204 registers); at K = 128, 140-156 B a thread whatever the tiles tried (BV
-# 16-64, 8 or 16 warps). (Earlier builds that also held the read, since moved to
-# ``deep_kernel_fwd_kernel``, spilled 2-5 KB at K = 128 in one pass over the earlier blocks.) On an H100
-# (B=1, H=4, T=2048, K=V=64, fp32) the kernel that also read took 45.5 ms where the chunk form took
-# 28.7 ms: the read is now parallel.
+# every dtype: blocks of BT = 32 tokens up to BK = 32, else 16; BV <= 64; 8 warps for the leaves, 4 for
+# the recall. Measured by building for sm_80 and sm_90 (``atlaslib.aot``, num_stages=1, gates and eta
+# on): shared memory 8-16 KB; the leaf kernel 128-196 registers up to K = 64, no spills, and at K = 128
+# 112-128 B a thread spilled (140-156 B before the recursive split, whatever the tiles tried: BV 16-64,
+# 8 or 16 warps); the recall kernel 48-121 registers, no spills. On an H100 (B=1, H=4, T=2048,
+# K=V=64, fp32) the first kernel, one program walking every block and reading as it went, took 45.5 ms
+# where the chunk form took 28.7 ms; the parallel read and the recursive solve have not been timed on a
+# card yet.
+# DOT SOLVE. The tokens are split in halves recursively, as a blocked triangular solve (TRSM) does:
+# solve the first half; subtract what it recalls from the second half's right-hand sides
+# (``dot_recall_kernel``, a program per block of BT tokens: parallel); solve the second half. Halves of
+# DOT_LEAF tokens or fewer are leaves, solved by ``dot_solve_kernel`` (one program per head and value
+# block, BT tokens at a time). A head's serial work is then the leaves (T * DOT_LEAF / 2 key-row visits
+# instead of T^2 / 2 in one pass over all earlier blocks); the rest, about log2(T / DOT_LEAF) passes over
+# the tokens, runs in programs of BT rows. 2 T / DOT_LEAF - 1 launches: 31 at T = 2048.
+DOT_LEAF = 128
 
 
 @triton.jit
@@ -239,12 +252,12 @@ def log_decay_from(g_ptr, o_t, m_t, b_gref):
 
 
 @triton.jit
-def earlier_blocks(b_acc, b_k, b_gp, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T,
+def earlier_blocks(b_acc, b_k, b_gp, lo, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T,
                    BT: tl.constexpr, PRECISION: tl.constexpr):
-    """b_acc + sum_{j < start} e^{gp_t - g_j} exp(k_j . k_t) u_j for the block's keys b_k (gp = g_{t-1}):
-    what the earlier blocks of BT tokens recall, in order, their keys and coefficients read back from
+    """b_acc + sum_{lo <= j < start} e^{gp_t - g_j} exp(k_j . k_t) u_j for the block's keys b_k (gp = g_{t-1}):
+    what the blocks of BT tokens from lo up to start recall, their keys and coefficients read back from
     this head's k and u. Decays (g_ptr: this head's g, None without gates) relative to b_gref, as b_gp."""
-    for kstart in range(0, start, BT):
+    for kstart in range(lo, start, BT):
         o_s = kstart + tl.arange(0, BT)
         m_s = o_s < T
         b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
@@ -256,53 +269,86 @@ def earlier_blocks(b_acc, b_k, b_gp, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b_gre
 
 
 @triton.jit
+def block_keys_and_decays(k_ptr, s_k, g_ptr, gp_ptr, start, o_t, m_t, o_k, m_k):
+    """The keys (fp32) of the block of tokens o_t from ``start`` and, with gates, g at its first row, g_t and
+    g_{t-1} relative to it (0.0 without)."""
+    b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+    b_gref, b_gq, b_gp = 0.0, 0.0, 0.0      # no decays (never read)
+    if g_ptr is not None:
+        b_gref = tl.load(g_ptr + start)
+        b_gq = log_decay_from(g_ptr, o_t, m_t, b_gref)
+        b_gp = log_decay_from(gp_ptr, o_t, m_t, b_gref)
+    return b_k, b_gref, b_gq, b_gp
+
+
+@triton.jit
 def dot_solve_kernel(
-    k_ptr, v_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr,
-    s_k, s_v, s_u,
-    T, H, K, V,
+    k_ptr, g_ptr, gp_ptr, eta_ptr, u_ptr,
+    s_k, s_u,
+    T, H, K, V, LO, HI,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """The coefficients of tokens LO .. HI - 1 (a leaf of the solve), blocks of BT in order. u holds the
+    right-hand sides v_t - (what the tokens before LO recall) on entry, the coefficients on return."""
     i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
-    k_ptr, v_ptr, u_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
+    k_ptr, u_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
     if g_ptr is not None:
         g_ptr, gp_ptr = g_ptr + i_bh * T, gp_ptr + i_bh * T    # this head's g_t and g_{t-1}
     o_k, m_k = key_channels(BK, K)
     o_i, _ = chunk_rows(BT)
     m_strict = o_i[:, None] > o_i[None, :]                         # j < t inside a block
 
-    for start in range(0, T, BT):
+    for start in range(LO, HI, BT):
         o_t = start + o_i                   # the block's tokens
-        m_t = o_t < T
-        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
-        if g_ptr is not None:
-            # g_t and g_{t-1} relative to g at the block's first row: subtracted in fp64, then fp32
-            b_gref = tl.load(g_ptr + start)
-            b_gq = log_decay_from(g_ptr, o_t, m_t, b_gref)
-            b_gp = log_decay_from(gp_ptr, o_t, m_t, b_gref)
-        else:
-            b_gref, b_gq, b_gp = 0.0, 0.0, 0.0   # no decays (never read)
+        m_t = o_t < HI
+        b_k, b_gref, b_gq, b_gp = block_keys_and_decays(k_ptr, s_k, g_ptr, gp_ptr, start, o_t, m_t, o_k, m_k)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
         else:
-            b_eta = tl.where(m_t, 1.0, 0.0)  # rows past T write nothing
-
-        # what the earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
+            b_eta = tl.where(m_t, 1.0, 0.0)  # rows past HI write nothing
+        # what the leaf's earlier blocks (coefficients known) recall at k_t under the state M_{t-1}:
         # weights e^{g_{t-1} - g_j} exp(k_j.k_t)
-        b_recall = earlier_blocks(tl.zeros([BT, BV], dtype=tl.float32), b_k, b_gp, start,
+        b_recall = earlier_blocks(tl.zeros([BT, BV], dtype=tl.float32), b_k, b_gp, LO, start,
                                   k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
 
         # the block's own system (I + Diag(eta) L) U = Diag(eta) (V - recall), L strictly lower; masked to
-        # -inf before the exponential, rows past T zero (so their rows of the inverse stay finite)
+        # -inf before the exponential, rows past HI zero (so their rows of the inverse stay finite)
         b_S = tl.dot(b_k, tl.trans(b_k), input_precision=PRECISION)
         if g_ptr is not None:
             b_S += b_gp[:, None] - b_gq[None, :]
         b_L = tl.exp(tl.where(m_strict & m_t[:, None], b_S, float("-inf")))
         b_R = unit_lower_inverse(b_eta[:, None] * b_L, BT, 16, PRECISION)
-        b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
-        b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_v - b_recall, 0.0), input_precision=PRECISION)
+        b_rhs = load_tile(u_ptr, s_u, o_t, o_v, m_t, m_v)
+        b_u = tl.dot(b_R, b_eta[:, None] * tl.where(m_t[:, None], b_rhs - b_recall, 0.0), input_precision=PRECISION)
         store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, b_u)
         # the next blocks read this block's coefficients back: every thread's stores first
         tl.debug_barrier()
+
+
+@triton.jit
+def dot_recall_kernel(
+    k_ptr, g_ptr, gp_ptr, u_ptr,
+    s_k, s_u,
+    T, H, K, V, LO, MID, HI, NQ,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """u_t -= sum_{LO <= j < MID} e^{g_{t-1} - g_j} exp(k_j . k_t) u_j for the tokens MID <= t < HI: what the
+    solved tokens LO .. MID - 1 recall, taken from the right-hand sides of the later ones. One program
+    per (block of BT tokens, batch*head) on axis 0 and block of value channels on axis 1: the blocks
+    share nothing."""
+    i_bh, i_q, i_b, i_h = chunk_program(NQ, H)
+    o_v, m_v = channel_block(tl.program_id(1), BV, V)
+    k_ptr, u_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
+    if g_ptr is not None:
+        g_ptr, gp_ptr = g_ptr + i_bh * T, gp_ptr + i_bh * T
+    o_k, m_k = key_channels(BK, K)
+    start = MID + i_q.to(tl.int32) * BT     # tokens within a head: T < 2^31
+    o_t = start + tl.arange(0, BT)
+    m_t = o_t < HI
+    b_k, b_gref, _, b_gp = block_keys_and_decays(k_ptr, s_k, g_ptr, gp_ptr, start, o_t, m_t, o_k, m_k)
+    b_recall = earlier_blocks(tl.zeros([BT, BV], dtype=tl.float32), b_k, b_gp, LO, MID,
+                              k_ptr, s_k, u_ptr, s_u, g_ptr, b_gref, o_k, m_k, o_v, m_v, T, BT, PRECISION)
+    store_tile(u_ptr, s_u, o_t, o_v, m_t, m_v, load_tile(u_ptr, s_u, o_t, o_v, m_t, m_v) - b_recall)
 
 
 def dot_kernel_limits(q) -> str | None:
@@ -310,24 +356,47 @@ def dot_kernel_limits(q) -> str | None:
     return matrix_kernel_limits(q, DOT_MAX_KEY)
 
 
-def dot_kernel_triton(q, k, v, alpha=None, eta=None):
+def dot_coefficients(run, g, gp, eta, BT: int, BK: int, leaf: int):
+    """The coefficients u_t [B, H, T, V] fp32 of DOT's solve for ``run``'s keys and values (DOT SOLVE above):
+    U starts as v; a range of one leaf is solved in place by the serial kernel, a longer one in halves,
+    the first half's recall subtracted from the second half's rows of U in between."""
+    U = empty(run.B, run.H, run.T, run.V, dtype=torch.float32, device=run.k.device).copy_(run.v)
+    tiles = dict(BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1)
+
+    def solve(lo, hi):
+        n = triton.cdiv(hi - lo, leaf)                               # leaves in [lo, hi)
+        if n == 1:
+            dot_solve_kernel[run.grid](run.k, g, gp, eta, U, run.strides[1], tuple(U.stride()),
+                                       run.T, run.H, run.K, run.V, lo, hi, num_warps=8, **tiles)
+            return
+        mid = lo + (n // 2) * leaf
+        solve(lo, mid)
+        NQ = triton.cdiv(hi - mid, BT)
+        dot_recall_kernel[(run.B * run.H * NQ, run.grid[1])](
+            run.k, g, gp, U, run.strides[1], tuple(U.stride()),
+            run.T, run.H, run.K, run.V, lo, mid, hi, NQ, num_warps=4, **tiles)
+        solve(mid, hi)
+
+    if run.T:
+        solve(0, run.T)
+    return U
+
+
+def dot_kernel_triton(q, k, v, alpha=None, eta=None, leaf=DOT_LEAF):
     """Triton forward of DOT with c = 1 and phi_star="kernel"; returns (o [B, H, T, V] in q's dtype, None).
 
     Same arguments and results as ``chunk.dot_chunk`` with kernel="exp" (without chunk_size: the
     kernel's block is its own, and every block size gives the same function). alpha must be > 0.
+    ``leaf``: tokens the serial kernel solves at a time (rounded up to its block); see DOT SOLVE above.
     """
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 64), name="the DOT kernel")
     BK = feature_tile(run.K, DOT_MAX_KEY)
     BT = 16 if BK > 32 else 32                                       # see DOT TILES above
+    leaf = triton.cdiv(max(int(leaf), 1), BT) * BT
     logs = gate_logs(alpha, None, torch.float64)
     g = None if logs is None else logs.cumsum(-1).contiguous()       # g_t, fp64
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
-    U = empty(run.B, run.H, run.T, run.V, dtype=torch.float32, device=q.device)   # the coefficients u_t
-    dot_solve_kernel[run.grid](
-        run.k, run.v, g, gp, as_fp32(eta), U, *run.strides[1:3], tuple(U.stride()),
-        run.T, run.H, run.K, run.V,
-        BT=BT, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1, num_warps=8,
-    )
+    U = dot_coefficients(run, g, gp, as_fp32(eta), BT, BK, leaf)
     # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
     # allocates its own output, so run's unused one is freed first)
     q, k = run.q, run.k
