@@ -58,7 +58,10 @@ in order; for each block:
 The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and
 nothing else, so it waits for the solve and then runs in parallel: it is the kernel-trick
 DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
-one program per block of queries. Only the leaves of the solve are sequential.
+one program per block of queries. For fp16/bf16 inputs the fp32 coefficients are rounded to that
+dtype for the read (as FlashAttention rounds its weights), so its products run on tensor cores; the
+solve keeps fp32 tiles, since its errors feed every later coefficient. Only the leaves of the solve
+are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -398,7 +401,10 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None, leaf=DOT_LEAF):
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
     U = dot_coefficients(run, g, gp, as_fp32(eta), BT, BK, leaf)
     # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
-    # allocates its own output, so run's unused one is freed first)
+    # allocates its own output, so run's unused one is freed first); for 16-bit inputs the coefficients
+    # are rounded to their dtype, as FlashAttention rounds its weights, so the read runs on tensor cores
     q, k = run.q, run.k
     del run
+    if q.dtype in (torch.float16, torch.bfloat16):
+        U = U.to(q.dtype)
     return deep_kernel_triton(q, k, U, alpha)
