@@ -229,12 +229,13 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
 # Every program holds a block's keys (or queries) beside an earlier block's keys, the block's
 # inverse and two accumulators: K <= 128.
 DOT_MAX_KEY = 128
-# DOT TILES. The solve holds its tiles in fp32 whatever the inputs (``load_tile``), so one rule serves
-# every dtype: blocks of BT = 32 tokens up to BK = 32, else 16; BV <= 64; 8 warps for the leaves, 4 for
-# the recall. Measured by building for sm_80 and sm_90 (``atlaslib.aot``, num_stages=1, gates and eta
-# on): shared memory 8-16 KB; the leaf kernel 128-196 registers up to K = 64, no spills, and at K = 128
-# 112-128 B a thread spilled (140-156 B before the recursive split, whatever the tiles tried: BV 16-64,
-# 8 or 16 warps); the recall kernel 48-121 registers, no spills. On an H100 (B=1, H=4, T=2048,
+# DOT TILES. The keys are loaded in their own dtype (exact products, fp32 sums), the coefficients and the
+# block's system in fp32, so one rule serves every dtype: blocks of BT = 32 tokens up to BK = 32, else 16;
+# BV <= 64; 8 warps for the leaves, 4 for the recall. Measured by building for sm_80 and sm_90
+# (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 7-16 KB; the leaf kernel 128-196
+# registers, no spills, except fp32 at K = 128: 112 B a thread (140-156 B before the recursive split,
+# whatever the tiles tried: BV 16-64, 8 or 16 warps; bf16 keys at K = 128 spilled 128 B while they were
+# loaded as fp32, none now); the recall kernel 53-124 registers, no spills. On an H100 (B=1, H=4, T=2048,
 # K=V=64, fp32) the first kernel, one program walking every block and reading as it went, took 45.5 ms
 # where the chunk form took 28.7 ms; the parallel read and the recursive solve have not been timed on a
 # card yet.
@@ -263,7 +264,7 @@ def earlier_blocks(b_acc, b_k, b_gp, lo, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b
     for kstart in range(lo, start, BT):
         o_s = kstart + tl.arange(0, BT)
         m_s = o_s < T
-        b_kj = load_tile(k_ptr, s_k, o_s, o_k, m_s, m_k)
+        b_kj = load_block(k_ptr, s_k, o_s, o_k, m_s, m_k)
         b_S = tl.dot(b_k, tl.trans(b_kj), input_precision=PRECISION)
         if g_ptr is not None:
             b_S += b_gp[:, None] - log_decay_from(g_ptr, o_s, m_s, b_gref)[None, :]
@@ -273,9 +274,10 @@ def earlier_blocks(b_acc, b_k, b_gp, lo, start, k_ptr, s_k, u_ptr, s_u, g_ptr, b
 
 @triton.jit
 def block_keys_and_decays(k_ptr, s_k, g_ptr, gp_ptr, start, o_t, m_t, o_k, m_k):
-    """The keys (fp32) of the block of tokens o_t from ``start`` and, with gates, g at its first row, g_t and
-    g_{t-1} relative to it (0.0 without)."""
-    b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+    """The keys of the block of tokens o_t from ``start`` (in their dtype: a product of two fp16/bf16 numbers
+    is exact in fp32, so k.k on tensor cores with fp32 sums loses nothing) and, with gates, g at its
+    first row, g_t and g_{t-1} relative to it (0.0 without)."""
+    b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
     b_gref, b_gq, b_gp = 0.0, 0.0, 0.0      # no decays (never read)
     if g_ptr is not None:
         b_gref = tl.load(g_ptr + start)
