@@ -58,9 +58,10 @@ in order; for each block:
 The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and
 nothing else, so it waits for the solve and then runs in parallel: it is the kernel-trick
 DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
-one program per block of queries. For fp16/bf16 inputs the fp32 coefficients are rounded to that
-dtype for the read (as FlashAttention rounds its weights), so its products run on tensor cores; the
-solve keeps fp32 tiles, since its errors feed every later coefficient. Only the leaves of the solve
+one program per block of queries. For bf16 inputs the fp32 coefficients are rounded to bf16 for the
+read (as FlashAttention rounds its weights), so its products run on tensor cores; fp16 keeps them fp32
+(its range ends at 65504), and the solve keeps fp32 coefficients, since an error there feeds every
+later one. Only the leaves of the solve
 are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
@@ -403,10 +404,11 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None, leaf=DOT_LEAF):
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
     U = dot_coefficients(run, g, gp, as_fp32(eta), BT, BK, leaf)
     # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
-    # allocates its own output, so run's unused one is freed first); for 16-bit inputs the coefficients
-    # are rounded to their dtype, as FlashAttention rounds its weights, so the read runs on tensor cores
+    # allocates its own output, so run's unused one is freed first); for bf16 inputs the coefficients
+    # are rounded to bf16, as FlashAttention rounds its weights, so the read runs on tensor cores (not
+    # for fp16, whose range ends at 65504: the unnormalised kernel keeps them fp32, as it keeps P)
     q, k = run.q, run.k
     del run
-    if q.dtype in (torch.float16, torch.bfloat16):
+    if q.dtype == torch.bfloat16:
         U = U.to(q.dtype)
     return deep_kernel_triton(q, k, U, alpha)
