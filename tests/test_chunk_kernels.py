@@ -9,9 +9,11 @@ loop at bf16 tolerance.
 """
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from atlaslib.core import assert_close, poisoned_outputs, random_qkv
-from atlaslib.core.chunk_kernels import CHUNK
+from atlaslib.core.chunk_kernels import CHUNK, unit_lower_inverse
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 
@@ -128,3 +130,22 @@ def test_short_sequences_hold_no_padded_chunk(gen, grad):
     padded = CHUNK * (K + 2 * V) * 4 * B * H            # w, u and v_new over one whole chunk
     bound = (4 if grad else 2) * state + padded // 2
     assert peak < bound, f"peak {peak / 2**10:.0f} KiB >= {bound / 2**10:.0f} KiB"
+
+
+@triton.jit
+def invert(a_ptr, r_ptr, BT: tl.constexpr):
+    o = tl.arange(0, BT)
+    b_A = tl.load(a_ptr + o[:, None] * BT + o[None, :])
+    tl.store(r_ptr + o[:, None] * BT + o[None, :], unit_lower_inverse(b_A, BT, 16, "ieee"))
+
+
+@pytest.mark.parametrize("BT", [16, 32, 64])
+def test_unit_lower_inverse_is_the_inverse(gen, BT):
+    """``unit_lower_inverse`` (the batched diagonal blocks, then the block rows) on a strictly lower
+    [BT, BT] tile: (I + A)^{-1} against a triangular solve in fp64, for one, two and four blocks of 16."""
+    A = torch.tril(torch.randn(BT, BT, generator=gen) / BT ** 0.5, diagonal=-1)
+    R = torch.full((BT, BT), float("nan"))
+    invert[(1,)](A, R, BT=BT)
+    want = torch.linalg.solve_triangular(torch.eye(BT, dtype=torch.float64) + A.double(),
+                                         torch.eye(BT, dtype=torch.float64), upper=False)
+    assert_close(R, want.float(), tol=1e-6, name="(I + A)^-1")

@@ -60,26 +60,38 @@ KEY_BLOCK = 64
 def unit_lower_inverse(b_A, BT: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
     """(I + A)^{-1} for a strictly lower-triangular [BT, BT] fp32 tile A (BT a multiple of SUB).
 
-    Blocked forward substitution. Phase 1 inverts the SUB x SUB diagonal blocks, all of
-    them at once: step i finishes row i of every block, R_r = e_r - sum_{j<r} A_rj R_j,
-    which reads only rows finished in earlier steps. Phase 2 fills the block rows in order,
-    R_j = R_jj (E_j - A_{j,<j} R_{<j}) for block row j, with R_jj the inverted diagonal block.
+    Two phases. Phase 1 inverts the SUB x SUB diagonal blocks by forward substitution, all of
+    them at once as a batch [BT / SUB, SUB, SUB]: step i finishes row i of every block,
+    R_r = e_r - sum_{j<r} A_rj R_j, which reads only rows finished in earlier steps (a batched
+    SUB x SUB product per step, not a BT x BT one that is mostly zeros: at BT = 64, 16 times
+    fewer flops). Phase 2 joins the blocks: with D the inverted diagonal blocks and N = D A_off
+    (A's off-diagonal blocks), I + A = (I + A_diag)(I + N), and N is strictly block-lower, so
+    (I + N)^{-1} is the finite sum I - N + N^2 - ... of BT / SUB terms; BT / SUB products of
+    BT x BT tiles in all (4 at BT = 64; block row by block row took 6).
     """
+    NB: tl.constexpr = BT // SUB
     o_i = tl.arange(0, BT)
     o_blk = o_i // SUB                                  # the diagonal block of each row
     b_I = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
-    m_diag = o_blk[:, None] == o_blk[None, :]
-    b_R_diag = b_I
-    b_A_diag = tl.where(m_diag, b_A, 0.0)
+    # the diagonal blocks of A as a batch: entry (b, r, c) = A[b SUB + r, b SUB + c]
+    o_b, o_s = tl.arange(0, NB), tl.arange(0, SUB)
+    m_same = o_b[:, None, None, None] == o_b[None, None, :, None]     # [NB, 1, NB, 1]: a diagonal block
+    b_A3 = tl.sum(tl.where(m_same, tl.reshape(b_A, [NB, SUB, NB, SUB]), 0.0), axis=2)
+    b_I3 = tl.where((o_s[:, None] == o_s[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, SUB, SUB], tl.float32)
+    b_R3 = b_I3
     for i in range(1, SUB):
-        b_step = b_I - tl.dot(b_A_diag, b_R_diag, input_precision=PRECISION)
-        b_R_diag = tl.where((o_i % SUB == i)[:, None], b_step, b_R_diag)
-    b_R = b_R_diag
-    b_A_off = tl.where(m_diag, 0.0, b_A)
-    for blk in range(1, BT // SUB):
-        b_rhs = b_I - tl.dot(b_A_off, b_R, input_precision=PRECISION)
-        b_R = tl.where((o_blk == blk)[:, None], tl.dot(b_R_diag, b_rhs, input_precision=PRECISION), b_R)
-    return b_R
+        b_step = b_I3 - tl.dot(b_A3, b_R3, input_precision=PRECISION)
+        b_R3 = tl.where((o_s == i)[None, :, None], b_step, b_R3)
+    b_D = tl.reshape(tl.where(m_same, b_R3[:, :, None, :], 0.0), [BT, BT])   # the inverted diagonal blocks
+    if NB == 1:
+        return b_D
+    # I + A = (I + A_diag)(I + N) with N = D A_off, strictly block-lower, so N^NB = 0 and
+    # (I + A)^{-1} = (I - N + N^2 - ... (-N)^(NB-1)) D, the sum in Horner's form
+    b_N = tl.dot(b_D, tl.where(o_blk[:, None] == o_blk[None, :], 0.0, b_A), input_precision=PRECISION)
+    b_P = b_I - b_N
+    for _ in range(2, NB):
+        b_P = b_I - tl.dot(b_N, b_P, input_precision=PRECISION)
+    return tl.dot(b_P, b_D, input_precision=PRECISION)
 
 
 # ---------------------------------------------------------------------------------------

@@ -51,8 +51,8 @@ in order; for each block:
 
 * recall: the same sum over the leaf's earlier blocks, their keys and coefficients read back from U;
 * the block's own system (I + Diag(eta) L) U = Diag(eta) (U - recall), L[t, j] = e^{g_{t-1} - g_j}
-  exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (blocked
-  forward substitution on the BT x BT tile); U is written back;
+  exp(k_j^T k_t) for j < t, solved in registers with chapter 2's ``unit_lower_inverse`` (its 16 x 16
+  diagonal blocks by forward substitution, then joined); U is written back;
 * a barrier (``tl.debug_barrier``) before the next block, whose threads read back what others wrote.
 
 The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and

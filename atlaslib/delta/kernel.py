@@ -15,9 +15,9 @@ what does not:
 Three kernels run it, each parallel over everything that is independent:
 
 (a) ``delta_wy_kernel``, one program per (batch*head, chunk): builds L, inverts
-    I + Diag(beta) L in registers (``core.chunk_kernels.unit_lower_inverse``: blocked forward
-    substitution, the 16 x 16 diagonal blocks inverted together, one row of every block per
-    step, then the block rows in order with two small matmuls each) and writes w and u. The
+    I + Diag(beta) L in registers (``core.chunk_kernels.unit_lower_inverse``: the 16 x 16
+    diagonal blocks by forward substitution as one batch, one row of every block per step, then
+    joined by a finite Neumann sum in four 64 x 64 products) and writes w and u. The
     inverse depends only on the chunk's keys, betas and gates, so no chunk waits for another.
     For KDA (per-channel gates) L needs the decay inside the k.k sum: it comes from
     ``core.chunk_kernels.channel_scores_kernel`` (sub-chunks of 16 tokens, the decay folded
@@ -427,7 +427,7 @@ def wy_factors(run, gate, g, beta, ak):
         run.k, run.v, beta, g, ak, w, u,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
-        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision, num_warps=8,
     )
     return w, u
 
@@ -502,7 +502,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=8,
     )
     dlogs = None
     if dg1 is not None:
