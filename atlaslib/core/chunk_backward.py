@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
-from .chunk_kernels import CHUNK, delta_state_tiles, key_block, num_chunks, state_dtype, state_pass_start, \
+from .chunk_kernels import CHUNK, key_block, num_chunks, state_dtype, state_pass_start, state_pass_tiles, \
     store_chunk_state
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_tokens, \
     dot_tile, load_block, load_state_tile, precision, store_tile
@@ -186,8 +186,7 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
     Tp = g.shape[2] if g is not None else NT * CHUNK
     BK = dot_tile(K) if delta else key_block(K)
     # the delta rule's program holds [64, K] tiles of q, k, w (and the decayed k) per pipeline stage
-    BV, stages = (delta_state_tiles(K, V, q.element_size()) if delta
-                  else (min(dot_tile(V), 64), 3))
+    BV, stages, warps = state_pass_tiles(K, V, q.element_size(), delta, reverse=True)
     dh = empty(B * H, NT, V, K, dtype=state_dtype(q.dtype), device=q.device)
     dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
     dht = None if dht is None else dht.to(torch.float32).contiguous()
@@ -199,6 +198,6 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         _strides(q), _strides(k) if delta else (0, 0, 0, 0), _strides(w), _strides(dv_local), _strides(do),
         _strides(dv2),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=stages,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=stages, num_warps=warps,
     )
     return dh, dh0, dv2

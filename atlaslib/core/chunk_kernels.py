@@ -297,19 +297,37 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def delta_state_tiles(K: int, V: int, element_size: int) -> tuple[int, int]:
-    """(BV, num_stages) of a state pass that holds all K key channels (the delta rule's, both ways).
+def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bool = False) -> tuple[int, int, int]:
+    """(BV, num_stages, num_warps) of a state pass, forward or ``reverse`` (the backward's): the delta rule's
+    (``delta``), which holds all K key channels, or linear attention's, whose programs hold [BV, 64] blocks.
 
     Triton software-pipelines the loop over chunks: every stage keeps its own copy of the chunk's
     [64, K] tiles (k, w, the per-channel gates, and q backward), so shared memory grows with the
-    stages times the bytes of a key row. Three stages while a row is at most 128 bytes, two up to
-    256, then one; 1 KB rows (fp32, K = 256) also take 16 value channels instead of 64. Every
-    configuration then fits an A100 (163 KB; ``make aot`` builds them at several chunks, where the
-    pipeline exists: at one chunk Triton drops the loop and the size reads several times smaller).
+    stages times the bytes of a key row. For 16-bit inputs: three stages while a row is at most
+    128 bytes, two up to 256, then one (linear attention: three). Every configuration then fits an
+    A100 (163 KB; ``make aot`` builds them at several chunks, where the pipeline exists: at one chunk
+    Triton drops the loop and the size reads several times smaller).
+
+    fp32 inputs take one stage and more warps. Their exact products run on FMA units with whole
+    operand fragments in registers, and when a thread would need more than 255 registers ptxas falls
+    back to 32 and spills kilobytes (sm_90 builds of the delta rule at K = 64: 32 registers and 13.7 KB
+    spilled a thread at two stages and 4 warps, 254 registers and none at one stage; linear attention's
+    pass with per-channel gates, 7.9 KB at three stages). The delta rule's forward pass takes 8 warps
+    from 64 key channels on (K = 128: 24 B spilled; 27 KB at 4 warps), its reverse pass, which holds
+    q, k and w tiles too, 16 (K = 64 and 128: 16-52 B; 10-23 KB at 8 warps); 1 KB rows (K = 256) hold
+    16 value channels instead of 64, at 4 warps.
     """
+    if not delta:
+        return min(dot_tile(V), 64), 3 if element_size < 4 else 1, 4
     row = dot_tile(K) * element_size
-    stages = 3 if row <= 128 else 2 if row <= 256 else 1
-    return min(dot_tile(V), 16 if row > 512 else 64), stages
+    BV = min(dot_tile(V), 16 if row > 512 else 64)
+    if element_size < 4:
+        return BV, 3 if row <= 128 else 2 if row <= 256 else 1, 4
+    if BV <= 16:
+        return BV, 1, 4
+    if reverse:
+        return BV, 1, 16 if dot_tile(K) >= 32 else 4
+    return BV, 1, 8 if dot_tile(K) >= 64 else 4
 
 
 def state_pass(run, gate, g, Tp, h0, u=None, w=None):
@@ -322,7 +340,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     BK_all = dot_tile(K)
     delta = w is not None
     BK = BK_all if delta else key_block(K)
-    BV, stages = delta_state_tiles(K, V, run.q.element_size()) if delta else (min(dot_tile(V), 64), 3)
+    BV, stages, warps = state_pass_tiles(K, V, run.q.element_size(), delta)
     h = empty(B * H, NT, V, K, dtype=state_dtype(run.q.dtype), device=run.q.device)
     ht = run.state()
     vn = empty(B, H, run.T, V, dtype=run.q.dtype, device=run.q.device) if delta else None
@@ -333,7 +351,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
         run.strides[1], tuple(src.stride()), tuple(w.stride()) if delta else zero,
         tuple(vn.stride()) if delta else zero,
         run.T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_stages=stages,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_stages=stages, num_warps=warps,
     )
     return h, ht, vn
 
