@@ -334,7 +334,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     """(b): (h [B*H, NT, V, K] in ``state_dtype``, final state [B, H, V, K] fp32, v_new or None).
 
     Linear attention (``w`` None) splits the state into [BV, BK] blocks of 64 x 64 at most;
-    the delta rule (``u``, ``w`` [B, H, Tp, V or K] from its WY kernel) holds all K channels.
+    the delta rule (``u``, ``w`` [B, H, T, V or K] from its WY kernel) holds all K channels.
     """
     B, H, K, V, NT = run.B, run.H, run.K, run.V, num_chunks(run.T)
     BK_all = dot_tile(K)

@@ -250,7 +250,7 @@ def delta_bwd_state_kernel(
         dw = -dv2 h[c]
         dg = rowsum(q dq - k dk), plus e^{g_n} <dH, h[c]> + <v_new dH e^{g_n - g}, k> on the last row
 
-    dq in q's dtype (final); dk, dw fp32 [B, H, Tp, K]; dg fp32 [B*H, NK, Tp], one row per key block.
+    dq in q's dtype (final); dk, dw fp32 [B, H, T, K]; dg fp32 [B*H, NK, Tp], one row per key block.
     """
     i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_k, m_k = chunk_block_program(NT, H, T, BT, BK, K)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
