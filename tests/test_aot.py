@@ -170,14 +170,15 @@ def test_backward_grids_grow_with_the_chunks_and_the_reverse_pass_does_not(build
 
 def test_delta_backward_grids_grow_with_the_chunks_and_the_state_passes_do_not(builds):
     # Chapter 2's backward reruns the forward's WY factors and state pass (and KDA's scores), then the
-    # intra-chunk dv, the reverse state pass and the two per-chunk gradient kernels: each launched once;
+    # intra-chunk dv, the reverse state pass and the two per-chunk gradient kernels (KDA: three, with the
+    # per-channel dS terms of chapter 1's sub-chunk kernel): each launched once;
     # the per-chunk kernels have B*H*cdiv(T, BT) programs on axis 0, the two state passes keep
     # (B*H, value blocks, key blocks) at every T
     from atlaslib.core.chunk_kernels import CHUNK
     backward = [b for b in builds if family(b) in DELTA_BACKWARD]
     assert {b["kernel"] for b in backward} == {"delta_wy_kernel", "chunk_state_kernel", "channel_scores_kernel",
                                                "delta_dv_local_kernel", "chunk_dstate_kernel",
-                                               "delta_bwd_state_kernel", "delta_bwd_wy_kernel"}
+                                               "delta_bwd_state_kernel", "channel_dqk_kernel", "delta_bwd_wy_kernel"}
     for b in backward:
         assert b["launches"] == [1, 1], b["config"]
         if b["kernel"] in ("chunk_state_kernel", "chunk_dstate_kernel"):

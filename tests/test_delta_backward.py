@@ -76,6 +76,20 @@ def test_gradients_match_the_loop_and_the_chunk_form(gen, mode):
     compare(got, chunk, 1e-4, zeros)
 
 
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_two_key_blocks(gen, mode):
+    """K = 80: the state kernels' programs split the keys in two blocks of 64 (the second partial), each
+    writing its own share of dq, dk, dw and of the log-gates' gradient (per-channel gates: each block's dS
+    terms in the sub-chunk kernel, the last rows' terms from the state kernel)."""
+    B, H, T, K, V = 1, 1, 70, 80, 24
+    inputs = extreme_inputs(gen, B, H, T, K, V, mode)
+    weights = (torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen))
+    with poisoned_outputs():
+        _, _, got = gradients("triton", inputs, weights)
+    _, _, ref = gradients("chunk", inputs, weights, torch.float64, chunk_size=16)
+    compare(got, ref, 1e-4, inputs[4] == 0)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_bf16_inputs_against_an_fp32_reference(gen, mode):
     """bf16 q, k, v (products on bf16 tiles, fp32 sums) against the loop on the same rounded inputs in fp64."""

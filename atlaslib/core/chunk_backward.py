@@ -1,4 +1,5 @@
-"""The chunk-parallel backward shared by chapters 1 and 2: the reverse state pass.
+"""The chunk-parallel backward shared by chapters 1 and 2: the reverse state pass, and the intra-chunk
+gradients of per-channel gates (``channel_dqk_kernel``).
 
 The forward (``core.chunk_kernels``) carries a state h [V, K] per head through the chunks; with
 g the log-gate accumulated from each chunk's start (g_n its last row, the chunk's whole decay),
@@ -39,10 +40,10 @@ import triton
 import triton.language as tl
 
 from .alloc import empty
-from .chunk_kernels import CHUNK, key_block, num_chunks, state_dtype, state_pass_start, state_pass_tiles, \
-    store_chunk_state
-from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_tokens, \
-    dot_tile, load_block, load_state_tile, precision, store_tile
+from .chunk_kernels import CHUNK, SUB_CHUNK, chunk_warps, key_block, num_chunks, state_dtype, state_pass_start, \
+    state_pass_tiles, store_chunk_state
+from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_program, \
+    chunk_tokens, dot_tile, load_block, load_state_tile, precision, store_tile
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -137,6 +138,114 @@ def state_grad_terms(do_ptr, s_do, v_ptr, s_v, dv2_ptr, s_dv2, h_ptr, dh_ptr, o_
             b_dw -= tl.dot(b_dv2, b_h.to(dt), input_precision=PRECISION)
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)
     return b_dA, b_dq, b_dk, b_dw, b_hdh
+
+
+@triton.jit
+def channel_dqk_kernel(
+    q_ptr, k_ptr, g_ptr, da_ptr, dq32_ptr, dk32_ptr, dq_ptr, dk_ptr, dg_ptr, dgn_ptr,
+    s_q, s_k, s_dq, s_dk,
+    T, H, Tp, K, NT,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Per-channel gates, rows of sub-chunk i_s of chunk i_c, key block i_k: the intra-chunk terms
+
+        dq_i = sum_{j<=i} dA[i, j] k_j * e^{g_i - g_j},   dk_j = sum_{i>=j} dA[i, j] q_i * e^{g_i - g_j}
+
+    added to the state terms dq32, dk32 (fp32 [B*H, Tp, K]: ``linear_dqk_kernel``'s, or the delta rule's
+    ``delta_bwd_state_kernel``); writes dq, dk (in their buffers' dtypes; dk may be dk32 itself, each element
+    is read before it is written by the same program) and dL/dB = q * dq - k * dk (fp32 [B*H, Tp, K]),
+    plus, with ``dgn_ptr`` (fp32 [B*H, NT, K]: the delta rule's), a term on each chunk's last row.
+    Earlier sub-chunks (for dq) go through one tl.dot against the sub-chunk's first token r,
+    e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}; later ones (for dk) against its last token e,
+    e^{g_i - g_j} = e^{g_i - g_e} e^{g_e - g_j}: every exponent <= 0. The diagonal 16 x 16 block is
+    summed elementwise, one token per step.
+    """
+    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
+    i_s, i_k = tl.program_id(1), tl.program_id(2)
+    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
+    dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
+    g_ptr += i_bh * Tp * K
+    da_ptr += i_bh * Tp * BT
+    dt = k_ptr.dtype.element_ty
+
+    o_i = tl.arange(0, BC)
+    o_j = tl.arange(0, BT)
+    t_r = i_c * BT + i_s * BC               # first token of the sub-chunk
+    t_e = t_r + BC - 1                      # its last (exists: g and dA are padded to Tp)
+    o_r = t_r + o_i                         # this program's rows
+    o_c = i_c * BT + o_j                    # the chunk's tokens
+    m_r, m_c = o_r < T, o_c < T
+    m_before = o_j < i_s * BC
+    m_after = o_j >= (i_s + 1) * BC
+    o_k, m_k = channel_block(i_k, BK, K)
+
+    b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
+    b_k = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
+    b_qc = load_block(q_ptr, s_q, o_c, o_k, m_c, m_k)
+    b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
+    b_gr = tl.load(g_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gc = tl.load(g_ptr + o_c[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gf = tl.load(g_ptr + t_r * K + o_k, mask=m_k, other=0.0)
+    b_ge = tl.load(g_ptr + t_e * K + o_k, mask=m_k, other=0.0)
+    # dA rows of this sub-chunk [BC, BT] (query i, key j), and its columns transposed [BC, BT] (key j, query i)
+    b_dA = tl.load(da_ptr + o_r[:, None] * BT + o_j[None, :])
+    b_dAt = tl.load(da_ptr + o_c[None, :] * BT + (i_s * BC + o_i)[:, None])
+
+    # earlier sub-chunks: (dA k_j e^{g_r - g_j}) e^{g_i - g_r}
+    b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gf[None, :] - b_gc, float("-inf")))).to(dt)
+    b_dq = tl.dot(b_dA.to(dt), b_kd, input_precision=PRECISION) * tl.exp(b_gr - b_gf[None, :])
+    # later sub-chunks: (dA^T q_i e^{g_i - g_e}) e^{g_e - g_j}
+    b_qd = (b_qc * tl.exp(tl.where(m_after[:, None], b_gc - b_ge[None, :], float("-inf")))).to(dt)
+    b_dk = tl.dot(b_dAt.to(dt), b_qd, input_precision=PRECISION) * tl.exp(b_ge[None, :] - b_gr)
+    # the diagonal block, one token t_r + jj per step, elementwise in fp32
+    for jj in range(0, BC):
+        t_j = t_r + jj
+        m_j = t_j < T
+        b_kj = tl.load(k_ptr + t_j * s_k[2] + o_k * s_k[3], mask=m_k & m_j, other=0.0).to(tl.float32)
+        b_qj = tl.load(q_ptr + t_j * s_q[2] + o_k * s_q[3], mask=m_k & m_j, other=0.0).to(tl.float32)
+        b_gj = tl.load(g_ptr + t_j * K + o_k, mask=m_k, other=0.0)
+        b_col = tl.load(da_ptr + o_r * BT + i_s * BC + jj)          # dA[i, t_j] for the rows i
+        b_row = tl.load(da_ptr + t_j * BT + i_s * BC + o_i)         # dA[t_j, j] for the rows j
+        m_lo = (o_i >= jj)[:, None]
+        m_hi = (o_i <= jj)[:, None]
+        b_dq += tl.where(m_lo, b_col[:, None] * b_kj[None, :] * tl.exp(tl.where(m_lo, b_gr - b_gj[None, :], 0.0)), 0.0)
+        b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * tl.exp(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
+
+    p_x = i_bh * Tp * K + o_r[:, None] * K + o_k[None, :]
+    b_dq += tl.load(dq32_ptr + p_x, mask=m_k[None, :], other=0.0)
+    b_dk += tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
+    store_tile(dq_ptr, s_dq, o_r, o_k, m_r, m_k, b_dq)
+    store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
+    b_dg = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
+    if dgn_ptr is not None:
+        if i_s == BT // BC - 1:
+            b_dgn = tl.load(dgn_ptr + (i_bh * NT + i_c) * K + o_k, mask=m_k, other=0.0)
+            b_dg += tl.where((o_i == BC - 1)[:, None], b_dgn[None, :], 0.0)
+    tl.store(dg_ptr + p_x, b_dg, mask=m_k[None, :])
+
+
+def state_grad_tiles(V: int, element_size: int) -> tuple[int, int]:
+    """(BV, num_warps) of a kernel that calls ``state_grad_terms``: the value channels per step of its loop
+    and its warps. Such a program holds four [64, 64] fp32 sums (dA, dq, dk, the delta rule's dw) besides its
+    operands. sm_90 builds at K = V = 64: at 4 warps and 64-channel steps, fp32 ptxas falls back to 32
+    registers and spills 31-46 KB a thread (bf16 K = 128 with per-channel gates: 1.9 KB); at 8 warps, with
+    32-channel steps for fp32 (whose exact products hold whole operand fragments in registers), 0-0.6 KB."""
+    return min(dot_tile(V), 32 if element_size == 4 else 64), 8
+
+
+def channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg, dgn=None):
+    """Per-channel gates: launch ``channel_dqk_kernel`` on every (chunk, sub-chunk, key block) (see it).
+    q, k [B, H, T, K]; g [B, H, Tp, K]; da [B*H, Tp, 64]; dq32, dk32, dg [B*H, Tp, K] fp32 contiguous;
+    dq, dk [B, H, T, K] outputs (any strides); dgn None or [B*H, NT, K] fp32."""
+    B, H, T, K = q.shape
+    NT, Tp = num_chunks(T), g.shape[2]
+    BK = key_block(K)
+    channel_dqk_kernel[(B * H * NT, CHUNK // SUB_CHUNK, triton.cdiv(K, BK))](
+        q, k, g, da, dq32, dk32, dq, dk, dg, dgn,
+        _strides(q), _strides(k), _strides(dq), _strides(dk),
+        T, H, Tp, K, NT,
+        BT=CHUNK, BC=SUB_CHUNK, BK=BK, PRECISION=precision(q.dtype), num_warps=chunk_warps(q.element_size()),
+    )
 
 
 def _strides(x):

@@ -290,6 +290,14 @@ def channel_scores(run, g, with_keys: bool):
     return aq, ak
 
 
+def chunk_warps(element_size: int) -> int:
+    """Warps of a per-chunk program that sums [64, 64] products into fp32 tiles: the output kernel, the
+    backward's dv kernels and its per-channel dq, dk kernel. fp32 inputs take 8: their exact products hold
+    whole operand fragments in registers, and at 4 warps the programs spill (sm_90 builds at K = 64: the
+    output kernel 852 B a thread at 4 warps, 12 B at 8; the per-channel dq, dk kernel 608 B, none)."""
+    return 8 if element_size == 4 else 4
+
+
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the stored chunk states h[c] (and of their gradients dh[c]): the inputs' when 16-bit,
     since every product that reads them takes 16-bit operands anyway (the running state itself stays
@@ -366,5 +374,6 @@ def output_pass(run, gate, g, Tp, h, aq=None, vn=None):
         run.strides[0], run.strides[1], s_src, run.strides[3],
         run.T, run.H, Tp, run.K, run.V, NT,
         GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=BV, PRECISION=run.precision,
+        num_warps=chunk_warps(run.q.element_size()),
     )
     return run.o

@@ -68,10 +68,12 @@ chunk's last row, what g_n itself scales: e^{g_n} <dH_c, h[c]> and the keys of t
 The gradient of the log-gates is then the reverse cumulative sum of dg inside each chunk.
 
 KDA's per-channel decays sit inside the k.k and q.k sums, so their gradients (dq, dk from dS,
-and dk from dL) are not single products: ``channel_score_grads`` splits the chunk into
-sub-chunks of 16 as ``channel_scores_kernel`` does, one product per earlier sub-chunk through a
-reference token (every exponent <= 0) and the diagonal blocks elementwise; never a [BT, BT, BK]
-tile. Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every
+and dk from dL) are not single products. They split the chunk into sub-chunks of 16 as
+``channel_scores_kernel`` does, one product per earlier sub-chunk through a reference token
+(every exponent <= 0) and the diagonal blocks elementwise; never a [BT, BT, BK] tile. The dS terms
+run in chapter 1's ``core.chunk_backward.channel_dqk_kernel``, a program per (chunk, sub-chunk, key
+block), after (f) has stored the state terms, dS and the last rows' log-gate terms; the dL terms in
+``channel_score_grads``, inside (g). Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every
 gradient buffer are fp32. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
@@ -80,10 +82,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, state_pass,
-                                  unit_lower_inverse)
+from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, chunk_warps,
+                                  state_pass, unit_lower_inverse)
 from ..core.chunking import gate_logs
-from ..core.chunk_backward import state_grad_terms
+from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
                             dot_tile, feature_tile, forward_launch, load_block, precision, store_tile, unwrapped)
@@ -237,11 +239,10 @@ def delta_dv_local_kernel(
 @triton.jit
 def delta_bwd_state_kernel(
     q_ptr, k_ptr, vn_ptr, do_ptr, dv2_ptr, g_ptr, h_ptr, dh_ptr,
-    dq_ptr, dk_ptr, dw_ptr, dg_ptr,
+    dq_ptr, dk_ptr, dw_ptr, dg_ptr, ds_ptr, dgn_ptr,
     s_q, s_k, s_vn, s_do, s_dv2, s_dq, s_dk, s_dw,
     T, H, Tp, K, V, NT,
-    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Chunk i_c, key block i_k: every gradient that reads the chunk states (see the module docstring).
 
@@ -251,6 +252,9 @@ def delta_bwd_state_kernel(
         dg = rowsum(q dq - k dk), plus e^{g_n} <dH, h[c]> + <v_new dH e^{g_n - g}, k> on the last row
 
     dq in q's dtype (final); dk, dw fp32 [B, H, T, K]; dg fp32 [B*H, NK, Tp], one row per key block.
+    Per-channel gates (KDA) stop at the state terms: dq and dk (both fp32 [B*H, Tp, K] then), the causal dS
+    (fp32 [B*H, Tp, BT], from key block 0) and the last row's dg term (fp32 [B*H, NT, K]) go to
+    ``core.chunk_backward.channel_dqk_kernel``, which adds the (dS * D) terms channel by channel.
     """
     i_bh, i_c, i_b, i_h, o_i, o_t, m_t, o_k, m_k = chunk_block_program(NT, H, T, BT, BK, K)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
@@ -264,6 +268,7 @@ def delta_bwd_state_kernel(
     # dS = do v_new^T, the state terms of dq and dk, dw = -dv2 h[c], and <h[c], dH> per key channel
     b_dS, b_dq, b_dk, b_dw, b_hdh = state_grad_terms(do_ptr, s_do, vn_ptr, s_vn, dv2_ptr, s_dv2, h_ptr, dh_ptr,
                                                      o_t, m_t, o_k, m_k, V, K, BT, BK, BV, PRECISION)
+    store_tile(dw_ptr, s_dw, o_t, o_k, m_t, m_k, b_dw)      # final: frees its registers for what follows
     b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
     b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
     b_last = o_i == BT - 1
@@ -279,26 +284,23 @@ def delta_bwd_state_kernel(
         b_dq *= tl.exp(b_g)
         b_dk *= tl.exp(b_g_last[None, :] - b_g)
         b_dgn = b_hdh * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
-        b_dS = tl.where(m_causal, b_dS, 0.0)
+        # every row of the padded chunk (rows past T hold zeros): channel_dqk_kernel reads them all
+        p_s = o_t[:, None] * s_dq[2] + o_k[None, :] * s_dq[3]
+        tl.store(dq_ptr + p_s, b_dq, mask=m_k[None, :])
+        tl.store(dk_ptr + o_t[:, None] * s_dk[2] + o_k[None, :] * s_dk[3], b_dk, mask=m_k[None, :])
+        tl.store(dgn_ptr + (i_bh * NT + i_c) * K + o_k, b_dgn, mask=m_k)
+        if tl.program_id(1) == 0:
+            tl.store(ds_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :], tl.where(m_causal, b_dS, 0.0))
     else:
         b_dS = tl.where(m_causal, b_dS, 0.0)
-    if GATE == GATE_CHANNEL:
-        b_dqS, b_dkS = channel_score_grads(b_dS, q_ptr, s_q, k_ptr, s_k, g_ptr + i_bh * Tp * K, i_c, o_k, m_k, T, K,
-                                           BT, BC, BK, PRECISION)
-        b_dq += b_dqS
-        b_dk += b_dkS
-    else:
+    if GATE != GATE_CHANNEL:
         b_dq += tl.dot(b_dS.to(dt), b_k, input_precision=PRECISION)
         b_dk += tl.dot(tl.trans(b_dS).to(dt), b_q, input_precision=PRECISION)
-    store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
-    store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
-    store_tile(dw_ptr, s_dw, o_t, o_k, m_t, m_k, b_dw)
+        store_tile(dq_ptr, s_dq, o_t, o_k, m_t, m_k, b_dq)
+        store_tile(dk_ptr, s_dk, o_t, o_k, m_t, m_k, b_dk)
     if GATE == GATE_SCALAR:
         b_dg = tl.sum(b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32), axis=1) + tl.where(b_last, b_dgn, 0.0)
         tl.store(dg_ptr + (i_bh * tl.num_programs(1) + tl.program_id(1)) * Tp + o_t, b_dg)
-    elif GATE == GATE_CHANNEL:
-        b_dg = b_dq * b_q.to(tl.float32) - b_dk * b_k.to(tl.float32) + tl.where(b_last[:, None], b_dgn[None, :], 0.0)
-        tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
 
 
 @triton.jit
@@ -474,35 +476,53 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
         run.q, run.k, do, g, aq, dv_local,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv_local.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=chunk_warps(q.element_size()),
     )
     dh, dh0, dv2 = dstate_pass(run.q, do, gate, g, dht, k=run.k, w=w, dv_local=dv_local)
     # per chunk: the terms through the states, then back through the WY factors
+    channel = gate == GATE_CHANNEL
     dq = empty(B, H, T, K, dtype=dt, device=dev)
-    dk1 = empty(B, H, T, K, dtype=torch.float32, device=dev)
     dw = empty(B, H, T, K, dtype=torch.float32, device=dev)
     # dg: fp32 [B*H, NK, Tp] (scalar gates: one row per key block) or [B*H, Tp, K] (per channel)
-    dg_shape = (B * H, NK, Tp) if gate == GATE_SCALAR else (B * H, Tp, K) if gate == GATE_CHANNEL else None
+    dg_shape = (B * H, NK, Tp) if gate == GATE_SCALAR else (B * H, Tp, K) if channel else None
     dg1 = None if dg_shape is None else empty(*dg_shape, dtype=torch.float32, device=dev)
+    if channel:
+        # the state terms of dq, dk over whole chunks, dS and the last rows' dg for channel_dqk_kernel
+        dq_state, dk_state = (empty(B, H, Tp, K, dtype=torch.float32, device=dev) for _ in range(2))
+        ds = empty(B * H, Tp, CHUNK, dtype=torch.float32, device=dev)
+        dgn = empty(B * H, NT, K, dtype=torch.float32, device=dev)
+        dk1 = dk_state[:, :, :T]
+    else:
+        dq_state = dq
+        dk_state = dk1 = empty(B, H, T, K, dtype=torch.float32, device=dev)
+        ds = dgn = None
+    BV_step, warps = state_grad_tiles(V, q.element_size())
     delta_bwd_state_kernel[(B * H * NT, NK)](
-        run.q, run.k, vn, do, dv2, g, h, dh, dq, dk1, dw, dg1,
+        run.q, run.k, vn, do, dv2, g, h, dh, dq_state, dk_state, dw, dg1, ds, dgn,
         run.strides[0], run.strides[1], tuple(vn.stride()), tuple(do.stride()), tuple(dv2.stride()),
-        tuple(dq.stride()), tuple(dk1.stride()), tuple(dw.stride()),
+        tuple(dq_state.stride()), tuple(dk_state.stride()), tuple(dw.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV_step, PRECISION=run.precision, num_warps=warps,
     )
     del h, dh
+    if channel:
+        # dk lands in dk_state itself (fp32), which the WY kernel reads as dk1
+        channel_grads(run.q, run.k, g, ds, dq_state, dk_state, dq, dk1, dg1, dgn)
+        del dq_state, ds, dgn
     dk = empty(B, H, T, K, dtype=dt, device=dev)
     dv = empty(B, H, T, V, dtype=v.dtype, device=dev)
     dbeta = empty(B, H, T, dtype=torch.float32, device=dev)
     dg2 = None if dg_shape is None else empty(B * H, Tp, *dg_shape[2:] if gate == GATE_CHANNEL else (),
                                              dtype=torch.float32, device=dev)
+    # fp32 from 64 key channels on: 16 warps (sm_90 builds at K = 64, scalar gates: 32 registers and 30 KB
+    # spilled a thread at 8 warps, 1.9 KB at 16; at K = 16, 8 warps spill less)
+    wy_warps = 16 if q.element_size() == 4 and dot_tile(K) >= 64 else 8
     delta_bwd_wy_kernel[(B * H * NT,)](
         run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=8,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=wy_warps,
     )
     dlogs = None
     if dg1 is not None:

@@ -25,7 +25,7 @@ three phases, like the forward:
    and parallel over (batch*head, value block, key block);
 2. ``linear_dv_kernel`` (parallel over batch*head, chunk, value block) forms dv;
 3. ``linear_dqk_kernel`` (parallel over batch*head, chunk, key block) forms dq, dk and each
-   token's share of the log-gate gradient. Per-channel gates add ``channel_dqk_kernel``
+   token's share of the log-gate gradient. Per-channel gates add ``core.chunk_backward.channel_dqk_kernel``
    (parallel over batch*head, chunk, sub-chunk of 16 tokens, key block) for the intra-chunk
    terms, with the decay folded into q and k against a reference token of each sub-chunk.
 
@@ -63,10 +63,10 @@ import triton
 import triton.language as tl
 
 from ..core.alloc import empty
-from ..core.chunk_backward import dstate_pass, state_grad_terms
-from ..core.chunk_kernels import CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, state_pass
+from ..core.chunk_backward import channel_grads, dstate_pass, state_grad_terms, state_grad_tiles
+from ..core.chunk_kernels import CHUNK, channel_scores, chunk_warps, key_block, num_chunks, state_pass
 from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, channel_block, \
-    chunk_block_program, chunk_log_gates, chunk_program, chunk_state, dot_tile, load_block, load_state_tile, \
+    chunk_block_program, chunk_log_gates, chunk_state, dot_tile, load_block, load_state_tile, \
     precision, store_tile
 
 
@@ -174,83 +174,6 @@ def linear_dqk_kernel(
             tl.store(dg_ptr + (tl.program_id(1) * BH + i_bh) * Tp + o_t, b_dg)
 
 
-@triton.jit
-def channel_dqk_kernel(
-    q_ptr, k_ptr, g_ptr, da_ptr, dq32_ptr, dk32_ptr, dq_ptr, dk_ptr, dg_ptr,
-    s_q, s_k, s_dq, s_dk,
-    T, H, Tp, K, NT,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Per-channel gates, rows of sub-chunk i_s of chunk i_c, key block i_k: the intra-chunk terms
-
-        dq_i = sum_{j<=i} dA[i, j] k_j * e^{g_i - g_j},   dk_j = sum_{i>=j} dA[i, j] q_i * e^{g_i - g_j}
-
-    added to the state terms of ``linear_dqk_kernel``; writes dq, dk (input dtype) and
-    dL/dB = q * dq - k * dk (fp32 [B*H, Tp, K]). Earlier sub-chunks (for dq) go through one tl.dot
-    against the sub-chunk's first token r, e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}; later ones
-    (for dk) against its last token e, e^{g_i - g_j} = e^{g_i - g_e} e^{g_e - g_j}: every exponent
-    <= 0. The diagonal 16 x 16 block is summed elementwise, one token per step.
-    """
-    i_bh, i_c, i_b, i_h = chunk_program(NT, H)
-    i_s, i_k = tl.program_id(1), tl.program_id(2)
-    q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
-    g_ptr += i_bh * Tp * K
-    da_ptr += i_bh * Tp * BT
-    dt = k_ptr.dtype.element_ty
-
-    o_i = tl.arange(0, BC)
-    o_j = tl.arange(0, BT)
-    t_r = i_c * BT + i_s * BC               # first token of the sub-chunk
-    t_e = t_r + BC - 1                      # its last (exists: g and dA are padded to Tp)
-    o_r = t_r + o_i                         # this program's rows
-    o_c = i_c * BT + o_j                    # the chunk's tokens
-    m_r, m_c = o_r < T, o_c < T
-    m_before = o_j < i_s * BC
-    m_after = o_j >= (i_s + 1) * BC
-    o_k, m_k = channel_block(i_k, BK, K)
-
-    b_q = load_block(q_ptr, s_q, o_r, o_k, m_r, m_k)
-    b_k = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
-    b_qc = load_block(q_ptr, s_q, o_c, o_k, m_c, m_k)
-    b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
-    b_gr = tl.load(g_ptr + o_r[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_gc = tl.load(g_ptr + o_c[:, None] * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_gf = tl.load(g_ptr + t_r * K + o_k, mask=m_k, other=0.0)
-    b_ge = tl.load(g_ptr + t_e * K + o_k, mask=m_k, other=0.0)
-    # dA rows of this sub-chunk [BC, BT] (query i, key j), and its columns transposed [BC, BT] (key j, query i)
-    b_dA = tl.load(da_ptr + o_r[:, None] * BT + o_j[None, :])
-    b_dAt = tl.load(da_ptr + o_c[None, :] * BT + (i_s * BC + o_i)[:, None])
-
-    # earlier sub-chunks: (dA k_j e^{g_r - g_j}) e^{g_i - g_r}
-    b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gf[None, :] - b_gc, float("-inf")))).to(dt)
-    b_dq = tl.dot(b_dA.to(dt), b_kd, input_precision=PRECISION) * tl.exp(b_gr - b_gf[None, :])
-    # later sub-chunks: (dA^T q_i e^{g_i - g_e}) e^{g_e - g_j}
-    b_qd = (b_qc * tl.exp(tl.where(m_after[:, None], b_gc - b_ge[None, :], float("-inf")))).to(dt)
-    b_dk = tl.dot(b_dAt.to(dt), b_qd, input_precision=PRECISION) * tl.exp(b_ge[None, :] - b_gr)
-    # the diagonal block, one token t_r + jj per step, elementwise in fp32
-    for jj in range(0, BC):
-        t_j = t_r + jj
-        m_j = t_j < T
-        b_kj = tl.load(k_ptr + t_j * s_k[2] + o_k * s_k[3], mask=m_k & m_j, other=0.0).to(tl.float32)
-        b_qj = tl.load(q_ptr + t_j * s_q[2] + o_k * s_q[3], mask=m_k & m_j, other=0.0).to(tl.float32)
-        b_gj = tl.load(g_ptr + t_j * K + o_k, mask=m_k, other=0.0)
-        b_col = tl.load(da_ptr + o_r * BT + i_s * BC + jj)          # dA[i, t_j] for the rows i
-        b_row = tl.load(da_ptr + t_j * BT + i_s * BC + o_i)         # dA[t_j, j] for the rows j
-        m_lo = (o_i >= jj)[:, None]
-        m_hi = (o_i <= jj)[:, None]
-        b_dq += tl.where(m_lo, b_col[:, None] * b_kj[None, :] * tl.exp(tl.where(m_lo, b_gr - b_gj[None, :], 0.0)), 0.0)
-        b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * tl.exp(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
-
-    p_x = i_bh * Tp * K + o_r[:, None] * K + o_k[None, :]
-    b_dq += tl.load(dq32_ptr + p_x, mask=m_k[None, :], other=0.0)
-    b_dk += tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
-    store_tile(dq_ptr, s_dq, o_r, o_k, m_r, m_k, b_dq)
-    store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
-    b_dg = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
-    tl.store(dg_ptr + p_x, b_dg, mask=m_k[None, :])
-
-
 # ---------------------------------------------------------------------------------------
 # On the host
 # ---------------------------------------------------------------------------------------
@@ -302,7 +225,7 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
         q, k, do, g, aq, dh, dv,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec, num_warps=chunk_warps(q.element_size()),
     )
     dg = da = dq32 = dk32 = None
     if gate == GATE_SCALAR.value:
@@ -311,21 +234,17 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
         da = empty(B * H, Tp, CHUNK, dtype=torch.float32, device=dev)
         dq32 = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
         dk32 = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
+    BV_step, dqk_warps = state_grad_tiles(V, q.element_size())
     linear_dqk_kernel[(B * H * NT, NK)](
         q, k, v, do, g, h, dh, dq, dk, dg, da, dq32, dk32,
         run.strides[0], run.strides[1], run.strides[2], tuple(do.stride()), tuple(dq.stride()), tuple(dk.stride()),
         T, H, Tp, K, V, NT, B * H,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec,
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV_step, PRECISION=prec, num_warps=dqk_warps,
     )
     dlog = None
     if channel:
         dg = empty(B * H, Tp, K, dtype=torch.float32, device=dev)
-        channel_dqk_kernel[(B * H * NT, CHUNK // SUB_CHUNK, NK)](
-            q, k, g, da, dq32, dk32, dq, dk, dg,
-            run.strides[0], run.strides[1], tuple(dq.stride()), tuple(dk.stride()),
-            T, H, Tp, K, NT,
-            BT=CHUNK, BC=SUB_CHUNK, BK=BK, PRECISION=prec,
-        )
+        channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg)
         dB = dg.view(B, H, Tp, K)[:, :, :T]
         if dht is not None:
             dB[:, :, T - 1] += (dht.float() * ht).sum(-2)
