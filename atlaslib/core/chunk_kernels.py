@@ -286,15 +286,17 @@ def channel_scores(run, g, with_keys: bool):
         run.q, run.k, g, aq, ak, run.strides[0], run.strides[1],
         run.T, run.H, Tp, run.K, NT,
         BT=CHUNK, BC=SUB_CHUNK, BK=key_block(run.K), PRECISION=run.precision,
+        num_warps=chunk_warps(run.q.element_size()),
     )
     return aq, ak
 
 
 def chunk_warps(element_size: int) -> int:
     """Warps of a per-chunk program that sums [64, 64] products into fp32 tiles: the output kernel, the
-    backward's dv kernels and its per-channel dq, dk kernel. fp32 inputs take 8: their exact products hold
-    whole operand fragments in registers, and at 4 warps the programs spill (sm_90 builds at K = 64: the
-    output kernel 852 B a thread at 4 warps, 12 B at 8; the per-channel dq, dk kernel 608 B, none)."""
+    backward's dv kernels, and the per-channel scores and dq, dk kernels. fp32 inputs take 8: their exact
+    products hold whole operand fragments in registers, and at 4 warps the programs spill (sm_90 builds at
+    K = 64: the output kernel 852 B a thread at 4 warps, 12 B at 8; the per-channel dq, dk kernel 608 B,
+    none; the delta rule's per-channel scores 624 B, 52 B)."""
     return 8 if element_size == 4 else 4
 
 
