@@ -103,6 +103,19 @@ def test_bf16_inputs_against_an_fp32_reference(gen, mode):
     compare(got, ref, 2e-2, None if mode is None else inputs[4] == 0)
 
 
+@pytest.mark.parametrize("mode", [None, "channel"])
+def test_bf16_in_several_key_and_value_blocks(gen, mode):
+    """K = 80, V = 40: the WY backward walks 16-bit inputs in blocks of 32 channels (three key blocks, the
+    last partial, and two value blocks), the state kernels in blocks of 64."""
+    B, H, T, K, V = 1, 1, 70, 80, 40
+    inputs = extreme_inputs(gen, B, H, T, K, V, mode)
+    inputs[:3] = [x.bfloat16() for x in inputs[:3]]
+    weights = (torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen))
+    _, _, got = gradients("triton", inputs, weights)
+    _, _, ref = gradients("recurrent", inputs, weights, torch.float64)
+    compare(got, ref, 2e-2, None if mode is None else inputs[4] == 0)
+
+
 def test_only_the_final_state_is_used(gen):
     """Truncated BPTT: the outputs unused (their gradient never materialised), the final state's given."""
     inputs = extreme_inputs(gen, 1, 2, 70, 16, 8, "scalar")

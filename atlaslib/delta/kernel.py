@@ -446,6 +446,18 @@ def _forward(q, k, v, beta, logs, initial_state):
     return output_pass(run, gate, g, Tp, h, aq, vn), ht                # (c)
 
 
+def wy_backward_tiles(K: int, V: int, element_size: int) -> tuple[int, int, int]:
+    """(BK, BV, num_warps) of ``delta_bwd_wy_kernel``. Its program keeps L, R, G and dL (64 x 64, fp32)
+    through loops over key and value blocks, so the blocks are what is left to size. sm_90 builds:
+    16-bit inputs take blocks of 32 at 8 warps (K = V = 128: 396-476 B spilled a thread, 0.6-1.4 KB
+    with blocks of 64, whose shared memory is also 90 KB against 57); fp32 keeps blocks of 64 and from
+    64 key channels on takes 16 warps (K = 64, scalar gates: 32 registers and 30 KB spilled at 8 warps,
+    1.9 KB at 16; at K = 16, 8 warps spill less)."""
+    if element_size < 4:
+        return min(dot_tile(K), 32), min(dot_tile(V), 32), 8
+    return key_block(K), min(dot_tile(V), 64), 16 if dot_tile(K) >= 64 else 8
+
+
 def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     """The gradients (dq, dk, dv, dbeta, dlogs, dh0) of the chunked delta rule (every gate mode).
 
@@ -514,15 +526,13 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dbeta = empty(B, H, T, dtype=torch.float32, device=dev)
     dg2 = None if dg_shape is None else empty(B * H, Tp, *dg_shape[2:] if gate == GATE_CHANNEL else (),
                                              dtype=torch.float32, device=dev)
-    # fp32 from 64 key channels on: 16 warps (sm_90 builds at K = 64, scalar gates: 32 registers and 30 KB
-    # spilled a thread at 8 warps, 1.9 KB at 16; at K = 16, 8 warps spill less)
-    wy_warps = 16 if q.element_size() == 4 and dot_tile(K) >= 64 else 8
+    wy_BK, wy_BV, wy_warps = wy_backward_tiles(K, V, q.element_size())
     delta_bwd_wy_kernel[(B * H * NT,)](
         run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=wy_warps,
+        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, num_warps=wy_warps,
     )
     dlogs = None
     if dg1 is not None:
