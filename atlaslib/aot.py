@@ -549,12 +549,29 @@ def representative(short: Launch, longer: Launch) -> Launch:
     return short
 
 
+def variants(short: list[Launch], longer: list[Launch]):
+    """A kernel's launches in one call (and in the longer call) split by their keyword arguments
+    (constexprs, warps): (tag, short launches, longer launches) per variant; the tag names the
+    arguments that differ between variants (empty when there is one)."""
+    def key(launch):
+        return tuple(sorted((k, repr(v)) for k, v in launch.kwargs.items()))
+    keys = list(dict.fromkeys(key(launch) for launch in short))
+    if len(keys) == 1:
+        return [("", short, longer)]
+    differ = [k for k in dict(keys[0]) if len({dict(kv).get(k) for kv in keys}) > 1]
+    return [(" [" + ", ".join(f"{k}={dict(kv)[k]}" for k in differ) + "]",
+             [launch for launch in short if key(launch) == kv], [launch for launch in longer if key(launch) == kv])
+            for kv in keys]
+
+
 def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -> list[Build]:
     """Build every configuration (of ``families``, default all) for every target (``full``: see ``build``).
 
     Each kernel a call launches is built from the short call (T = 40), unless ``representative``
-    picks the longer one (T = 400). One launched more than once (ATLAS: once per chunk) is built
-    from its first launch, which has the largest grid; the later ones differ only in their grid.
+    picks the longer one (T = 400). One launched more than once with the same constexprs (ATLAS: once
+    per chunk) is built from its first launch, which has the largest grid; the later ones differ only in
+    their grid. A kernel launched with different constexprs (KDA's backward runs chapter 1's per-channel
+    kernel on dS, then with ``PAIRS`` on dL) is built once per variant, the config naming what differs.
     """
     from tqdm.auto import tqdm
 
@@ -563,7 +580,8 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
         if families is None or family in families:
             short = by_kernel(captured_launches(lambda: call(40)))
             longer = by_kernel(captured_launches(lambda: call(400)))
-            todo += [(family, label, short[name], longer[name]) for name in short]
+            for name in short:
+                todo += [(family, label + tag, s, lo) for tag, s, lo in variants(short[name], longer[name])]
     results = []
     with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
         for family, label, launches, longer in todo:

@@ -145,7 +145,7 @@ def channel_dqk_kernel(
     q_ptr, k_ptr, g_ptr, da_ptr, dq32_ptr, dk32_ptr, dq_ptr, dk_ptr, dg_ptr, dgn_ptr,
     s_q, s_k, s_dq, s_dk,
     T, H, Tp, K, NT,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PAIRS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Per-channel gates, rows of sub-chunk i_s of chunk i_c, key block i_k: the intra-chunk terms
 
@@ -155,6 +155,9 @@ def channel_dqk_kernel(
     ``delta_bwd_state_kernel``); writes dq, dk (in their buffers' dtypes; dk may be dk32 itself, each element
     is read before it is written by the same program) and dL/dB = q * dq - k * dk (fp32 [B*H, Tp, K]),
     plus, with ``dgn_ptr`` (fp32 [B*H, NT, K]: the delta rule's), a term on each chunk's last row.
+    ``PAIRS``: the scores are k.k pairs (q is k, dA the delta rule's dL, zero on the diagonal), so both
+    terms are gradients of the same keys: dk = dk32 + dq_i + dk_j terms, and dg (holding the WY kernel's
+    share) += k * (dq terms - dk terms); dq32, dq and dgn are unused.
     Earlier sub-chunks (for dq) go through one tl.dot against the sub-chunk's first token r,
     e^{g_i - g_j} = e^{g_i - g_r} e^{g_r - g_j}; later ones (for dk) against its last token e,
     e^{g_i - g_j} = e^{g_i - g_e} e^{g_e - g_j}: every exponent <= 0. The diagonal 16 x 16 block is
@@ -163,7 +166,9 @@ def channel_dqk_kernel(
     i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     i_s, i_k = tl.program_id(1), tl.program_id(2)
     q_ptr, k_ptr = at_head(q_ptr, s_q, i_b, i_h), at_head(k_ptr, s_k, i_b, i_h)
-    dq_ptr, dk_ptr = at_head(dq_ptr, s_dq, i_b, i_h), at_head(dk_ptr, s_dk, i_b, i_h)
+    dk_ptr = at_head(dk_ptr, s_dk, i_b, i_h)
+    if not PAIRS:
+        dq_ptr = at_head(dq_ptr, s_dq, i_b, i_h)
     g_ptr += i_bh * Tp * K
     da_ptr += i_bh * Tp * BT
     dt = k_ptr.dtype.element_ty
@@ -212,15 +217,20 @@ def channel_dqk_kernel(
         b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * tl.exp(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
 
     p_x = i_bh * Tp * K + o_r[:, None] * K + o_k[None, :]
-    b_dq += tl.load(dq32_ptr + p_x, mask=m_k[None, :], other=0.0)
-    b_dk += tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
-    store_tile(dq_ptr, s_dq, o_r, o_k, m_r, m_k, b_dq)
-    store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
-    b_dg = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
-    if dgn_ptr is not None:
-        if i_s == BT // BC - 1:
-            b_dgn = tl.load(dgn_ptr + (i_bh * NT + i_c) * K + o_k, mask=m_k, other=0.0)
-            b_dg += tl.where((o_i == BC - 1)[:, None], b_dgn[None, :], 0.0)
+    if PAIRS:
+        b_dg = tl.load(dg_ptr + p_x, mask=m_k[None, :], other=0.0) + b_k.to(tl.float32) * (b_dq - b_dk)
+        b_dk += b_dq + tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
+        store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
+    else:
+        b_dq += tl.load(dq32_ptr + p_x, mask=m_k[None, :], other=0.0)
+        b_dk += tl.load(dk32_ptr + p_x, mask=m_k[None, :], other=0.0)
+        store_tile(dq_ptr, s_dq, o_r, o_k, m_r, m_k, b_dq)
+        store_tile(dk_ptr, s_dk, o_r, o_k, m_r, m_k, b_dk)
+        b_dg = b_q.to(tl.float32) * b_dq - b_k.to(tl.float32) * b_dk
+        if dgn_ptr is not None:
+            if i_s == BT // BC - 1:
+                b_dgn = tl.load(dgn_ptr + (i_bh * NT + i_c) * K + o_k, mask=m_k, other=0.0)
+                b_dg += tl.where((o_i == BC - 1)[:, None], b_dgn[None, :], 0.0)
     tl.store(dg_ptr + p_x, b_dg, mask=m_k[None, :])
 
 
@@ -233,10 +243,11 @@ def state_grad_tiles(V: int, element_size: int) -> tuple[int, int]:
     return min(dot_tile(V), 32 if element_size == 4 else 64), 8
 
 
-def channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg, dgn=None):
+def channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg, dgn=None, pairs=False):
     """Per-channel gates: launch ``channel_dqk_kernel`` on every (chunk, sub-chunk, key block) (see it).
     q, k [B, H, T, K]; g [B, H, Tp, K]; da [B*H, Tp, 64]; dq32, dk32, dg [B*H, Tp, K] fp32 contiguous;
-    dq, dk [B, H, T, K] outputs (any strides); dgn None or [B*H, NT, K] fp32."""
+    dq, dk [B, H, T, K] outputs (any strides); dgn None or [B*H, NT, K] fp32; ``pairs``: k.k scores
+    (q is k; dq32, dq None)."""
     B, H, T, K = q.shape
     NT, Tp = num_chunks(T), g.shape[2]
     BK = key_block(K)
@@ -244,7 +255,8 @@ def channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg, dgn=None):
         q, k, g, da, dq32, dk32, dq, dk, dg, dgn,
         _strides(q), _strides(k), _strides(dq), _strides(dk),
         T, H, Tp, K, NT,
-        BT=CHUNK, BC=SUB_CHUNK, BK=BK, PRECISION=precision(q.dtype), num_warps=chunk_warps(q.element_size()),
+        BT=CHUNK, BC=SUB_CHUNK, BK=BK, PAIRS=pairs, PRECISION=precision(q.dtype),
+        num_warps=chunk_warps(q.element_size()),
     )
 
 

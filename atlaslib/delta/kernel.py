@@ -68,13 +68,15 @@ chunk's last row, what g_n itself scales: e^{g_n} <dH_c, h[c]> and the keys of t
 The gradient of the log-gates is then the reverse cumulative sum of dg inside each chunk.
 
 KDA's per-channel decays sit inside the k.k and q.k sums, so their gradients (dq, dk from dS,
-and dk from dL) are not single products. They split the chunk into sub-chunks of 16 as
-``channel_scores_kernel`` does, one product per earlier sub-chunk through a reference token
-(every exponent <= 0) and the diagonal blocks elementwise; never a [BT, BT, BK] tile. The dS terms
-run in chapter 1's ``core.chunk_backward.channel_dqk_kernel``, a program per (chunk, sub-chunk, key
-block), after (f) has stored the state terms, dS and the last rows' log-gate terms; the dL terms in
-``channel_score_grads``, inside (g). Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every
-gradient buffer are fp32. Runs under ``TRITON_INTERPRET=1`` on CPU.
+and dk from dL) are not single products. Both run in chapter 1's
+``core.chunk_backward.channel_dqk_kernel``, a program per (chunk, sub-chunk of 16 tokens, key
+block), once after (f) for dS and once after (g) for dL (whose two sides are both keys): one
+product per earlier sub-chunk through a reference token (every exponent <= 0) and the diagonal
+blocks elementwise, never a [BT, BT, BK] tile. (f) and (g) store what those need: the state
+terms, dS and dL, and their shares of dk and dg.
+
+Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every gradient buffer
+are fp32. Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, SUB_CHUNK, channel_scores, key_block, num_chunks, output_pass, chunk_warps,
+from ..core.chunk_kernels import (CHUNK, channel_scores, key_block, num_chunks, output_pass, chunk_warps,
                                   state_pass, unit_lower_inverse)
 from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
@@ -164,55 +166,6 @@ def delta_wy_kernel(
 # ---------------------------------------------------------------------------------------
 # The backward kernels (no gate and scalar gates)
 # ---------------------------------------------------------------------------------------
-@triton.jit
-def channel_score_grads(b_dP, x_ptr, s_x, y_ptr, s_y, g_ptr, i_c, o_k, m_k, T, K,
-                        BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
-    """The gradients of P[i, j] = sum_c x_ic y_jc e^{g_ic - g_jc} (j <= i) through key block o_k, from dP.
-
-        dx_ic = sum_j dP_ij y_jc e^{g_ic - g_jc},     dy_jc = sum_i dP_ij x_ic e^{g_ic - g_jc}
-
-    ``b_dP`` [BT, BT] fp32, zero above the diagonal; x, y: heads (strides ``s_x``, ``s_y``) of chunk
-    i_c; g: the head's per-channel log-gates [Tp, K]. As in ``channel_scores_kernel``, a row i of
-    sub-chunk I meets the columns of earlier sub-chunks through the reference token r (first of I):
-    e^{g_i - g_r} on the x side, e^{g_r - g_j} on the y side, each <= 1, in one product per side;
-    inside a diagonal block the decays are applied elementwise, one offset jj of the block per step
-    (every block at once: row i meets column (i // BC) * BC + jj). Returns (dx, dy) fp32 [BT, BK].
-    """
-    dt = x_ptr.dtype.element_ty
-    o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
-    m_t = o_t < T
-    m_g = m_k[None, :]
-    b_x = load_block(x_ptr, s_x, o_t, o_k, m_t, m_k).to(tl.float32)
-    b_y = load_block(y_ptr, s_y, o_t, o_k, m_t, m_k).to(tl.float32)
-    b_g = tl.load(g_ptr + o_t[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
-    b_dx = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dy = tl.zeros([BT, BK], dtype=tl.float32)
-    o_blk = o_i // BC
-    for i_s in range(1, BT // BC):
-        # rows of sub-chunk i_s against every earlier column, through its first token r
-        b_gr = tl.load(g_ptr + (i_c * BT + i_s * BC) * K + o_k, mask=m_k, other=0.0)
-        m_rows = (o_blk == i_s)[:, None]
-        m_before = (o_i < i_s * BC)[:, None]
-        b_xr = tl.exp(tl.where(m_rows, b_g - b_gr[None, :], float("-inf")))       # e^{g_i - g_r}, rows of i_s
-        b_ry = tl.exp(tl.where(m_before, b_gr[None, :] - b_g, float("-inf")))     # e^{g_r - g_j}, earlier rows
-        b_dx += b_xr * tl.dot(b_dP.to(dt), (b_y * b_ry).to(dt), input_precision=PRECISION)
-        b_dy += b_ry * tl.dot(tl.trans(b_dP).to(dt), (b_x * b_xr).to(dt), input_precision=PRECISION)
-    for jj in range(0, BC):
-        # row i with column j = (i // BC) * BC + jj of its own block (j <= i); column j with row
-        # (j // BC) * BC + jj (>= j)
-        o_p = o_blk * BC + jj
-        t_p = i_c * BT + o_p
-        b_yp = load_block(y_ptr, s_y, t_p, o_k, t_p < T, m_k).to(tl.float32)
-        b_xp = load_block(x_ptr, s_x, t_p, o_k, t_p < T, m_k).to(tl.float32)
-        b_gp = tl.load(g_ptr + t_p[:, None] * K + o_k[None, :], mask=m_g, other=0.0)
-        b_dr = tl.sum(tl.where(o_i[None, :] == o_p[:, None], b_dP, 0.0), axis=1)    # dP[i, p(i)]
-        b_dc = tl.sum(tl.where(o_i[:, None] == o_p[None, :], b_dP, 0.0), axis=0)    # dP[p(j), j]
-        b_dx += b_dr[:, None] * b_yp * tl.exp(tl.where((o_p <= o_i)[:, None], b_g - b_gp, float("-inf")))
-        b_dy += b_dc[:, None] * b_xp * tl.exp(tl.where((o_p >= o_i)[:, None], b_gp - b_g, float("-inf")))
-    return b_dx, b_dy
-
-
 @triton.jit
 def delta_dv_local_kernel(
     q_ptr, k_ptr, do_ptr, g_ptr, a_ptr, dv_ptr,
@@ -314,17 +267,20 @@ def wy_factor_grads(dx_ptr, s_dx, x_ptr, s_x, b_Rt, o_t, m_t, o_n, m_n, PRECISIO
 @triton.jit
 def delta_bwd_wy_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
-    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, dl_ptr,
     s_k, s_v, s_w, s_u, s_dw, s_du, s_dk1, s_dk, s_dv,
     T, H, Tp, K, V, NT,
-    GATE: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
 
     With Y = Diag(beta)(K e^g) or Diag(beta) V and X = R Y: dY = R^T dX, and
     d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T). Adds dk1 (the state kernel's
     partial dk) and writes dk, dv in their dtypes, dbeta fp32 [B*H, T], dg fp32 [B*H, Tp].
+    Per-channel gates (KDA): the decays sit inside L's k.k sums, so the terms of dL go to
+    ``core.chunk_backward.channel_dqk_kernel`` (``PAIRS``): this kernel writes dL (fp32 [B*H, Tp, BT]),
+    the rest of dk (fp32, into ``dk_ptr``, which is then the padded buffer behind dk1) and of dg
+    (fp32 [B*H, Tp, K]).
     """
     i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
@@ -373,6 +329,8 @@ def delta_bwd_wy_kernel(
     b_dM = tl.where(m_strict, -tl.dot(tl.trans(b_R), b_G, input_precision=PRECISION), 0.0)
     b_dL = b_dM * b_beta[:, None]
     tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dM * b_L, axis=1), mask=m_t)
+    if GATE == GATE_CHANNEL:
+        tl.store(dl_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :], b_dL)
     if GATE == GATE_SCALAR:
         b_dLL = b_dL * b_L
         b_dg = b_beta * b_dbk + tl.sum(b_dLL, axis=1) - tl.sum(b_dLL, axis=0)
@@ -387,14 +345,11 @@ def delta_bwd_wy_kernel(
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         b_dkg = tl.dot(b_Rt, b_dw, input_precision=PRECISION) * b_beta[:, None]     # d(K e^g)
         if GATE == GATE_CHANNEL:
+            # d(K e^g) here; dL's terms are added by channel_dqk_kernel
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_eg = tl.exp(b_gk)
-            b_dx, b_dy = channel_score_grads(b_dL, k_ptr, s_k, k_ptr, s_k, g_ptr + i_bh * Tp * K, i_c, o_k, m_k, T, K,
-                                             BT, BC, BK, PRECISION)
-            b_kf = b_k.to(tl.float32)
-            b_dk = b_dkg * b_eg + b_dx + b_dy
-            b_dg = b_dkg * b_kf * b_eg + b_kf * (b_dx - b_dy)
-            tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dg, mask=m_k[None, :])
+            b_dk = b_dkg * tl.exp(b_gk)
+            tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dk * b_k.to(tl.float32),
+                     mask=m_k[None, :])
         else:
             b_dk = b_dkg
             if GATE == GATE_SCALAR:
@@ -526,14 +481,18 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dbeta = empty(B, H, T, dtype=torch.float32, device=dev)
     dg2 = None if dg_shape is None else empty(B * H, Tp, *dg_shape[2:] if gate == GATE_CHANNEL else (),
                                              dtype=torch.float32, device=dev)
+    dl = empty(B * H, Tp, CHUNK, dtype=torch.float32, device=dev) if channel else None
+    dk_wy = dk1 if channel else dk            # KDA: the WY kernel's share of dk joins dk1 in its buffer
     wy_BK, wy_BV, wy_warps = wy_backward_tiles(K, V, q.element_size())
     delta_bwd_wy_kernel[(B * H * NT,)](
-        run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk, dv, dbeta, dg2,
+        run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk_wy, dv, dbeta, dg2, dl,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
-        tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk.stride()), tuple(dv.stride()),
+        tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk_wy.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BC=SUB_CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, num_warps=wy_warps,
+        GATE=gate, BT=CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, num_warps=wy_warps,
     )
+    if channel:
+        channel_grads(run.k, run.k, g, dl, None, dk_state, None, dk, dg2, pairs=True)
     dlogs = None
     if dg1 is not None:
         # g is the cumulative sum of the log-gates within each chunk: their gradient is the
