@@ -84,7 +84,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, channel_scores, key_block, num_chunks, output_pass, chunk_warps,
+from ..core.chunk_kernels import (CHUNK, channel_scores, chunk_warps, key_block, num_chunks, output_pass,
                                   state_pass, unit_lower_inverse)
 from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
@@ -221,7 +221,7 @@ def delta_bwd_state_kernel(
     # dS = do v_new^T, the state terms of dq and dk, dw = -dv2 h[c], and <h[c], dH> per key channel
     b_dS, b_dq, b_dk, b_dw, b_hdh = state_grad_terms(do_ptr, s_do, vn_ptr, s_vn, dv2_ptr, s_dv2, h_ptr, dh_ptr,
                                                      o_t, m_t, o_k, m_k, V, K, BT, BK, BV, PRECISION)
-    store_tile(dw_ptr, s_dw, o_t, o_k, m_t, m_k, b_dw)      # final: frees its registers for what follows
+    store_tile(dw_ptr, s_dw, o_t, o_k, m_t, m_k, b_dw)      # dw is complete here
     b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
     b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
     b_last = o_i == BT - 1
