@@ -90,6 +90,8 @@ class Build:
     grid_fixed_in_T: bool = True   # the same grid at T = 400: programs loop over chunks
     launches: tuple = (1, 1)       # kernel launches per call at T = 40 and T = 400
     grid_long: tuple = ()          # the (largest) launch grid at T = 400
+    warps: int = 4                 # the launch's num_warps
+    maxnreg: int = 0               # its register cap a thread (0: ptxas chooses)
 
     @property
     def fits(self) -> bool:
@@ -590,7 +592,9 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
                 results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
                                                    grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
                                                    launches=(len(launches), len(longer)),
-                                                   grid_long=largest_grid(longer)))
+                                                   grid_long=largest_grid(longer),
+                                                   warps=launches[0].kwargs.get("num_warps", 4),
+                                                   maxnreg=launches[0].kwargs.get("maxnreg") or 0))
                 bar.update()
     return results
 

@@ -47,6 +47,11 @@ QUERY_BLOCK_KERNELS = {"deep_kernel_fwd_kernel"}
 DOT_SOLVE_KERNELS = {"dot_solve_kernel", "dot_recall_kernel"}
 
 
+# Kernels that walk the chunks of a head in one program (the state passes of chapters 1-2, Titans, the
+# Omega rule and SWLA): launched with their share of the registers (``core.kernels.register_share``).
+SERIAL_KERNELS = {"chunk_state_kernel", "chunk_dstate_kernel", "titans_linear_fwd_kernel", "omega_fwd_kernel"}
+
+
 def family(build):
     return build["config"].split(":")[0]
 
@@ -111,6 +116,17 @@ def test_shared_memory_within_each_target(builds):
 @slow_builds
 def test_registers_are_measured(builds):
     assert all(b["registers"] > 0 and b["spill_stores"] >= 0 for b in builds)
+
+
+def test_serial_kernels_take_their_share_of_the_registers(builds):
+    # an SM has 64K 32-bit registers: a cap above the share of one program's threads could not launch
+    serial = [b for b in builds if b["kernel"] in SERIAL_KERNELS]
+    assert {b["kernel"] for b in serial} == SERIAL_KERNELS
+    wrong = [f"{b['config']}: maxnreg {b['maxnreg']} at {b['warps']} warps" for b in serial
+             if not (0 < b["maxnreg"] <= 255 and b["maxnreg"] * 32 * b["warps"] <= 65536)]
+    assert not wrong, "\n".join(wrong)
+    if FULL:
+        assert all(b["registers"] <= b["maxnreg"] for b in serial)
 
 
 def test_offsets_to_pointer_arguments_are_64_bit(builds):

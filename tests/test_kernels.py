@@ -135,7 +135,7 @@ def test_absent_inputs_reach_the_kernel_as_none(gen):
     assert tensor_or_none(output) == ["t", "t", "t", None, None, "t", "t"]           # g, A
     assert state.kwargs["GATE"] == output.kwargs["GATE"] == GATE_NONE
     wy, state, output = aot.captured_launches(lambda: delta_rule_triton(q, k, v, beta))
-    assert tensor_or_none(wy) == ["t", "t", "t", None, None, "t", "t"]               # g, A_kk
+    assert tensor_or_none(wy) == ["t", "t", "t", None, None, "t", "t", None]         # g, A_kk, R
     assert tensor_or_none(state) == ["t", "t", "t", None, None, "t", "t", "t"]       # g, h0
     assert tensor_or_none(output) == ["t", "t", "t", None, None, "t", "t"]           # g, A
     launch = aot.captured(lambda: omega_triton(q, k, v, 3, chunk_size=8))

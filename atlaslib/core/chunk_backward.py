@@ -43,7 +43,7 @@ from .alloc import empty
 from .chunk_kernels import CHUNK, SUB_CHUNK, chunk_warps, key_block, num_chunks, state_dtype, state_pass_start, \
     state_pass_tiles, store_chunk_state
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_program, \
-    chunk_tokens, dot_tile, load_block, load_state_tile, precision, store_tile
+    chunk_tokens, dot_tile, load_block, load_state_tile, precision, register_share, store_tile
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -320,5 +320,6 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         _strides(dv2),
         T, H, Tp, K, V, NT,
         GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=precision(q.dtype), num_stages=stages, num_warps=warps,
+        maxnreg=register_share(warps),
     )
     return dh, dh0, dv2

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_block_program, \
     chunk_log_gates, chunk_program, chunk_state, chunk_tokens, dot_tile, head_program, load_block, load_state, \
-    load_state_tile, state_slice, store_tile
+    load_state_tile, register_share, state_slice, store_tile
 from .alloc import empty
 
 # Tokens per chunk, and per sub-chunk of the per-channel scores.
@@ -328,6 +328,10 @@ def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bo
     from 64 key channels on (K = 128: 24 B spilled; 27 KB at 4 warps), its reverse pass, which holds
     q, k and w tiles too, 16 (K = 64 and 128: 16-52 B; 10-23 KB at 8 warps); 1 KB rows (K = 256) hold
     16 value channels instead of 64, at 4 warps.
+
+    Every state pass is launched with ``core.kernels.register_share`` as ``maxnreg``, which keeps ptxas
+    out of that fallback where the rules above do not (sm_90: fp32 at K = 60, V = 100, 8-10 KB spilled a
+    thread -> 1.3-3.2 KB; the delta rule's reverse pass at K = 256 fp32, 30 KB -> 7.5 KB).
     """
     if not delta:
         return min(dot_tile(V), 64), 3 if element_size < 4 else 1, 4
@@ -364,6 +368,7 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
         tuple(vn.stride()) if delta else zero,
         run.T, H, Tp, K, V, NT,
         GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_stages=stages, num_warps=warps,
+        maxnreg=register_share(warps),
     )
     return h, ht, vn
 

@@ -318,6 +318,19 @@ def rows_within_shared(width: int, element_size: int, most: int) -> int:
     return max(16, min(most, 16384 // (width * element_size)))
 
 
+def register_share(num_warps: int) -> int:
+    """``maxnreg`` for the serial kernels (state passes, per-head chunk loops): a program's share of an
+    SM's 64K 32-bit registers at ``num_warps`` warps, at most 255 a thread.
+
+    Left to itself, ptxas sometimes settles on 32 registers a thread for these programs and spills
+    kilobytes (sm_90 builds: Titans' kernel at chunks of 64, 59 KB a thread; the fp32 state pass at
+    K = 60, V = 100, 9.6 KB). Their grids hold one program per head and value block, too few to put
+    two on an SM, so a program loses nothing by taking every register it may have (Titans: 3.8-4.2 KB
+    at 16 warps; the state pass: 1.3-1.5 KB at 8). Ignored by the interpreter.
+    """
+    return min(255, 65536 // (32 * num_warps))
+
+
 def value_tile(V: int, widest: int) -> int:
     """BV: value channels per program, dot_tile(V) but at most ``widest``; more programs share a wider V."""
     return max(16, min(widest, triton.next_power_of_2(V)))

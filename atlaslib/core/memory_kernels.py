@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import at_head, channel_block, head_program
+from .kernels import at_head, channel_block, head_program, register_share
 
 
 @triton.jit
@@ -41,3 +41,14 @@ def chunk_rows(BT: tl.constexpr):
     """Rows 0 .. BT - 1 of a chunk (o_i) and the causal mask [BT, BT] of the chunk: row t sees n <= t."""
     o_i = tl.arange(0, BT)
     return o_i, o_i[:, None] >= o_i[None, :]
+
+
+def per_head_launch(BT: int) -> dict:
+    """Launch options of chapters 3 and 4's per-head kernels (Titans, the Omega rule, SWLA) for chunk tiles
+    of BT rows. One pipeline stage: pipelining the chunk loop would multiply the shared memory. Warps:
+    the program holds its state slices and several [BT, BT] fp32 tiles, so at BT = 64 it takes 16 warps,
+    else 8, each with its ``register_share`` (sm_90 builds, K = V = 64: Titans at BT = 64 spilled 59 KB a
+    thread at 4 warps, 4.2 KB now; at BT = 16, 1.1 KB and none; the Omega rule at BT = 64, c = 8,
+    33 KB and 2.3 KB)."""
+    warps = 16 if BT >= 64 else 8
+    return dict(num_stages=1, num_warps=warps, maxnreg=register_share(warps))

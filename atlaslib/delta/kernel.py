@@ -41,7 +41,8 @@ initial state) are ``None`` pointers, which Triton compiles away.
 
 The backward (``DeltaRuleFunction``, what ``delta_rule(..., backend="triton")`` differentiates
 through) has the forward's three-phase shape in reverse. Only the inputs are saved; the backward
-first reruns (a) and (b) to get w, u, every h[c] and v_new. Write dH_c for the gradient of the
+first reruns (a), which this time also stores each chunk's R (fp32, as R^T: (g) reads it instead
+of inverting again), and (b) to get w, u, every h[c] and v_new. Write dH_c for the gradient of the
 state after chunk c (the final state's gradient, or 0, after the last chunk) and dv2 for the whole
 gradient of v_new. Then:
 
@@ -55,8 +56,8 @@ gradient of v_new. Then:
     dk = (v_new dH_c) e^{g_n - g} + (dS * D)^T Q,   and dw = -dv2 h[c] (from v_new = u - w h^T);
 (g) ``delta_bwd_wy_kernel``, per chunk, back through the WY factors with du = dv2. For X = R Y
     (Y = Diag(beta)(K e^g) or Diag(beta) V) the gradient of Y is R^T dX, and the gradient of the
-    system matrix A = I + Diag(beta) L is -R^T dX X^T, summed over both factors: R is rebuilt by
-    the forward's inverse and never differentiated itself. Its strictly lower part, times beta,
+    system matrix A = I + Diag(beta) L is -R^T dX X^T, summed over both factors: R is the one (a)
+    stored and is never differentiated itself. Its strictly lower part, times beta,
     is the gradient of L, which sends k.k gradients to both keys of every pair; the row sums of
     the same products give dbeta.
 
@@ -126,12 +127,13 @@ def decayed_scores(x_ptr, s_x, y_ptr, s_y, a_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, 
 
 @triton.jit
 def delta_wy_kernel(
-    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr, r_ptr,
     s_k, s_v, s_w, s_u,
     T, H, Tp, K, V, NT,
     GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}."""
+    """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}.
+    With ``r_ptr`` (the backward's recomputation) also stores R, fp32 [B*H, Tp, BT], for ``delta_bwd_wy_kernel``."""
     i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
     w_ptr, u_ptr = at_head(w_ptr, s_w, i_b, i_h), at_head(u_ptr, s_u, i_b, i_h)
@@ -146,6 +148,8 @@ def delta_wy_kernel(
     # R Diag(beta): the inverse in fp32, cast to the inputs' dtype for its products
     b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
     b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
+    if r_ptr is not None:
+        tl.store(r_ptr + i_bh * Tp * BT + o_t[None, :] * BT + o_i[:, None], b_R)   # as R^T
     b_Rb = (b_R * b_beta[None, :]).to(dt)
 
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -266,7 +270,7 @@ def wy_factor_grads(dx_ptr, s_dx, x_ptr, s_x, b_Rt, o_t, m_t, o_n, m_n, PRECISIO
 
 @triton.jit
 def delta_bwd_wy_kernel(
-    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, ak_ptr, r_ptr, w_ptr, u_ptr, dw_ptr, du_ptr, dk1_ptr,
     dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, dl_ptr,
     s_k, s_v, s_w, s_u, s_dw, s_du, s_dk1, s_dk, s_dv,
     T, H, Tp, K, V, NT,
@@ -275,7 +279,8 @@ def delta_bwd_wy_kernel(
     """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
 
     With Y = Diag(beta)(K e^g) or Diag(beta) V and X = R Y: dY = R^T dX, and
-    d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T). Adds dk1 (the state kernel's
+    d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T), with R^T as ``delta_wy_kernel`` stored
+    it (fp32 [B*H, Tp, BT]). Adds dk1 (the state kernel's
     partial dk) and writes dk, dv in their dtypes, dbeta fp32 [B*H, T], dg fp32 [B*H, Tp].
     Per-channel gates (KDA): the decays sit inside L's k.k sums, so the terms of dL go to
     ``core.chunk_backward.channel_dqk_kernel`` (``PAIRS``): this kernel writes dL (fp32 [B*H, Tp, BT]),
@@ -294,13 +299,13 @@ def delta_bwd_wy_kernel(
     m_strict = o_i[:, None] > o_i[None, :]
     b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
 
-    # L and R = (I + Diag(beta) L)^{-1}, as in the forward
+    # L as in the forward; R = (I + Diag(beta) L)^{-1} as the recomputing delta_wy_kernel stored it
     b_g = None
     if GATE == GATE_SCALAR:
         b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
     b_L = decayed_scores(k_ptr, s_k, None, s_k, ak_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, K, True, GATE, BT, BK, PRECISION)
-    b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
-    b_Rt = tl.trans(b_R).to(dt)
+    b_Rt32 = tl.load(r_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])     # R^T
+    b_Rt = b_Rt32.to(dt)
 
     # dY = R^T dX for both factors; G = dw w^T + du u^T; the diagonal parts of dbeta
     b_G = tl.zeros([BT, BT], dtype=tl.float32)
@@ -326,7 +331,7 @@ def delta_bwd_wy_kernel(
         store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dY * b_beta[:, None])
 
     # d(Diag(beta) L) = strict lower part of -R^T G; dL = Diag(beta) of it
-    b_dM = tl.where(m_strict, -tl.dot(tl.trans(b_R), b_G, input_precision=PRECISION), 0.0)
+    b_dM = tl.where(m_strict, -tl.dot(b_Rt32, b_G, input_precision=PRECISION), 0.0)
     b_dL = b_dM * b_beta[:, None]
     tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dM * b_L, axis=1), mask=m_t)
     if GATE == GATE_CHANNEL:
@@ -371,22 +376,25 @@ def _backward_launch(q, k, v, do):
                          64, precision(q.dtype), B, H, T, K, V)
 
 
-def wy_factors(run, gate, g, beta, ak):
-    """(a): the WY factors w [B, H, T, K] and u [B, H, T, V] of every chunk, in q's dtype. w, u, v_new
-    and their gradients have T rows, and every kernel masks the rows past T: a short sequence (memory
-    caching runs its blocks of 1-32 tokens as batch rows) pays for no padded chunk. Only the log-gates
-    g and the per-channel scores A are padded to whole chunks (their kernels read whole chunks)."""
+def wy_factors(run, gate, g, beta, ak, keep_inverse=False):
+    """(a): the WY factors w [B, H, T, K] and u [B, H, T, V] of every chunk, in q's dtype, and with
+    ``keep_inverse`` each chunk's R = (I + Diag(beta) L)^{-1} (fp32 [B*H, Tp, 64], else None), which the
+    backward reads instead of inverting again. w, u, v_new and their gradients have T rows, and every
+    kernel masks the rows past T: a short sequence (memory caching runs its blocks of 1-32 tokens as
+    batch rows) pays for no padded chunk. Only the log-gates g, the per-channel scores A and R are
+    padded to whole chunks (their kernels read whole chunks)."""
     NT = num_chunks(run.T)
     Tp = NT * CHUNK
     w = empty(run.B, run.H, run.T, run.K, dtype=run.q.dtype, device=run.q.device)
     u = empty(run.B, run.H, run.T, run.V, dtype=run.q.dtype, device=run.q.device)
+    r = empty(run.B * run.H, Tp, CHUNK, dtype=torch.float32, device=run.q.device) if keep_inverse else None
     delta_wy_kernel[(run.B * run.H * NT,)](
-        run.k, run.v, beta, g, ak, w, u,
+        run.k, run.v, beta, g, ak, w, u, r,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
         GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision, num_warps=8,
     )
-    return w, u
+    return w, u, r
 
 
 def _forward(q, k, v, beta, logs, initial_state):
@@ -396,18 +404,18 @@ def _forward(q, k, v, beta, logs, initial_state):
     gate, g, _ = chunk_gates(None, logs, run.T, CHUNK)
     Tp = num_chunks(run.T) * CHUNK
     aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
-    w, u = wy_factors(run, gate, g, as_fp32(beta), ak)                  # (a) every chunk at once
+    w, u, _ = wy_factors(run, gate, g, as_fp32(beta), ak)               # (a) every chunk at once
     h, ht, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)   # (b) v_new and h[c]
     return output_pass(run, gate, g, Tp, h, aq, vn), ht                # (c)
 
 
 def wy_backward_tiles(K: int, V: int, element_size: int) -> tuple[int, int, int]:
-    """(BK, BV, num_warps) of ``delta_bwd_wy_kernel``. Its program keeps L, R, G and dL (64 x 64, fp32)
+    """(BK, BV, num_warps) of ``delta_bwd_wy_kernel``. Its program keeps L, R^T, G and dL (64 x 64, fp32)
     through loops over key and value blocks, so the blocks are what is left to size. sm_90 builds:
-    16-bit inputs take blocks of 32 at 8 warps (K = V = 128: 396-476 B spilled a thread, 0.6-1.4 KB
-    with blocks of 64, whose shared memory is also 90 KB against 57); fp32 keeps blocks of 64 and from
-    64 key channels on takes 16 warps (K = 64, scalar gates: 32 registers and 30 KB spilled at 8 warps,
-    1.9 KB at 16; at K = 16, 8 warps spill less)."""
+    16-bit inputs take blocks of 32 at 8 warps (K = V = 128: 0-232 B spilled a thread; blocks of 64 spill
+    160-310 B and take 90 KB of shared memory against 64); fp32 keeps blocks of 64 and from 64 key
+    channels on takes 16 warps (K = 64: 1.0-1.7 KB spilled at 16 warps, 3.6-7.5 KB at 8; at K = 16, 8
+    warps spill less)."""
     if element_size < 4:
         return min(dot_tile(K), 32), min(dot_tile(V), 32), 8
     return key_block(K), min(dot_tile(V), 64), 16 if dot_tile(K) >= 64 else 8
@@ -433,9 +441,9 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     NK = triton.cdiv(K, BK)
     dev, dt = q.device, q.dtype
     beta = as_fp32(beta)
-    # recompute: the WY factors, then h[c] and v_new (the forward's kernels; nothing was stored)
+    # recompute: the WY factors (keeping R), then h[c] and v_new (the forward's kernels; nothing was stored)
     aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
-    w, u = wy_factors(run, gate, g, beta, ak)
+    w, u, r = wy_factors(run, gate, g, beta, ak, keep_inverse=True)
     h, _, vn = state_pass(run, gate, g, Tp, as_fp32(initial_state), u=u, w=w)
     # dv_local, then the reverse state pass: dH per chunk, dv2 = the whole gradient of v_new, dh0
     dv_local = empty(B, H, T, V, dtype=dt, device=dev)
@@ -485,7 +493,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     dk_wy = dk1 if channel else dk            # KDA: the WY kernel's share of dk joins dk1 in its buffer
     wy_BK, wy_BV, wy_warps = wy_backward_tiles(K, V, q.element_size())
     delta_bwd_wy_kernel[(B * H * NT,)](
-        run.k, run.v, beta, g, ak, w, u, dw, dv2, dk1, dk_wy, dv, dbeta, dg2, dl,
+        run.k, run.v, beta, g, ak, r, w, u, dw, dv2, dk1, dk_wy, dv, dbeta, dg2, dl,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk_wy.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
@@ -514,9 +522,9 @@ class DeltaRuleFunction(torch.autograd.Function):
     (every h[c] and v_new) instead of keeping them from the forward. Its own buffers, freed when it returns:
     h[c] and dH per chunk (B*H*NT*V*K elements each, in the inputs' dtype when it is 16-bit, else fp32:
     ``core.chunk_kernels.state_dtype``); w, u, v_new, dv_local and dv2 (B*H*T*K or B*H*T*V elements in the
-    inputs' dtype); the fp32 partial dk and dw (B*H*T*K*4 bytes each); the fp32 dg (B*H*Tp*(K/64 + 1)*4 bytes
-    for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the scores Aq, Ak (B*H*Tp*64*4 bytes each). NT =
-    cdiv(T, 64), Tp = 64 NT.
+    inputs' dtype); each chunk's inverse R (B*H*Tp*64*4 bytes); the fp32 partial dk and dw (B*H*T*K*4 bytes
+    each); the fp32 dg (B*H*Tp*(K/64 + 1)*4 bytes for scalar gates, 2*B*H*Tp*K*4 for KDA); for KDA also the
+    scores Aq, Ak (B*H*Tp*64*4 bytes each). NT = cdiv(T, 64), Tp = 64 NT.
 
     Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
     tensors and is not itself differentiable).

@@ -78,9 +78,10 @@ the start (head, channels, chunk rows) of the per-head kernels.
 
 Forward only: ``miras(..., backend="triton")`` gets gradients by
 ``core.with_chunk_backward`` (autograd through the chunk form). Runs under
-``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets. Launched with
-num_stages=1: software pipelining of the chunk loop would multiply the shared memory
-(measured: 330 KB instead of 176 KB at BT = 64, BK = 256, BV = 32 with fp32 inputs).
+``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets. Launched as
+``core.memory_kernels.per_head_launch`` says: num_stages=1 (software pipelining of the chunk loop
+would multiply the shared memory: 330 KB instead of 176 KB at BT = 64, BK = 256, BV = 32 with fp32
+inputs), and 16 warps at BT = 64 (8 below), each thread allowed its share of the registers.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ import triton.language as tl
 
 from ..core.kernels import (as_fp32, dot_tile, feature_tile, forward_launch, load_state, load_tile, state_slice,
                             store_tile, value_tile)
-from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
+from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.validation import check_chunk_size, check_qkv, check_state
 from .config import DEFAULT_CHUNK_SIZE
 
@@ -99,10 +100,10 @@ from .config import DEFAULT_CHUNK_SIZE
 # 96 KB at (128, 32), 176 KB at (256, 32). The tiles are fp32 whatever the inputs' dtype and their
 # products exact ("ieee" unless TF32 is asked for), so half-precision inputs take the same. An H100
 # block may use at most 227 KB; (256, 64) would take 208-224 KB, too close. BV = 32
-# beyond BK = 64 also halves the register-held states: ptxas already spills at these
-# tiles (about 4 KB of stack per thread with half-precision inputs at (64, 64); the IEEE
-# fp32 path, FMA-based, spills far more, as the Omega kernel's does). Speed has not been
-# measured on a GPU. So: chunks of at most 64 tokens, keys of at most 256 channels, any V.
+# beyond BK = 64 also halves the register-held states: ptxas still spills at these
+# tiles (at BT = 64, K = V = 64, 3.8-4.2 KB a thread with ``per_head_launch``'s 16 warps,
+# fp32 or bf16 inputs; none at BT = 16). Speed has not been measured on a GPU. So: chunks
+# of at most 64 tokens, keys of at most 256 channels, any V.
 MAX_CHUNK = 64
 MAX_KEY = 256
 
@@ -262,7 +263,7 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     titans_linear_fwd_kernel[run.grid](
         run.q, run.k, run.v, alpha, eta, theta, m0, s0, run.o, M_T, S_T, *run.strides,
         T, H, K, V, chunk_size,
-        BT=BT, BK=BK, BV=BV, PRECISION=run.precision, num_stages=1,
+        BT=BT, BK=BK, BV=BV, PRECISION=run.precision, **per_head_launch(BT),
     )
     return run.o, M_T, S_T
 

@@ -31,8 +31,10 @@ the start (head, channels, chunk rows) of the per-head kernels.
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
 inputs). Runs under ``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets.
-Launched with num_stages=1: software pipelining of the chunk loop would multiply the
-shared memory (297 KB instead of 115 KB at BT=64, BW=128, BD=64, over an H100's limit).
+Launched as ``core.memory_kernels.per_head_launch`` says: num_stages=1 (software pipelining of
+the chunk loop would multiply the shared memory: 297 KB instead of 115 KB at BT=64, BW=128, BD=64,
+over an H100's limit), and 16 warps at BT = 64 (8 below), each thread allowed its share of the
+registers (sm_90, c = 8, b = 64, D = V = 64: 2.3 KB spilled a thread, 33 KB at 4 warps).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import triton.language as tl
 from ..core.chunking import gate_logs
 from ..core.kernels import (as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch, load_state,
                             load_tile, state_slice, store_tile, value_tile)
-from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
+from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.windows import window_gates
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -163,7 +165,8 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     omega_fwd_kernel[run.grid](
         run.q, run.k, run.v, G, as_fp32(eta), g, as_fp32(initial_state), run.o, ht, *run.strides,
         T, H, Tp, D, run.V, b, c,
-        HEBBIAN=hebbian, BT=dot_tile(b), BW=BW, BD=BD, BV=run.BV, PRECISION=run.precision, num_stages=1,
+        HEBBIAN=hebbian, BT=dot_tile(b), BW=BW, BD=BD, BV=run.BV, PRECISION=run.precision,
+        **per_head_launch(dot_tile(b)),
     )
     return run.o, ht
 
