@@ -614,11 +614,13 @@ def oversized_build(target_name: str = "sm_80", full: bool = True) -> Build:
 
 
 def format_builds(results: list[Build]) -> str:
-    """The builds as a table: kernel, configuration, target, shared memory against the limit, registers."""
+    """The builds as a table: kernel, configuration, target, shared memory against the limit, warps, registers
+    (with the launch's cap, if it sets one)."""
     from .tables import format_table
     rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
-             "regs": r.registers, "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",
+             "warps": r.warps, "regs": f"{r.registers}" + (f" (<= {r.maxnreg})" if r.maxnreg else ""),
+             "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",
              "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
     return format_table(rows, columns=list(rows[0]))
 
