@@ -324,9 +324,10 @@ def register_share(num_warps: int) -> int:
 
     Left to itself, ptxas sometimes settles on 32 registers a thread for these programs and spills
     kilobytes (sm_90 builds: Titans' kernel at chunks of 64, 59 KB a thread; the fp32 state pass at
-    K = 60, V = 100, 9.6 KB). Their grids hold one program per head and value block, too few to put
-    two on an SM, so a program loses nothing by taking every register it may have (Titans: 3.8-4.2 KB
-    at 16 warps; the state pass: 1.3-1.5 KB at 8). Ignored by the interpreter.
+    K = 60, V = 100, 9.6 KB). Their grids hold one program per head and value block, at the book's and
+    the benchmark's sizes no more than a card has SMs, so a program gives up no occupancy by taking every
+    register it may have (Titans: 3.8-4.2 KB at 16 warps; the state pass: 1.3-1.5 KB at 8). The
+    interpreter ignores it.
     """
     return min(255, 65536 // (32 * num_warps))
 
