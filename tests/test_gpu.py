@@ -13,10 +13,14 @@ card, ``test_every_kernel_was_launched`` (last) checks that every ``*_kernel`` o
 actually launched by the tests above it, not bypassed by a fallback to the chunk form.
 
 ``ATLAS_GPU_TESTS_ON_CPU=1`` (with ``TRITON_INTERPRET=1``) runs the same tests on the CPU in Triton's
-interpreter with T cut to ``DRY_T``: slow, and only a check of this file itself.
+interpreter with T cut to ``DRY_T``: a check of this file itself, which ``make test`` runs in a subprocess
+(``test_the_file_runs_dry_on_the_cpu``, about 75 s on one core) so that the file is known to run before a
+GPU's time is spent on it.
 """
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +99,20 @@ def test_every_kernel_module_is_covered():
     here = sys.modules[__name__]
     for module, tests in KERNEL_TESTS.items():
         assert tests and all(callable(getattr(here, t, None)) and t.startswith("test_") for t in tests), module
+
+
+@pytest.mark.skipif(DRY_RUN or torch.cuda.is_available(), reason="the dry run itself, or a GPU runs the file for real")
+def test_the_file_runs_dry_on_the_cpu():
+    """Runs without a GPU: this whole file in Triton's interpreter (``ATLAS_GPU_TESTS_ON_CPU=1``, T cut to
+    ``DRY_T``), in one process, so a test that would fail on the card for a reason of its own (a wrong
+    shape, a kernel no test launches any more) fails here first, before a GPU's time is spent on it."""
+    env = dict(os.environ, ATLAS_GPU_TESTS_ON_CPU="1", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           str(Path(__file__)), "-k", "not test_the_file_runs_dry_on_the_cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "passed" in summary and "skipped" not in summary, summary    # every test ran, the launch check too
 
 
 def inputs(gen, B, H, T, K, V, mode, low=0.5):
