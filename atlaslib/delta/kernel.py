@@ -378,8 +378,8 @@ def _backward_launch(q, k, v, do):
 
 def wy_factors(run, gate, g, beta, ak, keep_inverse=False):
     """(a): the WY factors w [B, H, T, K] and u [B, H, T, V] of every chunk, in q's dtype, and with
-    ``keep_inverse`` each chunk's R = (I + Diag(beta) L)^{-1} (fp32 [B*H, Tp, 64], else None), which the
-    backward reads instead of inverting again. w, u, v_new and their gradients have T rows, and every
+    ``keep_inverse`` each chunk's R = (I + Diag(beta) L)^{-1}, stored transposed (fp32 [B*H, Tp, 64], else
+    None), which the backward reads instead of inverting again. w, u, v_new and their gradients have T rows, and every
     kernel masks the rows past T: a short sequence (memory caching runs its blocks of 1-32 tokens as
     batch rows) pays for no padded chunk. Only the log-gates g, the per-channel scores A and R are
     padded to whole chunks (their kernels read whole chunks)."""
