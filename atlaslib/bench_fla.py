@@ -54,6 +54,12 @@ versions, the date and the shapes, rewritten after each row ("complete": false u
 for each row, the forward's largest kernels on both sides (``kernel_times``: torch.profiler, self time
 per call), printed after the table and kept in the JSON rows: the first place to look when a ratio is low.
 
+In fp32 the two sides do not multiply alike: our kernels' ``tl.dot`` products of fp32 tiles are exact
+(``input_precision="ieee"``, CUDA cores, as the tests' tolerances need) unless ``ATLASLIB_TF32=1`` is set,
+while most of fla's run Triton's default, TF32 on tensor cores. The JSON's "fp32_dot" and the line under
+the table say which our side used; ``ATLASLIB_TF32=1 python -m atlaslib.bench --vs fla`` times ours at
+fla's precision.
+
 fla-core 0.6.0 refuses its gated backward (``chunk_bwd_dqkwg``) on Hopper cards under Triton older than
 3.7.1, which gives wrong results there: run the forward + backward columns with the pinned Triton.
 """
@@ -76,6 +82,7 @@ MODELS = ("linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "ga
 GATES = {"linear": None, "linear_scalar_gate": "scalar", "linear_channel_gate": "channel", "deltanet": None,
          "gated_deltanet": "scalar", "kda": "channel"}
 DELTA = {"deltanet", "gated_deltanet", "kda"}
+FP32_DOT = {"ieee": "exact fp32 (ieee, CUDA cores; ATLASLIB_TF32=1 for TF32)", "tf32": "TF32 (ATLASLIB_TF32=1)"}
 FLA_CHUNK = {"linear": "linear_attn.chunk_linear_attn", "linear_scalar_gate": "simple_gla.chunk_simple_gla",
              "linear_channel_gate": "gla.chunk_gla", "deltanet": "delta_rule.chunk_delta_rule",
              "gated_deltanet": "gated_delta_rule.chunk_gated_delta_rule", "kda": "kda.chunk_kda"}
@@ -438,6 +445,7 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
     each with "complete": false until the end, so that a run stopped early (fla's first calls autotune
     for minutes on a fresh machine) still leaves what it measured.
     """
+    from .core.kernels import precision
     require_fla()
     on_gpu = str(device).startswith("cuda")
     shapes = shapes or (GPU_SHAPES if on_gpu else (CPU_SHAPE,))
@@ -448,6 +456,8 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
     if not on_gpu:
         out("(CPU: our chunk forms against fla's PyTorch references; loop_rel_err: our per-token loop against them)")
     meta = dict(device=str(device), warmup=warmup, repeats=repeats, ours_backend="triton" if on_gpu else "chunk")
+    if on_gpu:
+        meta["fp32_dot"] = {"ours": precision(torch.float32), "fla": "tf32 (Triton's default) in most kernels"}
     rows, started = [], time.perf_counter()
     kw = dict(device=device, warmup=warmup, repeats=repeats, profile=profile)
 
@@ -468,6 +478,9 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
     out(format_rows(rows))
     out("speedup = fla time / ours (> 1: ours faster); rel_err = ||ours - fla|| / ||fla||; MiB: forward peak "
         "beyond the inputs" + ("; fwdbwd: forward + backward, gradients of every input" if on_gpu else ""))
+    if on_gpu and any(s.dtype == "float32" for s in shapes):
+        out(f"fp32 rows: our tl.dot products {FP32_DOT[precision(torch.float32)]}; most of fla's TF32 "
+            "(Triton's default)")
     if profile:
         out("\nWhere each forward's time goes (torch.profiler; " + ("GPU kernels" if on_gpu else "CPU operators")
             + ", self time):\n\n" + format_profile(rows))

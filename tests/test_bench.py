@@ -442,3 +442,33 @@ def test_vs_fla_records_a_refused_backward_and_times_ours_alone():
     assert "fla_fwdbwd_ms" not in row and "grad_rel_err" not in row and "fwdbwd_speedup" not in row
     assert row["note"] == "fla's backward refused: this card and Triton give wrong gradients here"
     assert "refused" in bench_fla.format_rows([row])
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_vs_fla_says_how_our_fp32_products_were_made(tf32, monkeypatch, tmp_path):
+    """On CUDA the fp32 rows compare our exact products with fla's TF32 ones unless ATLASLIB_TF32=1: the line
+    under the table and the JSON's "fp32_dot" say which, as the kernels read it (``core.kernels.precision``).
+    The measuring is stood in for (no GPU): only what ``run`` reports about it is checked."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    import json
+    from atlaslib import bench_fla
+    if tf32:
+        monkeypatch.setenv("ATLASLIB_TF32", "1")
+    else:
+        monkeypatch.delenv("ATLASLIB_TF32", raising=False)
+
+    def compare(models, s, *, forward=True, backward=None, **kw):
+        row = {"model": models[0], **bench_fla.asdict(s), "wall_s": 1.0}
+        if forward:
+            row.update(ours_ms=1.0, fla_ms=2.0, speedup=2.0, rel_err=1e-6, ours_MiB=1.0, fla_MiB=1.0)
+        if backward:
+            row.update(ours_fwdbwd_ms=3.0, fla_fwdbwd_ms=3.0, fwdbwd_speedup=1.0, grad_rel_err=1e-6,
+                       ours_fwdbwd_MiB=1.0, fla_fwdbwd_MiB=1.0, fwdbwd_wall_s=1.0)
+        return [row]
+    monkeypatch.setattr(bench_fla, "compare", compare)
+    lines, path = [], tmp_path / "gpu.json"
+    bench_fla.run("cuda", shapes=[bench_fla.Shape(1, 2, 64, 8, 4, "float32")], models=["linear"],
+                  json_path=path, out=lines.append)
+    said = [line for line in lines if line.startswith("fp32 rows:")]
+    assert len(said) == 1 and ("TF32 (ATLASLIB_TF32=1)" if tf32 else "exact fp32 (ieee") in said[0], lines
+    assert json.loads(path.read_text())["fp32_dot"]["ours"] == ("tf32" if tf32 else "ieee")
