@@ -9,7 +9,7 @@ table has a "triton" entry, a predicate ``unsupported()`` naming what its kernel
 validates the name, picks the backend (``choose_backend``) and runs it (``call_backend``): the
 "triton" entry runs forward only, with gradients by autograd through the table's "chunk" entry
 (``with_chunk_backward``), so the two must compute the same function — unless the entry has
-backward kernels of its own (``lazy(..., differentiable=True)``; linear attention's).
+backward kernels of its own (``lazy(..., differentiable=True)``; linear attention's and the delta rule's).
 
 ``auto`` runs the Triton kernel on CUDA tensors and the chunkwise PyTorch form on CPU.
 The Triton kernels run on CPU only under Triton's interpreter, which must be switched on

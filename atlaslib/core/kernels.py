@@ -324,10 +324,12 @@ def register_share(num_warps: int) -> int:
 
     Left to itself, ptxas sometimes settles on 32 registers a thread for these programs and spills
     kilobytes (sm_90 builds: Titans' kernel at chunks of 64, 59 KB a thread; the fp32 state pass at
-    K = 60, V = 100, 9.6 KB). Their grids hold one program per head and value block, at the book's and
-    the benchmark's sizes no more than a card has SMs, so a program gives up no occupancy by taking every
-    register it may have (Titans: 3.8-4.2 KB at 16 warps; the state pass: 1.3-1.5 KB at 8). The
-    interpreter ignores it.
+    K = 60, V = 100, 9.6 KB). At this share two programs fit an SM at 4 warps and one at 8 or more,
+    and their grids (one program per head and block of the state) are no larger than that at the book's
+    and the benchmark's sizes: on an H100 (132 SMs) at B = 4, H = 16, K = V = 128 in bf16, the linear
+    state pass launches 256 programs of 4 warps, the delta rule's 128 of 8. So a program gives up no
+    occupancy by taking every register it may have (Titans: 3.8-4.2 KB spilled at 16 warps; the state
+    pass: 1.3-1.5 KB at 8). The interpreter ignores it.
     """
     return min(255, 65536 // (32 * num_warps))
 
