@@ -411,14 +411,14 @@ def _forward(q, k, v, beta, logs, initial_state):
 
 def wy_backward_tiles(K: int, V: int, element_size: int) -> tuple[int, int, int]:
     """(BK, BV, num_warps) of ``delta_bwd_wy_kernel``. Its program keeps L, R^T, G and dL (64 x 64, fp32)
-    through loops over key and value blocks, so the blocks are what is left to size. sm_90 builds:
-    16-bit inputs take blocks of 32 at 8 warps (K = V = 128: 0-232 B spilled a thread; blocks of 64 spill
-    160-310 B and take 90 KB of shared memory against 64); fp32 keeps blocks of 64 and from 64 key
-    channels on takes 16 warps (K = 64: 1.0-1.7 KB spilled at 16 warps, 3.6-7.5 KB at 8; at K = 16, 8
-    warps spill less)."""
-    if element_size < 4:
-        return min(dot_tile(K), 32), min(dot_tile(V), 32), 8
-    return key_block(K), min(dot_tile(V), 64), 16 if dot_tile(K) >= 64 else 8
+    through loops over key and value blocks, so the blocks are what is left to size: 32 channels at most.
+    sm_90 builds: 16-bit inputs take 8 warps (K = V = 128: 0-232 B spilled a thread; blocks of 64 spill
+    160-310 B and take 90 KB of shared memory against 64); fp32 takes 16 warps from 64 key channels on
+    (K = V = 64 to 256, no gate / scalar / per channel: 292 / 332 / 0 B spilled under Triton 3.7.1,
+    168 / 152 / 0 B under 3.6, and 64 KB of shared memory; blocks of 64 spilled 1.0-1.7 KB and took
+    96 KB; at K = 16, 8 warps spill less)."""
+    warps = 8 if element_size < 4 or dot_tile(K) < 64 else 16
+    return min(dot_tile(K), 32), min(dot_tile(V), 32), warps
 
 
 def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
