@@ -13,7 +13,7 @@ independent mode, then the batched readout; ``cached_readout`` is the Triton ker
 ``kernel.cached_readout_triton`` with the same arguments, used by backend "triton"/"auto" on CUDA).
 ``kernel.py``: that Triton readout for matrix memories (the residual/GRM/SSC weights, top-k by
 iterated selection, and the weighted sum of the cached states' reads), for any number of cached states
-per token (a tile of 32 at a time); for fp64, ``memory_caching`` runs ``cached_readout`` instead.
+per token (a tile of 32 at a time); for fp64 or K > 256, ``memory_caching`` runs ``cached_readout`` instead.
 
 Exactness (chapter 7 §1–4): the segment operations (bookkeeping, pooling, scores, softmax, top-k, the
 readout contraction) are exact, so MC over a base inherits the base's table: chunk == recurrent for
@@ -50,7 +50,8 @@ READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 
 
 def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
-    """The kernel's forward, differentiated through ``cached_readout`` (as every chapter's kernel).
+    """The kernel's forward, differentiated through ``cached_readout`` (as the forward-only kernels of
+    chapters 3-6 are; linear attention and the delta rule have backward kernels of their own).
     Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64) runs
     ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate

@@ -42,35 +42,41 @@ K * 4 bytes per head, against N * V * K * 4 for reading each cached state once: 
 over tokens (BT = 16, the least tl.dot takes, keeps D small under log-linear segmentation). Pass 1
 gathers T * J pooled keys, J / V of that.
 
-More slots than one tile holds (J > SLOT_TILE = 32: constant segments of length C give about T / C;
-log-linear needs floor(log2 T) + 1, at most 32 below T = 2^32): the slots are walked a tile of BJ = 32
-at a time, three sweeps per block of tokens, each recomputing its tile's scores: a running max and a
-rescaled sum over the tiles (online softmax), then the weights and the reads tile by tile. SSC first
-finds each row's top_k-th score (top_k sweeps of "the next score in the order larger score, lower
-slot"), then keeps the slots at or above it. J <= 32 keeps the single tile above (one sweep).
-K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
+More slots than one tile holds (J > SLOT_TILE = 32: constant segments of C tokens give
+J = ceil(T / C) - 1, log-linear ones floor(log2(T + 1)) - 1, one tile for any T < 2^33): the slots are
+walked a tile of BJ = 32 at a time, three sweeps per block of tokens, each recomputing its tile's
+scores: a running max and a rescaled sum over the tiles (online softmax), then the weights and the
+reads tile by tile. SSC first finds each row's top_k-th score (top_k sweeps of "the next score in
+the order larger score, lower slot"), then keeps the slots at or above it. J <= 32 keeps the single
+tile above (one sweep). K <= MAX_KEY = 256 (every program holds whole queries and keys), BV <= 64
 (32 at BK = 256; a wider V is split across programs). fp64 is refused (fp32 accumulation). q, u,
 online are read through their strides; states, pooled and online_score are made contiguous fp32,
 blocks contiguous int32. Offsets of states, of heads and of the block table are 64-bit (B*H*N*V*K
 passes 2^31 easily: N = 1024 segments at V = K = 128 and B*H = 128).
 
 BUILDS (``python -m atlaslib.aot --family caching``, Triton 3.7.1, 8 warps, blocks with J = 32
-columns so the score tiles are the widest, BJ = 32; sm_80 and sm_90 agree within a few registers):
+columns so the score tiles are the widest single tile, BJ = 32; ranges over sm_80 and sm_90):
 
     K = V   dtype   shared     registers (residual / GRM / SSC)    spills
-    16      fp32    2 KB       40-48 / 40-47 / 40-47               0
-    16      bf16    1 KB       48 / 48-60 / 48-60                  0
-    64      fp32    10 KB      140-144 / 143-184 / 144-180         0
-    64      bf16    8 KB       78-80 / 96-108 / 80-94              4 B (SSC, sm_80)
-    128     fp32    10 KB      145-151 / 191-192 / 191-193         0
-    128     bf16    8 KB       80 / 152 / 152                      4 B (residual)
-    256     fp32    6 KB       146-150 / 195-198 / 195-198         0
-    256     bf16    4 KB       80-98 / 152-154 / 154               0
+    16      fp32    2 KB       40-48 / 40-50 / 40-47               0
+    16      bf16    2 KB       40-48 / 40-50 / 40-47               0
+    64      fp32    10 KB      140-144 / 184 / 144-180             0
+    64      bf16    10 KB      139-142 / 182-184 / 144-180         0
+    128     fp32    10 KB      145-151 / 190-192 / 191-193         0
+    128     bf16    10 KB      146-149 / 191-193 / 189-193         0
+    256     fp32    6 KB       146-150 / 195 / 195-198             0
+    256     bf16    6 KB       146-148 / 188 / 188-190             0
 
-Why 8 warps and K slices: fp32 inputs take exact fp32 products (FMA units), which hold a whole
-K slice of their operands per thread. At 4 warps and BK = 128 in one piece the build spilled 4-5 KB a
-thread; slicing K by 32 at 4 warps still used all 255 registers; 8 warps and slices of 32 bring it to
-the table's.
+The bf16 builds match the fp32 ones: q, u and online are loaded as fp32 (``load_tile``) and the
+states are fp32, so a bf16 readout runs the same fp32 products (same shared memory, registers within
+8). More than one slot tile (J = 65, three tiles) builds with 64-255 registers: GRM and SSC at
+K >= 128 take up to 255 and spill up to 100 B a thread (SSC, K = 256, fp32, sm_90), residual at
+K = 64 up to 32 B, K = 16 at most 4 B.
+
+Why 8 warps and K slices: the products are exact fp32 for every input dtype (FMA units; TF32 only
+under ATLASLIB_TF32=1), which hold a whole K slice of their operands per thread. At 4 warps and
+BK = 128 in one piece the build spilled 4-5 KB a thread; slicing K by 32 at 4 warps still used all 255
+registers; 8 warps and slices of 32 bring it to the table's.
 
 Forward only: the library takes gradients through the PyTorch form. Runs under
 ``TRITON_INTERPRET=1`` on CPU.

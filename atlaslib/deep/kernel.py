@@ -22,11 +22,13 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
   l = sum_i eta_i e^{S - m} in fp32; each new tile rescales the accumulator by e^{m_old - m_new},
   so exp never overflows whatever the scores (the factor e^{-m} cancels in acc / l);
 * without ``normalize`` the weights are e^{S} themselves: like the chunk form, no shift (there is
-  no quotient for it to cancel in), so ``deep_transformer`` refuses scores above MAX_EXPONENT first.
+  no quotient for it to cancel in), so ``deep_transformer`` refuses scores above MAX_EXPONENT
+  (``validation.check_exponents``: on CUDA, where the norm bound fails, an asynchronous device-side assert).
 * fp16/bf16 inputs reach ``tl.dot`` in their own dtype (tensor-core products, fp32 accumulation), and
   the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
-  unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there.
-  fp32 inputs stay exact fp32 products (``ieee``).
+  unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there
+  and V is cast to fp32 for an fp32 product. fp32 inputs stay exact fp32 products (``ieee``; TF32
+  only with ATLASLIB_TF32=1).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -246,7 +248,8 @@ DOT_MAX_KEY = 128
 # DOT_LEAF tokens or fewer are leaves, solved by ``dot_solve_kernel`` (one program per head and value
 # block, BT tokens at a time). A head's serial work is then the leaves (T * DOT_LEAF / 2 key-row visits
 # instead of T^2 / 2 in one pass over all earlier blocks); the rest, about log2(T / DOT_LEAF) passes over
-# the tokens, runs in programs of BT rows. 2 T / DOT_LEAF - 1 launches: 31 at T = 2048.
+# the tokens, runs in programs of BT rows. 2 cdiv(T, DOT_LEAF) - 1 launches (leaves and recalls): 31 at
+# T = 2048; the read is one more.
 DOT_LEAF = 128
 
 

@@ -65,15 +65,15 @@ order, holding its slices of M and S [BV, BK] in registers in fp32. Value channe
 mix (row r of the error, (M k)_r - v_r, reads only row r of M, and both recursions act
 on rows independently), so splitting V across programs is exact; every program needs
 all K key channels. Tiles: BT = max(16, next_pow2(b)) token rows, BK = max(16,
-next_pow2(K)), BV = min(64, next_pow2(V)) (32 when BK > 64), so every tl.dot has sizes
+next_pow2(K)), BV = min(64, next_pow2(V)) (32 at BK = 128, 16 at BK = 256: ``tile_sizes``), so every tl.dot has sizes
 >= 16; rows past the chunk or the sequence load zeros, eta = 0 and gates = 1, so they
 write nothing. The chunk size is a runtime argument (any 1 <= b <= 64; b = 1 wastes 15
-of 16 rows). fp32/fp16/bf16 inputs, fp32 accumulation (tl.dot in IEEE fp32 for fp32
-inputs, TF32 for half-precision inputs, and always IEEE for the decay product D_A D_B).
+of 16 rows). fp32/fp16/bf16 inputs, loaded as fp32 tiles whatever their dtype, and every tl.dot exact IEEE fp32
+(TF32 only when ``ATLASLIB_TF32=1`` asks for it, and never for the decay product D_A D_B).
 
 q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
 needs no copy); absent gates and start states are ``None`` pointers, which Triton compiles
-away. ``core.kernels`` holds the set-up all four chapters' kernels share, ``core.memory_kernels``
+away. ``core.kernels`` holds the set-up every chapter's kernels share, ``core.memory_kernels``
 the start (head, channels, chunk rows) of the per-head kernels.
 
 Forward only: ``miras(..., backend="triton")`` gets gradients by

@@ -20,12 +20,13 @@ computes, the *frozen-gradient* chunk form (so it matches ``omega_chunk`` and
 Tiles: BT = max(16, next_pow2(b)) token rows, BW = max(16, next_pow2(b + c - 1)) window
 rows, so every tl.dot has sizes >= 16; rows past the chunk or the sequence are masked
 to zero (zero gates, eta = 0), so they write nothing. The chunk size is a runtime
-argument: any b >= 1 works (b = 1 wastes 15 of 16 rows). The host prepares the
+argument: any 1 <= b <= 64 (b = 1 wastes 15 of 16 rows; SWLA, exact at every chunk length,
+runs chunks of 32 when 64 would not fit an A100's shared memory: wide fp32 features). The host prepares the
 per-offset gates G [B, H, T, c] (both gamma parametrisations, zeros for tokens before
 the start), eta, and the chunk-local cumulative log-gates g. q, k, v are read through
 their strides (a [B, T, H, D] tensor transposed to [B, H, T, D] needs no copy); absent
 inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton compiles
-away. ``core.kernels`` holds the set-up all four chapters' kernels share, ``core.memory_kernels``
+away. ``core.kernels`` holds the set-up every chapter's kernels share, ``core.memory_kernels``
 the start (head, channels, chunk rows) of the per-head kernels.
 
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
