@@ -1,5 +1,5 @@
 """Test set-up: Triton's interpreter on (before atlaslib is imported), fixed threads, reproducible seeds,
-and the interpreter made stricter than a GPU in two ways (``tests/interpreter_checks.py``: programs in
+and the interpreter made to behave more like a GPU in two ways (``tests/interpreter_checks.py``: programs in
 reversed order, every load and store inside a tensor argument; ``ATLAS_INTERPRETER_CHECKS=0`` turns it off).
 
 Random inputs are reproducible: every test starts from a seed derived from one base seed and the
