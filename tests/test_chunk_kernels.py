@@ -149,3 +149,58 @@ def test_unit_lower_inverse_is_the_inverse(gen, BT):
     want = torch.linalg.solve_triangular(torch.eye(BT, dtype=torch.float64) + A.double(),
                                          torch.eye(BT, dtype=torch.float64), upper=False)
     assert_close(R, want.float(), tol=1e-6, name="(I + A)^-1")
+
+
+@triton.jit
+def product(a_ptr, b_ptr, c_ptr, N: tl.constexpr, PRECISION: tl.constexpr):
+    o = tl.arange(0, N)
+    b_a = tl.load(a_ptr + o[:, None] * N + o[None, :])
+    b_b = tl.load(b_ptr + o[:, None] * N + o[None, :])
+    tl.store(c_ptr + o[:, None] * N + o[None, :], tl.dot(b_a, b_b, input_precision=PRECISION))
+
+
+def test_interpreter_multiplies_tf32_as_a_card(gen):
+    """A "tf32" tl.dot of fp32 tiles reads each operand with the low 13 of its 23 mantissa bits dropped, as
+    a card's TF32 tensor cores do (Triton passes the fp32 bits unconverted), and "ieee" multiplies exactly:
+    so the interpreter tests see the error of the kernels' TF32 products (the delta rule's inverse for
+    16-bit inputs)."""
+    a, b = (torch.randn(32, 32, generator=gen) for _ in range(2))
+    truncated = lambda x: (x.view(torch.int32) & -(1 << 13)).view(torch.float32).double()  # noqa: E731
+    out = {}
+    for p in ("ieee", "tf32"):
+        out[p] = torch.full((32, 32), float("nan"))
+        product[(1,)](a, b, out[p], N=32, PRECISION=p)
+    assert_close(out["ieee"], (a.double() @ b.double()).float(), tol=1e-6, name="ieee")
+    assert_close(out["tf32"], (truncated(a) @ truncated(b)).float(), tol=1e-6, name="tf32")
+    assert (out["tf32"] - out["ieee"]).norm() > 1e-4 * out["ieee"].norm()      # TF32: about 2^-11 relative
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch):
+    """For bf16 inputs the delta rule builds R = (I + Diag(beta) L)^{-1} with TF32 products (and takes dA's
+    product with it in TF32): outputs and every gradient are as close to the fp64 result as with exact
+    products, since R is rounded to bf16 right after."""
+    import atlaslib.delta.kernel as delta_kernel
+    from atlaslib.core.kernels import inverse_precision, precision
+    assert inverse_precision(torch.bfloat16) == inverse_precision(torch.float16) == "tf32"
+    assert inverse_precision(torch.float32) == precision(torch.float32)
+    q, k, v, alpha, beta, h0 = inputs(gen, 2 * CHUNK, mode, K=64, V=32)
+    beta = 0.5 + 0.5 * beta                                 # strong corrections: R far from I
+    ref = [None if x is None else x.double().requires_grad_() for x in (q, k, v, alpha, beta)]
+    ref_o = delta_rule(*ref[:3], ref[4], alpha=ref[3], backend="chunk")[0]
+    do = torch.randn(ref_o.shape, generator=gen, dtype=torch.float64)
+    names = [n for n, x in zip(["o", "q", "k", "v", "alpha", "beta"], [ref_o, *ref]) if x is not None]
+    wanted = [x for x in ref if x is not None]
+    ref_g = torch.autograd.grad(ref_o, wanted, do)
+    errors, outputs = {}, {}
+    for p in ("ieee", "tf32"):
+        monkeypatch.setattr(delta_kernel, "inverse_precision", lambda dtype, p=p: p)
+        x = [None if t is None else t.detach().to(torch.bfloat16 if i < 3 else torch.float32).requires_grad_()
+             for i, t in enumerate(ref)]
+        o = delta_rule(*x[:3], x[4], alpha=x[3], backend="triton")[0]
+        grads = torch.autograd.grad(o, [t for t in x if t is not None], do.to(o.dtype))
+        outputs[p] = o.detach()
+        errors[p] = [float((a.double() - b).norm() / b.norm()) for a, b in zip((o, *grads), (ref_o, *ref_g))]
+    assert not torch.equal(outputs["tf32"], outputs["ieee"]), "the TF32 products did not reach the kernel"
+    for name, e_tf32, e_ieee in zip(names, errors["tf32"], errors["ieee"]):
+        assert e_tf32 <= 1.1 * e_ieee, f"{name}: {e_tf32:.2e} (TF32 inverse) vs {e_ieee:.2e} (exact)"

@@ -179,14 +179,18 @@ def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
     return b_M
 
 
-def _interpreter_handles_bf16_as_a_gpu():
-    """Make Triton's interpreter treat bf16 tiles as a GPU does, in ``tl.dot`` and in casts.
+def _interpreter_multiplies_as_a_gpu():
+    """Make Triton's interpreter treat bf16 tiles and TF32 products as a GPU does, in ``tl.dot`` and in casts.
 
     The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its
     ``tl.dot`` multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to
     the nearest. So ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is
     an fp32 value with a shorter mantissa, and so is the product of two; this is what bf16
     tensor cores compute, with fp32 accumulation), and fp32 -> bf16 casts round to nearest even.
+    It also ignores ``input_precision``: a "tf32" product of fp32 tiles comes out exact. Here its
+    operands lose the low 13 of their 23 mantissa bits first, as a compiled Triton kernel's do (its
+    TF32 tensor-core instructions read fp32 registers and drop those bits: a truncation, not a
+    rounding), so a test in the interpreter sees the TF32 error a card makes.
     Compiled kernels are untouched.
     """
     try:
@@ -194,7 +198,7 @@ def _interpreter_handles_bf16_as_a_gpu():
         builder, convert, handle = interpreter.InterpreterBuilder, interpreter._convert_float, interpreter.TensorHandle
     except (ImportError, AttributeError):        # another Triton: leave it as it is
         return
-    if getattr(builder.create_dot, "bf16_as_a_gpu", False):
+    if getattr(builder.create_dot, "as_a_gpu", False):
         return
     dot, cast = builder.create_dot, builder.cast_impl
 
@@ -203,7 +207,15 @@ def _interpreter_handles_bf16_as_a_gpu():
             return handle(convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
         return x
 
+    def as_tf32(x):
+        if x.dtype != tl.float32:
+            return x
+        bits = np.ascontiguousarray(x.data, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
+        return handle(bits.view(np.float32), tl.float32)
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if getattr(input_precision, "name", str(input_precision)).upper() == "TF32":
+            a, b = as_tf32(a), as_tf32(b)
         return dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
 
     def cast_impl(self, src, dst_type):
@@ -214,11 +226,11 @@ def _interpreter_handles_bf16_as_a_gpu():
             return handle(np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16), tl.bfloat16)
         return cast(self, src, dst_type)
 
-    create_dot.bf16_as_a_gpu = True
+    create_dot.as_a_gpu = True
     builder.create_dot, builder.cast_impl = create_dot, cast_impl
 
 
-_interpreter_handles_bf16_as_a_gpu()
+_interpreter_multiplies_as_a_gpu()
 
 
 # ---------------------------------------------------------------------------------------
@@ -268,12 +280,26 @@ def precision(dtype: torch.dtype) -> str:
     """``input_precision`` of tl.dot for a kernel whose inputs have this dtype.
 
     It applies only to products of fp32 operands: "ieee" (exact fp32 products), so fp32 inputs
-    and the fp32 intermediates of half-precision kernels (e.g. the delta rule's triangular
-    inverse) are computed exactly; "tf32" only when ``ATLASLIB_TF32=1`` is set. bf16/fp16 tiles
-    given to tl.dot as they are run on bf16/fp16 tensor cores with fp32 accumulation whatever
-    this says. (``dtype`` is kept so a kernel's choice reads as a function of its inputs.)
+    and the fp32 intermediates of half-precision kernels are computed exactly (one exception: the
+    delta rule's triangular inverse, ``inverse_precision``); "tf32" only when ``ATLASLIB_TF32=1``
+    is set. bf16/fp16 tiles given to tl.dot as they are run on bf16/fp16 tensor cores with fp32
+    accumulation whatever this says. (``dtype`` is kept so a kernel's choice reads as a function
+    of its inputs.)
     """
     return "tf32" if os.environ.get(TF32_ENV) == "1" else "ieee"
+
+
+def inverse_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of the products that build the delta rule's triangular inverse R (and its gradient).
+
+    R is an fp32 intermediate. For fp32 inputs its products are exact like the rest ("ieee", or TF32
+    under ``ATLASLIB_TF32=1``: ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores:
+    exact fp32 products run on the CUDA cores at a fraction of the tensor cores' rate, and at 64 x 64
+    tiles the inverse's products would cost more than every bf16 product of the forward together,
+    while R is rounded to the inputs' dtype right after (a bf16 mantissa is 3 bits shorter than TF32's,
+    fp16's as long), so the TF32 error stays below the rounding that follows it.
+    """
+    return "tf32" if dtype in (torch.bfloat16, torch.float16) else precision(dtype)
 
 
 def as_fp32(x):

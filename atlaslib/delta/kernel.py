@@ -77,7 +77,10 @@ blocks elementwise, never a [BT, BT, BK] tile. (f) and (g) store what those need
 terms, dS and dL, and their shares of dk and dg.
 
 Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every gradient buffer
-are fp32. Runs under ``TRITON_INTERPRET=1`` on CPU.
+are fp32. The inverse's own products, and dA's product with it, are exact for fp32 inputs and TF32 for
+16-bit ones (``core.kernels.inverse_precision``: R is rounded to the inputs' dtype right after, and exact
+fp32 products would run on CUDA cores, slower than all the chunk's bf16 products together).
+Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations
 
@@ -91,7 +94,8 @@ from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
-                            dot_tile, feature_tile, forward_launch, load_block, precision, store_tile, unwrapped)
+                            dot_tile, feature_tile, forward_launch, inverse_precision, load_block, precision,
+                            store_tile, unwrapped)
 from ..core.alloc import empty
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
@@ -131,8 +135,10 @@ def delta_wy_kernel(
     s_k, s_v, s_w, s_u,
     T, H, Tp, K, V, NT,
     GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
-    """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}.
+    """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}, the
+    inverse's products at ``INV_PRECISION`` (``core.kernels.inverse_precision``: TF32 for 16-bit inputs).
     With ``r_ptr`` (the backward's recomputation) also stores R, fp32 [B*H, Tp, BT], for ``delta_bwd_wy_kernel``."""
     i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
@@ -147,7 +153,7 @@ def delta_wy_kernel(
 
     # R Diag(beta): the inverse in fp32, cast to the inputs' dtype for its products
     b_beta = tl.load(beta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
-    b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, PRECISION)
+    b_R = unit_lower_inverse(b_beta[:, None] * b_L, BT, 16, INV_PRECISION)
     if r_ptr is not None:
         tl.store(r_ptr + i_bh * Tp * BT + o_t[None, :] * BT + o_i[:, None], b_R)   # as R^T
     b_Rb = (b_R * b_beta[None, :]).to(dt)
@@ -275,6 +281,7 @@ def delta_bwd_wy_kernel(
     s_k, s_v, s_w, s_u, s_dw, s_du, s_dk1, s_dk, s_dv,
     T, H, Tp, K, V, NT,
     GATE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
 ):
     """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
 
@@ -331,7 +338,7 @@ def delta_bwd_wy_kernel(
         store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dY * b_beta[:, None])
 
     # d(Diag(beta) L) = strict lower part of -R^T G; dL = Diag(beta) of it
-    b_dM = tl.where(m_strict, -tl.dot(b_Rt32, b_G, input_precision=PRECISION), 0.0)
+    b_dM = tl.where(m_strict, -tl.dot(b_Rt32, b_G, input_precision=INV_PRECISION), 0.0)
     b_dL = b_dM * b_beta[:, None]
     tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dM * b_L, axis=1), mask=m_t)
     if GATE == GATE_CHANNEL:
@@ -392,7 +399,8 @@ def wy_factors(run, gate, g, beta, ak, keep_inverse=False):
         run.k, run.v, beta, g, ak, w, u, r,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
-        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision, num_warps=8,
+        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
+        INV_PRECISION=inverse_precision(run.q.dtype), num_warps=8,
     )
     return w, u, r
 
@@ -497,7 +505,8 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk_wy.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, num_warps=wy_warps,
+        GATE=gate, BT=CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, INV_PRECISION=inverse_precision(dt),
+        num_warps=wy_warps,
     )
     if channel:
         channel_grads(run.k, run.k, g, dl, None, dk_state, None, dk, dg2, pairs=True)
