@@ -5,7 +5,9 @@ against their per-token loops (fp64) on fresh random inputs, at T = 1, one chunk
 (the state pass then carries a state across a one-token chunk) and three chunks and a bit;
 per-channel gates that are exactly 0 (clamped to log -60) and exactly 1 in some channels, which
 push the sub-chunk scores to the ends of their exponents; and bf16 inputs against the fp32
-loop at bf16 tolerance.
+loop at bf16 tolerance. Also the precision of the products: with bf16 inputs no kernel multiplies
+fp32 tiles exactly (only the delta rule's inverse takes fp32 tiles, in TF32, which the interpreter
+truncates as a card does), and that TF32 inverse costs no accuracy against exact products.
 """
 import pytest
 import torch
@@ -204,3 +206,41 @@ def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch)
     assert not torch.equal(outputs["tf32"], outputs["ieee"]), "the TF32 products did not reach the kernel"
     for name, e_tf32, e_ieee in zip(names, errors["tf32"], errors["ieee"]):
         assert e_tf32 <= 1.1 * e_ieee, f"{name}: {e_tf32:.2e} (TF32 inverse) vs {e_ieee:.2e} (exact)"
+
+
+def test_16_bit_inputs_multiply_no_fp32_tiles_exactly(gen, monkeypatch):
+    """With bf16 inputs, every tl.dot that chapters 1-2's kernels run, forward and backward in every gate
+    mode, takes bf16 tiles, except the delta rule's triangular inverse and dA's product with it, which
+    take fp32 tiles in TF32: no product runs as exact fp32 (on CUDA cores rather than tensor cores)."""
+    from triton.runtime import interpreter
+    from atlaslib.core import random_gate
+    from atlaslib.linear import linear_attention
+    builder, executor = interpreter.InterpreterBuilder, interpreter.GridExecutor
+    dot, call, kernel, seen = builder.create_dot, executor.__call__, [None], set()
+
+    def recording_call(self, *args, **kwargs):
+        kernel[0] = self.fn.__name__
+        return call(self, *args, **kwargs)
+
+    def recording_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        seen.add((kernel[0], str(a.dtype), str(b.dtype), getattr(input_precision, "name", str(input_precision))))
+        return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    monkeypatch.setattr(executor, "__call__", recording_call)
+    monkeypatch.setattr(builder, "create_dot", recording_dot)
+    for model in ("linear", "delta"):
+        for mode in MODES:
+            q, k, v = (x.bfloat16().requires_grad_() for x in random_qkv(1, 2, CHUNK + 9, 32, 16, generator=gen))
+            shape = (1, 2, CHUNK + 9) + ((32,) if mode == "channel" else ())
+            logs = None if mode is None else random_gate(*shape, generator=gen).log().requires_grad_()
+            beta = torch.rand(1, 2, CHUNK + 9, generator=gen).requires_grad_()
+            if model == "linear":
+                o = linear_attention(q, k, v, log_alpha=logs, backend="triton")[0]
+            else:
+                o = delta_rule(q, k, v, beta, log_alpha=logs, backend="triton")[0]
+            o.float().square().sum().backward()
+    fp32 = {(name, p) for name, a, b, p in seen if a == b == "fp32"}
+    assert {(name, a, b) for name, a, b, _ in seen if "fp32" in (a, b) and a != b} == set()
+    assert fp32 == {("delta_wy_kernel", "TF32"), ("delta_bwd_wy_kernel", "TF32")}, fp32
+    assert {name for name, a, _, _ in seen if a == "bf16"} >= {"chunk_state_kernel", "chunk_output_kernel",
+                                                               "delta_wy_kernel", "delta_bwd_wy_kernel"}
