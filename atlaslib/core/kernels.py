@@ -294,8 +294,8 @@ def inverse_precision(dtype: torch.dtype) -> str:
 
     R is an fp32 intermediate. For fp32 inputs its products are exact like the rest ("ieee", or TF32
     under ``ATLASLIB_TF32=1``: ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores:
-    exact fp32 products run on the CUDA cores at a fraction of the tensor cores' rate, and at 64 x 64
-    tiles the inverse's products would cost more than every bf16 product of the forward together,
+    exact fp32 products run on the CUDA cores, at about 1/15 of an H100's bf16 tensor-core rate, where the
+    inverse's 2.6 MFLOP per chunk would cost more than the forward's 12.6 MFLOP of bf16 products (K = V = 128),
     while R is rounded to the inputs' dtype right after (a bf16 mantissa is 3 bits shorter than TF32's,
     fp16's as long), so the TF32 error stays below the rounding that follows it.
     """
