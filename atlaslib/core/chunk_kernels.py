@@ -14,8 +14,9 @@ kernels that each run in parallel over what is independent:
     (``core.kernels.chunk_gates``: a cumsum inside each chunk, itself parallel over chunks);
 (b) ``chunk_state_kernel``, the only serial part: parallel over (batch*head, value block, key
     block), sequential over chunks, with only the state update in the loop. It writes every
-    chunk's start state h[c] (fp32) and the final state; for the delta rule it also forms the
-    corrected values v_new = u - w h^T of each chunk (stored for (c));
+    chunk's start state h[c] (``state_dtype``: the inputs' dtype when 16-bit, else fp32) and the
+    final state (fp32); for the delta rule it also forms the corrected values v_new = u - w h^T
+    of each chunk (stored for (c));
 (c) ``chunk_output_kernel``, parallel over (batch*head, chunk, value block):
     o = (q * e^g) h[c]^T + ((q k^T) * D, causal) v_new, with v_new = v for linear attention.
 

@@ -10,13 +10,13 @@ from . import delta_rule
 
 
 def delta_flops(s: BenchShape) -> float:
-    """Chunkwise delta rule per token and head, at chunk length C = min(chunk_size, T):
-    the chunk's k k^T and q k^T products (2 * 2CK), the triangular solve (C^2 V, forward
-    substitution over a [C, C] system with V right-hand sides), the start-state terms
-    K S^T and Q S^T (2 * 2KV), the intra-chunk output P U (2CV) and the state update
-    U^T K (2KV). Gates change only elementwise work."""
+    """The WY chunk form of the delta rule, per token and head, at chunk length C = min(chunk_size, T):
+    the chunk's k k^T and q k^T (2 * 2CK), the inverse R of the unit lower triangular [C, C] system
+    (about C^2/3 per token: inverting an n x n triangular matrix takes n^3/3), the WY pair W = Rb (K e^g) and U0 = Rb V
+    (2CK + 2CV), the start-memory terms U = U0 - W M_0^T and Q M_0^T (2 * 2KV), the intra-chunk
+    output P U (2CV) and the state update U^T K (2KV). Gates change only elementwise work."""
     C = min(s.chunk_size, s.T)
-    return s.B * s.H * s.T * (4 * C * s.K + C * s.V + 8 * s.K * s.V + 2 * C * s.V)
+    return s.B * s.H * s.T * (6 * C * s.K + 4 * C * s.V + C * C / 3 + 6 * s.K * s.V)
 
 
 def _io_bytes(gate_width):

@@ -116,7 +116,7 @@ def dot_step(fn, gen):
         _, k, v = random_qkv(B, H, T, K, V, generator=gen, dtype=torch.float64)    # unit keys: |phi*(k)|^2 = e
         probes = [_queries(B, H, T, K, gen)[0] for _ in range(3)]
         alpha = random_gate(B, H, T, low=0.5, generator=gen, dtype=torch.float64)
-        eta = 0.05 + 0.45 * torch.rand(B, H, T, generator=gen, dtype=torch.float64)   # eta e <= 2: stable
+        eta = 0.05 + 0.45 * torch.rand(B, H, T, generator=gen, dtype=torch.float64)   # eta e <= e/2 < 1 + alpha
         refs = [dot_coefficient_recurrent(x, k, v, alpha, eta, "exp")[0] for x in probes]
         with case(f"B={B}, H={H}, T={T}, K={K}, V={V}"):
             U = v.new_zeros(B, H, 0, V)

@@ -13,9 +13,9 @@ and nothing overflows however strong the decay (book ch. 1 §7).
 With per-channel gates the scores sum_c q_tc k_ic e^{g_tc - g_ic} would need an
 [n, n, K] tile of decays. ``halving_scores`` avoids it by halving the chunk, level by
 level: the block of the second half's rows against the first half's keys is one matrix
-product, with the reference point r taken at the end of the first half,
+product, with the reference token r taken at the end of the first half,
 
-    (x_t e^{g_t - r}) . (k_i e^{r - g_i}),   both exponents <= 0 (g is non-increasing),
+    (x_t e^{g_t - g_r}) . (k_i e^{g_r - g_i}),   both exponents <= 0 (g is non-increasing),
 
 so no factor exceeds 1 and a factor that underflows stands for a term that is smaller
 still. The two halves are scored the same way, down to single tokens (e^0: a plain dot
@@ -71,8 +71,8 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
     while b < m:                                                 # log2(m) levels, fixed by m alone
         halves = (m // (2 * b), 2, b)                             # [pairs, first/second half, b]
         (w1, w2), (v1, _) = w.unflatten(-2, halves).unbind(-3), v.unflatten(-2, halves).unbind(-3)
-        cols = k.unflatten(-2, halves)[..., 0, :, :] * v1        # first-half keys: e^{r - g_i}
-        for x, out in zip(xs, outs):                             # second-half rows: e^{g_t - r}
+        cols = k.unflatten(-2, halves)[..., 0, :, :] * v1        # first-half keys: e^{g_r - g_i}
+        for x, out in zip(xs, outs):                             # second-half rows: e^{g_t - g_r}
             cross = (x.unflatten(-2, halves)[..., 1, :, :] * w2) @ cols.mT   # [..., pairs, b, b]
             _lower_left_blocks(out, b).copy_(cross.movedim(-3, -1))
         one = torch.ones_like(w1[..., -1:, :])                   # [..., pairs, 1, K]
