@@ -272,3 +272,20 @@ def test_triton_check_catches_stores_past_the_end():
 def test_triton_check_catches_gate_of_the_padded_row():
     v = ch01.triton_state_update.evaluate(launcher(last_of_block=True))
     assert v.status == "failed"
+
+
+@pytest.mark.library_rules
+@pytest.mark.parametrize("path", SOLUTION_NOTEBOOKS, ids=lambda p: p.name)
+def test_every_statement_names_what_its_check_forbids(path):
+    """The statement (the markdown cell before an exercise's first cell) lists, by dotted name, every
+    function its check refuses, so a learner learns the rules before the grader enforces them."""
+    nb = nbformat.read(path, as_version=4)
+    missing = {}
+    for ex in registry(nb.metadata["atlaslib"]["chapter"]):
+        first = next(i for i, c in enumerate(nb.cells)
+                     if c.get("metadata", {}).get("atlaslib", {}).get("exercise") == ex.name)
+        statement = next(c.source for c in reversed(nb.cells[:first]) if c.cell_type == "markdown")
+        absent = [name for name in ex.forbidden if f"`{name}`" not in statement]
+        if absent:
+            missing[ex.name] = absent
+    assert not missing, f"statements do not name what their checks forbid: {missing}"
