@@ -78,7 +78,7 @@ def test_gates_of_exactly_zero_and_one(gen, model, mode):
 def test_bf16_inputs_within_bf16_rounding(gen, model, mode, V):
     # bf16 tiles meet on bf16 tensor cores (fp32 sums); decayed values are rounded to bf16 before
     # their products, so the outputs carry a few bf16 roundings (2^-9 relative each). V = 100: the
-    # output kernel's one value block of 128 channels (``output_tiles``), 28 of them masked
+    # output kernel's one value block of 128 channels (``chunk_value_tiles``), 28 of them masked
     q, k, v, alpha, beta, h0 = inputs(gen, CHUNK + 9, mode, K=16, V=V)
     ref_o, _ = reference(model, q, k, v, alpha, beta, h0)
     half = [None if x is None else x.bfloat16() for x in (q, k, v, alpha)]

@@ -105,9 +105,10 @@ def test_bf16_inputs_against_an_fp32_reference(gen, mode):
 
 @pytest.mark.parametrize("mode", [None, "channel"])
 def test_bf16_in_several_key_and_value_blocks(gen, mode):
-    """K = 80, V = 40: the WY backward walks 16-bit inputs in blocks of 32 channels (three key blocks, the
-    last partial, and two value blocks), the state kernels in blocks of 64."""
-    B, H, T, K, V = 1, 1, 70, 80, 40
+    """K = 80, V = 100: the WY backward walks 16-bit inputs in blocks of 32 channels (three key blocks and
+    four value blocks, the last of each partial), the state kernels in blocks of 64 and the intra-chunk dv
+    kernel in one value block of 128 (``chunk_value_tiles``)."""
+    B, H, T, K, V = 1, 1, 70, 80, 100
     inputs = extreme_inputs(gen, B, H, T, K, V, mode)
     inputs[:3] = [x.bfloat16() for x in inputs[:3]]
     weights = (torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen))

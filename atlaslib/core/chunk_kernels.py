@@ -374,14 +374,16 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     return h, ht, vn
 
 
-def output_tiles(V: int, element_size: int) -> tuple[int, int]:
-    """(BV, num_warps) of the output kernel. Every value block recomputes the chunk's scores Q K^T and
-    reloads its q and k tiles, so fewer, wider blocks do less work: at K = V = 128 in bf16 one block of
-    128 instead of two of 64 multiplies 20 % fewer flops and moves 25 % fewer bytes (the kernel reads
-    far more bytes than its flops need, so the bytes set its time). 16-bit inputs take up to 128 value
-    channels, at 8 warps (sm_90 builds: 96-116 registers, no spills, 96 KB of shared memory; 168-181
-    registers at 4 warps). fp32 inputs keep 64 at ``chunk_warps``: their exact products hold whole
-    operand fragments in registers."""
+def chunk_value_tiles(V: int, element_size: int) -> tuple[int, int]:
+    """(BV, num_warps) of the per-chunk kernels that form the chunk's scores Q K^T and multiply them
+    into a block of values: the output kernel, and the backward's dv kernels (dv = A^T do, its mirror).
+    Every value block recomputes the scores and reloads the chunk's q and k, so fewer, wider blocks do
+    less work: at K = V = 128 in bf16 one block of 128 instead of two of 64 multiplies 20 % fewer flops
+    in the output kernel and moves 25 % fewer bytes (these kernels read far more bytes than their flops
+    need, so the bytes set their time). 16-bit inputs take up to 128 value channels, at 8 warps (sm_90
+    builds of the output kernel: 96-116 registers, no spills, 96 KB of shared memory; 168-181 registers
+    at 4 warps). fp32 inputs keep 64 at ``chunk_warps``: their exact products hold whole operand
+    fragments in registers."""
     if element_size < 4:
         BV = min(dot_tile(V), 128)
         return BV, 8 if BV > 64 else chunk_warps(element_size)
@@ -391,7 +393,7 @@ def output_tiles(V: int, element_size: int) -> tuple[int, int]:
 def output_pass(run, gate, g, Tp, h, aq=None, vn=None):
     """(c): fills run.o from the chunk start states h (and the corrected values ``vn`` of the delta rule)."""
     NT = num_chunks(run.T)
-    BV, warps = output_tiles(run.V, run.q.element_size())
+    BV, warps = chunk_value_tiles(run.V, run.q.element_size())
     src, s_src = (run.v, run.strides[2]) if vn is None else (vn, tuple(vn.stride()))
     chunk_output_kernel[(run.B * run.H * NT, triton.cdiv(run.V, BV))](
         run.q, run.k, src, g, aq, h, run.o,

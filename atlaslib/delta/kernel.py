@@ -88,7 +88,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.chunk_kernels import (CHUNK, channel_scores, chunk_warps, key_block, num_chunks, output_pass,
+from ..core.chunk_kernels import (CHUNK, channel_scores, chunk_value_tiles, key_block, num_chunks, output_pass,
                                   state_pass, unit_lower_inverse)
 from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
@@ -445,7 +445,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     gate, g, _ = chunk_gates(None, logs, T, CHUNK)
     NT = num_chunks(T)
     Tp = NT * CHUNK
-    BK, BV = key_block(K), min(dot_tile(V), 64)
+    BK, (BV, dv_warps) = key_block(K), chunk_value_tiles(V, q.element_size())
     NK = triton.cdiv(K, BK)
     dev, dt = q.device, q.dtype
     beta = as_fp32(beta)
@@ -459,7 +459,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
         run.q, run.k, do, g, aq, dv_local,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv_local.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=chunk_warps(q.element_size()),
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=run.precision, num_warps=dv_warps,
     )
     dh, dh0, dv2 = dstate_pass(run.q, do, gate, g, dht, k=run.k, w=w, dv_local=dv_local)
     # per chunk: the terms through the states, then back through the WY factors

@@ -64,9 +64,9 @@ import triton.language as tl
 
 from ..core.alloc import empty
 from ..core.chunk_backward import channel_grads, dstate_pass, state_grad_terms, state_grad_tiles
-from ..core.chunk_kernels import CHUNK, channel_scores, chunk_warps, key_block, num_chunks, state_pass
+from ..core.chunk_kernels import CHUNK, channel_scores, chunk_value_tiles, key_block, num_chunks, state_pass
 from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, channel_block, \
-    chunk_block_program, chunk_log_gates, chunk_state, dot_tile, load_block, load_state_tile, \
+    chunk_block_program, chunk_log_gates, chunk_state, load_block, load_state_tile, \
     precision, store_tile
 
 
@@ -216,7 +216,7 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
     dev = q.device
     BK = key_block(K)
     NK = triton.cdiv(K, BK)
-    BV = min(dot_tile(V), 64)
+    BV, dv_warps = chunk_value_tiles(V, q.element_size())
     prec = run.precision
     dq, dk, dv = (empty(*x.shape, dtype=q.dtype, device=dev) for x in (q, k, v))
     channel = gate == GATE_CHANNEL.value
@@ -225,7 +225,7 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
         q, k, do, g, aq, dh, dv,
         run.strides[0], run.strides[1], tuple(do.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec, num_warps=chunk_warps(q.element_size()),
+        GATE=gate, BT=CHUNK, BK=BK, BV=BV, PRECISION=prec, num_warps=dv_warps,
     )
     dg = da = dq32 = dk32 = None
     if gate == GATE_SCALAR.value:
