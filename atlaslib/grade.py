@@ -429,7 +429,7 @@ class Grader:
             outcome = self.kernel.run(cell, i)
             if outcome is not None:
                 if outcome == "timeout":
-                    self.problem(name, (TIMEOUT, f"timeout: {self.cell_name(i)} ran longer than {self.timeout:g} s"))
+                    self.problem(name, (TIMEOUT, f"{self.cell_name(i)} ran longer than {self.timeout:g} s"))
                 else:
                     self.problem(name, (CRASH, f"the kernel died in {self.cell_name(i)}"))
                 self.restart()
@@ -480,7 +480,7 @@ class Grader:
             except CallAborted as e:
                 where = " or ".join(f"`{n}` ({self.defined_in(n)})" for n in ex.functions)
                 if str(e) == "timeout":
-                    row.status, row.verdict = TIMEOUT, (f"timeout: your function ran longer than {self.timeout:g} s "
+                    row.status, row.verdict = TIMEOUT, (f"your function ran longer than {self.timeout:g} s "
                                                         f"when the grader called {where}")
                 else:
                     row.status, row.verdict = CRASH, (f"the kernel died when the grader called {where}")

@@ -347,7 +347,9 @@ def test_an_empty_kernel_with_a_torch_result_scores_zero_and_a_hang_in_a_check_i
     assert r["triton_state_update"]["earned"] == 0 and r["triton_state_update"]["status"] == "failed", table(report)
     assert "not stored by your @triton.jit kernel" in r["triton_state_update"]["verdict"], table(report)
     assert r["chunkwise"]["status"] == "timeout", table(report)
-    assert r["chunkwise"]["verdict"].startswith("timeout: ") and "CallAborted" not in r["chunkwise"]["verdict"]
+    verdict = r["chunkwise"]["verdict"]
+    assert verdict.startswith("your function ran longer") and "CallAborted" not in verdict
+    assert "timeout: your function ran longer" in table(report) and "timeout: timeout" not in table(report)
     assert report["earned"] == report["points"] - POINTS["triton_state_update"] - POINTS["chunkwise"], table(report)
 
 
