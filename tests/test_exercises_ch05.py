@@ -70,7 +70,7 @@ def test_ns_step_rejects_reversed_coefficients_and_the_wrong_gram():
 # ---- exercise 2: the polynomial on the singular values ----------------------------------------------
 
 def singular_values_by_library(sigma, steps, coeffs):
-    """NS_k of diag(sigma) itself: its diagonal holds the answer, in order."""
+    """NS_J of diag(sigma) itself: its diagonal holds the answer, in order."""
     return torch.diagonal(newton_schulz(torch.diag(sigma), steps, coeffs))
 
 
@@ -94,9 +94,9 @@ def test_ns_polynomial_passes_correct_answers():
 @pytest.mark.parametrize("kw, where", [
     (dict(norm="max"), "the singular values: relative RMSE"),            # sigma_max, not the Frobenius norm
     (dict(even=True), "the singular values: relative RMSE"),             # p(sigma^2) without the odd factor
-    (dict(always_once=True), "k=5"),                                      # one step whatever k
-    (dict(normalise_at_zero=True), "k=0"),                                # NS_0 is the identity
-], ids=["max_norm", "even_polynomial", "one_step", "normalised_at_k0"])
+    (dict(always_once=True), "J=5"),                                      # one step whatever J
+    (dict(normalise_at_zero=True), "J=0"),                                # NS_0 is the identity
+], ids=["max_norm", "even_polynomial", "one_step", "normalised_at_J0"])
 def test_ns_polynomial_rejects_typical_mistakes(kw, where):
     v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c, **kw))
     assert v.status == "failed" and where in v.message, v.message

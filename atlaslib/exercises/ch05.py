@@ -74,10 +74,10 @@ def _orthonormal(m, r, gen):
 @EXERCISES.check("ns_polynomial", title="The polynomial acting on the singular values", points=2,
                   functions=("ns_singular_values",), forbidden=NEWTON_SCHULZ)
 def ns_polynomial(fn, gen):
-    """fn(sigma [r] fp64, steps, coeffs (a, b, c)) -> [r]: the singular values of NS_k(G) for any G = U diag(sigma) V^T.
+    """fn(sigma [r] fp64, steps, coeffs (p0, p1, p2)) -> [r]: the singular values of NS_J(G) for any G = U diag(sigma) V^T.
 
-    The reference is the library's NS_k on such a G, read on the known singular vectors
-    (U^T NS_k(G) V is diagonal), so order and sign are kept.
+    The reference is the library's NS_J on such a G, read on the known singular vectors
+    (U^T NS_J(G) V is diagonal), so order and sign are kept.
     """
     cases = [  # (m, n, spectrum, steps, coefficients)
         (6, 9, "random", 1, "muon"),
@@ -86,7 +86,7 @@ def ns_polynomial(fn, gen):
         (8, 8, "random, two of them 0 (rank-deficient)", 4, "cubic"),
         (5, 5, "random", 2, "random"),
         (9, 4, "random", 0, "muon"),                    # NS_0 is the identity: no normalisation either
-        (1, 3, "random", 5, "muon"),                    # one singular value: NS_k(G) = p^k(1)
+        (1, 3, "random", 5, "muon"),                    # one singular value: NS_J(G) = f^J(1)
     ]
     for m, n, spectrum, steps, name in cases:
         r = min(m, n)
@@ -100,12 +100,12 @@ def ns_polynomial(fn, gen):
         U, Vm = _orthonormal(m, r, gen), _orthonormal(n, r, gen)
         G = U @ torch.diag(sigma) @ Vm.T
         ref = torch.diagonal(U.T @ newton_schulz(G, steps, coeffs) @ Vm)
-        with case(f"{m} x {n}, {spectrum} singular values, k={steps}, coefficients {name} {coeffs}"):
+        with case(f"{m} x {n}, {spectrum} singular values, J={steps}, coefficients {name} {coeffs}"):
             got = call(fn, sigma.clone(), steps, coeffs)
             check_shape("the singular values", got, sigma.shape)
             compare("the singular values", got, ref, 1e-8)
-    return (f"the singular values of NS_k(G) match atlaslib.atlas.newton_schulz on {len(cases)} spectra "
-            "(k = 0 to 5, rank-deficient and ill-conditioned included)")
+    return (f"the singular values of NS_J(G) match atlaslib.atlas.newton_schulz on {len(cases)} spectra "
+            "(J = 0 to 5, rank-deficient and ill-conditioned included)")
 
 
 @EXERCISES.check("atlas_step", title="One ATLAS step", points=2,

@@ -2,10 +2,10 @@
 
     gd         u_t = -eta_t ∇_t
     momentum   S_t = theta_t S_{t-1} - eta_t ∇_t,   u_t = S_t            (Titans, [A] eqs 12-13)
-    muon       S_t = theta_t S_{t-1} + ∇_t,         u_t = -eta_t NS_k(S_t)   (ATLAS, [A] eqs 32-33)
+    muon       S_t = theta_t S_{t-1} + ∇_t,         u_t = -eta_t NS_J(S_t)   (ATLAS, [A] eqs 32-33)
 
 so that with retention (axis 4) Titans is M_t = alpha_t M_{t-1} + S_t and ATLAS is
-M_t = alpha_t M_{t-1} - eta_t NS_k(S_t). Here ∇_t is the gradient of the token's loss (or,
+M_t = alpha_t M_{t-1} - eta_t NS_J(S_t). Here ∇_t is the gradient of the token's loss (or,
 with a window, the gamma-weighted sum over its c pairs); g is kept for the log-gates.
 
 Two interfaces, one per engine:
@@ -21,14 +21,14 @@ Two interfaces, one per engine:
 * ``updates(S0, G, Gamma, eta, h) -> (U, S_end)``: the same with the per-row gradients
   materialised (``G`` {name: [N, R, out, in]}); the default applies ``affine``.
 
-Muon (chapter 5) is not linear in its gradients: NS_k, Newton–Schulz orthogonalisation
+Muon (chapter 5) is not linear in its gradients: NS_J, Newton–Schulz orthogonalisation
 (``atlaslib.core.newton_schulz``, applied to each 2-D weight's momentum on its own),
 normalises its input, so eta must sit *outside* it (a step size inside S would be
 erased). It sets ``linear = False``: its ``updates`` builds all b momenta of a chunk as a
 batch, S_t = B_t S_{t0} + sum_i (B_t / B_i) sum_r Gamma[i, r] ∇_r (the masked matmul of
-momentum with eta = -1), applies NS_k to the batch, and scales by -eta_t; the chunk engine
+momentum with eta = -1), applies NS_J to the batch, and scales by -eta_t; the chunk engine
 routes ``linear = False`` optimizers through ``updates`` and materialised per-token weights.
-NS_k's steps and coefficients are the config's ``ns_steps`` and ``ns_coeffs``;
+NS_J's steps and coefficients are the config's ``ns_steps`` and ``ns_coeffs``;
 ``ns_steps = 0`` is the identity, which makes muon momentum with eta outside the buffer.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ class Momentum(Optimizer):
 class Muon(Optimizer):
     """ATLAS's optimizer: momentum on the raw gradients, orthogonalised by Newton–Schulz.
 
-    S_t = theta_t S_{t-1} + ∇_t (theta None: 0) and u_t = -eta_t NS_k(S_t), NS_k applied to
+    S_t = theta_t S_{t-1} + ∇_t (theta None: 0) and u_t = -eta_t NS_J(S_t), NS_J applied to
     each weight's [out, in] momentum separately, in the state's dtype.
     """
     name = "muon"
@@ -133,7 +133,7 @@ class Muon(Optimizer):
         return "momentum, NS off (η outside)" if k == 0 else cls.formula.replace("NSₖ", f"NS{k}")
 
     def orthogonalise(self, S):
-        """NS_k of every momentum matrix (any leading dims)."""
+        """NS_J of every momentum matrix (any leading dims)."""
         return newton_schulz(S, self.cfg.ns_steps, self.cfg.ns_coeffs)
 
     def step(self, S, grad, eta, theta):
@@ -152,7 +152,7 @@ class Muon(Optimizer):
         return torch.exp(h), causal_decay(h) @ step
 
     def updates(self, S0, G, Gamma, eta, h):
-        """All b momenta of the chunk by one masked matmul, NS_k on the batch, then -eta_t."""
+        """All b momenta of the chunk by one masked matmul, NS_J on the batch, then -eta_t."""
         b, E = self.affine(Gamma, eta, h)
         U, S_end = {}, {}
         for name, grad in G.items():
