@@ -74,7 +74,7 @@ def _orthonormal(m, r, gen):
 @EXERCISES.check("ns_polynomial", title="The polynomial acting on the singular values", points=2,
                   functions=("ns_singular_values",), forbidden=NEWTON_SCHULZ)
 def ns_polynomial(fn, gen):
-    """fn(sigma [r] fp64, steps, coeffs (p0, p1, p2)) -> [r]: the singular values of NS_J(G) for any G = U diag(sigma) V^T.
+    """fn(sigma [r] fp64, steps, coeffs (p0, p1, p2)) -> [r]: the singular values of NS_J(G), G = U diag(sigma) V^T.
 
     The reference is the library's NS_J on such a G, read on the known singular vectors
     (U^T NS_J(G) V is diagonal), so order and sign are kept.
