@@ -297,7 +297,8 @@ def chunk_warps(element_size: int) -> int:
     backward's dv kernels, and the per-channel scores and dq, dk kernels. fp32 inputs take 8: their exact
     products hold whole operand fragments in registers, and at 4 warps the programs spill (sm_90 builds at
     K = 64: the output kernel 852 B a thread at 4 warps, 12 B at 8; the per-channel dq, dk kernel 608 B,
-    none; the delta rule's per-channel scores 624 B, 52 B)."""
+    none; the delta rule's per-channel scores 624 B, 52 B). The output and dv kernels take 8 for 16-bit
+    inputs too when their value blocks are 128 wide (``chunk_value_tiles``)."""
     return 8 if element_size == 4 else 4
 
 
