@@ -430,6 +430,8 @@ def test_bad_input(gen):
         memory_caching(q, k, v, base="linear_attention")
     with pytest.raises(ValueError, match="pool"):
         memory_caching(q, k, v, pool="max", **call)
+    with pytest.raises(ValueError, match=r"base_kwargs\['alpha'\] must have shape \[B, H, T, ...\]"):
+        memory_caching(q, k, v, base_kwargs=dict(alpha=torch.full((1, 1, 4), 0.9)), segments=2, **call)
     with pytest.raises(ValueError, match="normalize"):
         memory_caching(q, k, v, base_kwargs=dict(normalize=True), **call)
     with pytest.raises(ValueError, match="alpha"):                  # the base's own checks still apply

@@ -122,5 +122,8 @@ def test_value_checks_on_an_accelerator_assert_on_the_device(monkeypatch):
         with pytest.raises(RuntimeError, match=r"alpha must lie in \[0.0, 1.0\]"):
             validation.check_gate("alpha", torch.full((1, 2, 5), bad), 1, 2, 5)
     validation.check_gate("eta", torch.full((1, 2, 5), 7.0), 1, 2, 5, high=None)    # no upper bound
-    with pytest.raises(RuntimeError, match="initial_state contains NaN"):
-        validation.check_state("initial_state", torch.tensor([[0.0, float("nan")]]), (1, 2), good)
+    with pytest.raises(RuntimeError, match=r"eta must lie in \[0.0, inf\)"):          # but finite
+        validation.check_gate("eta", torch.full((1, 2, 5), float("inf")), 1, 2, 5, high=None)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(RuntimeError, match="initial_state contains NaN or inf"):
+            validation.check_state("initial_state", torch.tensor([[0.0, bad]]), (1, 2), good)

@@ -295,7 +295,13 @@ def test_bad_inputs():
         delta_rule(q, k, v, torch.full((1, 2, 10), 2.5))
     with pytest.raises(ValueError, match=r"beta must lie in \[0.0, inf\)"):
         delta_rule(q, k, v, torch.full((1, 2, 10), -1.0), longhorn=True)
-    delta_rule(q, k, v, torch.full((1, 2, 10), 50.0), longhorn=True)       # any beta >= 0 is fine there
+    delta_rule(q, k, v, torch.full((1, 2, 10), 50.0), longhorn=True)       # any finite beta >= 0 is fine there
+    with pytest.raises(ValueError, match=r"beta must lie in \[0.0, inf\)"):
+        delta_rule(q, k, v, torch.full((1, 2, 10), float("inf")), longhorn=True)
+    with pytest.raises(ValueError, match=r"beta must lie in \[0.0, inf\)"):
+        delta_rule(q, k, v, float("inf"), longhorn=True)
+    with pytest.raises(TypeError, match="beta is required"):
+        delta_rule(q, k, v, None)
     with pytest.raises(ValueError, match="beta contains NaN"):
         delta_rule(q, k, v, torch.full((1, 2, 10), float("nan")))
     with pytest.raises(ValueError, match=r"alpha must have shape \[1, 2, 10\] or \[1, 2, 10, 4\]"):

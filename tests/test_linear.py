@@ -207,8 +207,12 @@ def test_bad_inputs():
         linear_attention(q, k, v, initial_state=torch.zeros(1, 2, 4, 3))
     with pytest.raises(ValueError, match=r"initial_state must have shape \[1, 2, 4, 4\]"):
         linear_attention(q, k, v, normalize=True, initial_state=torch.zeros(1, 2, 3, 4))
-    with pytest.raises(ValueError, match="initial_state contains NaN"):
+    with pytest.raises(ValueError, match="initial_state contains NaN or inf"):
         linear_attention(q, k, v, initial_state=torch.full((1, 2, 3, 4), float("nan")))
+    with pytest.raises(ValueError, match="initial_state contains NaN or inf"):
+        linear_attention(q, k, v, initial_state=torch.full((1, 2, 3, 4), float("inf")))
+    with pytest.raises(ValueError, match="must be non-empty"):                 # an empty batch, for every backend
+        linear_attention(q[:0], k[:0], v[:0], backend="chunk")
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         linear_attention(q, k, v, chunk_size=0)
     with pytest.raises(TypeError, match="chunk_size must be a positive int"):

@@ -589,6 +589,8 @@ def test_axes_table_is_generated_from_presets():
     (dict(window=0), "window must be >= 1"),
     (dict(lq=0.5, retention="lq"), "lq must be"),
     (dict(scale=0.0, retention="kl"), "scale must be >"),
+    (dict(scale=float("inf"), retention="kl"), "scale must be a finite number"),
+    (dict(bias="lp", p=float("nan")), "p must be a finite number"),
     (dict(expansion=0, memory="mlp"), "expansion must be"),
     (dict(activation="swish", memory="mlp"), "activation must be one of"),
 ])

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..core import check_chunk_size, check_qkv
 from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
 from ..core.types import ModelOutput
-from .base import base_name, check_base
+from .base import base_name, check_base, check_per_token
 from .chunk import AGGREGATES, cached_readout, check_top_k, memory_caching_chunk, readout_weights
 from .recurrent import memory_caching_recurrent
 from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks, log_layout, make_layout,
@@ -138,6 +138,7 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     """
     B, H, T, K, V = check_qkv(q, k, v)
     kw = check_base(base, base_kwargs)
+    check_per_token(kw, B, H, T)
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):

@@ -58,6 +58,15 @@ def check_base(base, base_kwargs) -> dict:
     return kw
 
 
+def check_per_token(kw: dict, B: int, H: int, T: int) -> None:
+    """A tensor of ``base_kwargs`` that starts [B, H, ...] is per token ([B, H, T, ...]) and is cut into
+    the segments; one with another length there would reach every segment whole, so it is refused."""
+    for n, x in kw.items():
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:2]) == (B, H) and x.shape[2] != T:
+            raise ValueError(f"base_kwargs[{n!r}] must have shape [B, H, T, ...] = [{B}, {H}, {T}, ...] like q "
+                             f"(it is cut into the segments), got {list(x.shape)}")
+
+
 def takes(base, name: str) -> bool:
     return name in inspect.signature(base).parameters
 

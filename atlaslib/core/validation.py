@@ -50,7 +50,7 @@ def check_qkv(q, k, v):
     B, H, T, K = q.shape
     if v.shape[:3] != (B, H, T):
         raise ValueError(f"v must have shape [B, H, T, V] = [{B}, {H}, {T}, V] to match q, got {_shape(v)}")
-    if T < 1 or K < 1 or v.shape[3] < 1:
+    if min(B, H, T, K, v.shape[3]) < 1:
         raise ValueError(f"q, k, v must be non-empty, got q {_shape(q)} and v {_shape(v)}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -63,8 +63,8 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
                low: float = 0.0, high: float | None = 1.0, ref: torch.Tensor | None = None):
     """A gate is ``[B, H, T]`` (scalar per token) or, when ``K`` is given, also ``[B, H, T, K]``.
 
-    Values must lie in ``[low, high]`` (``high=None`` means no upper bound); ``_value_check`` says
-    how that is checked. Returns the gate, or ``None`` if ``g`` is ``None``.
+    Values must lie in ``[low, high]`` (``high=None``: no upper bound, but finite); ``_value_check``
+    says how that is checked. Returns the gate, or ``None`` if ``g`` is ``None``.
     """
     if g is None:
         return None
@@ -81,24 +81,25 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
     if g.numel() == 0:
         return g
     rng = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
+    top = math.inf if high is None else high                     # +inf itself is never a step or a gate
     how = _value_check(g)
     if how == "host":
         with torch.no_grad():                                    # one pass: NaN propagates to min and max
             g_min, g_max = (x.item() for x in torch.aminmax(g))
         if math.isnan(g_min) or math.isnan(g_max):
             raise ValueError(f"{name} contains NaN")
-        if g_min < low or (high is not None and g_max > high):
+        if g_min < low or g_max > top or g_max == math.inf:
             raise ValueError(f"{name} must lie in {rng}, got values in [{g_min:.4g}, {g_max:.4g}]")
     elif how == "device":
         with torch.no_grad():                                    # NaN fails the comparisons too
-            inside = (g >= low) if high is None else (g >= low) & (g <= high)
+            inside = (g >= low) & (g <= top) & (g < math.inf)
             torch._assert_async(inside.all(), f"{name} must lie in {rng} and contain no NaN")
     return g
 
 
 def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
-    """An optional state tensor of an exact shape, on ``ref``'s device, without NaN (checked as
-    ``_value_check`` says)."""
+    """An optional state tensor of an exact shape, on ``ref``'s device, finite (no NaN or inf; checked
+    as ``_value_check`` says)."""
     if s is None:
         return None
     want = "[" + ", ".join(str(d) for d in shape) + "]"
@@ -112,11 +113,11 @@ def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
         raise ValueError(f"{name} must be on {ref.device} like q, got {s.device}")
     how = _value_check(s)
     if how == "host":
-        if torch.isnan(s).any():
-            raise ValueError(f"{name} contains NaN")
+        if not torch.isfinite(s).all():
+            raise ValueError(f"{name} contains NaN or inf")
     elif how == "device":
         with torch.no_grad():
-            torch._assert_async(~torch.isnan(s).any(), f"{name} contains NaN")
+            torch._assert_async(torch.isfinite(s).all(), f"{name} contains NaN or inf")
     return s
 
 
@@ -148,7 +149,7 @@ def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: t
         return None
     if isinstance(x, numbers.Real) and not isinstance(x, bool):
         x = float(x)
-        if x != x or x < low or (high is not None and x > high):
+        if x != x or x < low or (high is not None and x > high) or x == math.inf:
             raise ValueError(f"{name} must lie in [{low}, {'inf)' if high is None else f'{high}]'}, got {x}")
         return torch.full((B, H, T), x, dtype=cd, device=ref.device)
     check_gate(name, x, B, H, T, width, low=low, high=high, ref=ref)

@@ -91,6 +91,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
         unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
+    if beta is None:
+        raise TypeError("beta is required: the step sizes, a [B, H, T] tensor or one number")
     steps = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,
                            high=None if longhorn else BETA_MAX)
     alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, K, ref=q)

@@ -14,6 +14,7 @@ the chapter's one chunk length b (a static choice that is part of the model, see
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..core.newton_schulz import check_ns_steps, ns_coefficients
@@ -130,6 +131,8 @@ def _check_number(name, x, low, *, strict=False, integer=False, allow_none=False
     kind = int if integer else (int, float)
     if isinstance(x, bool) or not isinstance(x, kind):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {x!r}")
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x}")
     if x < low or (strict and x == low):
         raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {x}")
 
