@@ -209,6 +209,18 @@ def test_gates_state_and_continuation(gen, name, label, fixed, gates):
         assert rel_rmse(o2, whole[:, :, T1:]) < 1e-9 and _close(s2, s_whole)
 
 
+@pytest.mark.parametrize("name, label, fixed, gates", CALLS, ids=[f"{n}-{lab}" for n, lab, _, _ in CALLS])
+def test_switches_must_be_bools(gen, name, label, fixed, gates):
+    """A string such as "no" is truthy: every model refuses it for output_final_state (and, where it has
+    them, normalize and longhorn) instead of reading it as True."""
+    q, k, v = _inputs(gen, 5)
+    params = inspect.signature(MODELS[name]).parameters
+    for switch in ("output_final_state", "normalize", "longhorn"):
+        if switch in params and switch not in fixed:
+            with pytest.raises(TypeError, match=f"{switch} must be True or False"):
+                _call(name, q, k, v, fixed, gates, backend="chunk", **{switch: "no"})
+
+
 @pytest.mark.parametrize("wrapper", sorted(WRAPPERS))
 @pytest.mark.parametrize("base_name, base, base_kwargs, state_type", WRAPPED, ids=[w[0] for w in WRAPPED])
 def test_wrappers(gen, wrapper, base_name, base, base_kwargs, state_type):

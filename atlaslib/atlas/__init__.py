@@ -24,7 +24,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_schulz, ns_coefficients, polar
 from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
-from ..core.validation import check_window
+from ..core.validation import check_flag, check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE, MEMORIES, MirasConfig, MirasState, make_config, miras
 from ..miras.memory import DEEP_MEMORIES
@@ -175,8 +175,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
     check_ns_steps(ns_steps)
     ns_coefficients(ns_coeffs)
     chunk_size = ATLAS_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
+    check_flag("output_final_state", output_final_state)
     cd = compute_dtype(q)
     check_retention(None if isinstance(alpha, numbers.Real) else alpha,
                     None if isinstance(log_alpha, numbers.Real) else log_alpha, B, H, T, ref=q)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..core import check_chunk_size, check_qkv
+from ..core import check_chunk_size, check_flag, check_qkv
 from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
 from ..core.types import ModelOutput
 from .base import base_name, check_base, check_per_token
@@ -137,6 +137,7 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
         (o [B, H, T, V], final state or None).
     """
     B, H, T, K, V = check_qkv(q, k, v)
+    check_flag("output_final_state", output_final_state)
     kw = check_base(base, base_kwargs)
     check_per_token(kw, B, H, T)
     if chunk_size is not None:

@@ -121,6 +121,13 @@ def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
     return s
 
 
+def check_flag(name: str, x) -> bool:
+    """A switch must be a bool: a string such as "no" would otherwise count as True."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be True or False, got {x!r}")
+    return x
+
+
 def check_chunk_size(chunk_size) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be a positive int, got {chunk_size!r}")

@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..core import check_chunk_size, check_gate, check_qkv, check_state
+from ..core import check_chunk_size, check_flag, check_gate, check_qkv, check_state
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log
@@ -203,6 +203,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
     activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
+    check_flag("normalize", normalize), check_flag("output_final_state", output_final_state)
     cd = compute_dtype(q)
     alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     initial_state = memory_of_state(initial_state)
@@ -324,6 +325,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
     activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
+    check_flag("output_final_state", output_final_state)
     c = check_window(window)
     check_gate("gamma", gamma, B, H, T, c, ref=q)
     cd = compute_dtype(q)

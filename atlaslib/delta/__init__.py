@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core import check_chunk_size, check_qkv, check_state, gate_or_number
+from ..core import check_chunk_size, check_flag, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, retention_gates
@@ -91,6 +91,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
         unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
+    check_flag("longhorn", longhorn), check_flag("output_final_state", output_final_state)
     if beta is None:
         raise TypeError("beta is required: the step sizes, a [B, H, T] tensor or one number")
     steps = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,

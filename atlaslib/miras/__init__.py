@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from ..core.types import FeatureMap, Gate, ModelOutput
+from ..core.validation import check_flag
 from .bias import BIASES, Bias, build_bias
 from .chunk import miras_chunk, titans_linear_chunk
 from .config import (AXES, DEFAULT_CHUNK_SIZE, EXACT_CHUNK, PRESETS, MirasConfig, axes_markdown, axes_table,
@@ -116,8 +117,7 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
     problem = prepare(q, k, v, preset=preset, config=config, alpha=alpha, eta=eta, theta=theta, delta=delta,
                       gamma=gamma, phi=phi, initial_state=initial_state, backend=backend, chunk_size=chunk_size,
                       log_alpha=log_alpha, **overrides)
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be True or False, got {output_final_state!r}")
+    check_flag("output_final_state", output_final_state)
     o, state = run(problem)
     return o.to(q.dtype), (state if output_final_state else None)
 

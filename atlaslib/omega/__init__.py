@@ -16,7 +16,7 @@ from torch import Tensor
 from ..core import TaylorFeatures, monomial_dim, monomial_features, tensor_power
 from ..core.dispatch import dispatch
 from ..core.types import FeatureMap, Gate, ModelOutput
-from ..core.validation import check_window
+from ..core.validation import check_flag, check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
 from ..miras.memory import DEEP_MEMORIES, MEMORIES
@@ -118,6 +118,7 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
         unless requested).
     """
     chunk_size = OMEGA_CHUNK_SIZE if chunk_size is None else chunk_size
+    check_flag("output_final_state", output_final_state)
     fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
                                                            initial_state, chunk_size, log_alpha)
     if memory in DEEP_MEMORIES:
@@ -153,6 +154,7 @@ def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None =
     that matrix, a tensor [B, H, V, D] (as ``linear_attention``'s), in fp32 (fp64 for fp64 inputs).
     """
     chunk_size = SWLA_CHUNK_SIZE if chunk_size is None else chunk_size
+    check_flag("output_final_state", output_final_state)
     fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear",
                                                            initial_state, chunk_size, log_alpha)
     o, state = dispatch(backend, fq, SWLA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
