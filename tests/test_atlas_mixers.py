@@ -167,6 +167,8 @@ def test_tiny_lm_with_a_hybrid(gen):
     ("atlas", {"memory": "deep"}, ValueError, "memory"),
     ("atlas", {"window": 0}, ValueError, "window"),
     ("atlas++", {"head_k_dim": 4, "head_v_dim": 6}, ValueError, "head_k_dim == head_v_dim"),
+    ("mamba2", {"gate_temperature": 0.0}, ValueError, "gate_temperature must be a finite number > 0"),
+    ("kda", {"gate_temperature": -1.0}, ValueError, "gate_temperature must be a finite number > 0"),
 ])
 def test_bad_input_is_named(name, kw, error, match):
     with pytest.raises(error, match=match):

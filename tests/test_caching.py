@@ -430,6 +430,12 @@ def test_bad_input(gen):
         memory_caching(q, k, v, base="linear_attention")
     with pytest.raises(ValueError, match="pool"):
         memory_caching(q, k, v, pool="max", **call)
+    with pytest.raises(ValueError, match="aggregate='residual' adds them all"):
+        memory_caching(q, k, v, aggregate="residual", u=torch.zeros_like(q), **call)
+    with pytest.raises(TypeError, match="u must have q's dtype"):
+        memory_caching(q, k, v, u=torch.zeros_like(q).double(), **call)
+    with pytest.raises(TypeError, match="stats must be a dict"):
+        memory_caching(q, k, v, stats=[], **call)
     with pytest.raises(ValueError, match=r"base_kwargs\['alpha'\] must have shape \[B, H, T, ...\]"):
         memory_caching(q, k, v, base_kwargs=dict(alpha=torch.full((1, 1, 4), 0.9)), segments=2, **call)
     with pytest.raises(ValueError, match="normalize"):

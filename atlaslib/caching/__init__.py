@@ -145,6 +145,13 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     if u is not None and (not isinstance(u, torch.Tensor) or tuple(u.shape) != (B, H, T, K)):
         raise ValueError(f"u must be a tensor [B, H, T, K] = [{B}, {H}, {T}, {K}], "
                          f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")
+    if u is not None and u.dtype != q.dtype:
+        raise TypeError(f"u must have q's dtype {q.dtype}, got {u.dtype}")
+    if u is not None and aggregate == "residual":
+        raise ValueError("u scores the cached states for grm, soup and ssc; aggregate='residual' adds them "
+                         "all with weight 1 and would ignore it")
+    if stats is not None and not isinstance(stats, dict):
+        raise TypeError(f"stats must be a dict (the read counter is added to it), got {type(stats).__name__}")
     layout = make_layout(T, segments)
     check_options(mode, aggregate, pool, top_k, log=layout.log)
     table = {"recurrent": None, "chunk": None, "triton": None}

@@ -119,7 +119,8 @@ class MemoryCaching(TokenMixer):
     def mix(self, q, k, v, x):
         return memory_caching(q, k, v, base=type(self).library, base_kwargs=self.base_gates(q, x),
                               segments=self.segments, mode=self.mode, aggregate=self.aggregate, top_k=self.top_k,
-                              u=self.relevance(x).to(q.dtype), pool=self.pool, backend=self.backend,
+                              u=None if self.aggregate == "residual" else self.relevance(x).to(q.dtype),
+                              pool=self.pool, backend=self.backend,
                               chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state: CachingState | None):

@@ -116,6 +116,9 @@ class GatedLinear(TokenMixer):
 
     def __init__(self, d_model, n_heads, *, gate_temperature: float = 16.0, **kw):
         super().__init__(d_model, n_heads, **kw)
+        if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)) \
+                or not 0 < gate_temperature < math.inf:
+            raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
         self.gate_temperature = gate_temperature
         width = self.head_k_dim if self.per_channel else 1
         self.gate_proj = nn.Linear(d_model, n_heads * width)
