@@ -28,12 +28,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def start_memory(q: torch.Tensor, v: torch.Tensor, initial_state) -> torch.Tensor:
-    """The memory before the first token, [B, H, V, D] in ``compute_dtype(q)``: zeros, or ``initial_state``."""
+    """The memory before the first token, [B, H, V, D] in ``compute_dtype(q)``: zeros, or ``initial_state``
+    (its shape checked here too: the forms reshape it, and a transposed [B, H, D, V] would pass silently)."""
     cd = compute_dtype(q)
-    if initial_state is not None:
-        return initial_state.to(cd)
     B, H, _, D = q.shape
-    return torch.zeros(B, H, v.shape[-1], D, dtype=cd, device=q.device)
+    shape = (B, H, v.shape[-1], D)
+    if initial_state is not None:
+        if tuple(initial_state.shape) != shape:
+            raise ValueError(f"initial_state must have shape [B, H, V, K] = {list(shape)}, "
+                             f"got {list(initial_state.shape)}")
+        return initial_state.to(cd)
+    return torch.zeros(shape, dtype=cd, device=q.device)
 
 
 def log_gate(alpha: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
