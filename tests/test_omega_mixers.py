@@ -199,7 +199,7 @@ def test_defaults_and_bad_arguments():
         make_mixer("omeganet", 16, 2, degree=2, poly="hermite")
     with pytest.raises(ValueError, match="degree must be >= 0"):
         make_mixer("swla", 16, 2, degree=-1)
-    with pytest.raises(ValueError, match="eta_max must be > 0"):
+    with pytest.raises(ValueError, match="eta_max must be a finite number > 0"):
         make_mixer("omeganet", 16, 2, eta_max=0.0)
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs, log_gate, start_memory
 from ..core.newton_schulz import newton_schulz
+from ..core.validation import check_chunk_size, check_form_shapes, check_shape, check_window
 from ..core.windows import band_gates
 from ..miras import DEFAULT_CHUNK_SIZE
 
@@ -46,11 +47,14 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     Arguments as ``atlas_recurrent`` plus ``chunk_size`` (b) and ``log_alpha`` (the retention as
     its log, instead of alpha). ``orthogonalise(S, steps, ns_coeffs)`` replaces ``newton_schulz`` in
     step 3 (the Triton kernel's, ``kernel.atlas_triton``). Returns (o [B, H, T, V] in q's dtype,
-    M_T, S_T [B, H, V, D]).
+    M_T, S_T [B, H, V, D]). Shapes, window and chunk_size are checked here; value ranges are the
+    caller's (``atlas`` checks them).
     """
     ns = newton_schulz if orthogonalise is None else orthogonalise
-    B, H, T, D = q.shape
-    V, c, b = v.shape[-1], window, chunk_size
+    B, H, T, D, V = check_form_shapes(q, k, v, alpha=alpha, eta=eta, theta=theta, log_alpha=log_alpha)
+    c, b = check_window(window), check_chunk_size(chunk_size)
+    check_shape("G", G, (B, H, T, c))
+    check_shape("initial_momentum", initial_momentum, (B, H, V, D))
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     M = start_memory(q, v, initial_state)

@@ -38,6 +38,7 @@ import torch
 
 from ..core.chunking import start_memory
 from ..core.newton_schulz import newton_schulz
+from ..core.validation import check_chunk_size, check_form_shapes, check_shape, check_window
 from ..miras import DEFAULT_CHUNK_SIZE
 from ..omega.recurrent import WindowState, _per_bh, scan_tokens, start_window, window_gradient, window_rows
 
@@ -63,7 +64,9 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     per-source gate (the state keeps those of the last c - 1 tokens) or None (ones);
     alpha_t, eta_t, theta_t [B, H] or None (1, 1 and 0). ``grad_at``: take the gradients at
     this memory instead of M_{t-1} (``atlas_frozen_seq`` passes the chunk-start state).
+    Shapes and window are checked here; value ranges are the caller's (``atlas`` checks them).
     """
+    check_token(state.M, q_t, k_t, v_t, check_window(window), G_t, alpha_t, eta_t, theta_t)
     dtype = state.M.dtype
     q_t, k_t, v_t = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     G_t = None if G_t is None else G_t.to(dtype)
@@ -77,7 +80,21 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     return AtlasState(M, S, rows), y_t
 
 
+def check_token(M, q_t, k_t, v_t, window, G_t, *gates):
+    """The shapes of one token's inputs against the memory M [B, H, V, D] (no value is read)."""
+    B, H, V, D = M.shape
+    check_shape("q_t", q_t, (B, H, D))
+    check_shape("k_t", k_t, (B, H, D))
+    check_shape("v_t", v_t, (B, H, V))
+    check_shape("G_t", G_t, (B, H), (B, H, window))
+    for name, g in zip(("alpha_t", "eta_t", "theta_t"), gates):
+        check_shape(name, g, (B, H))
+
+
 def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, chunk_size):
+    B, H, T, D, V = check_form_shapes(q, k, v, alpha=alpha, eta=eta, theta=theta)
+    check_shape("G", G, (B, H, T, check_window(window)))          # per offset (``core.windows.window_gates``)
+    check_shape("initial_momentum", initial_momentum, (B, H, V, D))
     M0 = start_memory(q, v, initial_state)
     state = start_state(M0, None if initial_momentum is None else initial_momentum.to(M0.dtype))
     o, state = scan_tokens(lambda s, *x, **kw: atlas_step(s, *x[:3], window, *x[3:], ns_steps, ns_coeffs, **kw),
@@ -92,7 +109,8 @@ def atlas_recurrent(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None,
     q, k [B, H, T, D] features; v [B, H, T, V]; window c >= 1; G None or [B, H, T, c] per-offset
     window gates (``core.windows.window_gates``); alpha, eta, theta None or [B, H, T];
     initial_state, initial_momentum None or [B, H, V, D]. Returns (o [B, H, T, V] in q's dtype,
-    M_T, S_T [B, H, V, D] in fp32, fp64 for fp64 inputs).
+    M_T, S_T [B, H, V, D] in fp32, fp64 for fp64 inputs). Shapes and window are checked here; value
+    ranges are the caller's (``atlas`` checks them).
     """
     return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, None)
 
@@ -102,10 +120,10 @@ def atlas_frozen_seq(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None
     """ATLAS with every gradient frozen at its chunk-start state M_{t0} (book ch. 5).
 
     Sequential, so it is the oracle that ``atlas_chunk(b)`` must match for every b; at b = 1 it
-    is ``atlas_recurrent``. Arguments and results as ``atlas_recurrent``.
+    is ``atlas_recurrent``. Arguments and results as ``atlas_recurrent``; chunk_size is checked here too.
     """
     return _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum,
-                 chunk_size)
+                 check_chunk_size(chunk_size))
 
 
 __all__ = ["AtlasState", "start_state", "atlas_step", "atlas_recurrent", "atlas_frozen_seq"]

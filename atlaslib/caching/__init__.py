@@ -38,9 +38,9 @@ from ..core import check_chunk_size, check_flag, check_qkv
 from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
 from ..core.types import ModelOutput
 from .base import base_name, check_base, check_per_token
-from .chunk import AGGREGATES, cached_readout, check_top_k, memory_caching_chunk, readout_weights
+from .chunk import AGGREGATES, cached_readout, memory_caching_chunk, readout_weights
 from .recurrent import memory_caching_recurrent
-from .segments import (SEGMENTATIONS, Layout, consecutive_layout, dyadic_blocks, log_layout, make_layout,
+from .segments import (SEGMENTATIONS, Layout, check_top_k, consecutive_layout, dyadic_blocks, log_layout, make_layout,
                        memory_reads, segment_lengths)
 
 MODES = ("checkpoint", "independent")
@@ -61,14 +61,17 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 
 
-def check_options(mode: str, aggregate: str, pool: str, top_k: int | None, log: bool = False) -> None:
-    """The caching options shared by ``memory_caching`` and its mixer (``nn.MemoryCaching``)."""
+def check_options(mode: str, aggregate: str, pool: str | None, top_k: int | None, log: bool = False) -> None:
+    """The caching options shared by ``memory_caching`` and its mixer (``nn.MemoryCaching``); pool None: not given."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    if pool not in POOLS:
+    if pool is not None and pool not in POOLS:
         raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+    if pool is not None and aggregate == "residual":
+        raise ValueError(f"pool scores the cached states for grm, soup and ssc; aggregate='residual' adds them "
+                         f"all with weight 1 and would ignore pool={pool!r} (leave it out)")
     check_top_k(top_k)
     if top_k is not None and aggregate != "ssc":
         raise ValueError(f"top_k is SSC's parameter; aggregate={aggregate!r} reads every cached state")
@@ -79,7 +82,7 @@ def check_options(mode: str, aggregate: str, pool: str, top_k: int | None, log: 
 
 def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., ModelOutput],
                    segments: int | Sequence[int] | str = 64, mode: str = "checkpoint", aggregate: str = "residual",
-                   top_k: int | None = None, u: Tensor | None = None, pool: str = "mean",
+                   top_k: int | None = None, u: Tensor | None = None, pool: str | None = None,
                    base_kwargs: dict[str, Any] | None = None, initial_state: Any = None,
                    output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
                    stats: dict[str, Any] | None = None) -> ModelOutput:
@@ -110,7 +113,8 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
             snapshots) or "independent" (every segment starts from ``initial_state``).
         aggregate: "residual", "grm", "soup" or "ssc". top_k: SSC's k >= 1 (None: all).
         u: [B, H, T, K] relevance queries (None: q). pool: "mean" of the keys (the library's
-            choice) or "sum" ([MC] eq. 16).
+            choice; None, the default, means it) or "sum" ([MC] eq. 16). u and pool score the
+            cached states: with aggregate="residual", which reads none of the scores, both must be None.
         base_kwargs: the base's other arguments (gates, preset, window, phi, ...). Tensors whose
             first dims are [B, H, T] are cut with the segments.
         initial_state: the base's start state (first segment in checkpoint mode, every segment in
@@ -154,6 +158,7 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
         raise TypeError(f"stats must be a dict (the read counter is added to it), got {type(stats).__name__}")
     layout = make_layout(T, segments)
     check_options(mode, aggregate, pool, top_k, log=layout.log)
+    pool = "mean" if pool is None else pool
     table = {"recurrent": None, "chunk": None, "triton": None}
     name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="memory_caching")
     args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)

@@ -24,7 +24,7 @@ import torch
 from ..core.chunking import compute_dtype
 from ..core.validation import _value_check
 from .base import linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
-from .segments import Layout, reader_groups, reader_spans
+from .segments import Layout, check_top_k, reader_groups, reader_spans
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
 
@@ -139,11 +139,6 @@ def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, agg
             raise ValueError(f"blocks must hold indices in [0, N={N}) or -1 (padding), got [{lo}, {hi}]")
     elif blocks.numel() and how == "device":
         torch._assert_async(((blocks >= -1) & (blocks < N)).all(), f"blocks must hold indices in [0, N={N}) or -1")
-
-
-def check_top_k(top_k):
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 (or None: all visible states), got {top_k!r}")
 
 
 # ---- step 1: the segments' states ----

@@ -67,18 +67,40 @@ def _remember(cache: dict, key, value):
     cache[key] = value
 
 
+def check_length(T) -> int:
+    """T must be an int >= 1, as the models' sequences are: a layout of no tokens has no table of reads.
+    (While torch.compile traces with dynamic shapes T is a SymInt.)"""
+    if isinstance(T, bool) or not isinstance(T, (int, torch.SymInt)):
+        raise TypeError(f"T (the number of tokens) must be a positive int, got {T!r}")
+    if T < 1:
+        raise ValueError(f"T (the number of tokens) must be >= 1, got {T}")
+    return T
+
+
+def check_top_k(top_k):
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None: all visible states), got {top_k!r}")
+
+
+def check_lengths(lengths) -> list:
+    """Segment lengths given as a list (or tuple): at least one, each an int >= 1."""
+    if not isinstance(lengths, (list, tuple)) or not lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+        raise ValueError(f"segments as a list must hold positive int lengths, got {lengths!r}")
+    return list(lengths)
+
+
 def segment_lengths(T: int, segments) -> list:
     """The lengths of consecutive segments: an int C (the last segment takes the remainder) or a list
-    that must sum to T."""
+    that must sum to T (T >= 1)."""
+    check_length(T)
     if isinstance(segments, bool) or not isinstance(segments, (int, list, tuple)):
         raise ValueError(f"segments must be an int >= 1, a list of lengths summing to T, or 'log'; got {segments!r}")
     if isinstance(segments, int):
         if segments < 1:
             raise ValueError(f"segments (the segment length) must be >= 1, got {segments}")
         return [segments] * (T // segments) + ([T % segments] if T % segments else [])
-    lengths = list(segments)
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
-        raise ValueError(f"segments as a list must hold positive int lengths, got {segments!r}")
+    lengths = check_lengths(segments)
     if sum(lengths) != T:
         raise ValueError(f"the segment lengths {lengths} sum to {sum(lengths)}, but the sequence has T = {T} tokens")
     return lengths
@@ -87,6 +109,7 @@ def segment_lengths(T: int, segments) -> list:
 def consecutive_layout(lengths: list) -> Layout:
     """Token t of segment s reads the cached final states of segments 0..s-1 (so N = segments - 1
     states are cached: the last segment is only ever online)."""
+    lengths = check_lengths(lengths)
     starts = [sum(lengths[:s]) for s in range(len(lengths))]
     spans = [(a, a + n) for a, n in zip(starts, lengths)]
     visible, online = [], []
@@ -100,6 +123,8 @@ def consecutive_layout(lengths: list) -> Layout:
 def dyadic_blocks(position: int) -> list:
     """The log-linear segments of a 1-based position: aligned blocks (start, end) 0-based half-open,
     largest first; their lengths are the powers of two of ``position``'s binary expansion."""
+    if isinstance(position, bool) or not isinstance(position, int):
+        raise TypeError(f"position must be an int (1-based), got {position!r}")
     if position < 1:
         raise ValueError(f"positions are 1-based, got {position}")
     out, start = [], 0
@@ -111,7 +136,8 @@ def dyadic_blocks(position: int) -> list:
 
 
 def log_layout(T: int) -> Layout:
-    """The Fenwick layout: every complete aligned block that some token reads as a cached state."""
+    """The Fenwick layout of T >= 1 tokens: every complete aligned block that some token reads as a cached state."""
+    check_length(T)
     index, cached, visible, online = {}, [], [], []
     for t in range(T):
         blocks = dyadic_blocks(t + 1)
@@ -127,8 +153,9 @@ def log_layout(T: int) -> Layout:
 
 
 def make_layout(T: int, segments) -> Layout:
-    """Layout for ``segments`` = int | list of lengths | "log"; one object per (T, segments), built once
-    (while torch.compile traces, built afresh: the trace holds it as a constant)."""
+    """Layout of T >= 1 tokens for ``segments`` = int | list of lengths | "log"; one object per (T, segments),
+    built once (while torch.compile traces, built afresh: the trace holds it as a constant)."""
+    check_length(T)                           # before the cache, where True would find the entry of 1
     if torch.compiler.is_compiling():
         return _build_layout(T, segments)
     if isinstance(segments, (int, str)) and not isinstance(segments, bool):
@@ -192,5 +219,8 @@ def reader_spans(layout: Layout) -> list:
 
 def memory_reads(layout: Layout, top_k=None) -> int:
     """Memory passes the readout makes: one online read per token plus one per cached state it reads
-    (at most top_k with SSC). [MC] §3.1 bounds it by O(L + N L)."""
+    (at most top_k >= 1 with SSC; None: all). [MC] §3.1 bounds it by O(L + N L)."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a Layout (make_layout's result), got {type(layout).__name__}")
+    check_top_k(top_k)
     return sum(1 + (len(v) if top_k is None else min(top_k, len(v))) for v in layout.visible)

@@ -92,9 +92,18 @@ def _check_input(x) -> int:
     return x.shape[-1]
 
 
+def check_input_dim(d) -> int:
+    """An input width d must be an int >= 1, as the feature maps' inputs [..., d] must be."""
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
+        raise TypeError(f"d (the input width) must be a positive int, got {d!r}")
+    if d < 1:
+        raise ValueError(f"d (the input width) must be >= 1, got {d}")
+    return int(d)
+
+
 def monomial_dim(d: int, degree: int) -> int:
-    """Number of monomials of degree <= p in d variables: C(d + p, p) (constant included)."""
-    return math.comb(d + check_degree(degree), check_degree(degree))
+    """Number of monomials of degree <= p in d >= 1 variables: C(d + p, p) (constant included)."""
+    return math.comb(check_input_dim(d) + check_degree(degree), check_degree(degree))
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,8 +40,9 @@ def check_tensor(name: str, x, ndim: int, layout: str) -> torch.Tensor:
     return x
 
 
-def check_qkv(q, k, v):
-    """q, k: [B, H, T, K]; v: [B, H, T, V]. Returns (B, H, T, K, V)."""
+def check_qkv_shapes(q, k, v):
+    """The shape part of ``check_qkv``: q, k [B, H, T, K] and v [B, H, T, V] floating tensors (T may be 0).
+    Returns (B, H, T, K, V)."""
     check_tensor("q", q, 4, "[B, H, T, K]")
     check_tensor("k", k, 4, "[B, H, T, K]")
     check_tensor("v", v, 4, "[B, H, T, V]")
@@ -50,6 +51,12 @@ def check_qkv(q, k, v):
     B, H, T, K = q.shape
     if v.shape[:3] != (B, H, T):
         raise ValueError(f"v must have shape [B, H, T, V] = [{B}, {H}, {T}, V] to match q, got {_shape(v)}")
+    return B, H, T, K, v.shape[3]
+
+
+def check_qkv(q, k, v):
+    """q, k: [B, H, T, K]; v: [B, H, T, V]. Returns (B, H, T, K, V)."""
+    B, H, T, K, _ = check_qkv_shapes(q, k, v)
     if min(B, H, T, K, v.shape[3]) < 1:
         raise ValueError(f"q, k, v must be non-empty, got q {_shape(q)} and v {_shape(v)}")
     if not (q.device == k.device == v.device):
@@ -59,6 +66,38 @@ def check_qkv(q, k, v):
     return B, H, T, K, v.shape[3]
 
 
+def check_shape(name: str, x, *shapes: tuple):
+    """``x`` is None (an absent gate) or a floating tensor of one of ``shapes``; returns it.
+
+    Shapes only: no value is read, so the lower-level forms can call it without waiting for the device.
+    """
+    if x is None:
+        return None
+    allowed = " or ".join("[" + ", ".join(str(d) for d in s) + "]" for s in shapes)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {allowed}, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
+    if tuple(x.shape) not in [tuple(s) for s in shapes]:
+        raise ValueError(f"{name} must have shape {allowed}, got {_shape(x)}")
+    return x
+
+
+def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_channel: tuple = (), **gates):
+    """The shapes a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
+
+    q, k [B, H, T, K] and v [B, H, T, V]; ``gamma`` [B, H, T] or [B, H, T, window]; every other gate
+    [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``; absent gates None. Values are
+    not read: the entry points check them before they call a form, and here it would cost a host sync.
+    Returns (B, H, T, K, V).
+    """
+    B, H, T, K, V = check_qkv_shapes(q, k, v)
+    check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]))
+    for name, g in gates.items():
+        check_shape(name, g, (B, H, T), *([(B, H, T, K)] if name in per_channel else []))
+    return B, H, T, K, V
+
+
 def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
                low: float = 0.0, high: float | None = 1.0, ref: torch.Tensor | None = None):
     """A gate is ``[B, H, T]`` (scalar per token) or, when ``K`` is given, also ``[B, H, T, K]``.
@@ -66,16 +105,8 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
     Values must lie in ``[low, high]`` (``high=None``: no upper bound, but finite); ``_value_check``
     says how that is checked. Returns the gate, or ``None`` if ``g`` is ``None``.
     """
-    if g is None:
+    if check_shape(name, g, (B, H, T), *([] if K is None else [(B, H, T, K)])) is None:
         return None
-    allowed = f"[{B}, {H}, {T}]" + (f" or [{B}, {H}, {T}, {K}]" if K is not None else "")
-    if not isinstance(g, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {allowed}, got {type(g).__name__}")
-    if g.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating tensor, got {g.dtype}")
-    ok = tuple(g.shape) == (B, H, T) or (K is not None and tuple(g.shape) == (B, H, T, K))
-    if not ok:
-        raise ValueError(f"{name} must have shape {allowed}, got {_shape(g)}")
     if ref is not None and g.device != ref.device:
         raise ValueError(f"{name} must be on {ref.device} like q, got {g.device}")
     if g.numel() == 0:

@@ -10,15 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .validation import check_shape, check_window
+
 
 def window_gates(gamma, B: int, H: int, T: int, window: int, dtype, device) -> torch.Tensor:
     """Both gamma parametrisations as per-offset gates G [B, H, T, c]: G[t, j] = gamma_{t-j}^{(t)}.
 
     ``None`` is all ones; per source token [B, H, T] becomes G[t, j] = gamma[t - j]; per
     offset [B, H, T, c] is used as is. Entries whose source token t - j < 0 does not
-    exist are set to 0.
+    exist are set to 0. Shapes and window are checked here; values in [0, 1] are the caller's.
     """
-    c = window
+    c = check_window(window)
+    check_shape("gamma", gamma, (B, H, T), (B, H, T, c))
     if gamma is None:
         G = torch.ones(B, H, T, c, dtype=dtype, device=device)
     elif gamma.dim() == 3:

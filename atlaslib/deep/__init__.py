@@ -203,7 +203,8 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
     activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
-    check_flag("normalize", normalize), check_flag("output_final_state", output_final_state)
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
     cd = compute_dtype(q)
     alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     initial_state = memory_of_state(initial_state)

@@ -26,12 +26,16 @@ import math
 import torch
 
 from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs
+from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
 
 
 def hebbian_chunk(fq, fk, v, alpha=None, eta=None, initial_state=None, chunk_size=64, log_alpha=None):
-    """Chapter 1's chunk form on features; same results as ``hebbian_recurrent``."""
+    """Chapter 1's chunk form on features; same results as ``hebbian_recurrent``.
+    Shapes and chunk_size are checked here; value ranges are the caller's (``deep_transformer`` checks them)."""
+    check_form_shapes(fq, fk, v, alpha=alpha, eta=eta, log_alpha=log_alpha)
+    check_chunk_size(chunk_size)
     if eta is not None:
         v = eta[..., None].to(v.dtype) * v                          # the write eta_t v_t
     return linear_attention_chunk(fq, fk, v, alpha, initial_state, chunk_size, log_alpha)
@@ -114,8 +118,12 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
     ``normalize``: return y_t / z_t instead, z_t the same sum with v = 1 (eta_i included), divided per
     block in fp32/fp64. Without eta, z is the row sum of the block's weights, cheaper than the extra
     column of ones a caller would add to v (a 65th column slows every product); with eta, eta_i rides
-    along as that last column."""
-    B, H, T, _ = q.shape
+    along as that last column. Shapes, window and chunk_size are checked here; value ranges are the
+    caller's (``deep_transformer`` checks them)."""
+    B, H, T, _, _ = check_form_shapes(q, k, v, alpha=alpha, eta=eta, log_alpha=log_alpha)
+    check_chunk_size(chunk_size)
+    if window is not None:                                        # None: no window (the DeepTransformer)
+        check_window(window)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     if eta is not None:
@@ -145,8 +153,10 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     system, chapter 2's UT transform with the Gram matrix K K^T replaced by the kernel matrix. Blocks
     are solved in order (forward substitution), the earlier blocks entering the right-hand side;
     then y_t = sum_{j<=t} e^{g_t - g_j} kappa(k_j, q_t) u_j as a masked product.
+    Shapes and chunk_size are checked here; value ranges are the caller's (``dot`` checks them).
     """
-    B, H, T, _ = q.shape
+    B, H, T, _, _ = check_form_shapes(q, k, v, alpha=alpha, eta=eta)
+    check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     logs = gate_logs(alpha, None, torch.float64)
@@ -181,8 +191,11 @@ def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamm
     coefficients at t, and
 
         y_t = (A_t / A_{s-1}) sum_{j<s} u_j kappa(k_j, q_t) + sum_i W[t, i] kappa(k_i, q_t) N_i.
+
+    Shapes, window and chunk_size are checked here; value ranges are the caller's (``dot`` checks them).
     """
-    B, H, T, _ = q.shape
+    B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
+    check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     dev = q.device

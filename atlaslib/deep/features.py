@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..core.featuremaps import check_degree, taylor_features
+from ..core.featuremaps import check_degree, check_input_dim, taylor_features
 
 
 def exp_coefficients(order: int) -> torch.Tensor:
@@ -36,8 +36,8 @@ def exp_features(x: torch.Tensor, order: int, *, compressed: bool = True) -> tor
 
 
 def exp_feature_dim(d: int, order: int, *, compressed: bool = True) -> int:
-    """Dimension of ``exp_features`` for inputs of dimension d: C(d + P, P), or sum_n d^n."""
-    order = check_degree(order)
+    """Dimension of ``exp_features`` for inputs of dimension d >= 1: C(d + P, P), or sum_n d^n."""
+    d, order = check_input_dim(d), check_degree(order)
     return math.comb(d + order, order) if compressed else sum(d ** n for n in range(order + 1))
 
 

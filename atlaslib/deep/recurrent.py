@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import compute_dtype, start_memory
+from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
 from ..miras.bias import BIASES
@@ -39,10 +40,11 @@ def written_value(v_t: torch.Tensor, eta, t: int) -> torch.Tensor:
 
 def hebbian_recurrent(fq, fk, v, alpha=None, eta=None, initial_state=None):
     """Per-token loop on features. fq, fk: [B,H,T,D]; v: [B,H,T,V]; alpha, eta: None or [B,H,T].
+    Shapes are checked here; value ranges are the caller's (``deep_transformer`` checks them).
 
     Returns (o [B,H,T,V] in fq's dtype, M_T [B,H,V,D] in fp32/fp64).
     """
-    B, H, T, D = fq.shape
+    B, H, T, D, _ = check_form_shapes(fq, fk, v, alpha=alpha, eta=eta)
     cd = compute_dtype(fq)
     M = start_memory(fq, v, initial_state)
     v = v.to(cd)
@@ -60,8 +62,11 @@ def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="ex
     ``shift`` (exp kernel only): divide each read by e^{max_j k_j^T q_t}. The read is then off by
     that factor, which cancels in y / (z^T phi*(q)) when the last value column is the normaliser's
     constant 1; it keeps exp from overflowing. Returns (o [B,H,T,V] in q's dtype, None).
+    Shapes and window are checked here; value ranges are the caller's (``deep_transformer`` checks them).
     """
-    B, H, T, _ = q.shape
+    B, H, T, _, _ = check_form_shapes(q, k, v, alpha=alpha, eta=eta)
+    if window is not None:                                          # None: no window
+        check_window(window)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     U = v[:, :, :0]                                                 # coefficients u_j [B,H,j,V]
@@ -101,9 +106,12 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     ``chunk_size`` b (None: the definition): the frozen-gradient oracle of ``dot_window_chunk``, every
     error of chunk [t0, t0 + b) taken at the chunk-start state M_{t0 - 1} (its coefficients, the tokens
     before t0) instead of M_{t-1}, as ``omega.omega_frozen_seq``; b = 1 is the definition.
-    Returns (o [B,H,T,V] in q's dtype, None).
+    Returns (o [B,H,T,V] in q's dtype, None). Shapes, window and chunk_size are checked here; value
+    ranges are the caller's (``dot`` checks them).
     """
-    B, H, T, _ = q.shape
+    B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
+    if chunk_size is not None:                                      # None: the definition
+        check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     kappa = (lambda x, y: torch.exp(x @ y)) if kernel == "exp" else (lambda x, y: x @ y)
@@ -163,7 +171,8 @@ def deep_mlp_recurrent(q, k, v, W2, alpha=None, eta=None, kappa=torch.exp, activ
     (DLA on phi*: the dot-product bias, GD, decay after the gradient, as ``dla``.) Each step scales W2 and
     every U_j by alpha_t and appends U_t = -eta_t dl/dz_t, where z_t = W1_{t-1} phi*(k_t).
     q, k [B,H,T,K]; v [B,H,T,V]; W2 [B,H,V,h]; kappa: the kernel of the scores (``exp_kernel``).
-    Returns (o [B,H,T,V] in q's dtype, (W2_T, U [B,H,T,h]) in fp32/fp64).
+    Returns (o [B,H,T,V] in q's dtype, (W2_T, U [B,H,T,h]) in fp32/fp64). Shapes are checked here;
+    value ranges are the caller's (``deep_transformer`` checks them).
     """
     return _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, "dot", 1, None)
 
@@ -178,14 +187,15 @@ def dot_mlp_recurrent(q, k, v, W2, alpha=None, eta=None, kappa=torch.exp, activa
     Every gradient at W_{t-1}, the decay after (chapter 4's Omega convention, as ``dot``). A step scales
     W2 and every U_j by alpha_t, appends U_t = 0 and adds -eta_t gamma_i^{(t)} dl2/dz_i to U_i for each i
     in the window. window: c >= 1; gamma: None, [B,H,T] or [B,H,T,c] as ``omega_rule`` takes them.
-    Returns as ``deep_mlp_recurrent``.
+    Returns as ``deep_mlp_recurrent``. Shapes and window are checked here; value ranges are the caller's
+    (``dot`` checks them).
     """
     return _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, "l2", window, gamma)
 
 
 def _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, bias, window, gamma):
     """The loop both rules share: the bias and the window (c pairs, gates gamma) are what differs."""
-    B, H, T, _ = q.shape
+    B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, W2 = q.to(cd), k.to(cd), v.to(cd), W2.to(cd)
     act, loss = ACTIVATIONS[activation], BIASES[bias](None)

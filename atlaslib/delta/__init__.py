@@ -9,6 +9,7 @@ from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, retention_gates
 from ..core.types import Gate, ModelOutput
+from ..core.validation import check_shape, check_tensor
 from .chunk import delta_rule_chunk
 from .recurrent import delta_rule_recurrent
 
@@ -29,8 +30,10 @@ def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     M'_t = M_{t-1} Diag(alpha_t) is the decayed previous state (M_{t-1} without gates).
     beta: [B, H, T] with values >= 0; k: [B, H, T, K]. The result always satisfies
     step * ||k||^2 < 1, so the update never overshoots, however large beta is.
-    Computed in fp32 (fp64 if either input is fp64).
+    Computed in fp32 (fp64 if either input is fp64). Shapes are checked here; beta >= 0 is the caller's
+    (``delta_rule`` checks it).
     """
+    check_shape("beta", beta, tuple(check_tensor("k", k, 4, "[B, H, T, K]").shape[:3]))
     cd = torch.promote_types(torch.promote_types(beta.dtype, k.dtype), torch.float32)
     beta = beta.to(cd)
     return beta / (1.0 + beta * k.to(cd).square().sum(-1))
@@ -91,7 +94,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
         unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_flag("longhorn", longhorn), check_flag("output_final_state", output_final_state)
+    check_flag("longhorn", longhorn)
+    check_flag("output_final_state", output_final_state)
     if beta is None:
         raise TypeError("beta is required: the step sizes, a [B, H, T] tensor or one number")
     steps = gate_or_number("beta", beta, B, H, T, torch.promote_types(q.dtype, torch.float32), q, low=0.0,

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import chunk_run, compute_dtype, start_memory, gate_logs, to_chunks
+from ..core.validation import check_chunk_size, check_form_shapes
 from ..linear.chunk import decayed_scores
 
 
@@ -115,13 +116,15 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     """Chunkwise form; same arguments and results as ``delta_rule_recurrent``.
 
     The gates may instead be given as ``log_alpha`` (same shape), used without rounding.
+    Shapes and chunk_size are checked here; value ranges are the caller's (``delta_rule`` checks them).
 
     T is padded to whole chunks with zero rows, beta 0 and log-gates 0, which write nothing.
     Does what a loop of ``chunk_step`` does, with the state-independent work (P, L, the gated
     q, k and the WY pair) hoisted out of the loop and batched over GROUP chunks at a time.
     """
-    B, H, T, K = q.shape
-    V = v.shape[-1]
+    B, H, T, K, V = check_form_shapes(q, k, v, beta=beta, alpha=alpha, log_alpha=log_alpha,
+                                      per_channel=("alpha", "log_alpha"))
+    check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, beta = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)
     M = start_memory(q, v, initial_state)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.validation import check_form_shapes
 from ..linear.recurrent import decay_state, token_loop
 
 
@@ -34,8 +35,10 @@ def delta_rule_step(M, q_t, k_t, v_t, beta_t, alpha_t=None):
 
 def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):
     """Per-token loop (chapter 1's ``token_loop``). q, k: [B,H,T,K]; v: [B,H,T,V]; beta: [B,H,T];
-    alpha: None, [B,H,T] or [B,H,T,K].
+    alpha: None, [B,H,T] or [B,H,T,K]. Shapes are checked here; value ranges are the caller's (``delta_rule``
+    checks them).
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
+    check_form_shapes(q, k, v, beta=beta, alpha=alpha, per_channel=("alpha",))
     return token_loop(delta_rule_step, q, k, v, beta, alpha=alpha, initial_state=initial_state)

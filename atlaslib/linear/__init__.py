@@ -61,7 +61,8 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
         (o [B, H, T, V] in q's dtype, final state in fp32 (fp64 for fp64 inputs) — or None unless requested).
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    check_flag("normalize", normalize), check_flag("output_final_state", output_final_state)
+    check_flag("normalize", normalize)
+    check_flag("output_final_state", output_final_state)
     alpha, log_alpha = retention_gates(alpha, log_alpha, B, H, T, K, ref=q)
     Vs = V + 1 if normalize else V
     check_state("initial_state", initial_state, (B, H, Vs, K), q)

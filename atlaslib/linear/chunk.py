@@ -30,6 +30,7 @@ import torch
 
 from ..core.chunking import (causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate,  # noqa: F401
                              start_memory, to_chunks)
+from ..core.validation import check_chunk_size, check_form_shapes
 
 
 def _pad_rows(x: torch.Tensor, rows: int, last: bool = False) -> torch.Tensor:
@@ -133,13 +134,14 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     """Chunkwise form; same arguments and results as ``linear_attention_recurrent``.
 
     The gates may instead be given as ``log_alpha`` (same shape), used without rounding.
+    Shapes and chunk_size are checked here; value ranges are the caller's (``linear_attention`` checks them).
 
     Does what a loop of ``chunk_step`` does, in three phases: the scores and gated q, k of
     all chunks at once, the chunk-to-chunk state recurrence (the only sequential part, one
     matrix product per chunk), then all outputs at once.
     """
-    B, H, T, K = q.shape
-    V = v.shape[-1]
+    B, H, T, K, V = check_form_shapes(q, k, v, alpha=alpha, log_alpha=log_alpha, per_channel=("alpha", "log_alpha"))
+    check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     M = start_memory(q, v, initial_state)

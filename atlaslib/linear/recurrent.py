@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import compute_dtype
+from ..core.chunking import start_memory
+from ..core.validation import check_form_shapes
 
 
 def decay_state(M: torch.Tensor, alpha_t: torch.Tensor | None) -> torch.Tensor:
@@ -45,10 +46,8 @@ def token_loop(step, q, k, v, *per_token, alpha=None, initial_state=None):
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    cd = compute_dtype(q)
-    M = torch.zeros(B, H, V, K, dtype=cd, device=q.device) if initial_state is None else initial_state.to(cd)
+    T = q.shape[2]
+    M = start_memory(q, v, initial_state)                    # zeros [B,H,V,K], or M_0 checked and cast
     outputs = []
     for t in range(T):
         token = [x[:, :, t] for x in (q, k, v, *per_token)]
@@ -60,7 +59,9 @@ def token_loop(step, q, k, v, *per_token, alpha=None, initial_state=None):
 
 def linear_attention_recurrent(q, k, v, alpha=None, initial_state=None):
     """Per-token loop. q, k: [B,H,T,K]; v: [B,H,T,V]; alpha: None, [B,H,T] or [B,H,T,K].
+    Shapes are checked here; value ranges are the caller's (``linear_attention`` checks them).
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
+    check_form_shapes(q, k, v, alpha=alpha, per_channel=("alpha",))
     return token_loop(linear_attention_step, q, k, v, alpha=alpha, initial_state=initial_state)

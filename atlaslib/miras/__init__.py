@@ -71,6 +71,9 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
             in the compute dtype (fp32, fp64 for fp64 inputs), never in the activation dtype;
             the chunk form's decays use the log itself (no log(exp(.)) round trip).
         eta: inner learning rate >= 0, [B, H, T] or a number (None: 1). The delta rule's beta.
+            The default suits the linear memory on unit-norm keys (stable while eta ||k||^2 < 2);
+            the plain MLP memories (ttt_mlp, titans) diverge per token at it: on random unit keys
+            at T = 512 they blew up at eta >= 0.4 (K = 16) and >= 0.3 (K = 64), not at 0.2.
         theta: momentum decay in [0, 1], [B, H, T] or a number, optimizer="momentum" only
             (None: 0, no momentum carried).
         delta: Huber threshold / value-shift radius >= 0 for the biases that take one,

@@ -35,6 +35,8 @@ from torch import nn
 from ..atlas import ATLAS_CHUNK_SIZE, MEMORIES, atlas, atlas_config
 from ..atlas.recurrent import atlas_step, start_state
 from ..core.chunking import compute_dtype
+from ..core.newton_schulz import check_ns_steps
+from ..core.validation import check_flag
 from ..miras import build_parts, init_state
 from ..miras.recurrent import TokenState
 from .miras_mixers import engine_step, start_token_state
@@ -70,8 +72,8 @@ class AtlasMixer(WindowedMixer):
         if memory in ("residual", "gated") and self.head_k_dim != self.head_v_dim:
             raise ValueError(f"memory={memory!r} needs head_k_dim == head_v_dim, "
                              f"got {self.head_k_dim} and {self.head_v_dim}")
-        self.memory, self.ns_steps, self.ns_coeffs = memory, ns_steps, ns_coeffs
-        self.theta_proj = nn.Linear(d_model, n_heads) if momentum else None
+        self.memory, self.ns_steps, self.ns_coeffs = memory, check_ns_steps(ns_steps), ns_coeffs
+        self.theta_proj = nn.Linear(d_model, n_heads) if check_flag("momentum", momentum) else None
 
     def theta(self, x):
         """Momentum decay in (0, 1), [B, H, T], or None (no momentum)."""

@@ -32,6 +32,7 @@ and the cache holds that state and the convolution's last inputs, never the whol
 from __future__ import annotations
 
 import abc
+import math
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import get_feature_map
+from ..core.dispatch import KNOWN_BACKENDS
+from ..core.validation import check_flag
 
 MIXERS: dict[str, type] = {}
 
@@ -90,6 +93,33 @@ def make_mixer(name: str, d_model: int, n_heads: int, **kw) -> "TokenMixer":
     return MIXERS[name](d_model, n_heads, **kw)
 
 
+def check_size(name: str, value, default: str = "") -> int:
+    """A width, a head count or a chunk length: an int >= 1. ``True`` and ``2.0`` are refused too, and 0
+    is not read as "the default" (``default`` says how to ask for it, if there is one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{default}, got {value!r}")
+    return value
+
+
+def check_positive_number(name: str, value, what: str) -> float:
+    """A step size or a bound: a finite number > 0 (``what`` says what it sets). ``True`` is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0 ({what}), got {value!r}")
+    return float(value)
+
+
+def check_conv_size(conv_size) -> None:
+    if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 0):
+        raise ValueError(f"conv_size must be an int >= 0 (0 or None: no convolution), got {conv_size!r}")
+
+
+def check_backend(backend) -> None:
+    """A misspelt backend fails when the mixer is built, not at its first forward (or never, for a mixer
+    whose ``mix`` takes none); whether the library call has that backend, the call itself says."""
+    if not isinstance(backend, str) or backend not in KNOWN_BACKENDS:
+        raise ValueError(f"backend must be one of {KNOWN_BACKENDS}, got {backend!r}")
+
+
 class ShortConv(nn.Module):
     """Causal depthwise convolution over time (each channel sees its last ``size`` inputs), then SiLU.
 
@@ -131,15 +161,16 @@ class TokenMixer(nn.Module, abc.ABC):
     Args:
         d_model: width D of the residual stream.
         n_heads: number of heads H.
-        head_k_dim / head_v_dim: per-head key and value widths K, V (default D // H).
-        conv_size: size of the short causal convolution on q, k, v (0 or None: off).
+        head_k_dim / head_v_dim: per-head key and value widths K, V, ints >= 1 (None: D // H).
+        conv_size: size of the short causal convolution on q, k, v, an int >= 1 (0 or None: off).
         feature_map: phi applied to q and k (a name from ``atlaslib.core.FEATURE_MAPS``
             or a callable).
-        qk_norm: l2-normalise q and k per head (after phi), as delta-rule models do.
+        qk_norm: l2-normalise q and k per head (after phi), as delta-rule models do (a bool).
         backend: passed to the library call in ``mix`` ("auto", "chunk", ...).
-        chunk_size: passed to the library call in ``mix`` (chunk length of the chunk form);
-            64, the default of the chapter 1 and 2 functions (subclasses whose model has
-            another default set it, e.g. the MIRAS and OmegaNet mixers: 16).
+        chunk_size: passed to the library call in ``mix`` (chunk length of the chunk form, an
+            int >= 1; None: that function's own default); 64, the default of the chapter 1 and
+            2 functions (subclasses whose model has another default set it, e.g. the MIRAS and
+            OmegaNet mixers: 16).
     """
 
     mixer_name = "base"
@@ -147,17 +178,24 @@ class TokenMixer(nn.Module, abc.ABC):
     def __init__(self, d_model: int, n_heads: int, *, head_k_dim: int | None = None,
                  head_v_dim: int | None = None, conv_size: int | None = 4,
                  feature_map="identity", qk_norm: bool = False, backend: str = "auto",
-                 chunk_size: int = 64):
+                 chunk_size: int | None = 64):
         super().__init__()
-        for name, val in (("d_model", d_model), ("n_heads", n_heads)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_size("d_model", d_model)
+        check_size("n_heads", n_heads)
+        for name, val in (("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+            if val is not None:
+                check_size(name, val, " (or None: d_model // n_heads)")
+        if chunk_size is not None:
+            check_size("chunk_size", chunk_size, " (or None: the library function's default)")
+        check_conv_size(conv_size)
+        check_flag("qk_norm", qk_norm)
+        check_backend(backend)
         if (head_k_dim is None or head_v_dim is None) and d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; "
                              "pass head_k_dim and head_v_dim explicitly")
         self.d_model, self.n_heads = d_model, n_heads
-        self.head_k_dim = head_k_dim or d_model // n_heads
-        self.head_v_dim = head_v_dim or d_model // n_heads
+        self.head_k_dim = d_model // n_heads if head_k_dim is None else head_k_dim
+        self.head_v_dim = d_model // n_heads if head_v_dim is None else head_v_dim
         self.backend, self.chunk_size = backend, chunk_size
         self.qk_norm = qk_norm
         self.phi = get_feature_map(feature_map)
@@ -197,7 +235,7 @@ class TokenMixer(nn.Module, abc.ABC):
 
     def step(self, x_t: torch.Tensor, cache: MixerCache | None = None):
         """One token of ``forward``: x_t [B, D] and the cache of the tokens before (None at the
-        start) -> (y_t [B, D], the cache after x_t).
+        start, then the ``MixerCache`` the previous step returned) -> (y_t [B, D], the cache after x_t).
 
         The token goes through the same projections, feature map and normalisation as in
         ``forward`` (as a sequence of length 1), the convolution through its rolling buffer.
@@ -206,7 +244,7 @@ class TokenMixer(nn.Module, abc.ABC):
             raise ValueError(f"x_t must have shape [B, {self.d_model}] (one token), got {list(x_t.shape)}")
         if not self.steps_like_mix():
             self.no_step()
-        conv, memory = (None, None) if cache is None else cache
+        conv, memory = (None, None) if cache is None else self.check_cache(cache, x_t.shape[0])
         q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)
         if self.q_conv is not None:
             convs = (self.q_conv, self.k_conv, self.v_conv)
@@ -221,6 +259,28 @@ class TokenMixer(nn.Module, abc.ABC):
         o, memory = self.mix_step(q, k, v, x, memory)              # [B, H, 1, V]
         B, H, _, V = o.shape
         return self.o_proj(o.reshape(B, H * V)), MixerCache(conv, memory)
+
+    def check_cache(self, cache, B: int) -> MixerCache:
+        """The cache after the previous token must be what that ``step`` returned: a ``MixerCache`` whose
+        convolution buffers fit this layer and batch (anything else failed deep inside with an unpacking
+        or shape error that did not say what was wrong). The memory part is the mixer's own."""
+        if not isinstance(cache, MixerCache):
+            raise TypeError(f"cache must be None (the first token) or the MixerCache that the previous step "
+                            f"returned, got {type(cache).__name__}")
+        if self.q_conv is None:
+            if cache.conv is not None:
+                raise ValueError("cache.conv must be None: this mixer has no convolution (conv_size 0 or None), "
+                                 "so the cache comes from another layer")
+            return cache
+        want = [[B, c.size - 1, c.conv.in_channels] for c in (self.q_conv, self.k_conv, self.v_conv)]
+        conv = cache.conv
+        if not (isinstance(conv, tuple) and len(conv) == 3
+                and all(isinstance(b, torch.Tensor) and list(b.shape) == w for b, w in zip(conv, want))):
+            seen = [list(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__ for b in conv] \
+                if isinstance(conv, tuple) else type(conv).__name__
+            raise ValueError(f"cache.conv must hold the q, k, v convolution buffers of shapes {want} (batch, "
+                             f"size - 1, channels) that the previous step returned, got {seen}")
+        return cache
 
     def mix_step(self, q, k, v, x, state):
         """``mix`` for one token, with the memory carried: q, k [B,H,1,K], v [B,H,1,V], x [B,1,D] and

@@ -26,7 +26,8 @@ Options:
         Checkpoint: segment s starts from segment s-1's final state (the plain RNN with snapshots).
     aggregate: "grm" (default), "residual", "soup" (== GRM for these matrix memories) or "ssc"
         (with top_k: GRM over the top_k most relevant cached segments).
-    pool: "mean" (default, the library's choice) or "sum" of a segment's keys.
+    pool: "mean" (None, the default: the library's choice) or "sum" of a segment's keys; not with
+        aggregate="residual", which scores no segment.
 
 One-token step (generation), constant segments only: the cache holds the cached states [B, H, N, V, K],
 their pooled keys [B, H, N, K], the online memory (the base's own step state, advanced by the base
@@ -89,7 +90,7 @@ class MemoryCaching(TokenMixer):
         return super().__new__(cls)
 
     def __init__(self, d_model, n_heads, *, base: str | None = None, segments=16, mode: str = "independent",
-                 aggregate: str = "grm", top_k: int | None = None, pool: str = "mean", **kw):
+                 aggregate: str = "grm", top_k: int | None = None, pool: str | None = None, **kw):
         if kw.get("normalize"):
             raise ValueError("memory_caching over linear attention needs normalize=False: the normaliser "
                              "z^T q makes the read of a cached state nonlinear")
@@ -137,7 +138,7 @@ class MemoryCaching(TokenMixer):
                                  q.new_zeros(B, H, K, dtype=cd), 0)
         o, online = super().mix_step(q, k, v, x, state.online)        # the base mixer's own step
         key_sum, length = state.key_sum + k[:, :, 0].to(cd), state.length + 1
-        pooled_s = key_sum / length if self.pool == "mean" else key_sum
+        pooled_s = key_sum if self.pool == "sum" else key_sum / length      # None: the mean
         u = self.relevance(x).to(cd)                                   # [B, H, 1, K]
         N = state.states.shape[2]
         blocks = torch.arange(N, device=q.device)[None] if N else torch.full((1, 1), -1, device=q.device)

@@ -45,7 +45,7 @@ import torch
 from ..core.chunking import compute_dtype
 from ..deep import check_phi_star, deep_transformer, dla, dot, exp_coefficients, exp_feature_dim, exp_features
 from ..deep.dla import MEMORY_OPTIONS
-from ..core.validation import check_window
+from ..core.validation import check_flag, check_window
 from ..omega.recurrent import omega_step
 from .miras_mixers import CONFIG_FIELDS, MirasMixer
 from .base import gate_dtype, register_mixer
@@ -102,7 +102,8 @@ class DeepTransformerMixer(GatedLinear):
         window = self.default_window if window is None else window
         if window is not None:
             check_window(window)
-        self.window, self.retention, self.normalize = window, retention, normalize
+        self.window, self.retention, self.normalize = window, check_flag("retention", retention), check_flag(
+            "normalize", normalize)
         if not retention:
             self.gate_proj = None
 

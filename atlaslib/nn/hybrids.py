@@ -24,6 +24,7 @@ keyword goes to the memory mixer (its own Omega window, if any, is ``memory_wind
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -68,6 +69,12 @@ class SlidingWindowAttention(SoftmaxAttention):
         return f"{super().extra_repr()}, window={self.window}"
 
 
+class HybridCache(NamedTuple):
+    """What a hybrid keeps between generated tokens: its memory mixer's cache and its attention's."""
+    memory: object
+    attention: object
+
+
 class Hybrid(TokenMixer):
     """A memory mixer and a sliding-window attention mixer, combined by ``combine`` (MAG / MAL).
 
@@ -103,6 +110,15 @@ class Hybrid(TokenMixer):
         if x.dim() != dims or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [B, {'T, ' if dims == 3 else ''}{self.d_model}], got {list(x.shape)}")
 
+    def split_cache(self, cache) -> HybridCache:
+        """The branches' caches: None before the first token, else the ``HybridCache`` the previous step returned."""
+        if cache is None:
+            return HybridCache(None, None)
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"cache must be None (the first token) or the HybridCache that the previous step "
+                            f"returned, got {type(cache).__name__}")
+        return cache
+
 
 @register_mixer("mal")
 class MAL(Hybrid):
@@ -114,10 +130,10 @@ class MAL(Hybrid):
 
     def step(self, x_t, cache=None):
         self.check(x_t, 2)
-        mem_cache, att_cache = (None, None) if cache is None else cache
+        mem_cache, att_cache = self.split_cache(cache)
         h, mem_cache = self.memory.step(x_t, mem_cache)
         y, att_cache = self.attention.step(h, att_cache)
-        return y, (mem_cache, att_cache)
+        return y, HybridCache(mem_cache, att_cache)
 
 
 @register_mixer("mag")
@@ -139,7 +155,7 @@ class MAG(Hybrid):
 
     def step(self, x_t, cache=None):
         self.check(x_t, 2)
-        mem_cache, att_cache = (None, None) if cache is None else cache
+        mem_cache, att_cache = self.split_cache(cache)
         m, mem_cache = self.memory.step(x_t, mem_cache)
         a, att_cache = self.attention.step(x_t, att_cache)
-        return self.combine(x_t, a, m), (mem_cache, att_cache)
+        return self.combine(x_t, a, m), HybridCache(mem_cache, att_cache)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import softmax_attention
+from ..core.validation import check_flag
 from ..core.chunking import compute_dtype
 from ..linear import linear_attention
 from ..linear.recurrent import linear_attention_step
@@ -53,7 +54,7 @@ class LinearAttention(TokenMixer):
     """M_t = M_{t-1} + v_t phi(k_t)^T, y_t = M_t phi(q_t) (optionally normalised by z_t^T phi(q_t))."""
 
     def __init__(self, d_model, n_heads, *, normalize: bool = False, **kw):
-        if normalize:
+        if check_flag("normalize", normalize):
             kw.setdefault("feature_map", "elu+1")   # the normaliser needs positive features
         super().__init__(d_model, n_heads, **kw)
         self.normalize = normalize

@@ -87,7 +87,7 @@ class TinyLM(nn.Module):
         start) -> (logits [B, vocab] for the next token, the state after ids_t)."""
         if ids_t.dim() != 1:
             raise ValueError(f"ids_t must be [B] token ids (one per sequence), got shape {list(ids_t.shape)}")
-        position, caches = (0, (None,) * len(self.blocks)) if state is None else state
+        position, caches = (0, (None,) * len(self.blocks)) if state is None else self.check_state(state)
         x = self.embed(ids_t)
         if self.pos is not None:
             if position >= self.pos.num_embeddings:
@@ -98,6 +98,17 @@ class TinyLM(nn.Module):
             x, cache = block.step(x, cache)
             new_caches.append(cache)
         return self.head(self.norm(x)), DecodeState(position + 1, tuple(new_caches))
+
+    def check_state(self, state) -> DecodeState:
+        """The state after the previous token must be the ``DecodeState`` that ``step`` returned (each layer's
+        cache is checked by its own mixer)."""
+        if not isinstance(state, DecodeState):
+            raise TypeError(f"state must be None (the first token) or the DecodeState that the previous step "
+                            f"returned, got {type(state).__name__}")
+        if not isinstance(state.layers, tuple) or len(state.layers) != len(self.blocks):
+            raise ValueError(f"state.layers must hold one cache per layer ({len(self.blocks)}), got "
+                             f"{len(state.layers) if isinstance(state.layers, tuple) else type(state.layers).__name__}")
+        return state
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, greedy: bool = True,

@@ -6,7 +6,7 @@ squashed as book/notation.md says:
 
 * alpha_t (retention, one per head; the models whose retention takes it): chapter 1's
   gate sigmoid(w^T x_t + b)^(1/16), so memories start long-lived;
-* eta_t (inner learning rate): softplus(w^T x_t + b), started at ``eta_init`` (0.1);
+* eta_t (inner learning rate): softplus(w^T x_t + b), started at ``eta_init`` (0.1; a finite number > 0);
 * theta_t (Titans' momentum decay): sigmoid(w^T x_t + b), started at 0.5;
 * delta_t (Yaad's Huber threshold): softplus(w^T x_t + b), started at 1.
 
@@ -36,7 +36,7 @@ from ..core.chunking import compute_dtype
 from ..miras import DEFAULT_CHUNK_SIZE, Gates, MirasConfig, MirasState, build_parts, init_state, make_config, miras
 from ..miras.recurrent import TokenState, miras_step
 from ..miras.state import flatten_bh
-from .base import gate_dtype, register_mixer
+from .base import check_positive_number, gate_dtype, register_mixer
 from .linear_mixers import GatedLinear
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}
@@ -97,6 +97,8 @@ class MirasMixer(GatedLinear):
     per_channel = False
 
     def __init__(self, d_model, n_heads, *, eta_init: float = 0.1, **kw):
+        # eta starts at softplus(b) = eta_init: b = softplus^-1(eta_init) needs a finite eta_init > 0
+        check_positive_number("eta_init", eta_init, "the inner learning rate eta_t starts there")
         options = {name: kw.pop(name) for name in list(kw) if name in CONFIG_FIELDS}
         kw.setdefault("qk_norm", True)
         kw.setdefault("chunk_size", DEFAULT_CHUNK_SIZE)

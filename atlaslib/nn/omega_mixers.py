@@ -46,10 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
-from ..core.validation import check_window
+from ..core.validation import check_flag, check_window
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule, swla
 from ..omega.recurrent import omega_step, start_window, swla_step
-from .base import gate_dtype, register_mixer
+from .base import check_positive_number, gate_dtype, register_mixer
 from .linear_mixers import GatedLinear, empty_memory
 
 GAMMA_MODES = ("offset", "source", None)
@@ -95,12 +95,12 @@ class WindowedMixer(GatedLinear):
             width = window if gamma == "offset" else 1
             self.gamma_proj = nn.Linear(d_model, n_heads * width)
             nn.init.constant_(self.gamma_proj.bias, 2.0)            # sigmoid(2) ~ 0.88: windows start open
-        if not retention:
+        if not check_flag("retention", retention):
             self.gate_proj = None
         self.retention = retention
-        self.eta_max = float(self.default_eta_max if eta_max is None else eta_max)
-        if not self.eta_max > 0:
-            raise ValueError(f"eta_max must be > 0, got {eta_max!r}")
+        self.eta_max = check_positive_number("eta_max", self.default_eta_max if eta_max is None else eta_max,
+                                             "the bound of the inner step eta_t")
+        check_flag("constant", constant)
         self.eta_proj = nn.Linear(d_model, n_heads)
         self.degree, self.poly_kind, self.constant = degree, poly, constant
         self.poly = None if degree is None else polynomial_map(poly, degree, constant)

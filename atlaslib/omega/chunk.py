@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.chunking import causal_decay, chunk_spans, compute_dtype, gate_logs, start_memory
+from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
@@ -77,8 +78,10 @@ def window_chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
 
 def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None,
                    chunk_size=64, hebbian=False, log_alpha=None):
-    """The chunk loop shared by the Omega rule (``hebbian=False``) and SWLA (``hebbian=True``)."""
-    B, H, T, D = q.shape
+    """The chunk loop shared by the Omega rule (``hebbian=False``) and SWLA (``hebbian=True``).
+    Shapes, window and chunk_size are checked here; value ranges are the caller's."""
+    B, H, T, D, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta,
+                                      log_alpha=log_alpha)
     c = window
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
@@ -89,7 +92,7 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     k_pad = F.pad(k, (0, 0, c - 1, 0))                               # c - 1 zero rows before token 0
     v_pad = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
-    b = chunk_size
+    b = check_chunk_size(chunk_size)
     for s, e in chunk_spans(T, b):
         g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
@@ -106,12 +109,14 @@ def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state
 
     Equals ``omega_frozen_seq(..., chunk_size)`` for every chunk size and ``omega_recurrent``
     at chunk_size = 1; for chunk_size > 1 it is a different (approximate) model.
-    Same arguments and results as ``recurrent.omega_frozen_seq``.
+    Same arguments and results as ``recurrent.omega_frozen_seq``. Shapes, window and chunk_size are checked
+    here; value ranges are the caller's (``omega_rule`` checks them).
     """
     return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, False, log_alpha)
 
 
 def swla_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
                log_alpha=None):
-    """Chunkwise SWLA, exact for every chunk size. Same arguments and results as ``swla_recurrent``."""
+    """Chunkwise SWLA, exact for every chunk size. Same arguments and results as ``swla_recurrent``.
+    Shapes, window and chunk_size are checked here; value ranges are the caller's (``swla`` checks them)."""
     return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, True, log_alpha)

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.chunking import start_memory
+from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 
@@ -175,7 +176,9 @@ def omega_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
 
     q, k: [B,H,T,D] features; v: [B,H,T,V]; window: c >= 1; gamma: None, [B,H,T] or
     [B,H,T,c]; alpha, eta: None or [B,H,T]. Returns (o [B,H,T,V] in q's dtype, M_T [B,H,V,D]).
+    Shapes and window are checked here; value ranges are the caller's (``omega_rule`` checks them).
     """
+    check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
     state = _start(q, v, initial_state)                       # M_0 and an empty window
     outputs = []
     for t in range(q.shape[2]):
@@ -194,7 +197,10 @@ def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_
     for the first), *including* those of window tokens that lie in the previous chunk.
     Sequential, so it is the oracle that the chunkwise form must match for every b.
     At b = 1 it is ``omega_recurrent``. Same arguments and results as ``omega_recurrent``.
+    Shapes, window and chunk_size are checked here; value ranges are the caller's.
     """
+    check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
+    check_chunk_size(chunk_size)
     o, state = scan_tokens(lambda s, *x, **kw: omega_step(s, *x[:3], window, *x[3:], **kw),
                            _start(q, v, initial_state), q, k, v, gamma, alpha, eta, freeze_every=chunk_size)
     return o, state.M
@@ -203,8 +209,10 @@ def omega_frozen_seq(q, k, v, window, gamma=None, alpha=None, eta=None, initial_
 def swla_recurrent(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None):
     """Per-token SWLA: M_t = alpha_t M_{t-1} + eta_t sum_{i in window} gamma_i^{(t)} v_i phi(k_i)^T.
 
-    Same arguments and results as ``omega_recurrent``.
+    Same arguments and results as ``omega_recurrent``. Shapes and window are checked here; value ranges
+    are the caller's (``swla`` checks them).
     """
+    check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
     o, state = scan_tokens(lambda s, *x: swla_step(s, *x[:3], window, *x[3:]),
                            _start(q, v, initial_state), q, k, v, gamma, alpha, eta)
     return o, state.M

@@ -1,0 +1,201 @@
+"""The exported lower-level forms (``*_recurrent``, ``*_chunk``, ``*_frozen_seq``, steps and helpers) refuse
+bad inputs with the entry points' messages, naming the argument.
+
+They check what costs nothing: the shapes and ranks of q, k, v and of every gate, and chunk_size and
+window (ints >= 1, not bool). Values are the caller's (the entry points check them before they call a
+form), so a gate out of its range passes here: reading it would wait for the device on every call.
+Each form is first run on the good inputs, so that a refusal below is the bad argument's alone.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+
+from atlaslib.atlas import atlas_chunk, atlas_frozen_seq, atlas_recurrent, atlas_step, start_state
+from atlaslib.core import random_gate, random_qkv
+from atlaslib.deep import (coefficient_recurrent, deep_mlp_recurrent, dot_chunk, dot_coefficient_recurrent,
+                           dot_mlp_recurrent, dot_window_chunk, hebbian_chunk, hebbian_recurrent, masked_chunk)
+from atlaslib.delta import delta_rule_chunk, delta_rule_recurrent, longhorn_beta
+from atlaslib.linear import linear_attention_chunk, linear_attention_recurrent
+from atlaslib.omega import (omega_chunk, omega_deep, omega_frozen_seq, omega_recurrent, swla_chunk, swla_recurrent,
+                            window_gates)
+
+B, H, T, K, V, C, CHUNK = 1, 2, 6, 4, 3, 2, 4       # C: the window
+
+
+def good_inputs() -> dict:
+    """Inputs every form takes: q, k, v, one gate for every gate argument, the window C, chunk_size CHUNK."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    g = random_gate(B, H, T, low=0.5, generator=gen)
+    return dict(q=q, k=k, v=v, alpha=g, beta=g, eta=0.5 * g, gamma=g, theta=g, log_alpha=None,
+                G=window_gates(g, B, H, T, C, torch.float32, "cpu"), W2=0.1 * torch.randn(B, H, V, 8, generator=gen),
+                window=C, chunk_size=CHUNK)
+
+
+class Form(NamedTuple):
+    call: Callable[[dict], object]      # the form on a dict of arguments, as its entry point calls it
+    gates: tuple[str, ...]
+    chunked: bool = False               # takes chunk_size
+    windowed: bool = False              # takes window
+
+
+FORMS = {
+    "linear_attention_recurrent": Form(lambda a: linear_attention_recurrent(a["q"], a["k"], a["v"], a["alpha"]),
+                                       ("alpha",)),
+    "linear_attention_chunk": Form(lambda a: linear_attention_chunk(a["q"], a["k"], a["v"], a["alpha"], None,
+                                                                    a["chunk_size"], a["log_alpha"]),
+                                   ("alpha", "log_alpha"), chunked=True),
+    "delta_rule_recurrent": Form(lambda a: delta_rule_recurrent(a["q"], a["k"], a["v"], a["beta"], a["alpha"]),
+                                 ("beta", "alpha")),
+    "delta_rule_chunk": Form(lambda a: delta_rule_chunk(a["q"], a["k"], a["v"], a["beta"], a["alpha"], None,
+                                                        a["chunk_size"], a["log_alpha"]),
+                             ("beta", "alpha", "log_alpha"), chunked=True),
+    "omega_recurrent": Form(lambda a: omega_recurrent(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"],
+                                                      a["eta"]),
+                            ("gamma", "alpha", "eta"), windowed=True),
+    "omega_frozen_seq": Form(lambda a: omega_frozen_seq(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"],
+                                                        a["eta"], None, a["chunk_size"]),
+                             ("gamma", "alpha", "eta"), chunked=True, windowed=True),
+    "omega_chunk": Form(lambda a: omega_chunk(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"], a["eta"],
+                                              None, a["chunk_size"], a["log_alpha"]),
+                        ("gamma", "alpha", "eta", "log_alpha"), chunked=True, windowed=True),
+    "swla_recurrent": Form(lambda a: swla_recurrent(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"],
+                                                    a["eta"]),
+                           ("gamma", "alpha", "eta"), windowed=True),
+    "swla_chunk": Form(lambda a: swla_chunk(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"], a["eta"],
+                                            None, a["chunk_size"], a["log_alpha"]),
+                       ("gamma", "alpha", "eta", "log_alpha"), chunked=True, windowed=True),
+    "omega_deep": Form(lambda a: omega_deep(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"], a["eta"],
+                                            "mlp", None, False, "chunk", a["chunk_size"], a["log_alpha"]),
+                       ("gamma", "alpha", "eta"), chunked=True, windowed=True),
+    "atlas_recurrent": Form(lambda a: atlas_recurrent(a["q"], a["k"], a["v"], a["window"], a["G"], a["alpha"],
+                                                      a["eta"], a["theta"]),
+                            ("G", "alpha", "eta", "theta"), windowed=True),
+    "atlas_frozen_seq": Form(lambda a: atlas_frozen_seq(a["q"], a["k"], a["v"], a["window"], a["G"], a["alpha"],
+                                                        a["eta"], a["theta"], chunk_size=a["chunk_size"]),
+                             ("G", "alpha", "eta", "theta"), chunked=True, windowed=True),
+    "atlas_chunk": Form(lambda a: atlas_chunk(a["q"], a["k"], a["v"], a["window"], a["G"], a["alpha"], a["eta"],
+                                              a["theta"], chunk_size=a["chunk_size"], log_alpha=a["log_alpha"]),
+                        ("G", "alpha", "eta", "theta", "log_alpha"), chunked=True, windowed=True),
+    "dot_coefficient_recurrent": Form(lambda a: dot_coefficient_recurrent(a["q"], a["k"], a["v"], a["alpha"],
+                                                                          a["eta"], "exp", a["window"], a["gamma"],
+                                                                          a["chunk_size"]),
+                                      ("gamma", "alpha", "eta"), chunked=True, windowed=True),
+    "dot_chunk": Form(lambda a: dot_chunk(a["q"], a["k"], a["v"], a["alpha"], a["eta"], "exp", a["chunk_size"]),
+                      ("alpha", "eta"), chunked=True),
+    "dot_window_chunk": Form(lambda a: dot_window_chunk(a["q"], a["k"], a["v"], a["alpha"], a["eta"], "exp",
+                                                        a["window"], a["gamma"], a["chunk_size"]),
+                             ("gamma", "alpha", "eta"), chunked=True, windowed=True),
+    "hebbian_recurrent": Form(lambda a: hebbian_recurrent(a["q"], a["k"], a["v"], a["alpha"], a["eta"]),
+                              ("alpha", "eta")),
+    "coefficient_recurrent": Form(lambda a: coefficient_recurrent(a["q"], a["k"], a["v"], a["alpha"], a["eta"],
+                                                                  a["window"]),
+                                  ("alpha", "eta"), windowed=True),
+    "hebbian_chunk": Form(lambda a: hebbian_chunk(a["q"], a["k"], a["v"], a["alpha"], a["eta"], None,
+                                                  a["chunk_size"], a["log_alpha"]),
+                          ("alpha", "eta", "log_alpha"), chunked=True),
+    "masked_chunk": Form(lambda a: masked_chunk(a["q"], a["k"], a["v"], a["alpha"], a["eta"], a["window"], "exp",
+                                                False, a["chunk_size"], a["log_alpha"]),
+                         ("alpha", "eta", "log_alpha"), chunked=True, windowed=True),
+    "deep_mlp_recurrent": Form(lambda a: deep_mlp_recurrent(a["q"], a["k"], a["v"], a["W2"], a["alpha"], a["eta"]),
+                               ("alpha", "eta")),
+    "dot_mlp_recurrent": Form(lambda a: dot_mlp_recurrent(a["q"], a["k"], a["v"], a["W2"], a["alpha"], a["eta"],
+                                                          window=a["window"], gamma=a["gamma"]),
+                              ("gamma", "alpha", "eta"), windowed=True),
+}
+
+
+def bad_inputs(form: Form, good: dict):
+    """(label, the one argument changed, the error, a pattern its message must match) for every bad input."""
+    if form.chunked:
+        yield from ((f"chunk_size={b!r}", {"chunk_size": b}, err, r"^chunk_size must be")
+                    for b, err in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)))
+    if form.windowed:
+        yield from ((f"window={w!r}", {"window": w}, err, r"^window must be")
+                    for w, err in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)))
+    for name in form.gates:
+        g = good[name] if good[name] is not None else torch.log(good["alpha"])     # log_alpha: off by default
+        yield f"{name} of T/2 tokens", {name: g[:, :, :T // 2]}, ValueError, rf"^{name} must have shape"
+        yield f"{name} one rank short", {name: g[:, :, 0]}, ValueError, rf"^{name} must have shape"
+    q, k, v = good["q"], good["k"], good["v"]
+    yield "k of T-1 tokens", {"k": k[:, :, 1:]}, ValueError, r"^q and k must have the same shape"
+    yield "v of T-1 tokens", {"v": v[:, :, 1:]}, ValueError, r"^v must have shape"
+    yield "q of rank 3", {"q": q[0]}, ValueError, r"^q must have shape"
+
+
+GOOD = good_inputs()
+CASES = [(name, *case) for name, form in FORMS.items() for case in bad_inputs(form, GOOD)]
+
+
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_good_inputs_pass(name):
+    FORMS[name].call(GOOD)
+
+
+@pytest.mark.parametrize("name, label, change, error, pattern", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_bad_input_is_refused(name, label, change, error, pattern):
+    with pytest.raises(error, match=pattern):
+        FORMS[name].call({**GOOD, **change})
+
+
+@pytest.mark.parametrize("name", sorted(set(FORMS) - {"omega_deep"}))        # omega_deep: the checked miras
+def test_values_are_the_callers(name):
+    """Gates out of their ranges (-0.5; log_alpha +0.5) still run: the forms read no value (the entry points do)."""
+    form = FORMS[name]
+    shaped = {g: GOOD["alpha"] if GOOD[g] is None else GOOD[g] for g in form.gates}
+    form.call({**GOOD, **{g: torch.full_like(x, 0.5 if g == "log_alpha" else -0.5) for g, x in shaped.items()}})
+
+
+def _step(**change):
+    """One ``atlas_step`` from the zero state, on token 0 of the good inputs (gates per token: [B, H])."""
+    a = {"q_t": GOOD["q"][:, :, 0], "k_t": GOOD["k"][:, :, 0], "v_t": GOOD["v"][:, :, 0], "window": C,
+         "G_t": GOOD["G"][:, :, 0], **{g: GOOD[g[:-2]][:, :, 0] for g in ("alpha_t", "eta_t", "theta_t")}, **change}
+    state = start_state(torch.zeros(B, H, V, K))
+    return atlas_step(state, a.pop("q_t"), a.pop("k_t"), a.pop("v_t"), **a)
+
+
+STEP_CASES = [("window", 0, ValueError), ("window", -1, ValueError), ("window", 2.5, TypeError),
+              ("window", True, TypeError), ("k_t", torch.ones(B, H, K + 1), ValueError),
+              ("v_t", torch.ones(B, H, V + 1), ValueError), ("q_t", torch.ones(B, H, 1, K), ValueError),
+              ("G_t", torch.ones(B, H, C + 1), ValueError), ("alpha_t", torch.ones(B, H, T), ValueError),
+              ("eta_t", torch.ones(B), ValueError), ("theta_t", torch.ones(B, H, 1), ValueError)]
+
+
+def test_atlas_step_good_inputs_pass():
+    _step()                                              # G_t per offset [B, H, c]
+    _step(G_t=GOOD["gamma"][:, :, 0])                    # and per source [B, H]
+
+
+@pytest.mark.parametrize("arg, value, error", STEP_CASES,
+                         ids=[f"{a}={list(getattr(v, 'shape', [v]))}" for a, v, _ in STEP_CASES])
+def test_atlas_step_refuses(arg, value, error):
+    with pytest.raises(error, match=rf"^{arg} must"):
+        _step(**{arg: value})
+
+
+@pytest.mark.parametrize("beta, k, pattern", [
+    (GOOD["beta"][:, :, :T // 2], GOOD["k"], r"^beta must have shape"),
+    (GOOD["beta"][:, :, 0], GOOD["k"], r"^beta must have shape"),
+    (GOOD["beta"], GOOD["k"][0], r"^k must have shape"),
+], ids=["beta of T/2 tokens", "beta one rank short", "k of rank 3"])
+def test_longhorn_beta_refuses(beta, k, pattern):
+    longhorn_beta(GOOD["beta"], GOOD["k"])
+    with pytest.raises(ValueError, match=pattern):
+        longhorn_beta(beta, k)
+
+
+@pytest.mark.parametrize("window, gamma, error, pattern", [
+    (0, GOOD["gamma"], ValueError, r"^window must be"), (-1, GOOD["gamma"], ValueError, r"^window must be"),
+    (2.5, GOOD["gamma"], TypeError, r"^window must be"), (True, GOOD["gamma"], TypeError, r"^window must be"),
+    (C, GOOD["gamma"][:, :, :T // 2], ValueError, r"^gamma must have shape"),
+    (C, GOOD["gamma"][:, :, 0], ValueError, r"^gamma must have shape"),
+    (C, GOOD["G"][..., :1], ValueError, r"^gamma must have shape"),
+], ids=["window=0", "window=-1", "window=2.5", "window=True", "gamma of T/2 tokens", "gamma [B, H]",
+        "gamma of 1 offset for window 2"])
+def test_window_gates_refuses(window, gamma, error, pattern):
+    window_gates(GOOD["gamma"], B, H, T, C, torch.float32, "cpu")
+    with pytest.raises(error, match=pattern):
+        window_gates(gamma, B, H, T, window, torch.float32, "cpu")

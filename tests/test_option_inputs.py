@@ -1,0 +1,224 @@
+"""Options and small helpers refuse nonsense with an error that names the option.
+
+Mixer sizes and options (checked once, in ``TokenMixer``), the MIRAS mixers' ``eta_init``, the cache
+that ``step`` takes, the layout and feature-width helpers, and ``pool`` with the residual aggregate.
+Before these checks each of them either ran on (0 meant "default") or failed deep inside torch.
+"""
+import math
+
+import pytest
+import torch
+
+from atlaslib.caching import (consecutive_layout, dyadic_blocks, log_layout, make_layout, memory_caching, memory_reads,
+                              segment_lengths)
+from atlaslib.core.featuremaps import monomial_dim
+from atlaslib.deep import exp_feature_dim
+from atlaslib.linear import linear_attention
+from atlaslib.nn import TinyLM, make_mixer
+from atlaslib.nn.lm import DecodeState
+from atlaslib.nn.base import MixerCache
+
+D, H = 16, 2
+
+
+# ---------------------------------------------------------------- mixer sizes and options
+
+@pytest.mark.parametrize("option, value", [
+    ("head_k_dim", 0), ("head_k_dim", -2), ("head_k_dim", 2.5), ("head_k_dim", True),
+    ("head_v_dim", 0), ("head_v_dim", -1),
+    ("conv_size", -1), ("conv_size", 1.5), ("conv_size", True),
+    ("chunk_size", 0), ("chunk_size", -4), ("chunk_size", 2.0),
+    ("backend", "fast"), ("backend", 3),
+])
+def test_mixer_sizes_and_options_are_checked(option, value):
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        make_mixer("linear", D, H, **{option: value})
+
+
+def test_qk_norm_must_be_a_bool():
+    with pytest.raises(TypeError, match="qk_norm must be True or False"):
+        make_mixer("linear", D, H, qk_norm="no")
+
+
+@pytest.mark.parametrize("name", ["gla", "deltanet", "ttt_linear", "omeganet", "atlas", "dot", "memory_caching", "mag"])
+@pytest.mark.parametrize("option, value", [("head_k_dim", 0), ("head_v_dim", -4), ("chunk_size", 0)])
+def test_every_mixer_checks_sizes(name, option, value):
+    """The check sits in ``TokenMixer.__init__``, which every mixer (and a hybrid's memory) goes through."""
+    with pytest.raises(ValueError, match=f"{option} must be"):
+        make_mixer(name, D, H, **{option: value})
+
+
+def test_none_and_zero_keep_their_meaning():
+    m = make_mixer("linear", D, H, head_k_dim=None, head_v_dim=None, conv_size=None, chunk_size=None)
+    assert (m.head_k_dim, m.head_v_dim, m.q_conv, m.chunk_size) == (D // H, D // H, None, None)
+    m(torch.randn(1, 5, D))                                     # chunk_size None: the library's own default
+    assert make_mixer("linear", D, H, conv_size=0).q_conv is None
+    assert make_mixer("linear", D, H, conv_size=1, head_k_dim=3, chunk_size=1).head_k_dim == 3
+
+
+@pytest.mark.parametrize("name", ["ttt_linear", "titans", "dla"])
+@pytest.mark.parametrize("eta_init", [0, 0.0, -1.0, math.inf, math.nan, "0.1", True])
+def test_eta_init_must_be_a_finite_positive_number(name, eta_init):
+    with pytest.raises(ValueError, match="eta_init must be a finite number > 0"):
+        make_mixer(name, D, H, eta_init=eta_init)
+
+
+def test_eta_init_sets_the_start_of_eta():
+    m = make_mixer("ttt_linear", D, H, eta_init=0.25)
+    assert torch.allclose(m.eta_gate(torch.zeros(1, 3, D)), torch.full((1, H, 3), 0.25))
+
+
+# ---------------------------------------------------------------- the cache of step
+
+@pytest.mark.parametrize("name", ["linear", "deltanet", "softmax", "ttt_linear", "omeganet"])
+@pytest.mark.parametrize("cache", ["cache", 5, (None,), (None, None), (1, 2, 3), {}])
+def test_step_refuses_a_cache_it_did_not_return(name, cache):
+    mixer = make_mixer(name, D, H)
+    with pytest.raises(TypeError, match="cache must be None .* or the MixerCache that the previous step returned"):
+        mixer.step(torch.randn(2, D), cache)
+
+
+def test_step_refuses_convolution_buffers_of_another_layer():
+    x = torch.randn(2, D)
+    _, cache = make_mixer("linear", D, H).step(x)
+    with pytest.raises(ValueError, match=r"cache.conv must hold .*\[2, 3, 16\]"):
+        make_mixer("linear", D, H, conv_size=2).step(x, cache)           # buffers of size - 1 = 3, not 1
+    with pytest.raises(ValueError, match=r"cache.conv must hold"):
+        make_mixer("linear", D, H).step(torch.randn(3, D), cache)         # another batch
+    with pytest.raises(ValueError, match=r"cache.conv must hold"):
+        make_mixer("linear", D, H).step(x, MixerCache((1, 2), cache.memory))
+    with pytest.raises(ValueError, match=r"cache.conv must hold"):
+        make_mixer("linear", D, H).step(x, MixerCache(None, cache.memory))
+    _, plain = make_mixer("linear", D, H, conv_size=0).step(x)
+    with pytest.raises(ValueError, match="cache.conv must be None"):
+        make_mixer("linear", D, H, conv_size=0).step(x, cache)
+
+
+@pytest.mark.parametrize("name", ["mag", "mal"])
+def test_hybrid_step_refuses_a_cache_it_did_not_return(name):
+    mixer = make_mixer(name, D, H, memory="linear", window=4)
+    x = torch.randn(2, D)
+    _, cache = mixer.step(x)
+    mixer.step(x, cache)                                                 # its own cache is fine
+    _, other = make_mixer("linear", D, H).step(x)
+    for bad in ("cache", (None,), other):
+        with pytest.raises(TypeError, match="cache must be None .* or the HybridCache that the previous step returned"):
+            mixer.step(x, bad)
+
+
+
+@pytest.mark.parametrize("name, option, value", [
+    ("linear", "normalize", "no"), ("omeganet", "retention", "no"), ("omeganet", "constant", 0),
+    ("swla", "retention", 1), ("atlas", "momentum", "no"), ("deep_transformer", "retention", "no"),
+    ("deep_transformer", "normalize", None)])
+def test_mixer_switches_must_be_bools(name, option, value):
+    """A string such as "no" is truthy: read as a switch it turned the option on."""
+    with pytest.raises(TypeError, match=f"{option} must be True or False"):
+        make_mixer(name, D, H, **{option: value})
+
+
+@pytest.mark.parametrize("name", ["omeganet", "swla", "atlas", "dot"])
+@pytest.mark.parametrize("eta_max", [0, -0.5, math.inf, math.nan, "a", True])
+def test_eta_max_must_be_a_finite_positive_number(name, eta_max):
+    with pytest.raises(ValueError, match="eta_max must be a finite number > 0"):
+        make_mixer(name, D, H, eta_max=eta_max)
+
+
+@pytest.mark.parametrize("ns_steps, error", [(-1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_atlas_mixer_checks_ns_steps(ns_steps, error):
+    with pytest.raises(error, match="ns_steps must be"):
+        make_mixer("atlas", D, H, ns_steps=ns_steps)
+
+
+def test_lm_step_refuses_a_state_it_did_not_return():
+    lm = TinyLM(vocab_size=11, d_model=D, n_layers=2, mixer="linear", n_heads=H)
+    ids = torch.tensor([1, 2])
+    _, state = lm.step(ids)
+    lm.step(ids, state)                                                   # its own state is fine
+    for bad in ((0, (None, None)), "state", 3):
+        with pytest.raises(TypeError, match="state must be None .* or the DecodeState"):
+            lm.step(ids, bad)
+    with pytest.raises(ValueError, match=r"one cache per layer \(2\)"):
+        lm.step(ids, DecodeState(1, state.layers[:1]))
+
+# ---------------------------------------------------------------- layouts and feature widths
+
+@pytest.mark.parametrize("make", [lambda T: make_layout(T, 4), lambda T: make_layout(T, "log"), log_layout,
+                                  lambda T: segment_lengths(T, 4)])
+@pytest.mark.parametrize("T, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_layouts_need_a_positive_int_length(make, T, error):
+    with pytest.raises(error, match=r"T \(the number of tokens\) must be"):
+        make(T)
+
+
+def test_layouts_of_one_token_still_work():
+    assert make_layout(1, "log").visible == [[]] and log_layout(1).online == [(0, 1)]
+    assert make_layout(1, 4).online == [(0, 1)] and segment_lengths(5, 4) == [4, 1]
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 1.5, True])
+def test_memory_reads_checks_top_k(top_k):
+    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+        memory_reads(make_layout(8, 4), top_k)
+
+
+def test_memory_reads_of_valid_top_k():
+    layout = make_layout(8, 2)                                   # tokens see 0, 0, 1, 1, 2, 2, 3, 3 states
+    assert memory_reads(layout) == 8 + 12 and memory_reads(layout, 1) == 8 + 6
+
+
+
+@pytest.mark.parametrize("lengths", [[], [2, 0], [2.0, 2], (True, 3), 5, "44"])
+def test_consecutive_layout_needs_positive_int_lengths(lengths):
+    with pytest.raises(ValueError, match="segments as a list must hold positive int lengths"):
+        consecutive_layout(lengths)
+
+
+@pytest.mark.parametrize("position, error", [(2.0, TypeError), (True, TypeError), (0, ValueError)])
+def test_dyadic_blocks_needs_a_positive_int_position(position, error):
+    with pytest.raises(error, match="position"):
+        dyadic_blocks(position)
+
+
+def test_memory_reads_needs_a_layout():
+    with pytest.raises(TypeError, match="layout must be a Layout"):
+        memory_reads("x")
+    assert consecutive_layout((3, 1)).online == make_layout(4, 3).online
+
+@pytest.mark.parametrize("dim", [monomial_dim, exp_feature_dim,
+                                 lambda d, p: exp_feature_dim(d, p, compressed=False)])
+@pytest.mark.parametrize("d, error", [(0, ValueError), (-1, ValueError), (-5, ValueError), (2.5, TypeError),
+                                      (True, TypeError)])
+def test_feature_widths_need_a_positive_int_input_width(dim, d, error):
+    with pytest.raises(error, match=r"d \(the input width\) must be"):
+        dim(d, 2)
+
+
+def test_feature_widths_of_degree_zero():
+    """Degree 0 is legitimate: the constant feature alone."""
+    assert monomial_dim(3, 0) == exp_feature_dim(3, 0) == exp_feature_dim(3, 0, compressed=False) == 1
+    assert monomial_dim(4, 2) == exp_feature_dim(4, 2) == 15 and exp_feature_dim(3, 2, compressed=False) == 13
+
+
+# ---------------------------------------------------------------- pool with the residual aggregate
+
+@pytest.mark.parametrize("pool", ["mean", "sum"])
+def test_residual_refuses_a_pool(gen, pool):
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+    with pytest.raises(ValueError, match="pool scores the cached states"):
+        memory_caching(q, k, v, base=linear_attention, segments=4, aggregate="residual", pool=pool)
+    with pytest.raises(ValueError, match="pool scores the cached states"):
+        make_mixer("memory_caching", D, H, base="linear", aggregate="residual", pool=pool)
+
+
+def test_pool_default_is_the_mean(gen):
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen) for _ in range(3))
+    run = lambda **kw: memory_caching(q, k, v, base=linear_attention, segments=3, aggregate="grm", **kw)[0]  # noqa: E731
+    assert torch.equal(run(), run(pool="mean")) and not torch.equal(run(), run(pool="sum"))
+    memory_caching(q, k, v, base=linear_attention, segments=4, aggregate="residual", pool=None)
+    mixer = make_mixer("memory_caching", D, H, base="linear", aggregate="residual", segments=2)
+    x = torch.randn(1, 5, D, generator=gen)
+    y, cache = mixer(x), None
+    for t in range(5):
+        y_t, cache = mixer.step(x[:, t], cache)
+    assert torch.allclose(y_t, y[:, -1], atol=1e-5)
