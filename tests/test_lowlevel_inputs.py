@@ -118,8 +118,9 @@ def bad_inputs(form: Form, good: dict):
                     for w, err in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError)))
     for name in form.gates:
         g = good[name] if good[name] is not None else torch.log(good["alpha"])     # log_alpha: off by default
-        yield f"{name} of T/2 tokens", {name: g[:, :, :T // 2]}, ValueError, rf"^{name} must have shape"
-        yield f"{name} one rank short", {name: g[:, :, 0]}, ValueError, rf"^{name} must have shape"
+        drop = {"alpha": None} if name == "log_alpha" else {}                      # in place of alpha
+        yield f"{name} of T/2 tokens", {name: g[:, :, :T // 2], **drop}, ValueError, rf"^{name} must have shape"
+        yield f"{name} one rank short", {name: g[:, :, 0], **drop}, ValueError, rf"^{name} must have shape"
     q, k, v = good["q"], good["k"], good["v"]
     yield "k of T-1 tokens", {"k": k[:, :, 1:]}, ValueError, r"^q and k must have the same shape"
     yield "v of T-1 tokens", {"v": v[:, :, 1:]}, ValueError, r"^v must have shape"
@@ -145,8 +146,10 @@ def test_bad_input_is_refused(name, label, change, error, pattern):
 def test_values_are_the_callers(name):
     """Gates out of their ranges (-0.5; log_alpha +0.5) still run: the forms read no value (the entry points do)."""
     form = FORMS[name]
-    shaped = {g: GOOD["alpha"] if GOOD[g] is None else GOOD[g] for g in form.gates}
-    form.call({**GOOD, **{g: torch.full_like(x, 0.5 if g == "log_alpha" else -0.5) for g, x in shaped.items()}})
+    bad = {g: torch.full_like(GOOD[g], -0.5) for g in form.gates if g != "log_alpha"}
+    form.call({**GOOD, **bad})
+    if "log_alpha" in form.gates:                                  # the retention as its log instead
+        form.call({**GOOD, **bad, "alpha": None, "log_alpha": torch.full_like(GOOD["alpha"], 0.5)})
 
 
 def _step(**change):
@@ -199,3 +202,16 @@ def test_window_gates_refuses(window, gamma, error, pattern):
     window_gates(GOOD["gamma"], B, H, T, C, torch.float32, "cpu")
     with pytest.raises(error, match=pattern):
         window_gates(gamma, B, H, T, window, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("name", ["delta_rule_recurrent", "delta_rule_chunk"])
+def test_delta_forms_need_beta(name):
+    with pytest.raises(TypeError, match="^beta is required"):
+        FORMS[name].call({**GOOD, "beta": None})
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FORMS.items() if "log_alpha" in f.gates))
+def test_alpha_and_log_alpha_not_both(name):
+    """Given both, the forms used log_alpha and dropped alpha without a word."""
+    with pytest.raises(ValueError, match="either as alpha or as log_alpha, not both"):
+        FORMS[name].call({**GOOD, "log_alpha": torch.log(GOOD["alpha"])})

@@ -83,14 +83,20 @@ def check_shape(name: str, x, *shapes: tuple):
     return x
 
 
-def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_channel: tuple = (), **gates):
+def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_channel: tuple = (),
+                      required: tuple = (), **gates):
     """The shapes a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
 
     q, k [B, H, T, K] and v [B, H, T, V]; ``gamma`` [B, H, T] or [B, H, T, window]; every other gate
-    [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``; absent gates None. Values are
-    not read: the entry points check them before they call a form, and here it would cost a host sync.
-    Returns (B, H, T, K, V).
+    [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``; absent gates None, except those
+    named in ``required``; alpha and log_alpha not both. Values are not read: the entry points check them
+    before they call a form, and here it would cost a host sync. Returns (B, H, T, K, V).
     """
+    for name in required:
+        if gates.get(name) is None:
+            raise TypeError(f"{name} is required: a [B, H, T] tensor")
+    if gates.get("alpha") is not None and gates.get("log_alpha") is not None:
+        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
     B, H, T, K, V = check_qkv_shapes(q, k, v)
     check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]))
     for name, g in gates.items():

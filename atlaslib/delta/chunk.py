@@ -123,7 +123,7 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     q, k and the WY pair) hoisted out of the loop and batched over GROUP chunks at a time.
     """
     B, H, T, K, V = check_form_shapes(q, k, v, beta=beta, alpha=alpha, log_alpha=log_alpha,
-                                      per_channel=("alpha", "log_alpha"))
+                                      per_channel=("alpha", "log_alpha"), required=("beta",))
     check_chunk_size(chunk_size)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, beta = q.to(cd), k.to(cd), v.to(cd), beta.to(cd)

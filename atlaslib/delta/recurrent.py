@@ -40,5 +40,5 @@ def delta_rule_recurrent(q, k, v, beta, alpha=None, initial_state=None):
 
     Returns (o [B,H,T,V] in q's dtype, final state M_T [B,H,V,K] in fp32/fp64).
     """
-    check_form_shapes(q, k, v, beta=beta, alpha=alpha, per_channel=("alpha",))
+    check_form_shapes(q, k, v, beta=beta, alpha=alpha, per_channel=("alpha",), required=("beta",))
     return token_loop(delta_rule_step, q, k, v, beta, alpha=alpha, initial_state=initial_state)
