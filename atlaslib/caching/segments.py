@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.validation import check_int
+
 SEGMENTATIONS = ("constant", "list", "log")
 
 
@@ -70,11 +72,7 @@ def _remember(cache: dict, key, value):
 def check_length(T) -> int:
     """T must be an int >= 1, as the models' sequences are: a layout of no tokens has no table of reads.
     (While torch.compile traces with dynamic shapes T is a SymInt.)"""
-    if isinstance(T, bool) or not isinstance(T, (int, torch.SymInt)):
-        raise TypeError(f"T (the number of tokens) must be a positive int, got {T!r}")
-    if T < 1:
-        raise ValueError(f"T (the number of tokens) must be >= 1, got {T}")
-    return T
+    return check_int("T (the number of tokens)", T, 1)
 
 
 def check_top_k(top_k):
@@ -123,10 +121,7 @@ def consecutive_layout(lengths: list) -> Layout:
 def dyadic_blocks(position: int) -> list:
     """The log-linear segments of a 1-based position: aligned blocks (start, end) 0-based half-open,
     largest first; their lengths are the powers of two of ``position``'s binary expansion."""
-    if isinstance(position, bool) or not isinstance(position, int):
-        raise TypeError(f"position must be an int (1-based), got {position!r}")
-    if position < 1:
-        raise ValueError(f"positions are 1-based, got {position}")
+    check_int("position", position, 1, " (positions are 1-based)")
     out, start = [], 0
     for bit in reversed(range(position.bit_length())):
         if position >> bit & 1:

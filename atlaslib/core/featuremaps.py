@@ -24,11 +24,12 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import numbers
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .validation import check_int
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -76,11 +77,7 @@ def apply_feature_map(phi, q: torch.Tensor, k: torch.Tensor):
 
 def check_degree(degree) -> int:
     """A polynomial degree must be an int >= 0 (``True`` and ``2.0`` are refused)."""
-    if isinstance(degree, bool) or not isinstance(degree, numbers.Integral):
-        raise TypeError(f"degree must be a non-negative int, got {degree!r}")
-    if degree < 0:
-        raise ValueError(f"degree must be >= 0, got {degree}")
-    return int(degree)
+    return check_int("degree", degree, 0)
 
 
 def _check_input(x) -> int:
@@ -94,11 +91,7 @@ def _check_input(x) -> int:
 
 def check_input_dim(d) -> int:
     """An input width d must be an int >= 1, as the feature maps' inputs [..., d] must be."""
-    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
-        raise TypeError(f"d (the input width) must be a positive int, got {d!r}")
-    if d < 1:
-        raise ValueError(f"d (the input width) must be >= 1, got {d}")
-    return int(d)
+    return check_int("d (the input width)", d, 1)
 
 
 def monomial_dim(d: int, degree: int) -> int:

@@ -46,6 +46,8 @@ import numbers
 
 import torch
 
+from .validation import check_int
+
 COEFFICIENTS = {
     "muon": (3.4445, -4.7750, 2.0315),
     "cubic": (1.5, -0.5),
@@ -76,11 +78,7 @@ def ns_coefficients(ns_coeffs) -> tuple:
 
 def check_ns_steps(ns_steps) -> int:
     """The number of Newton–Schulz steps k: an int >= 0 (0: no orthogonalisation)."""
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, numbers.Integral):
-        raise TypeError(f"ns_steps must be an int >= 0, got {ns_steps!r}")
-    if ns_steps < 0:
-        raise ValueError(f"ns_steps must be >= 0 (0 switches Newton-Schulz off), got {ns_steps}")
-    return int(ns_steps)
+    return check_int("ns_steps", ns_steps, 0, " (0 switches Newton-Schulz off)")
 
 
 def _check_matrix(name, G):

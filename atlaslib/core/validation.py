@@ -165,21 +165,24 @@ def check_flag(name: str, x) -> bool:
     return x
 
 
+def check_int(name: str, x, low: int, note: str = ""):
+    """A count or a size: an int >= ``low``. TypeError for anything else (``True`` and ``2.0`` too), ValueError
+    below ``low``; ``note`` ends both messages. A SymInt (torch.compile tracing dynamic shapes) passes as it is."""
+    kind = {0: "a non-negative int", 1: "a positive int"}.get(low, f"an int >= {low}")
+    if isinstance(x, bool) or not isinstance(x, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"{name} must be {kind}, got {x!r}{note}")
+    if x < low:
+        raise ValueError(f"{name} must be >= {low}, got {x}{note}")
+    return x if isinstance(x, torch.SymInt) else int(x)
+
+
 def check_chunk_size(chunk_size) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
+    return check_int("chunk_size", chunk_size, 1)
 
 
 def check_window(window) -> int:
     """The window length c must be an int >= 1."""
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be a positive int (the number c of pairs in each update), got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    return window
+    return check_int("window", window, 1, " (the number c of pairs in each update)")
 
 
 def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: torch.Tensor, *,
