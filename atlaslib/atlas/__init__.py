@@ -24,7 +24,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
 from ..core.newton_schulz import COEFFICIENTS, NORM_EPS, check_ns_steps, newton_schulz, ns_coefficients, polar
 from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
-from ..core.validation import check_flag, check_window
+from ..core.validation import check_flag, check_one_retention, check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE, MEMORIES, MirasConfig, MirasState, make_config, miras
 from ..miras.memory import DEEP_MEMORIES
@@ -179,8 +179,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
     cd = compute_dtype(q)
     check_retention(None if isinstance(alpha, numbers.Real) else alpha,
                     None if isinstance(log_alpha, numbers.Real) else log_alpha, B, H, T, ref=q)
-    if alpha is not None and log_alpha is not None:
-        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    check_one_retention(alpha, log_alpha)
     check_gate("gamma", gamma, B, H, T, window, ref=q)
     alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):

@@ -15,7 +15,7 @@ import numbers
 
 import torch
 
-from .validation import check_gate
+from .validation import check_gate, check_one_retention
 
 LOG_GATE_DTYPES = (torch.float32, torch.float64)
 
@@ -26,8 +26,7 @@ def check_retention(alpha, log_alpha, B: int, H: int, T: int, K: int | None = No
     Both go through ``check_gate`` (shape [B, H, T], or [B, H, T, K] when K is given; device; NaN;
     range). At most one of the two may be given, and ``log_alpha`` must be fp32 or fp64.
     """
-    if alpha is not None and log_alpha is not None:
-        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    check_one_retention(alpha, log_alpha)
     check_gate("alpha", alpha, B, H, T, K, ref=ref)
     check_gate("log_alpha", log_alpha, B, H, T, K, low=-math.inf, high=0.0, ref=ref)
     if log_alpha is not None and log_alpha.dtype not in LOG_GATE_DTYPES:

@@ -83,6 +83,12 @@ def check_shape(name: str, x, *shapes: tuple):
     return x
 
 
+def check_one_retention(alpha, log_alpha) -> None:
+    """The retention gate comes as alpha or as its log, not both (no form would know which to use)."""
+    if alpha is not None and log_alpha is not None:
+        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+
+
 def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_channel: tuple = (),
                       required: tuple = (), **gates):
     """The shapes a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
@@ -95,8 +101,7 @@ def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_cha
     for name in required:
         if gates.get(name) is None:
             raise TypeError(f"{name} is required: a [B, H, T] tensor")
-    if gates.get("alpha") is not None and gates.get("log_alpha") is not None:
-        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    check_one_retention(gates.get("alpha"), gates.get("log_alpha"))
     B, H, T, K, V = check_qkv_shapes(q, k, v)
     check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]))
     for name, g in gates.items():

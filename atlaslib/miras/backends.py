@@ -26,6 +26,7 @@ from ..core import apply_feature_map, check_chunk_size, check_qkv, gate_or_numbe
 from ..core.chunking import compute_dtype
 from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
+from ..core.validation import check_one_retention
 from ..core.windows import window_gates
 from .chunk import miras_chunk, titans_linear_chunk
 from .config import DEFAULT_CHUNK_SIZE, MirasConfig, make_config
@@ -65,8 +66,7 @@ def _retention_gate(alpha, log_alpha, B, H, T, cd, q):
     """
     if log_alpha is None:
         return gate_or_number("alpha", alpha, B, H, T, cd, q), None
-    if alpha is not None:
-        raise ValueError("give the retention gate either as alpha or as log_alpha, not both")
+    check_one_retention(alpha, log_alpha)
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
         log_alpha = torch.full((B, H, T), float(log_alpha), dtype=cd, device=q.device)
     check_retention(None, log_alpha, B, H, T, ref=q)
