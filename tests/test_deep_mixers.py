@@ -291,7 +291,7 @@ def test_dla_axes_are_fixed():
     for bad in ({"bias": "l2"}, {"optimizer": "momentum"}, {"window": 2}):
         with pytest.raises(TypeError, match="fixed by DLA"):
             make_mixer("dla", D, H, **bad)
-    with pytest.raises(ValueError, match="no deep"):
+    with pytest.raises(ValueError, match="with a deep memory is the per-token function"):
         make_mixer("dla", D, H, phi_star="kernel")
     with pytest.raises(ValueError, match="window"):
         make_mixer("swdt", D, H, window=0)

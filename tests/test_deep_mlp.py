@@ -263,8 +263,10 @@ def test_bad_input(gen):
             dot(q, k, v, window=2, memory="mlp", initial_state=st, backend=backend)
     with pytest.raises(ValueError, match="normalize"):
         deep_transformer(q, k, v, memory="mlp", normalize=True)
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ValueError, match="window") as refused:
         deep_transformer(q, k, v, memory="mlp", window=2)
+    assert "use dot" in str(refused.value) and "atlaslib.omega.swla" in str(refused.value)
+    dot(q, k, v, window=2, memory="mlp", backend="recurrent")      # what the message offers runs
     with pytest.raises(ValueError, match="output_final_state"):
         deep_transformer(q, k, v, memory="mlp", output_final_state=True)
     with pytest.raises(ValueError, match="W1 = 0"):         # the kernel form's first layer starts at zero

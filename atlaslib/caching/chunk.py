@@ -2,7 +2,8 @@
 
 1. **Compress.** Each segment is one call of the base (its chunk form, or its kernel on CUDA). In
    independent mode all segments of one length run as one batch (the segments become batch rows);
-   the log-linear segmentation runs one batch per block length 2^j (its ~2T aligned blocks). In
+   the log-linear segmentation runs one batch per block length 2^j (the T aligned blocks that some
+   token reads, one ending at each token: each token is in about log2(T)/2 + 1 of them). In
    checkpoint mode the segments run one after the other, each from the previous final state.
 2. **Read out.** The relevance of cached state n to token t is r_tn = <u_t, pool(S^(n))> (one
    product [T, K] x [K, N]); the aggregator turns the visible scores into weights (``readout_weights``);

@@ -217,8 +217,9 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
                              "linear memory of the features; a deep memory has no such quotient)")
         if window is not None:
             raise ValueError("deep_transformer: window (SWDT) needs memory='linear': a deep memory cannot drop the "
-                             "pair that leaves the window (for the Omega window on a deep memory use dot, or "
-                             "atlaslib.miras.miras with bias='dot' and window=c)")
+                             "pair that leaves the window (for the Omega window on a deep memory use dot, the l2 loss; "
+                             "with the dot-product loss the library has a window only on a linear memory, "
+                             "atlaslib.omega.swla)")
         o, state = mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state,
                                         backend, chunk_size, activation)
         return o, (MirasState(state, None) if output_final_state else None)

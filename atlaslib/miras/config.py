@@ -169,9 +169,9 @@ def validate_config(cfg: MirasConfig) -> MirasConfig:
                          f"memory={cfg.memory!r}, bias={cfg.bias!r}, optimizer={cfg.optimizer!r}, window={cfg.window}")
     if cfg.window > 1:
         if cfg.bias not in ("l2", "lp", "huber", "huber_norm", "huber_switch", "value_shift"):
-            raise ValueError(f"window={cfg.window} (Omega rule) needs a bias that depends on the memory; "
-                             f"bias={cfg.bias!r} has a state-independent gradient (for the dot-product window "
-                             "use atlaslib.omega.swla)")
+            raise ValueError(f"window={cfg.window} (Omega rule) takes a bias of the l2 family, not bias={cfg.bias!r}; "
+                             "the dot-product window exists only on a linear memory, as atlaslib.omega.swla "
+                             "(where the gradient does not depend on the memory, so the window is a sum of writes)")
         if RETENTIONS[cfg.retention].grad_at_decayed:
             raise ValueError(f"window={cfg.window} cannot be combined with retention={cfg.retention!r}: the window's "
                              "gradients are taken at M_{t-1}; use retention='decay' (decay after the gradient)")

@@ -246,8 +246,9 @@ class DLAMixer(MirasMixer):
     retention. Chapter 3's mixer with the preset "dla"; ``memory`` and its options move the memory axis.
 
     ``phi_star=("taylor", P)`` reads phi*_P(q), phi*_P(k) (width C(K + P, P)): the DeepTransformer of
-    [A] eq. 25 with a deep memory on the truncated features. The exact phi* (``"kernel"``) has no deep
-    memory in the library (``deep_transformer`` is its linear one).
+    [A] eq. 25 with a deep memory on the truncated features. The exact phi* (``"kernel"``) with a deep
+    memory is a function only, ``deep_transformer(memory="mlp", phi_star="kernel")`` (per token, O(T^2));
+    the ``deep_transformer`` mixer is the linear memory on it.
     """
 
     preset = "dla"
@@ -258,8 +259,9 @@ class DLAMixer(MirasMixer):
             raise TypeError(f"dla: {fixed} are fixed by DLA (bias='dot', optimizer='gd', retention='decay'); "
                             f"it takes memory and {list(MEMORY_OPTIONS)}")
         if phi_star is not None and check_phi_star(phi_star)[0] == "kernel":
-            raise ValueError("dla: phi_star must be None or ('taylor', P); the exact phi* ('kernel') has no deep "
-                             "memory (the 'deep_transformer' mixer is its linear one)")
+            raise ValueError("dla: phi_star must be None or ('taylor', P); the exact phi* ('kernel') with a deep "
+                             "memory is the per-token function deep_transformer(memory='mlp', phi_star='kernel'), "
+                             "not a mixer (the 'deep_transformer' mixer is the linear memory on it)")
         self.phi_star = phi_star
         self.order = None if phi_star is None else check_phi_star(phi_star)[1]
         self.memory_options = {name: kw[name] for name in MEMORY_OPTIONS if name in kw}   # as given: dla checks them

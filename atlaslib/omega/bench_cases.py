@@ -7,8 +7,8 @@ Rows:
 * ``omega`` and ``swla``: window c = 8, every backend (recurrent, chunk, and triton on a GPU);
 * ``omega_c1``, ``omega_c4``, ``omega_c16``, ``omega_c64``: the Omega rule at c = 1, 4, 16, 64,
   chunk and triton backends only, for the **cost of the window** table. The per-token loop
-  is left out there: it evaluates c gradients per token, so its cost is simply c times
-  that of c = 1 (and at c = 64, T = 4096 one call takes minutes on a CPU).
+  is left out there: it evaluates c gradients per token, so its flops grow in proportion to
+  c, while on a CPU its per-token overhead dominates and its time barely moves (chapter 4 §12).
 
     python -m atlaslib.bench --models omega swla --T 4096                   # chunk vs loop
     python -m atlaslib.bench --models omega_c1 omega_c4 omega_c16 omega_c64 --T 4096
