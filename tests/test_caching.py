@@ -161,6 +161,9 @@ BASES = {
     "atlas_linear": (atlas, lambda g, B, H, T, K: dict(memory="linear", eta=0.1, theta=0.5, alpha=0.9)),
     "dla_mlp": (dla, lambda g, B, H, T, K: dict(memory="mlp", eta=0.1)),
     "titans_mlp": (miras, lambda g, B, H, T, K: dict(preset="titans", memory="mlp", eta=0.2, theta=0.5, alpha=0.9)),
+    "titans_linear": (miras, lambda g, B, H, T, K: dict(preset="titans", memory="linear", eta=0.2, theta=0.5,
+                                                        alpha=0.9)),
+    "memora_linear": (miras, lambda g, B, H, T, K: dict(preset="memora", memory="linear", eta=0.2, alpha=0.9)),
 }
 
 

@@ -381,7 +381,7 @@ def test_exponent_and_step_checks_on_an_accelerator_assert_on_the_device(monkeyp
     q[..., 0], k[..., 1] = 30.0, 30.0
     assert largest_tensor(problem.check_exponents, q, k, None) <= B * H * T * T // 4
     k[:, :, 5, 0] = 30.0
-    with pytest.raises(RuntimeError, match="a score k\\^T q exceeds 80"):
+    with pytest.raises(RuntimeError, match="a score k_i\\^T q_t exceeds 80"):
         problem.check_exponents(q, k, None)
     deep.check_dot_step(torch.full((B, H, T), 1.2), torch.full((B, H, T), 0.2))
     with pytest.raises(RuntimeError, match=r"dot: eta must be at most 1 \+ alpha"):

@@ -175,6 +175,17 @@ def test_bad_window_input(gen, kwargs, error, match):
         dot(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("memory", ["linear", "mlp"])
+def test_overflow_refusal_names_the_score_and_no_normalize(gen, memory):
+    """dot (and the deep memory) write through exp(k_i^T k_t) and have no normaliser: the refusal names the
+    score that overflows, and does not offer normalize=True, which they do not take."""
+    q, k, v = random_qkv(1, 2, 8, 4, 3, dtype=F64, generator=gen)
+    for scale_q, scale_k, score in ((100.0, 100.0, r"k_i\^T q_t"), (0.01, 10.0, r"k_i\^T k_t")):
+        with pytest.raises(ValueError, match=f"a score {score} = .* exceeds 80") as refused:
+            dot(scale_q * q, scale_k * k, v, memory=memory)
+        assert "normalize" not in str(refused.value)
+
+
 @pytest.mark.parametrize("layout", [None, "source", "offset"])
 @pytest.mark.parametrize("c", [2, 5])
 def test_kernel_chunk_matches_its_frozen_oracle(gen, layout, c):

@@ -166,10 +166,13 @@ def test_refusals_and_auto(gen):
 
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_taylor_runs_on_chapter_1s_kernel(gen, normalize, dtype):
+@pytest.mark.parametrize("with_eta", [True, False])
+def test_taylor_runs_on_chapter_1s_kernel(gen, normalize, dtype, with_eta):
     """phi_star=("taylor", P) without a window is chapter 1's matrix memory on phi*_P: its kernel runs it,
-    start state and final state included (D = C(5 + 2, 2) = 21 features)."""
+    start state and final state included (D = C(5 + 2, 2) = 21 features), with or without a step eta
+    (without one, 16-bit values meet the fp32 features as they are)."""
     q, k, v, alpha, eta = inputs(gen, T=37, K=5, V=3, dtype=dtype)
+    eta = eta if with_eta else None
     D, Vs = 21, 4 if normalize else 3
     h0 = 0.1 * torch.randn(2, 2, Vs, D, generator=gen)
     if normalize:
@@ -177,7 +180,8 @@ def test_taylor_runs_on_chapter_1s_kernel(gen, normalize, dtype):
     kw = dict(alpha=alpha, eta=eta, phi_star=("taylor", 2), normalize=normalize, initial_state=h0,
               output_final_state=True)
     want, want_state = deep_transformer(q.double(), k.double(), v.double(), **{**kw, "alpha": alpha.double(),
-                                        "eta": eta.double(), "initial_state": h0.double()}, backend="chunk")
+                                        "eta": None if eta is None else eta.double(), "initial_state": h0.double()},
+                                        backend="chunk")
     got, state = deep_transformer(q, k, v, **kw, backend="triton")
     assert got.dtype == dtype and state.memory.dtype == torch.float32 and state.momentum is None
     tol = 1e-5 if dtype == torch.float32 else 2e-2

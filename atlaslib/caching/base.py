@@ -17,6 +17,7 @@ The readout of a cached state on the queries is one of two things:
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import torch
@@ -119,7 +120,8 @@ def miras_config(base, kw: dict) -> MirasConfig | None:
     """The MIRAS configuration a ``miras`` call would build from kw (None for other bases)."""
     if base is not miras:
         return None
-    over = {n: x for n, x in kw.items() if n in MirasConfig._fields}
+    fields = {f.name for f in dataclasses.fields(MirasConfig)}
+    over = {n: x for n, x in kw.items() if n in fields}
     return make_config(kw.get("config") if kw.get("config") is not None else kw.get("preset"), **over)
 
 

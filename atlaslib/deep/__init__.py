@@ -351,7 +351,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
                            chunk_size, activation)
         return o, (MirasState(state, None) if output_final_state else None)
     if form == "kernel":
-        check_read_write_exponents(q, k)
+        check_read_write_exponents(q, k, "dot with phi_star='kernel'")
         if c > 1:                                   # the window: per token, or frozen per chunk
             table: dict[str, Callable[..., Any]] = {
                 "recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),

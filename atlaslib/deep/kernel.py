@@ -223,7 +223,7 @@ def hebbian_triton(fq, fk, v, alpha=None, eta=None, initial_state=None, log_alph
                          f"P, phi_star='kernel' (exact, its own kernel) or backend='chunk'")
     if eta is not None:
         v = eta[..., None].to(torch.float32) * v.to(torch.float32)       # the write eta_t v_t
-    return linear_attention_triton(fq, fk, v, alpha, initial_state, log_alpha)
+    return linear_attention_triton(fq, fk, v.to(fq.dtype), alpha, initial_state, log_alpha)   # one dtype per tl.dot
 
 
 # ---------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ def check_exact_phi(q, k, output_final_state):
     if output_final_state:
         raise ValueError("output_final_state with phi_star='kernel' and memory='mlp': the first layer is one "
                          "coefficient per past token, not a fixed-size state; use phi_star=('taylor', P)")
-    check_read_write_exponents(q, k)
+    check_read_write_exponents(q, k, "memory='mlp' with phi_star='kernel'")
 
 
 def engine_state(W1, W2, D):

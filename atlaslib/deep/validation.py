@@ -57,12 +57,20 @@ def _top_score(q, k, window) -> torch.Tensor:
     return top
 
 
-def check_exponents(q, k, window):
+# Ways out of an overflowing read: the query carries attention's scale, and deep_transformer's linear
+# memory alone has a normaliser (dot and the deep memory have no normalize).
+SCALE_Q = " (attention's 1/sqrt(d) goes into q)"
+NORMALIZE_ADVICE = SCALE_Q + " or pass normalize=True, which shifts by each row's max"
+
+
+def check_exponents(q, k, window, where="phi_star='kernel' without normalize", score="k_i^T q_t",
+                    advice=NORMALIZE_ADVICE):
     """exp(k_i^T q_t) must not overflow in the unnormalised kernel form: k_i^T q_t <= MAX_EXPONENT.
 
     First the norm bound |k_i^T q_t| <= |q_t| |k_i| (O(T K)); only when it fails, the exact maximum over
     the visible pairs, a tile of rows at a time (O(T * rows) memory). On an accelerator the bound costs
-    one scalar read, and the exact check, when needed, is a device-side assert (no further host sync)."""
+    one scalar read, and the exact check, when needed, is a device-side assert (no further host sync).
+    ``where``, ``score`` and ``advice`` name the caller, the score (``k_i^T k_t`` for a write) and the way out."""
     how = _value_check(q)
     if how is None or q.shape[2] == 0:
         return
@@ -71,16 +79,15 @@ def check_exponents(q, k, window):
             return
         top = _top_score(q, k, window)
         if how == "host" and top.item() > MAX_EXPONENT:
-            raise ValueError(f"phi_star='kernel' without normalize: a score k_i^T q_t = {top.item():.4g} exceeds "
-                             f"{MAX_EXPONENT} and exp would overflow; scale q and k down (attention's 1/sqrt(d) "
-                             f"goes into q) or pass normalize=True, which shifts by each row's max")
+            raise ValueError(f"{where}: a score {score} = {top.item():.4g} exceeds {MAX_EXPONENT} and exp would "
+                             f"overflow; scale the inputs down{advice}")
         if how == "device":
-            torch._assert_async(top <= MAX_EXPONENT,
-                                f"phi_star='kernel' without normalize: a score k^T q exceeds {MAX_EXPONENT}")
+            torch._assert_async(top <= MAX_EXPONENT, f"{where}: a score {score} exceeds {MAX_EXPONENT}")
 
 
-def check_read_write_exponents(q, k):
+def check_read_write_exponents(q, k, where):
     """The unwindowed kernel forms that also write through exp: the reads exp(k_i^T q_t) and the
-    corrections exp(k_i^T k_t) of the delta / Omega update (DOT, and the deep memory's gradient) must not overflow."""
-    check_exponents(q, k, None)
-    check_exponents(k, k, None)
+    corrections exp(k_i^T k_t) of the delta / Omega update (DOT, and the deep memory's gradient) must not
+    overflow. They have no normaliser to offer."""
+    check_exponents(q, k, None, where, "k_i^T q_t", SCALE_Q)
+    check_exponents(k, k, None, where, "k_i^T k_t", "")
