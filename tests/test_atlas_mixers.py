@@ -82,6 +82,19 @@ def test_mag_gate_selects_a_branch(gen, g, branch):
         assert_close(mag(x), getattr(mag, branch)(x))
 
 
+@pytest.mark.parametrize("name", ["mag", "mal"])
+def test_hybrid_head_dims_reach_both_branches(gen, name):
+    """head_k_dim / head_v_dim (what a d_model that n_heads does not divide needs) size both branches,
+    unless attention_kw sizes the attention's own."""
+    hybrid = make_mixer(name, 10, 3, memory="deltanet", window=3, head_k_dim=4, head_v_dim=5)
+    for branch in (hybrid.memory, hybrid.attention):
+        assert (branch.head_k_dim, branch.head_v_dim) == (4, 5)
+    assert hybrid(torch.randn(2, 7, 10, generator=gen)).shape == (2, 7, 10)
+    own = make_mixer(name, 12, 3, memory="deltanet", window=3, head_k_dim=4, head_v_dim=4,
+                     attention_kw={"head_k_dim": 2, "head_v_dim": 6})
+    assert (own.attention.head_k_dim, own.attention.head_v_dim) == (2, 6)
+
+
 def test_mag_is_the_documented_mix(gen):
     seeded(gen)
     x = x_of(gen)

@@ -284,3 +284,24 @@ def test_chunk_size_none_is_the_default(gen, name, fixed, default, frozen):
     if frozen:                                      # b is part of the model: another b is another output
         other, _ = fn(chunk_size=max(1, default // 4))
         assert rel_rmse(other, o_default) > 1e-8
+
+
+# ---- frozen gradients: the per-token oracle is a backend ---------------------------------------------
+
+FROZEN = [(name, fixed) for name, fixed, _, frozen in DEFAULTS if frozen and name not in WRAPPERS] + [
+    ("dot", {"eta": 0.1, "window": 2}),                                   # phi_star="kernel": coefficient space
+    ("omega_rule", {"window": 2, "eta": 0.5, "memory": "mlp"}),           # the deep memory on chapter 3's engine
+]
+
+
+@pytest.mark.parametrize("name, fixed", FROZEN, ids=[f"{f[0]}-{i}" for i, f in enumerate(FROZEN)])
+def test_frozen_gradient_models_offer_their_oracle(gen, name, fixed):
+    """Where the chunk form freezes the gradients at each chunk start, backend="frozen_seq" runs the per-token
+    loop with the same frozen gradients (the chunk form's oracle) and equals the chunk form at the same b; the
+    definition ("recurrent") differs, so the comparison can fail."""
+    q, k, v = _inputs(gen, 11)
+    def run(backend):
+        return MODELS[name](q, k, v, backend=backend, chunk_size=4, **fixed)[0]
+    chunk = run("chunk")
+    assert rel_rmse(run("frozen_seq"), chunk) < 1e-10
+    assert rel_rmse(run("recurrent"), chunk) > 1e-8

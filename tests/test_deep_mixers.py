@@ -5,6 +5,7 @@ softmax with cumulative log-decays, autograd on the window loss, autograd on the
 an MLP memory), or against another model it must equal (softmax attention, SWA); not against
 atlaslib.deep, but for one check that DOT's mixer hands its gates to ``dot`` as they are.
 """
+import copy
 import math
 
 import pytest
@@ -284,6 +285,23 @@ def test_dla_is_gd_on_the_dot_product_loss_of_an_mlp(gen, P):
         assert mixer.initial["W1"].shape[-1] == math.comb(D // H + P, P)
     W1, W2 = (mixer.initial[n].double()[None].expand(2, -1, -1, -1) for n in ("W1", "W2"))
     assert_close(o, dla_by_autograd(q, k, v, W1, W2, g["alpha"], g["eta"]), name="dla vs autograd")
+
+
+@pytest.mark.parametrize("kw", [{"window": 3}, {"window": 3, "phi_star": ("taylor", 2)}])
+def test_dot_mixer_runs_dots_default_model(gen, kw):
+    """With c > 1 the chunk size is part of DOT's model: without chunk_size the mixer runs dot()'s default
+    model (FROZEN_CHUNK_SIZE = 16, as chapter 4's Omega rule), which another chunk size changes."""
+    from atlaslib.deep import FROZEN_CHUNK_SIZE
+    mixer = make_mixer("dot", D, H, backend="chunk", **kw).double()
+    x = torch.randn(2, 40, D, generator=gen, dtype=torch.float64)
+    outputs = {}
+    for b in (None, FROZEN_CHUNK_SIZE, 64):
+        other = copy.deepcopy(mixer)
+        if b is not None:
+            other.chunk_size = b
+        outputs[b] = other(x)
+    assert_close(outputs[None], outputs[FROZEN_CHUNK_SIZE], tol=1e-12)
+    assert rel_rmse(outputs[None], outputs[64]) > 1e-6
 
 
 def test_dla_axes_are_fixed():

@@ -140,7 +140,8 @@ def test_explicit_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("call, has", [
-    (lambda q, k, v: omega_rule(q, k, v, window=2, memory="mlp", backend="triton"), "'recurrent', 'chunk', 'auto'"),
+    (lambda q, k, v: omega_rule(q, k, v, window=2, memory="mlp", backend="triton"),
+     "'recurrent', 'frozen_seq', 'chunk', 'auto'"),
     (lambda q, k, v: miras(q, k, v, preset="titans", backend="triton"), "'recurrent', 'frozen_seq', 'chunk', 'auto'"),
     (lambda q, k, v: linear_attention(q, k, v, backend="frozen_seq"), "'recurrent', 'chunk', 'triton', 'auto'"),
 ])

@@ -313,10 +313,11 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
             kernel where it takes the D = C(K + P, P) feature channels).
             c > 1, ("taylor", P): ``omega_rule``'s backends, whose chunk form (and kernel) freezes the
             gradients at each chunk's start state, so chunk(b > 1) is an *approximation* of the
-            recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; see ``omega_rule``).
-            c > 1, "kernel": "recurrent" or "chunk" (``dot_window_chunk``, the same frozen-gradient
-            approximation in coefficient space, equal to ``dot_coefficient_recurrent(chunk_size=b)``,
-            its oracle); "auto" = chunk; no kernel.
+            recurrent rule, exactly as OmegaNet's is (chunk(1) is exact; "frozen_seq" is its per-token
+            oracle; see ``omega_rule``).
+            c > 1, "kernel": "recurrent", "chunk" (``dot_window_chunk``, the same frozen-gradient
+            approximation in coefficient space) or "frozen_seq" (its oracle,
+            ``dot_coefficient_recurrent(chunk_size=b)``); "auto" = chunk; no kernel.
         chunk_size: rows per block of the chunk form; with c > 1 (or "mlp") it is the b of the
             frozen-gradient approximation and so part of the model (b = 1: the definition). None:
             DEFAULT_CHUNK_SIZE (64) for c = 1, else FROZEN_CHUNK_SIZE, chapter 4's b (``OMEGA_CHUNK_SIZE``),
@@ -355,10 +356,12 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
         if c > 1:                                   # the window: per token, or frozen per chunk
             table: dict[str, Callable[..., Any]] = {
                 "recurrent": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma),
+                "frozen_seq": lambda: dot_coefficient_recurrent(q, k, v, alpha, eta, "exp", c, gamma, chunk_size),
                 "chunk": lambda: dot_window_chunk(q, k, v, alpha, eta, "exp", c, gamma, chunk_size)}
             o, _ = dispatch(backend, q, table, model="dot",
                             missing="phi_star='kernel' with a window has no Triton kernel (use backend='recurrent' "
-                                    "for the definition, or 'chunk' for the frozen-gradient form)")
+                                    "for the definition, 'chunk' for the frozen-gradient form or 'frozen_seq' "
+                                    "for its per-token oracle)")
             return o.to(q.dtype), None
         # c = 1: the coefficient solve; the table's forms take (q, k, v, alpha, eta), so that the kernel's
         # gradients come from autograd through the chunk form (core.with_chunk_backward)

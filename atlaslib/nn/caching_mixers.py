@@ -103,7 +103,8 @@ class MemoryCaching(TokenMixer):
         check_options(mode, aggregate, pool, top_k, log=segments == "log")
         self.base, self.segments, self.mode, self.aggregate, self.top_k, self.pool = \
             base, segments, mode, aggregate, top_k, pool
-        self.u_proj = nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)     # u_t = x_t W_u
+        # u_t = x_t W_u; residual MC reads no scores, and an unused parameter would stall DDP's reduction
+        self.u_proj = None if aggregate == "residual" else nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)
 
     @classmethod
     def base_name(cls) -> str:
@@ -139,7 +140,7 @@ class MemoryCaching(TokenMixer):
         o, online = super().mix_step(q, k, v, x, state.online)        # the base mixer's own step
         key_sum, length = state.key_sum + k[:, :, 0].to(cd), state.length + 1
         pooled_s = key_sum if self.pool == "sum" else key_sum / length      # None: the mean
-        u = self.relevance(x).to(cd)                                   # [B, H, 1, K]
+        u = q.to(cd) if self.u_proj is None else self.relevance(x).to(cd)    # [B, H, 1, K]; residual: unread
         N = state.states.shape[2]
         blocks = torch.arange(N, device=q.device)[None] if N else torch.full((1, 1), -1, device=q.device)
         y = cached_readout(q, u, state.states, state.pooled, o, (u[:, :, 0] * pooled_s).sum(-1)[..., None],

@@ -32,8 +32,8 @@ and the coefficients u_j of M_t = sum_j u_j phi*(k_j)^T (``CoefficientCache``), 
 chapter 4's ``omega_step`` on the features (a fixed [V, D] memory). DLA steps on chapter 3's engine.
 A step runs the per-token rule: the forward's model for the DeepTransformer, SWDT and DOT with c = 1
 at every chunk size (their chunk forms are exact), but for DOT with c > 1 and DLA's deep memories only
-at ``chunk_size=1`` (their chunk forms freeze the gradients per chunk; the defaults are the library's,
-64 and 16).
+at ``chunk_size=1`` (their chunk forms freeze the gradients per chunk, so the chunk size is part of the
+model: both default to 16, as ``dot`` and chapter 3's engine do).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ from typing import NamedTuple
 import torch
 
 from ..core.chunking import compute_dtype
-from ..deep import check_phi_star, deep_transformer, dla, dot, exp_coefficients, exp_feature_dim, exp_features
+from ..deep import (check_phi_star, deep_transformer, default_chunk_size, dla, dot, exp_coefficients, exp_feature_dim,
+                     exp_features)
 from ..deep.dla import MEMORY_OPTIONS
 from ..core.validation import check_flag, check_window
 from ..omega.recurrent import omega_step
@@ -195,6 +196,8 @@ class DOTMixer(WindowedMixer):
                 raise TypeError(f"dot: {name!r} is chapter 4's polynomial map; DOT's features are phi* "
                                 "(phi_star='kernel' or ('taylor', P))")
         kw.setdefault("qk_norm", True)                        # unit q, k: |phi*(k)|^2 = e, and exp stays small
+        # with c > 1 the chunk freezes gradients, so b is part of the model: dot's own default
+        kw.setdefault("chunk_size", default_chunk_size(None, frozen=check_window(window) > 1))
         self.phi_star, self.order = phi_star, check_phi_star(phi_star)[1]
         if eta_max is None:                                   # every step in (0, 1), as OmegaNet's 1 / c
             eta_max = 1.0 / (check_window(window) * feature_norm2(self.order))

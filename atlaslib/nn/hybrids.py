@@ -19,7 +19,8 @@
 Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
 memory="atlas", window=16, **memory_kw)``. ``window`` is the attention's window; every other
 keyword goes to the memory mixer (its own Omega window, if any, is ``memory_window=``), and
-``attention_kw`` (a dict) to the SWA mixer.
+``attention_kw`` (a dict) to the SWA mixer. ``head_k_dim`` and ``head_v_dim`` go to both branches
+(the attention's own, in ``attention_kw``, take precedence).
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class Hybrid(TokenMixer):
         if memory_window is not None:
             kw["window"] = memory_window
         self.memory = make_mixer(memory, d_model, n_heads, **kw)
-        self.attention = SlidingWindowAttention(d_model, n_heads, window=window, **(attention_kw or {}))
+        heads = {name: kw[name] for name in ("head_k_dim", "head_v_dim") if name in kw}
+        self.attention = SlidingWindowAttention(d_model, n_heads, window=window, **heads | (attention_kw or {}))
 
     def mix(self, q, k, v, x):              # pragma: no cover - forward is overridden
         raise NotImplementedError("a hybrid mixes through its branches' forward")

@@ -82,13 +82,14 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state.
         output_final_state: also return the state after the last token, a ``MirasState(memory, None)``.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
-            M_{t-1}), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
+            M_{t-1}), "frozen_seq" (per token, gradients frozen at each chunk start: the chunk
+            form's oracle), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
             book ch. 4 §8), "triton" (the same chunk form as a GPU kernel; CPU under
             TRITON_INTERPRET=1; backward by autograd through the chunk form; needs
             chunk_size <= 64 and a window tile next_pow2(chunk_size + window - 1) x
             next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
             fit, chunk otherwise).
-        chunk_size: b, the chunk length of "chunk" and "triton". **It changes the model**
+        chunk_size: b, the chunk length of "chunk", "frozen_seq" and "triton". **It changes the model**
             (see below); b = 1 is the exact per-token rule. None: 16 (``OMEGA_CHUNK_SIZE``),
             for every memory: the same as ``miras``, which runs the deep memories and is the
             same model for the linear one, and as the OmegaNet mixer.

@@ -16,7 +16,7 @@ from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, retention_gates
 from ..miras import MEMORIES, MirasState, miras
 from .chunk import omega_chunk, swla_chunk
-from .recurrent import omega_recurrent, swla_recurrent
+from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 # "linear": this package's own three rooms; the deep memories run on chapter 3's engine
 # (atlaslib.miras, memory axis), with the Omega window on its l2 bias.
@@ -66,16 +66,23 @@ def kernel_limits(fq, window, chunk_size):
             "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
 
 
-def window_table(recurrent, chunk, kernel: str) -> dict:
-    """One window rule's three forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
-    chunk_size, log_alpha); the per-token loop gets exp(log_alpha) and ignores chunk_size."""
+def window_table(recurrent, chunk, kernel: str, frozen_seq=None) -> dict:
+    """One window rule's forms, each taking (q, k, v, window, gamma, alpha, eta, initial_state,
+    chunk_size, log_alpha); the per-token loops get exp(log_alpha), and the definition ignores chunk_size.
+    ``frozen_seq``: the per-token oracle of a chunk form that freezes gradients (the Omega rule; SWLA's
+    chunk form is exact and has none)."""
     def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
         return recurrent(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
                          initial_state)
-    return {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
+    table = {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
+    if frozen_seq is not None:
+        table["frozen_seq"] = lambda q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha: \
+            frozen_seq(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
+                       initial_state, chunk_size)
+    return table
 
 
-OMEGA_BACKENDS = window_table(omega_recurrent, omega_chunk, "omega_triton")
+OMEGA_BACKENDS = window_table(omega_recurrent, omega_chunk, "omega_triton", omega_frozen_seq)
 SWLA_BACKENDS = window_table(swla_recurrent, swla_chunk, "swla_triton")
 
 
@@ -86,7 +93,7 @@ def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, outp
     ``atlaslib.miras`` takes all c gradients at the same state (W_{t-1}, or the chunk-start
     state in its chunk form), decays with alpha after the gradient step, and reads out
     after the update, so this is the same rule as the linear case with M(x) = M x replaced
-    by the MLP. Its backends are "recurrent", "chunk" and "auto" (= chunk; there is no
+    by the MLP. Its backends are "recurrent", "frozen_seq", "chunk" and "auto" (= chunk; there is no
     kernel for deep memories, so "triton" is a ValueError). The state is a
     ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
     """
@@ -97,7 +104,7 @@ def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, outp
                          gamma=gamma, alpha=alpha, log_alpha=log_alpha, eta=eta, initial_state=initial_state,
                          output_final_state=output_final_state, backend=backend_name, chunk_size=chunk_size)
         return run
-    table = {"recurrent": engine("recurrent"), "chunk": engine("chunk")}
+    table = {name: engine(name) for name in ("recurrent", "frozen_seq", "chunk")}
     return dispatch(backend, fq, table, fq, fk, v, model=f"omega_rule(memory={memory!r})",
                     missing=f"there is a kernel only for memory='linear'; memory={memory!r} runs on atlaslib.miras "
-                            f"(use backend='chunk' or 'recurrent')")
+                            f"(use backend='chunk', 'frozen_seq' or 'recurrent')")
