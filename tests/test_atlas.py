@@ -92,6 +92,27 @@ def test_newton_schulz_batch_tall_dtypes(gen):
     assert (newton_schulz(torch.zeros(2, 3, 4), 5) == 0).all()
 
 
+def ns_by_powers(G, steps, coeffs):
+    """X_0 = G / (||G||_F + 1e-7); X_{j+1} = sum_i c_i (X X^T)^i X, with matrix powers (no transpose for a
+    tall G: an odd polynomial has p(X X^T) X = X p(X^T X))."""
+    X = G / (torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = sum(c * torch.linalg.matrix_power(A, i) @ X for i, c in enumerate(coeffs))
+    return X
+
+
+@pytest.mark.parametrize("coeffs", [(0.9,), (1.5, -0.5), (2.0, -1.5, 0.6, -0.1), (1.9, -1.2, 0.5, -0.2, 0.05)])
+@pytest.mark.parametrize("shape", [(3, 4, 7), (2, 6, 3)])
+def test_newton_schulz_polynomials_of_any_length(gen, coeffs, shape):
+    """A coefficient tuple of any length is the odd polynomial sum_i c_i X (X^T X)^i (one coefficient:
+    X -> c X; four and more: the order of Horner's loop matters)."""
+    G = torch.randn(*shape, generator=gen, dtype=F64)
+    for steps in (1, 3):
+        assert_close(newton_schulz(G, steps, coeffs), ns_by_powers(G, steps, coeffs),
+                     name=f"NS_{steps} with {len(coeffs)} coefficients")
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(ns_steps=-1), ValueError, "must be >= 0"),
     (dict(ns_steps=2.0), TypeError, "ns_steps must be a non-negative int"),

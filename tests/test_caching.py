@@ -132,6 +132,20 @@ def test_matches_definition(gen, segments, mode, aggregate):
         assert rel_rmse(got, want) < 1e-12, (backend, b)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_ssc_ties_go_to_the_earliest_state(gen, top_k):
+    """Segments with the same keys (so the same pooled key and exactly tied scores) and different values:
+    which of the tied states SSC keeps changes the output. Every form keeps the earliest, as the
+    definition's stable sort does."""
+    q, k, v, alpha, _ = inputs(gen, T=24)
+    k = k[:, :, :3].repeat(1, 1, 8, 1)                                     # eight segments of 3 with one key set
+    want = mc_reference(q, k, v, alpha, None, 3, "independent", "ssc", top_k)
+    for backend in ("recurrent", "chunk"):
+        got, _ = memory_caching(q, k, v, base=linear_attention, segments=3, mode="independent", aggregate="ssc",
+                                top_k=top_k, base_kwargs=dict(alpha=alpha), backend=backend)
+        assert rel_rmse(got, want) < 1e-12, backend
+
+
 def test_sum_pooling(gen):
     q, k, v, alpha, _ = inputs(gen)
     want = mc_reference(q, k, v, alpha, None, 3, "checkpoint", "grm", pool="sum")

@@ -215,3 +215,44 @@ def test_memory_caching_runs_the_kernel(monkeypatch, segments, aggregate, top_k)
     assert len(calls) == 1 and (calls[0] > SLOT_TILE) == (segments == 2)
     ref, _ = memory_caching(q.double(), k.double(), v.double(), backend="recurrent", **kw)
     assert torch.allclose(tri.double(), ref, atol=1e-5, rtol=1e-4), (tri.double() - ref).abs().max()
+
+
+def ssc_token_by_token(q, u, states, pooled, online, online_score, blocks, top_k):
+    """SSC per token in fp64, with the definition's tie rule: a stable sort of the visible slots by score,
+    so of equal scores the lowest slot is kept (``caching.recurrent.token_weights``)."""
+    q, u, states, pooled, online, online_score = (x.double() for x in (q, u, states, pooled, online, online_score))
+    B, H, T, V = online.shape
+    y = torch.empty(B, H, T, V, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                seen = [i for i in blocks[t].tolist() if i >= 0]          # slot order
+                r = [float(pooled[b, h, i] @ u[b, h, t]) for i in seen]
+                kept = sorted(range(len(seen)), key=lambda j: -r[j])[:top_k]
+                w = torch.softmax(torch.tensor([r[j] for j in kept] + [float(online_score[b, h, t])],
+                                               dtype=torch.float64), 0)
+                y[b, h, t] = w[-1] * online[b, h, t]
+                for j, wj in zip(kept, w[:-1]):
+                    y[b, h, t] += wj * (states[b, h, seen[j]] @ q[b, h, t])
+    return y
+
+
+@pytest.mark.parametrize("J", [6, 2 * SLOT_TILE + 3])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_ssc_ties_go_to_the_lowest_slot(gen, J, top_k):
+    """Cached states in pairs with equal pooled keys (so equal scores) but different memories: which of a
+    tied pair SSC keeps changes the output. J = 6: one slot tile; J = 2 tiles + 3: ties across tiles."""
+    B, H, T, K, V = 1, 2, 20, 8, 5
+    N = J + 2
+    blocks = torch.full((T, J), -1, dtype=torch.int64)
+    for t in range(1, T):
+        n = int(torch.randint(2, J + 1, (1,), generator=gen))
+        blocks[t, torch.randperm(J, generator=gen)[:n]] = torch.randperm(N, generator=gen)[:n]
+    q, u = torch.randn(2, B, H, T, K, generator=gen)
+    states = torch.randn(B, H, N, V, K, generator=gen)
+    pooled = torch.randn(B, H, N, K, generator=gen)
+    pooled[:, :, 1::2] = pooled[:, :, 0::2][:, :, :N // 2]                # states 2i and 2i + 1 tie
+    online, score = torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, T, generator=gen)
+    inputs = (q, u, states, pooled, online, score, blocks)
+    assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate="ssc"),
+                 ssc_token_by_token(*inputs, top_k), name=f"SSC top_k={top_k}, J={J}")

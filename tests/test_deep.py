@@ -249,6 +249,38 @@ def test_strong_decays_in_fp32(gen, window):
         assert_close(got, want.float(), tol=1e-5, name=f"dot chunk({b})")
 
 
+def decayed_attention_from_logs(q, k, v, log_alpha, normalize):
+    """y_t = sum_{i<=t} e^{sum_{i<j<=t} log alpha_j} exp(k_i . q_t) v_i (over the same sum of weights with
+    normalize), every decay summed afresh over (i, t] in fp64."""
+    T = q.shape[2]
+    L = log_alpha.double()
+    decay = torch.full((*L.shape[:2], T, T), float("-inf"), dtype=F64)
+    for t in range(T):
+        for i in range(t + 1):
+            decay[:, :, t, i] = L[:, :, i + 1:t + 1].sum(-1)
+    W = torch.exp(decay + q.double() @ k.double().mT)
+    y = W @ v.double()
+    return y / W.sum(-1, keepdim=True) if normalize else y
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_decays_after_a_long_strong_run_keep_their_digits_in_fp32(gen, normalize):
+    """fp32 inputs: 128 tokens of log alpha = -60 push the running log-decay g to -7680, where fp32 steps
+    by 5e-4; the last 50 tokens decay gently, so their weights depend on differences of g that an fp32
+    running sum would round by up to 2.5e-4 per token (g is summed in fp64). The strong run ends on a
+    block boundary of both chunk sizes: a strong decay inside a block costs digits (``split_decay``)."""
+    B, H, T, K, V = 1, 2, 178, 4, 3
+    q, k = (0.5 * torch.randn(2, B, H, T, K, generator=gen)).unbind(0)
+    v = torch.randn(B, H, T, V, generator=gen)
+    log_alpha = -0.3 * torch.rand(B, H, T, generator=gen)
+    log_alpha[..., :128] = -60.0
+    want = decayed_attention_from_logs(q, k, v, log_alpha, normalize)
+    for b in (16, 64):
+        got, _ = deep_transformer(q, k, v, log_alpha=log_alpha, normalize=normalize, backend="chunk", chunk_size=b)
+        assert got.dtype == torch.float32
+        assert_close(got[:, :, 128:], want[:, :, 128:].float(), tol=1e-5, name=f"chunk({b}), gentle tokens")
+
+
 def test_exp_flushed_zeroes_only_below_the_normal_range():
     from atlaslib.deep.chunk import exp_flushed
     for dtype in (torch.float32, F64):

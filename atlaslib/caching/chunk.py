@@ -49,8 +49,9 @@ def readout_weights(u, pooled, online_score, blocks, top_k=None, aggregate="grm"
     r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, blocks.clamp(min=0).expand(B, H, T, J))
     logits = r.masked_fill(~valid, float("-inf"))
     if aggregate == "ssc" and top_k is not None and top_k < J:
-        # only the top_k most relevant cached states take part ([MC] eq. 16-17); padding has -inf
-        chosen = logits.topk(top_k, dim=-1).indices
+        # only the top_k most relevant cached states take part ([MC] eq. 16-17); padding has -inf. A stable
+        # sort: of equal scores the lowest slot wins, as in the definition and the kernel (topk picks any)
+        chosen = logits.sort(dim=-1, descending=True, stable=True).indices[..., :top_k]
         keep = torch.zeros_like(valid).scatter(-1, chosen, True) & valid
         logits = logits.masked_fill(~keep, float("-inf"))
     p = torch.softmax(torch.cat([logits, online_score[..., None].to(cd)], dim=-1), dim=-1)

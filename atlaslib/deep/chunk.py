@@ -85,7 +85,10 @@ def split_decay(row_logs, g, rows: slice, cols: slice, cd):
     """The log-decays row_logs[t] - g[j] of a block (t in rows, j in cols) as a row part and a column part
     about the block's first row t0: (row_logs[t] - g[t0], g[t0] - g[j]), each an fp64 difference of
     the long sums, then in cd. Added to the scores one broadcast at a time, they spare building (and
-    rounding) an [n, m] matrix of fp64 differences per block."""
+    rounding) an [n, m] matrix of fp64 differences per block. The price: the two parts are rounded
+    apart, so in fp32 a pair of tokens that a strong decay D inside the block separates from t0 loses
+    about D * 3e-8 of relative accuracy (measured: 1e-6 at D = 44, 3e-5 at D = 1320); the length of the
+    sequence costs nothing."""
     ref = g[..., rows.start, None]
     return (row_logs[..., rows] - ref).to(cd), (ref - g[..., cols]).to(cd)
 

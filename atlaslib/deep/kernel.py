@@ -17,7 +17,8 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
   the exponential (the chunk form's ``kernel_weights``). The decays come from the host as the fp64
   running sum g; each query block subtracts g at its first row, in fp64, before rounding to fp32,
   so a decay between nearby tokens keeps its digits however long the sequence (far pairs, whose
-  decays lose digits, are the ones that vanish);
+  decays lose digits, are the ones that vanish); a strong decay inside the query block itself still
+  costs digits, as in the chunk form (``chunk.split_decay``);
 * ``normalize``: FlashAttention's online softmax. A running row max m and running sum
   l = sum_i eta_i e^{S - m} in fp32; each new tile rescales the accumulator by e^{m_old - m_new},
   so exp never overflows whatever the scores (the factor e^{-m} cancels in acc / l);
