@@ -173,3 +173,25 @@ def test_views_and_torch_func(gen):
     (delta_rule(*ref, beta.double(), backend="recurrent")[0] * w.double()).sum().backward()
     for g, x in zip(grads, ref):
         assert_close(g.double(), x.grad, tol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_gated_delta_gradients_with_mild_gates(gen, mode):
+    # gates in [0.97, 1]: the chunk's whole decay e^{g_n} ~ e^-0.6, so the gradient of g_n through the
+    # decayed start state, <dH, h[c]> e^{g_n}, is a visible part of every token's gate gradient
+    B, H, T, K, V = 1, 1, 40, 16, 16
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    beta = torch.rand(B, H, T, generator=gen)
+    shape = (B, H, T) if mode == "scalar" else (B, H, T, K)
+    log_alpha = (0.97 + 0.03 * torch.rand(*shape, generator=gen)).log()
+    h0 = torch.randn(B, H, V, K, generator=gen)
+    do, dht = torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen)
+    grads = []
+    for backend, dtype in (("triton", torch.float32), ("recurrent", torch.float64)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, beta, log_alpha, h0)]
+        o, s = delta_rule(*xs[:4], log_alpha=xs[4], initial_state=xs[5], output_final_state=True,
+                          backend=backend)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        grads.append([x.grad for x in xs])
+    for name, got, want in zip(("q", "k", "v", "beta", "log_alpha", "h0"), *grads):
+        assert_close(got.double(), want, tol=1e-5, name=f"{name} gradient")

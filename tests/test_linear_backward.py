@@ -180,3 +180,37 @@ def test_torch_func_grad_reaches_the_kernels(gen):
      * do.double()).sum().backward()
     for g, x in zip(got, ref):
         assert_close(g.double(), x.grad, tol=1e-4)
+
+
+def test_bf16_state_pass_keeps_an_fp32_running_state(gen):
+    # bf16 inputs, no gate: every product of two bf16 numbers is exact in fp32, so the final state
+    # (h0 + sum_t v_t k_t^T, carried in registers across 4 chunks) matches fp64 to fp32 rounding; a
+    # state rounded to bf16 between chunks would be off by ~2^-9
+    B, H, T, K, V = 1, 2, 3 * CHUNK + 5, 16, 16
+    q, k, v = (x.bfloat16() for x in random_qkv(B, H, T, K, V, generator=gen))
+    h0 = torch.randn(B, H, V, K, generator=gen)
+    with poisoned_outputs():
+        _, s = linear_attention(q, k, v, initial_state=h0, output_final_state=True, backend="triton")
+    _, ref = linear_attention(q.double(), k.double(), v.double(), initial_state=h0.double(),
+                              output_final_state=True, backend="recurrent")
+    assert s.dtype == torch.float32
+    assert_close(s.double(), ref, tol=1e-5, name="final state")
+
+
+def test_scalar_gate_gradients_with_batches_and_two_key_blocks(gen):
+    # B = 2 and K = 80 (two key blocks of 64): the scalar log-gate shares of both key blocks of every
+    # batch*head, against autograd through the fp64 loop
+    B, H, T, K, V = 2, 1, 40, 80, 16
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    log_alpha = (0.6 + 0.4 * torch.rand(B, H, T, generator=gen)).log()
+    h0 = torch.randn(B, H, V, K, generator=gen) / K
+    do, dht = torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen)
+    grads = []
+    for backend, dtype in (("triton", torch.float32), ("recurrent", torch.float64)):
+        xs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, log_alpha, h0)]
+        o, s = linear_attention(*xs[:3], log_alpha=xs[3], initial_state=xs[4], output_final_state=True,
+                                backend=backend)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        grads.append([x.grad for x in xs])
+    for name, got, want in zip(("q", "k", "v", "log_alpha", "h0"), *grads):
+        assert_close(got.double(), want, tol=1e-5, name=f"{name} gradient")

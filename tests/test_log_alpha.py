@@ -268,3 +268,38 @@ def test_miras_refuses_log_alpha_where_the_retention_has_no_gate():
     q, k, v = random_qkv(1, 2, 6, 4, 4, seed=0)
     with pytest.raises(ValueError, match="log_alpha was given but retention='none'"):
         miras(q, k, v, preset="ttt_linear", log_alpha=torch.full((1, 2, 6), -0.1))
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_a_number_gate_in_a_bf16_model_is_not_rounded(gen, backend):
+    # alpha = 0.999 rounds to exactly 1.0 in bf16; given as a number it must become an fp32 gate
+    # (``core.gates.retention_gates``), so the bf16 model forgets as the fp64 loop with 0.999 does
+    B, H, T, K, V = 1, 2, 200, 8, 8
+    q, k, v = (x.bfloat16() for x in random_qkv(B, H, T, K, V, generator=gen))
+    assert torch.tensor(0.999).bfloat16().item() == 1.0
+    o, s = linear_attention(q, k, v, alpha=0.999, output_final_state=True, backend=backend)
+    alpha = torch.full((B, H, T), 0.999, dtype=torch.float64)
+    ref_o, ref_s = linear_attention(q.double(), k.double(), v.double(), alpha=alpha, output_final_state=True,
+                                    backend="recurrent")
+    assert_close(o.double(), ref_o, tol=1e-2, name="o")
+    assert_close(s.double(), ref_s, tol=1e-5, name="final state (fp32)")
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+def test_fp64_loop_takes_exp_of_an_fp32_log_alpha_in_fp64(gen, model):
+    # fp64 inputs with an fp32 log_alpha: the chunk form uses the log as given (exact in fp64), the loop
+    # multiplies by exp(log_alpha) computed in fp64: both agree to fp64 rounding, not just to fp32's
+    B, H, T, K, V = 1, 2, 30, 6, 5
+    q, k, v = random_qkv(B, H, T, K, V, dtype=torch.float64, generator=gen)
+    log_alpha = (0.5 + 0.5 * torch.rand(B, H, T, K, generator=gen)).log()          # fp32
+    beta = torch.rand(B, H, T, generator=gen, dtype=torch.float64)
+    out = {}
+    for backend in ("recurrent", "chunk"):
+        if model == "linear":
+            out[backend] = linear_attention(q, k, v, log_alpha=log_alpha, output_final_state=True,
+                                            backend=backend, chunk_size=8)
+        else:
+            out[backend] = delta_rule(q, k, v, beta, log_alpha=log_alpha, output_final_state=True,
+                                      backend=backend, chunk_size=8)
+    assert_close(out["recurrent"][0], out["chunk"][0], tol=1e-12, name="o")
+    assert_close(out["recurrent"][1], out["chunk"][1], tol=1e-12, name="final state")
