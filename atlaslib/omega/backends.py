@@ -74,12 +74,11 @@ def window_table(recurrent, chunk, kernel: str, frozen_seq=None) -> dict:
     def per_token(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
         return recurrent(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
                          initial_state)
+    def frozen(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha):
+        return frozen_seq(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
+                          initial_state, chunk_size)
     table = {"recurrent": per_token, "chunk": chunk, "triton": lazy(f"{__package__}.kernel", kernel)}
-    if frozen_seq is not None:
-        table["frozen_seq"] = lambda q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, log_alpha: \
-            frozen_seq(q, k, v, window, gamma, alpha_from_log(alpha, log_alpha, compute_dtype(q)), eta,
-                       initial_state, chunk_size)
-    return table
+    return table if frozen_seq is None else table | {"frozen_seq": frozen}
 
 
 OMEGA_BACKENDS = window_table(omega_recurrent, omega_chunk, "omega_triton", omega_frozen_seq)
