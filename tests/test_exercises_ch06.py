@@ -314,3 +314,51 @@ def test_planted_paper_sign_loses_exactly_its_points(tmp_path):
 def test_triton_check_catches_masking_after_the_exponential():
     v = ch06.triton_exp_read.evaluate(exp_launcher(multiply=True))
     assert v.status == "failed" and "before the exponential" in v.message, v.message
+
+
+# Exercise 4 (the normaliser): a shift over every key (future ones included), or the causal mask applied
+# after exp, is right only while no future score is large; the check's large case has a query that sees
+# its own key at 0 and meets a future key at 120, where both give NaN. Correct answer written from the math.
+
+def _normaliser_scores(q, k):
+    T = q.shape[2]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return (q / math.sqrt(q.shape[-1])) @ k.transpose(-1, -2), causal
+
+
+def softmax_visible_shift(q, k, v):
+    """Right: mask the future keys to -inf, then shift by the largest visible score of the row."""
+    s, causal = _normaliser_scores(q, k)
+    s = s.masked_fill(~causal, -math.inf)
+    w = torch.exp(s - s.amax(-1, keepdim=True))
+    return (w @ v) / w.sum(-1, keepdim=True)
+
+
+def softmax_shift_over_all_keys(q, k, v):
+    """Wrong: the shift is the row's largest score over every key, future ones included."""
+    s, causal = _normaliser_scores(q, k)
+    w = torch.exp(s - s.amax(-1, keepdim=True)).masked_fill(~causal, 0.0)
+    return (w @ v) / w.sum(-1, keepdim=True)
+
+
+def softmax_mask_after_exp(q, k, v):
+    """Wrong: the right shift, but the mask multiplies the exponential instead of going before it."""
+    s, causal = _normaliser_scores(q, k)
+    m = s.masked_fill(~causal, -math.inf).amax(-1, keepdim=True)
+    w = torch.exp(s - m) * causal
+    return (w @ v) / w.sum(-1, keepdim=True)
+
+
+def test_normaliser_passes_the_visible_shift():
+    for _ in range(3):                                  # fresh inputs every time
+        v = ch06.normaliser.evaluate(softmax_visible_shift)
+        assert v.status == "passed" and v.earned == v.points, v.message
+
+
+@pytest.mark.parametrize("wrong", [softmax_shift_over_all_keys, softmax_mask_after_exp],
+                         ids=["shift_over_all_keys", "mask_after_exp"])
+def test_normaliser_rejects_answers_that_break_on_a_large_future_score(wrong):
+    for _ in range(3):                                  # the large case is built, not drawn: it fails every time
+        v = ch06.normaliser.evaluate(wrong)
+        assert v.status == "failed" and v.earned == 0, v.message
+        assert "of a future key" in v.message and "not finite" in v.message, v.message
