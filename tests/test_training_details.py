@@ -1,0 +1,224 @@
+"""What the mixers' front end, generation, training and the capacity helpers must do, beyond the
+shapes and step-vs-forward checks of the other files: each test is written against the definition
+(a documented formula or a property of it) and names, in its docstring, the plausible slip it rules out.
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from atlaslib.core.testing import TOLERANCE, assert_close
+from atlaslib.nn import TinyLM, TokenMixer, make_mixer
+from atlaslib.tasks import gd_memory, random_pairs
+from atlaslib.train import MQARTask, mqar_loss, train_mqar
+
+
+def seeded(gen):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+
+
+def step_through(mixer, x):
+    cache, ys = None, []
+    for t in range(x.shape[1]):
+        y_t, cache = mixer.step(x[:, t], cache)
+        ys.append(y_t)
+    return torch.stack(ys, dim=1), cache
+
+
+# ---------------------------------------------------------------- nn: step vs forward, q/k normalisation
+
+@pytest.mark.parametrize("name, kw", [("gla", {}), ("softmax", {"max_len": 16}), ("gated_deltanet", {})])
+def test_tinylm_step_is_its_forward_with_trained_norms(gen, name, kw):
+    """Rules out: Block.step applies norm1 (the mixer's RMSNorm) before the MLP instead of norm2. At init every
+    RMSNorm weight is 1, so the two norms are the same function and the stepped logits still match; the
+    norms of a trained model differ, so they are redrawn here."""
+    seeded(gen)
+    lm = TinyLM(17, 16, 2, name, 2, backend="chunk", **kw).double()
+    with torch.no_grad():
+        for m in lm.modules():
+            if isinstance(m, nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen, dtype=torch.float64))
+    ids = torch.randint(0, 17, (2, 9), generator=gen)
+    state, logits = None, []
+    with torch.no_grad():
+        for t in range(ids.shape[1]):
+            out, state = lm.step(ids[:, t], state)
+            logits.append(out)
+        ref = lm(ids)
+    tol = TOLERANCE[torch.float32] if name == "softmax" else None      # softmax attention computes in fp32
+    assert_close(torch.stack(logits, 1), ref, tol=tol, name="stepped logits vs forward (trained norms)")
+
+
+def test_qk_norm_comes_after_the_feature_map(gen):
+    """Rules out: forward normalises q and k before phi instead of after (step keeps the documented order).
+    With phi = identity (every test so far) the order does not matter; with elu+1 the mixed features
+    are no longer unit vectors and step no longer reproduces forward."""
+    seen = {}
+
+    class Probe(TokenMixer):
+        def mix(self, q, k, v, x):
+            seen["q"], seen["k"] = q, k
+            return v
+
+    seeded(gen)
+    Probe(16, 2, qk_norm=True, feature_map="elu+1")(3 * torch.randn(2, 5, 16, generator=gen))
+    for name in ("q", "k"):
+        assert_close(seen[name].norm(dim=-1), torch.ones(2, 2, 5), name=f"|phi({name})| after qk_norm")
+    mixer = make_mixer("linear", 16, 2, qk_norm=True, feature_map="elu+1", backend="chunk", chunk_size=4).double()
+    x = 3 * torch.randn(2, 7, 16, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        y, _ = step_through(mixer, x)
+        assert_close(y, mixer(x), name="linear (elu+1, qk_norm): step vs forward")
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_delta_mixers_hand_unit_keys_to_the_delta_rule(gen, monkeypatch, name):
+    """Rules out: DeltaNet's default qk_norm=True dropped. The step is then run with the same raw keys as the
+    forward (they agree), but the delta rule's step beta in (0, 1) is a contraction only for unit keys."""
+    import atlaslib.nn.delta_mixers as mod
+    real, seen = mod.delta_rule, {}
+
+    def spy(q, k, *args, **kw):
+        seen["q"], seen["k"] = q, k
+        return real(q, k, *args, **kw)
+    monkeypatch.setattr(mod, "delta_rule", spy)
+    seeded(gen)
+    mixer = make_mixer(name, 16, 2, backend="chunk")
+    with torch.no_grad():
+        mixer(3 * torch.randn(2, 6, 16, generator=gen))
+    for which in ("q", "k"):
+        assert_close(seen[which].norm(dim=-1), torch.ones(2, 2, 6), name=f"{name}: |{which}|")
+
+
+@pytest.mark.parametrize("name", ["linear", "mamba2", "gated_deltanet", "omeganet"])
+def test_a_bf16_mixer_steps_with_an_fp32_state(gen, name):
+    """Rules out: the step's first memory M_0 is made in the activation dtype instead of fp32. In fp32 and
+    fp64 models (all the step tests) that is the same; a bf16 model then accumulates its generation
+    state in bf16, while its forward pass accumulates in fp32."""
+    seeded(gen)
+    kw = {"chunk_size": 1} if name == "omeganet" else {}
+    mixer = make_mixer(name, 16, 2, backend="chunk", **kw).to(torch.bfloat16)
+    x = torch.randn(2, 24, 16, generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        y, cache = step_through(mixer, x)
+        ref = mixer(x)
+    memory = cache.memory if isinstance(cache.memory, torch.Tensor) else cache.memory.M
+    assert memory.dtype == torch.float32, f"{name}: the step's state is {memory.dtype}"
+    assert_close(y, ref, tol=TOLERANCE[torch.bfloat16], name=f"{name} (bf16): step vs forward")
+
+
+# ---------------------------------------------------------------- TinyLM sampling
+
+def test_top_k_sampling_follows_the_tempered_top_k_softmax(gen):
+    """Rules out: the top-k threshold taken from the largest logit (top_k > 1 samples the argmax only), and
+    the temperature multiplied instead of divided. Both pass the existing checks (top_k=1 is greedy;
+    equal seeds give equal draws). Reference: p_i ~ exp(l_i / T) on the k largest logits, 0 elsewhere."""
+    vocab, k, T, n = 12, 4, 3.0, 20_000
+    logits = 1.5 * torch.randn(1, vocab, generator=gen, dtype=torch.float64)
+    draw_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    draws = TinyLM.choose(logits.expand(n, vocab), greedy=False, temperature=T, top_k=k, generator=draw_gen)
+    top = logits[0].argsort(descending=True)[:k]
+    p = torch.zeros(vocab, dtype=torch.float64)
+    p[top] = torch.exp(logits[0, top] / T)
+    p = p / p.sum()
+    freq = torch.bincount(draws, minlength=vocab).double() / n
+    assert set(draws.unique().tolist()) <= set(top.tolist())               # only the k most likely
+    assert (freq - p).abs().max() < 0.03, (freq, p)                        # ~8 sigma at n = 20000
+
+
+# ---------------------------------------------------------------- train.py: loss, schedule, data
+
+class Recorder(nn.Module):
+    """A TinyLM that keeps the ids and logits of every training-mode forward pass."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.seen = lm, []
+
+    def forward(self, ids):
+        out = self.lm(ids)
+        if self.training:
+            self.seen.append((ids.clone(), out.detach().double()))
+        return out
+
+
+def labelled_cross_entropy(logits, labels):
+    """Mean of -log softmax(logits)[label] over the positions whose label is not -100, in fp64."""
+    logp = logits.double().log_softmax(-1)
+    mask = labels != -100
+    return -logp[mask].gather(-1, labels[mask][:, None]).mean()
+
+
+def test_train_loss_is_the_cross_entropy_of_the_answer_positions(gen):
+    """Rules out: the summed cross-entropy divided by every position of the batch instead of the labelled
+    ones (the loss, and the gradient, shrink by T / pairs), and the labels shifted once more (logits
+    [:, :-1] against labels [:, 1:]: the model is trained to answer one token early). The loss still
+    falls in both, which is all the training test checked."""
+    seeded(gen)
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=100, num_test=10)
+    data = task.data(int(torch.randint(0, 1000, (), generator=gen)))
+    train_x, train_y = data[0], data[1]
+    model = Recorder(TinyLM(40, 16, 1, "linear", 2))
+    res = train_mqar(model, data, steps=4, batch_size=8, lr=1e-2, warmup=2, seed=3, progress=False)
+    assert len(model.seen) == 4
+    for loss, (ids, logits) in zip(res.losses, model.seen):
+        match = (ids[:, None, :] == train_x[None]).all(-1)                 # which training rows were drawn
+        assert (match.sum(1) == 1).all()
+        y = train_y[match.float().argmax(1)]
+        assert loss == pytest.approx(labelled_cross_entropy(logits, y).item(), rel=1e-5)
+
+
+def test_mqar_loss_ignores_the_unlabelled_positions(gen):
+    """Rules out: mqar_loss scores the -100 positions too (here: as class 0)."""
+    logits = torch.randn(3, 10, 7, generator=gen)
+    labels = torch.randint(0, 7, (3, 10), generator=gen)
+    labels[torch.rand(3, 10, generator=gen) < 0.7] = -100
+    labels[0, 0] = 2                                                       # at least one labelled position
+    assert mqar_loss(logits, labels).item() == pytest.approx(labelled_cross_entropy(logits, labels).item(), rel=1e-5)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero(monkeypatch):
+    """Rules out: warm-up factor s / warmup (the first step has learning rate 0 and does nothing) and a full
+    cosine period (the rate climbs back to its peak at the end). Checked on the rate AdamW sees at
+    every step: positive, rising during warm-up to about lr, then never rising again, and ending near 0."""
+    rates = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            rates.append(self.param_groups[0]["lr"])
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=50, num_test=4)
+    torch.manual_seed(0)
+    lr, warmup, steps = 1e-2, 5, 40
+    train_mqar(TinyLM(40, 8, 1, "linear", 2), task.data(0), steps=steps, batch_size=4, lr=lr, warmup=warmup,
+               progress=False)
+    assert len(rates) == steps
+    assert all(r > 0 for r in rates), rates[:3]
+    peak = max(range(steps), key=rates.__getitem__)
+    assert peak < warmup and rates[peak] > 0.9 * lr
+    assert all(a < b for a, b in zip(rates[:peak], rates[1:peak + 1]))        # rising during warm-up
+    assert all(b <= a for a, b in zip(rates[peak:], rates[peak + 1:]))        # then never rising again
+    assert rates[-1] < 0.01 * lr
+
+
+def test_held_out_data_is_not_the_training_data(gen):
+    """Rules out: MQARTask.data draws the test split with the training seed, so the held-out accuracy is
+    measured on training sequences (with equal sizes, the very same ones)."""
+    task = MQARTask(vocab_size=64, seq_len=32, num_kv_pairs=4, num_train=50, num_test=50)
+    train_x, _, test_x, _ = task.data(int(torch.randint(0, 1000, (), generator=gen)))
+    assert not (test_x[:, None, :] == train_x[None]).all(-1).any()
+
+
+# ---------------------------------------------------------------- tasks/capacity.py
+
+def test_gd_memory_default_step_is_one_over_the_largest_squared_singular_value(gen):
+    """Rules out: the default step 1 / sigma_max(K)^2 computed with the Frobenius norm (a smaller, still stable
+    step: gd_memory still converges in the 3000 steps the old test gives it, just more slowly).
+    One step from M = 0 is lr * V^T K."""
+    K, V = random_pairs(6, 10, 4, generator=gen)
+    sigma = torch.linalg.svdvals(K)[0]
+    assert_close(gd_memory(K, V, steps=1), V.T @ K / sigma**2, name="first GD step")
+    # and it is the largest safe step: the error of the stiffest direction does not grow
+    assert math.isfinite(gd_memory(K, V, steps=200).norm().item())
