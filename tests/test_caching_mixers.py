@@ -17,14 +17,11 @@ from atlaslib.linear import linear_attention
 from atlaslib.nn import TinyLM, make_mixer
 from atlaslib.nn.caching_mixers import CACHED, MemoryCaching
 from atlaslib.train import MQARTask, train_mqar
+from mixer_helpers import seeded
 
 D, H = 12, 2
 BASES = sorted(CACHED)
 F64 = torch.float64
-
-
-def seeded(gen):
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
 
 
 def front_end(mixer, x):

@@ -16,6 +16,7 @@ from atlaslib.core.testing import TOLERANCE, assert_close, rel_rmse, window_l2_g
 from atlaslib.deep import dot, exp_features
 from atlaslib.nn import MIXERS, TinyLM, available_mixers, make_mixer
 from atlaslib.nn.deep_mixers import CoefficientCache, KernelCache
+from mixer_helpers import seeded, step_through
 
 D, H = 12, 2
 NAMES = ("deep_transformer", "swdt", "dot", "dla")
@@ -50,20 +51,8 @@ STEP_CONFIGS = [
 ]
 
 
-def seeded(gen):
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
-
-
 def x_of(gen, B=2, T=9, dtype=torch.float32):
     return torch.randn(B, T, D, generator=gen).to(dtype)
-
-
-def step_through(mixer, x):
-    cache, ys = None, []
-    for t in range(x.shape[1]):
-        y_t, cache = mixer.step(x[:, t], cache)
-        ys.append(y_t)
-    return torch.stack(ys, 1), cache
 
 
 def mix_inputs(mixer, x):

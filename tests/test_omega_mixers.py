@@ -13,6 +13,7 @@ from atlaslib import bench
 from atlaslib.core.testing import assert_causal_mixer
 from atlaslib.nn import TinyLM, available_mixers, make_mixer
 from atlaslib.nn.omega_mixers import OmegaNet, SWLA
+from mixer_helpers import seeded
 
 CONFIGS = [
     ("omeganet", {}),
@@ -24,10 +25,6 @@ CONFIGS = [
     ("swla", {}),
     ("swla", {"gamma": "source", "degree": 2}),
 ]
-
-
-def seeded(gen):
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
 
 
 def test_registered():

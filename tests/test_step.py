@@ -20,6 +20,7 @@ from atlaslib.nn import ShortConv, TinyLM, TokenMixer, available_mixers, make_mi
 from atlaslib.nn.linear_mixers import GatedLinear
 from atlaslib.omega import omega_rule, swla
 from atlaslib.omega.recurrent import omega_step, start_window, swla_step
+from mixer_helpers import step_through
 
 DTYPES = [torch.float32, torch.float64]
 
@@ -298,14 +299,6 @@ MIXER_CASES = [
 ]
 
 
-def step_through(mixer, x):
-    cache, ys = None, []
-    for t in range(x.shape[1]):
-        y_t, cache = mixer.step(x[:, t], cache)
-        ys.append(y_t)
-    return torch.stack(ys, dim=1), cache
-
-
 def test_every_registered_mixer_has_a_case():
     registered = {name for name in available_mixers() if not name.startswith("_")}   # "_": other tests' probes
     assert registered <= {case.values[0] if hasattr(case, "values") else case[0] for case in MIXER_CASES}
@@ -392,8 +385,14 @@ LM_CASES = [
 
 @pytest.mark.parametrize("name, kw", LM_CASES)
 def test_tinylm_step_logits_are_the_forward_logits(gen, name, kw):
+    """With the RMSNorm weights of a trained model (at init all are 1, so norm1 and norm2 would be
+    interchangeable and a step that mixed them up would still match)."""
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     lm = TinyLM(17, 16, 2, name, 2, backend="chunk", **kw).double()
+    with torch.no_grad():
+        for m in lm.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen, dtype=torch.float64))
     ids = torch.randint(0, 17, (2, 9), generator=gen)
     state, logits = None, []
     with torch.no_grad():

@@ -12,43 +12,10 @@ from atlaslib.core.testing import TOLERANCE, assert_close
 from atlaslib.nn import TinyLM, TokenMixer, make_mixer
 from atlaslib.tasks import gd_memory, random_pairs
 from atlaslib.train import MQARTask, mqar_loss, train_mqar
-
-
-def seeded(gen):
-    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
-
-
-def step_through(mixer, x):
-    cache, ys = None, []
-    for t in range(x.shape[1]):
-        y_t, cache = mixer.step(x[:, t], cache)
-        ys.append(y_t)
-    return torch.stack(ys, dim=1), cache
+from mixer_helpers import seeded, step_through
 
 
 # ---------------------------------------------------------------- nn: step vs forward, q/k normalisation
-
-@pytest.mark.parametrize("name, kw", [("gla", {}), ("softmax", {"max_len": 16}), ("gated_deltanet", {})])
-def test_tinylm_step_is_its_forward_with_trained_norms(gen, name, kw):
-    """Rules out: Block.step applies norm1 (the mixer's RMSNorm) before the MLP instead of norm2. At init every
-    RMSNorm weight is 1, so the two norms are the same function and the stepped logits still match; the
-    norms of a trained model differ, so they are redrawn here."""
-    seeded(gen)
-    lm = TinyLM(17, 16, 2, name, 2, backend="chunk", **kw).double()
-    with torch.no_grad():
-        for m in lm.modules():
-            if isinstance(m, nn.RMSNorm):
-                m.weight.copy_(1 + 0.5 * torch.randn(m.weight.shape, generator=gen, dtype=torch.float64))
-    ids = torch.randint(0, 17, (2, 9), generator=gen)
-    state, logits = None, []
-    with torch.no_grad():
-        for t in range(ids.shape[1]):
-            out, state = lm.step(ids[:, t], state)
-            logits.append(out)
-        ref = lm(ids)
-    tol = TOLERANCE[torch.float32] if name == "softmax" else None      # softmax attention computes in fp32
-    assert_close(torch.stack(logits, 1), ref, tol=tol, name="stepped logits vs forward (trained norms)")
-
 
 def test_qk_norm_comes_after_the_feature_map(gen):
     """Rules out: forward normalises q and k before phi instead of after (step keeps the documented order).
