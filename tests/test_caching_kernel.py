@@ -27,7 +27,8 @@ def readout_reference(q, u, states, pooled, online, online_score, blocks, top_k,
             continue
         r = torch.einsum("bhnk,bhk->bhn", pooled[:, :, seen], u[:, :, t])                 # <u_t, p_i>
         if aggregate == "ssc" and top_k is not None and top_k < len(seen):
-            kept = torch.zeros_like(r, dtype=torch.bool).scatter(2, r.topk(top_k, dim=2).indices, True)
+            best = r.sort(dim=2, descending=True, stable=True).indices[..., :top_k]     # ties: the lowest slot
+            kept = torch.zeros_like(r, dtype=torch.bool).scatter(2, best, True)
             r = r.masked_fill(~kept, float("-inf"))
         gamma = torch.softmax(torch.cat([r, online_score[:, :, t, None]], 2), 2)
         y[:, :, t] = gamma[..., -1:] * online[:, :, t] + (gamma[..., :-1, None] * reads).sum(2)
@@ -217,26 +218,6 @@ def test_memory_caching_runs_the_kernel(monkeypatch, segments, aggregate, top_k)
     assert torch.allclose(tri.double(), ref, atol=1e-5, rtol=1e-4), (tri.double() - ref).abs().max()
 
 
-def ssc_token_by_token(q, u, states, pooled, online, online_score, blocks, top_k):
-    """SSC per token in fp64, with the definition's tie rule: a stable sort of the visible slots by score,
-    so of equal scores the lowest slot is kept (``caching.recurrent.token_weights``)."""
-    q, u, states, pooled, online, online_score = (x.double() for x in (q, u, states, pooled, online, online_score))
-    B, H, T, V = online.shape
-    y = torch.empty(B, H, T, V, dtype=torch.float64)
-    for b in range(B):
-        for h in range(H):
-            for t in range(T):
-                seen = [i for i in blocks[t].tolist() if i >= 0]          # slot order
-                r = [float(pooled[b, h, i] @ u[b, h, t]) for i in seen]
-                kept = sorted(range(len(seen)), key=lambda j: -r[j])[:top_k]
-                w = torch.softmax(torch.tensor([r[j] for j in kept] + [float(online_score[b, h, t])],
-                                               dtype=torch.float64), 0)
-                y[b, h, t] = w[-1] * online[b, h, t]
-                for j, wj in zip(kept, w[:-1]):
-                    y[b, h, t] += wj * (states[b, h, seen[j]] @ q[b, h, t])
-    return y
-
-
 @pytest.mark.parametrize("J", [6, 2 * SLOT_TILE + 3])
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_ssc_ties_go_to_the_lowest_slot(gen, J, top_k):
@@ -255,4 +236,4 @@ def test_ssc_ties_go_to_the_lowest_slot(gen, J, top_k):
     online, score = torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, T, generator=gen)
     inputs = (q, u, states, pooled, online, score, blocks)
     assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate="ssc"),
-                 ssc_token_by_token(*inputs, top_k), name=f"SSC top_k={top_k}, J={J}")
+                 readout_reference(*inputs, top_k, "ssc"), name=f"SSC top_k={top_k}, J={J}")
