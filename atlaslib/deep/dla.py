@@ -21,6 +21,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from ..core.chunking import compute_dtype
+from ..core.dispatch import choose_backend
 from ..core.types import FeatureMap, Gate, ModelOutput
 from ..miras import MEMORIES, miras
 from ..miras.config import DEFAULT_CHUNK_SIZE
@@ -30,6 +31,13 @@ from .validation import check_phi_star
 DLA_MEMORIES = MEMORIES          # every memory of chapter 3's engine
 # Options of the memory axis that dla passes on to the engine; the other three axes are DLA's.
 MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
+# The backends of chapter 3's engine for what runs on it here: its kernel is Titans/TTT's (l2, linear).
+ENGINE_BACKENDS = ("recurrent", "frozen_seq", "chunk")
+
+
+def check_engine_backend(backend, q: Tensor, model: str, why: str) -> None:
+    """Refuse a backend the engine lacks under the caller's name: ``miras`` would name itself."""
+    choose_backend(backend, q, dict.fromkeys(ENGINE_BACKENDS), model=model, missing=why)
 
 
 def taylor_phi(order: int) -> Callable[[Tensor], Tensor]:
@@ -88,10 +96,11 @@ def dla(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta: Gate = None
                              "atlaslib.deep.deep_transformer(memory='mlp' or 'linear', phi_star='kernel'), which "
                              "starts W1 at 0")
         phi = taylor_phi(order)
+    check_engine_backend(backend, q, "dla", "there is no Triton kernel for the dot-product bias")
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     return miras(q, k, v, preset="dla", memory=memory, alpha=alpha, eta=eta, phi=phi, initial_state=initial_state,
                  output_final_state=output_final_state, backend=backend, chunk_size=chunk_size, log_alpha=log_alpha,
                  **memory_options)
 
 
-__all__ = ["dla", "taylor_phi", "DLA_MEMORIES"]
+__all__ = ["dla", "taylor_phi", "check_engine_backend", "DLA_MEMORIES"]

@@ -33,7 +33,7 @@ from ..core.dispatch import dispatch
 from ..core.gates import alpha_from_log
 from ..miras import miras
 from ..miras.memory import ACTIVATIONS
-from .dla import dla, taylor_phi
+from .dla import check_engine_backend, dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
 from .validation import check_read_write_exponents
 from .recurrent import deep_mlp_recurrent, dot_mlp_recurrent
@@ -111,6 +111,7 @@ def exact_phi_backend(backend):
     return "recurrent" if backend == "auto" else backend
 
 
+DEEP_MEMORY_NO_KERNEL = "the deep memory runs on chapter 3's engine, whose Triton kernel is for linear memories"
 EXACT_PHI_MISSING = ("phi_star='kernel' with memory='mlp' is per token only (the first layer is held as "
                      "coefficients of past features, O(T^2)); use backend='recurrent' (or 'auto'), or "
                      "phi_star=('taylor', P) for the engine's chunk form")
@@ -121,6 +122,7 @@ def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, o
     """DeepTransformer with the deep memory (DLA on phi*). order: P of ("taylor", P), None for the kernel."""
     W1, W2, D = mlp_start(initial_state, q, v, order)
     if order is not None:
+        check_engine_backend(backend, q, "deep_transformer(memory='mlp')", DEEP_MEMORY_NO_KERNEL)
         start, expansion = engine_state(W1, W2, D)
         o, state = dla(q, k, v, alpha=alpha, eta=eta, phi_star=("taylor", order), memory="mlp",
                        initial_state=start, output_final_state=output_final_state, backend=backend,
@@ -139,6 +141,7 @@ def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, output_fin
     """DOT with the deep memory (the deep Omega rule on phi*). order: P of ("taylor", P), None for the kernel."""
     W1, W2, D = mlp_start(initial_state, q, v, order)
     if order is not None:                     # chapter 3's engine as omega_rule(memory="mlp") runs it
+        check_engine_backend(backend, q, "dot(memory='mlp')", DEEP_MEMORY_NO_KERNEL)
         start, expansion = engine_state(W1, W2, D)
         o, state = miras(q, k, v, memory="mlp", bias="l2", optimizer="gd", retention="decay", window=window,
                          gamma=gamma, alpha=alpha, eta=eta, phi=taylor_phi(order), initial_state=start,
