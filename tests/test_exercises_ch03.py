@@ -294,7 +294,15 @@ def test_triton_check_catches_stores_past_the_end():
     (dict(swap=True), "relative RMSE"),                      # D_B D_A
 ], ids=["padding_pairs", "exp_before_mask", "swapped_product"])
 def test_triton_check_catches_wrong_entries(kw, where):
-    fails(ch03.triton_decay_product, product_launcher(**kw), where=where)
+    v = fails(ch03.triton_decay_product, product_launcher(**kw), where=where)
+    if "0.001" in where:        # NaN from inf * 0: the message says where such a NaN comes from
+        assert "tl.where(keep, diff, -inf) before tl.exp" in v.message, v.message
+
+
+def test_triton_check_keeps_the_overflow_hint_for_strong_gates():
+    """An unmasked load on mild gates is a NaN of the guard band, not of an overflow."""
+    v = fails(ch03.triton_decay_product, product_launcher(mask_loads=False, valid_pairs=False), where="NaN")
+    assert "gates in [0.5, 1.0]" in v.message and "inf * 0" not in v.message, v.message
 
 
 # ---- the engine agrees with the answers above (the exercises ask for the library's model) ----------
