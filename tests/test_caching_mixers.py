@@ -170,7 +170,7 @@ def test_residual_independent_over_linear_attention_is_linear_attention(gen):
     (dict(segments="log", mode="checkpoint"), "needs mode='independent'"),
     (dict(aggregate="mean"), "aggregate must be one of"),
     (dict(top_k=2), "top_k is SSC's parameter"),
-    (dict(aggregate="ssc", top_k=0), "top_k must be an int >= 1"),
+    (dict(aggregate="ssc", top_k=0), "top_k must be >= 1"),
     (dict(pool="max"), "pool must be one of"),
     (dict(base="linear", normalize=True), "normalize=False"),
 ])

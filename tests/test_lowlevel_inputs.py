@@ -125,6 +125,9 @@ def bad_inputs(form: Form, good: dict):
     yield "k of T-1 tokens", {"k": k[:, :, 1:]}, ValueError, r"^q and k must have the same shape"
     yield "v of T-1 tokens", {"v": v[:, :, 1:]}, ValueError, r"^v must have shape"
     yield "q of rank 3", {"q": q[0]}, ValueError, r"^q must have shape"
+    # no token: the loops met an empty torch.stack, some chunk forms returned an empty output
+    empty = {name: good[name][:, :, :0] for name in ("q", "k", "v", *form.gates) if good[name] is not None}
+    yield "T = 0", empty, ValueError, r"^q, k, v must be non-empty"
 
 
 GOOD = good_inputs()

@@ -11,28 +11,57 @@ import torch
 
 from atlaslib.caching import (consecutive_layout, dyadic_blocks, log_layout, make_layout, memory_caching, memory_reads,
                               segment_lengths)
+from atlaslib.core import softmax_attention
 from atlaslib.core.featuremaps import monomial_dim
 from atlaslib.deep import exp_feature_dim
 from atlaslib.linear import linear_attention
 from atlaslib.nn import TinyLM, make_mixer
 from atlaslib.nn.lm import DecodeState
 from atlaslib.nn.base import MixerCache
+from atlaslib.tasks import capacity_sweep
 
 D, H = 16, 2
 
 
 # ---------------------------------------------------------------- mixer sizes and options
 
-@pytest.mark.parametrize("option, value", [
-    ("head_k_dim", 0), ("head_k_dim", -2), ("head_k_dim", 2.5), ("head_k_dim", True),
-    ("head_v_dim", 0), ("head_v_dim", -1),
-    ("conv_size", -1), ("conv_size", 1.5), ("conv_size", True),
-    ("chunk_size", 0), ("chunk_size", -4), ("chunk_size", 2.0),
-    ("backend", "fast"), ("backend", 3),
+@pytest.mark.parametrize("option, value, error", [
+    ("head_k_dim", 0, ValueError), ("head_k_dim", -2, ValueError), ("head_k_dim", 2.5, TypeError),
+    ("head_k_dim", True, TypeError), ("head_v_dim", 0, ValueError), ("head_v_dim", -1, ValueError),
+    ("conv_size", -1, ValueError), ("conv_size", 1.5, TypeError), ("conv_size", True, TypeError),
+    ("chunk_size", 0, ValueError), ("chunk_size", -4, ValueError), ("chunk_size", 2.0, TypeError),
+    ("backend", "fast", ValueError), ("backend", 3, ValueError),
 ])
-def test_mixer_sizes_and_options_are_checked(option, value):
-    with pytest.raises(ValueError, match=f"{option} must be"):
+def test_mixer_sizes_and_options_are_checked(option, value, error):
+    """As the library functions: TypeError for what is not an int (True and 2.0 too), ValueError below the range."""
+    with pytest.raises(error, match=f"{option} must be"):
         make_mixer("linear", D, H, **{option: value})
+
+
+def _generate(**kw):
+    torch.manual_seed(0)
+    lm = TinyLM(11, D, 1, "linear", H)
+    return lm.generate(torch.zeros(1, 2, dtype=torch.long), kw.pop("max_new_tokens", 2), greedy=False, **kw)
+
+
+QKV = [torch.randn(1, H, 5, 4) for _ in range(3)]
+COUNTS = {      # every count the library takes, outside the models' own arguments: (call, its name in the error)
+    "attention window": (lambda n: softmax_attention(*QKV, window=n), "window"),
+    "swa window": (lambda n: make_mixer("swa", D, H, window=n), "window"),
+    "generate max_new_tokens": (lambda n: _generate(max_new_tokens=n), "max_new_tokens"),
+    "generate top_k": (lambda n: _generate(top_k=n), "top_k"),
+    "capacity_sweep m": (lambda n: capacity_sweep(8, 8, [n], trials=1), "every m"),
+}
+
+
+@pytest.mark.parametrize("value, error", [(2.0, TypeError), (True, TypeError), (-1, ValueError)])
+@pytest.mark.parametrize("what", sorted(COUNTS))
+def test_counts_are_ints(what, value, error):
+    """TypeError for what is not an int (as the models' chunk_size and window), ValueError below the range."""
+    call, name = COUNTS[what]
+    call(2)
+    with pytest.raises(error, match=f"^{name} must be"):
+        call(value)
 
 
 def test_qk_norm_must_be_a_bool():
@@ -156,9 +185,9 @@ def test_layouts_of_one_token_still_work():
     assert make_layout(1, 4).online == [(0, 1)] and segment_lengths(5, 4) == [4, 1]
 
 
-@pytest.mark.parametrize("top_k", [0, -1, 1.5, True])
-def test_memory_reads_checks_top_k(top_k):
-    with pytest.raises(ValueError, match="top_k must be an int >= 1"):
+@pytest.mark.parametrize("top_k, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_memory_reads_checks_top_k(top_k, error):
+    with pytest.raises(error, match=r"top_k must be .*\(or None: all visible states\)"):
         memory_reads(make_layout(8, 4), top_k)
 
 

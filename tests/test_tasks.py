@@ -145,5 +145,5 @@ def test_capacity_bad_input():
         hebbian_memory(K[0], torch.randn(4, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="M must have shape"):
         recall_error(torch.zeros(8, 3, dtype=torch.float64), K, torch.randn(4, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="every m must be >= 1"):
         capacity_sweep(8, 8, [0])

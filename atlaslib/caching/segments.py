@@ -76,8 +76,8 @@ def check_length(T) -> int:
 
 
 def check_top_k(top_k):
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an int >= 1 (or None: all visible states), got {top_k!r}")
+    if top_k is not None:
+        check_int("top_k", top_k, 1, " (or None: all visible states)")
 
 
 def check_lengths(lengths) -> list:

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .validation import check_qkv
+from .validation import check_int, check_qkv
 
 
 def softmax_attention(q, k, v, *, window: int | None = None, scale: float | None = None):
@@ -16,8 +16,8 @@ def softmax_attention(q, k, v, *, window: int | None = None, scale: float | None
     attention, SWA). Computed in fp32 and returned in q's dtype.
     """
     B, H, T, K, V = check_qkv(q, k, v)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if window is not None:
+        check_int("window", window, 1, " (or None: every past key)")
     scale = 1.0 / math.sqrt(K) if scale is None else scale
     s = torch.einsum("bhtk,bhjk->bhtj", q.float(), k.float()) * scale
     t = torch.arange(T, device=q.device)

@@ -41,7 +41,7 @@ def check_tensor(name: str, x, ndim: int, layout: str) -> torch.Tensor:
 
 
 def check_qkv_shapes(q, k, v):
-    """The shape part of ``check_qkv``: q, k [B, H, T, K] and v [B, H, T, V] floating tensors (T may be 0).
+    """The shape part of ``check_qkv``: q, k [B, H, T, K] and v [B, H, T, V] floating tensors (any may be 0).
     Returns (B, H, T, K, V)."""
     check_tensor("q", q, 4, "[B, H, T, K]")
     check_tensor("k", k, 4, "[B, H, T, K]")
@@ -54,11 +54,15 @@ def check_qkv_shapes(q, k, v):
     return B, H, T, K, v.shape[3]
 
 
+def check_non_empty(q, v) -> None:
+    if min(*q.shape, v.shape[3]) < 1:
+        raise ValueError(f"q, k, v must be non-empty, got q {_shape(q)} and v {_shape(v)}")
+
+
 def check_qkv(q, k, v):
     """q, k: [B, H, T, K]; v: [B, H, T, V]. Returns (B, H, T, K, V)."""
     B, H, T, K, _ = check_qkv_shapes(q, k, v)
-    if min(B, H, T, K, v.shape[3]) < 1:
-        raise ValueError(f"q, k, v must be non-empty, got q {_shape(q)} and v {_shape(v)}")
+    check_non_empty(q, v)
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -93,7 +97,7 @@ def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_cha
                       required: tuple = (), **gates):
     """The shapes a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
 
-    q, k [B, H, T, K] and v [B, H, T, V]; ``gamma`` [B, H, T] or [B, H, T, window]; every other gate
+    q, k [B, H, T, K] and v [B, H, T, V], none of them empty; ``gamma`` [B, H, T] or [B, H, T, window]; every other gate
     [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``; absent gates None, except those
     named in ``required``; alpha and log_alpha not both. Values are not read: the entry points check them
     before they call a form, and here it would cost a host sync. Returns (B, H, T, K, V).
@@ -103,6 +107,7 @@ def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_cha
             raise TypeError(f"{name} is required: a [B, H, T] tensor")
     check_one_retention(gates.get("alpha"), gates.get("log_alpha"))
     B, H, T, K, V = check_qkv_shapes(q, k, v)
+    check_non_empty(q, v)
     check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]))
     for name, g in gates.items():
         check_shape(name, g, (B, H, T), *([(B, H, T, K)] if name in per_channel else []))

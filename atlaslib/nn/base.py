@@ -41,7 +41,7 @@ from torch import nn
 
 from ..core import get_feature_map
 from ..core.dispatch import KNOWN_BACKENDS
-from ..core.validation import check_flag
+from ..core.validation import check_flag, check_int
 
 MIXERS: dict[str, type] = {}
 
@@ -94,11 +94,9 @@ def make_mixer(name: str, d_model: int, n_heads: int, **kw) -> "TokenMixer":
 
 
 def check_size(name: str, value, default: str = "") -> int:
-    """A width, a head count or a chunk length: an int >= 1. ``True`` and ``2.0`` are refused too, and 0
-    is not read as "the default" (``default`` says how to ask for it, if there is one)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int{default}, got {value!r}")
-    return value
+    """A width, a head count or a chunk length: an int >= 1 (TypeError for ``True`` and ``2.0``, ValueError
+    below 1: 0 is not read as "the default"; ``default`` says how to ask for it, if there is one)."""
+    return check_int(name, value, 1, default)
 
 
 def check_positive_number(name: str, value, what: str) -> float:
@@ -109,8 +107,8 @@ def check_positive_number(name: str, value, what: str) -> float:
 
 
 def check_conv_size(conv_size) -> None:
-    if conv_size is not None and (isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 0):
-        raise ValueError(f"conv_size must be an int >= 0 (0 or None: no convolution), got {conv_size!r}")
+    if conv_size is not None:
+        check_int("conv_size", conv_size, 0, " (0 or None: no convolution)")
 
 
 def check_backend(backend) -> None:

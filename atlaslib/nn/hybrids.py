@@ -31,14 +31,13 @@ import torch
 from torch import nn
 
 from ..core import softmax_attention
+from ..core.validation import check_int
 from .base import MIXERS, TokenMixer, make_mixer, register_mixer
 from .linear_mixers import SoftmaxAttention
 
 
 def check_attention_window(window) -> int:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int (the attention's window), got {window!r}")
-    return window
+    return check_int("window", window, 1, " (the attention's window)")
 
 
 @register_mixer("swa")

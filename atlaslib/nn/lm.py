@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..core.validation import check_int
 from .base import make_mixer
 
 
@@ -124,12 +125,11 @@ class TinyLM(nn.Module):
         """
         if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
             raise ValueError(f"prompt_ids must be [B, T0] with T0 >= 1, got shape {list(prompt_ids.shape)}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, 0)
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        if top_k is not None:
+            check_int("top_k", top_k, 1, " (or None: every token)")
         state, ids = None, prompt_ids
         for t in range(prompt_ids.shape[1]):
             logits, state = self.step(prompt_ids[:, t], state)

@@ -23,6 +23,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from ..core.validation import check_int
+
 
 def _check_pairs(K, V):
     if not isinstance(K, torch.Tensor) or not isinstance(V, torch.Tensor):
@@ -91,8 +93,7 @@ def capacity_sweep(d_k: int, d_v: int, ms, trials: int = 20, seed: int = 0, *, p
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for m in tqdm(list(ms), desc="capacity sweep", disable=not progress):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise ValueError(f"every m must be a positive int, got {m!r}")
+        check_int("every m", m, 1)
         ls, hebb = 0.0, 0.0
         for _ in range(trials):
             K, V = random_pairs(m, d_k, d_v, generator=gen)
