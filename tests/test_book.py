@@ -118,6 +118,26 @@ def test_config_keeps_execution_off_and_bibliography():
         assert (ROOT / bib).exists(), f"bibliography file {bib} is missing"
 
 
+def test_citations_read_as_their_entries_labels(html_dir):
+    """Every entry of the bibliography has its own label, and every citation's text is (the end of) the label of
+    the entry it links to: "[Behrouz et al., 2025a]", or "2025a" after the names in a textual citation. Two works
+    by the same authors in one year once cited alike, under labels such as [BRZM25] that the text never showed."""
+    entries = {}
+    for div in soup_of(html_dir, "book/bibliography").select("div.citation"):
+        entries[div["id"]] = div.select_one("span.label").get_text(strip=True).strip("[]")
+    labels = sorted(entries.values())
+    assert len(entries) > 20 and len(set(labels)) == len(labels), labels
+    wrong, seen = [], 0
+    for doc in built_pages(html_dir):
+        for a in soup_of(html_dir, doc).select('a[href*="bibliography.html#"]'):
+            label = entries.get(a["href"].split("#")[1])
+            text = " ".join(a.get_text().split())           # "et al." is in <em>
+            seen += 1
+            if label is None or not (text == label or label.endswith(", " + text)):
+                wrong.append(f"{doc}: {text!r} links to {label!r}")
+    assert seen > 100 and not wrong, "\n".join(wrong[:20])
+
+
 # Where a `$` may legitimately stay in the HTML: math MathJax will typeset, code, cell
 # outputs, and the page's scripts and styles.
 NOT_PROSE = ("script", "style", "pre", "code", "kbd", "samp")

@@ -130,7 +130,10 @@ def test_config_points_the_buttons_at_the_branch_the_workflow_publishes():
     config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
     repo = config["repository"]
     assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repo["url"]), repo["url"]
-    assert config["html"]["use_repository_button"] and config["html"]["use_issues_button"]
+    # the header's buttons link to repo["url"]: off while it is the placeholder, on once it is a repository
+    placeholder = repo["url"].endswith("/OWNER/REPO")
+    for button in ("use_repository_button", "use_issues_button"):
+        assert config["html"][button] is not placeholder, f"{button} with repository.url {repo['url']}"
     assert config["html"]["use_download_button"]
     assert triggers_of(BOOK.read_text(encoding="utf-8"))["workflow_run"]["branches"] == [repo["branch"]]
 

@@ -171,10 +171,11 @@ OVERFLOW_HINT = (" With gates this strong, NaN also comes from inf * 0: exp(l_t 
                  "the differences with tl.where(keep, diff, -inf) before tl.exp, keep only pairs of real rows.")
 
 
-@EXERCISES.check("triton_decay_product", title="A Triton kernel for the momentum weights D_A D_B", points=3,
+@EXERCISES.check("triton_decay_product", title="A Triton kernel for the momentum weights D_alpha D_theta", points=3,
                   functions=("decay_product",), needs_launch=True)
 def triton_decay_product(fn, gen):
-    """fn(la [N,n], lb [N,n], out [N,n,n]) -> out = D_A D_B, D_X[t, m] = exp(lx_t - lx_m) for m <= t, else 0."""
+    """fn(la [N,n], lb [N,n], out [N,n,n]) -> out = D_alpha D_theta: D_alpha[t, m] = exp(la_t - la_m) for m <= t,
+    else 0, and D_theta likewise from lb."""
     device, tol = triton_setup(TOL)
     # (N, n, gates in [low, high]); the last case's cumulative products underflow fp32 (A_t < 1e-45)
     cases = [(2, 5, 0.5, 1.0), (1, 16, 0.8, 1.0), (3, 11, 0.3, 1.0), (1, 1, 0.5, 1.0), (2, 30, 0.001, 0.05)]

@@ -24,30 +24,30 @@ depend on the state, so unrolling it gives
 The memory recursion M_t = alpha_t M_{t-1} + S_t unrolls to M_t = A_t M_{t0} +
 sum_{n<=t} (A_t / A_n) S_n; substituting S_n and swapping the two sums,
 
-    M_t = A_t M_{t0} + c_t S_{t0} - sum_{i<=t} W[t, i] u_i,
-    c_t = sum_{n<=t} (A_t / A_n) B_n,
-    W   = D_A D_B,  D_A[t, n] = A_t / A_n (n <= t),  D_B[n, i] = B_n / B_i (i <= n),
+    M_t = A_t M_{t0} + s_t S_{t0} - sum_{i<=t} W[t, i] u_i,
+    s_t = sum_{n<=t} (A_t / A_n) B_n,
+    W   = D_alpha D_theta,  D_alpha[t, n] = A_t / A_n (n <= t),  D_theta[n, i] = B_n / B_i (i <= n),
 
 since sum_{i<=n<=t} (A_t/A_n)(B_n/B_i) is entry (t, i) of the product of the two
 lower-triangular ratio matrices. Reading out with q_t turns u_i into a scalar times e_i:
 
-    y_t = A_t M_{t0} q_t + c_t S_{t0} q_t - sum_{i<=t} W[t, i] eta_i (k_i . q_t) e_i,
+    y_t = A_t M_{t0} q_t + s_t S_{t0} q_t - sum_{i<=t} W[t, i] eta_i (k_i . q_t) e_i,
 
 and the states handed to the next chunk are the rows t = n of the same formulas:
 
-    M_{t0+n} = A_n M_{t0} + c_n S_{t0} - sum_i W[n, i] eta_i e_i k_i^T
+    M_{t0+n} = A_n M_{t0} + s_n S_{t0} - sum_i W[n, i] eta_i e_i k_i^T
     S_{t0+n} = B_n S_{t0} - sum_i (B_n / B_i) eta_i e_i k_i^T .
 
 In matrices, for one chunk with rows Q, K [n, K], V [n, V] and E = K M_{t0}^T - V:
 
     U      = Diag(eta) E
-    Y      = Diag(A) Q M^T + Diag(c) Q S^T - ((Q K^T) * W) U
-    M     <- A_n M + c_n S - (Diag(W[n, :]) U)^T K
+    Y      = Diag(A) Q M^T + Diag(s) Q S^T - ((Q K^T) * W) U
+    M     <- A_n M + s_n S - (Diag(W[n, :]) U)^T K
     S     <- B_n S - (Diag(B_n / B) U)^T K
 
-so a chunk is eight tl.dot's (K M^T, Q M^T, Q S^T, Q K^T, D_A D_B, (QK^T * W) U and
+so a chunk is eight tl.dot's (K M^T, Q M^T, Q S^T, Q K^T, D_alpha D_theta, (QK^T * W) U and
 the two state updates); without momentum (theta = None, i.e. theta = 0) B_t = 0 for
-t >= 1, D_B = I, W = D_A, c = 0, and the momentum is just the last token's step.
+t >= 1, D_theta = I, W = D_alpha, s = 0, and the momentum is just the last token's step.
 
 Ratios without division. A_t / A_n is never formed by dividing cumulative products
 (A_t underflows in long chunks, and a gate of exactly 0 makes it 0/0). The kernel keeps,
@@ -69,7 +69,7 @@ next_pow2(K)), BV = min(64, next_pow2(V)) (32 at BK = 128, 16 at BK = 256: ``til
 >= 16; rows past the chunk or the sequence load zeros, eta = 0 and gates = 1, so they
 write nothing. The chunk size is a runtime argument (any 1 <= b <= 64; b = 1 wastes 15
 of 16 rows). fp32/fp16/bf16 inputs, loaded as fp32 tiles whatever their dtype, and every tl.dot exact IEEE fp32
-(TF32 only when ``ATLASLIB_TF32=1`` asks for it, and never for the decay product D_A D_B).
+(TF32 only when ``ATLASLIB_TF32=1`` asks for it, and never for the decay product D_alpha D_theta).
 
 q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
 needs no copy); absent gates and start states are ``None`` pointers, which Triton compiles
@@ -155,7 +155,7 @@ def titans_linear_fwd_kernel(
         else:
             b_eta = tl.where(m_t, 1.0, 0.0)
 
-        # retention: D_A[t, n] = A_t / A_n, A_t (from the chunk start), to_end[n] = A_last / A_n
+        # retention: D_alpha[t, n] = A_t / A_n, A_t (from the chunk start), to_end[n] = A_last / A_n
         if alpha_ptr is not None:
             b_alpha = tl.load(alpha_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
             b_lA, b_zA, b_lA_end, b_zA_end = chunk_log_cumsum(b_alpha, m_causal)
@@ -176,7 +176,7 @@ def titans_linear_fwd_kernel(
         b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None]
 
         if theta_ptr is not None:
-            # momentum: D_B[n, i] = B_n / B_i, B_n, mom_end[i] = B_last / B_i
+            # momentum: D_theta[n, i] = B_n / B_i, B_n, mom_end[i] = B_last / B_i
             b_theta = tl.load(theta_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
             b_lB, b_zB, b_lB_end, b_zB_end = chunk_log_cumsum(b_theta, m_causal)
             b_DB = decay_ratios(b_lB, b_zB, m_causal)
@@ -184,12 +184,12 @@ def titans_linear_fwd_kernel(
             b_B_end = tl.where(b_zB_end == 0.0, tl.exp(b_lB_end), 0.0)
             b_mom_end = tl.where(m_t & (b_zB == b_zB_end), tl.exp(tl.minimum(b_lB_end - b_lB, 0.0)), 0.0)
             b_W = tl.dot(b_DA, b_DB, input_precision="ieee")            # W[t, i] = sum_n A_t/A_n B_n/B_i
-            b_c = tl.sum(b_DA * b_B[None, :], axis=1)                   # c_t = sum_n A_t/A_n B_n
+            b_c = tl.sum(b_DA * b_B[None, :], axis=1)                   # s_t = sum_n A_t/A_n B_n
             b_w_end = tl.sum(b_to_end[:, None] * b_DB, axis=0)          # the last row W[last, :]
             b_c_end = tl.sum(b_to_end * b_B, axis=0)
             b_o += tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_c[:, None]
         else:
-            # theta = 0: B_n = 0 for n >= 1, D_B = I, so W = D_A and S is the last token's step
+            # theta = 0: B_n = 0 for n >= 1, D_theta = I, so W = D_alpha and S is the last token's step
             b_W = b_DA
             b_w_end = b_to_end
             b_mom_end = tl.where(o_i == o_last, 1.0, 0.0)
