@@ -99,6 +99,40 @@ def test_dispatch_runs_the_named_form():
         assert log[-1] == name and torch.equal(y, 2 * x)
 
 
+def test_a_kernel_runs_on_the_inputs_gpu(monkeypatch):
+    """Triton launches on the current device: dispatch makes the inputs' GPU current around the kernel
+    (and only around the kernel)."""
+    pytest.importorskip("triton")
+    current = []
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            current.append(self.device)
+
+        def __exit__(self, *exc):
+            current.append(None)
+
+    class OnGpu1(OnCuda):
+        device = torch.device("cuda", 1)
+
+    def kernel(x, y):
+        log.append(("triton", current[-1] if current else None))
+        return (y,)
+
+    def chunk(x, y):
+        log.append(("chunk", current[-1] if current else None))
+        return (y,)
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    log = []
+    dispatch.dispatch("triton", OnGpu1(), {"chunk": chunk, "triton": kernel}, OnGpu1(), torch.zeros(2))
+    dispatch.dispatch("chunk", OnGpu1(), {"chunk": chunk, "triton": kernel}, OnGpu1(), torch.zeros(2))
+    assert log == [("triton", torch.device("cuda", 1)), ("chunk", None)] and current[-1] is None
+
+
 def test_auto_on_cpu_runs_the_chunk_form():
     log = []
     dispatch.dispatch("auto", torch.zeros(2), _table(log), torch.zeros(2), 1.0)

@@ -187,3 +187,13 @@ def test_forward_launch_checks():
     huge = torch.empty(1, 1, 2**25, 64, device="meta")
     with pytest.raises(ValueError, match="32-bit offsets"):
         forward_launch(huge, huge, huge, 64)
+
+
+def test_omega_kernel_refuses_window_gates_past_32_bit_offsets():
+    """The gates [B*H, T, c] are read with 32-bit offsets inside a head: T * c must stay below 2^31 (T * K did)."""
+    from atlaslib.omega.kernel import windowed_triton
+    T, c = 2**25, 64
+    x = torch.empty(1, 1, T, 4, device="meta")
+    assert T * 4 < MAX_HEAD_SPAN <= T * c
+    with pytest.raises(ValueError, match="T \\* window must be below 2\\^31"):
+        windowed_triton(x, x, x, c)

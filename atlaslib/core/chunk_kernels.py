@@ -173,7 +173,7 @@ def state_pass_start(init_ptr, H, V, K, BV: tl.constexpr, BK: tl.constexpr):
 @triton.jit
 def store_chunk_state(h_ptr, i_bh, i_c, NT, V, K, o_v, o_k, m_s, b_M):
     """Write the program's slice of the running state as h[c] of a [B*H, NT, V, K] buffer, in its dtype."""
-    p_h = h_ptr + i_bh * NT * V * K + i_c * V * K + o_v[:, None] * K + o_k[None, :]
+    p_h = chunk_state(h_ptr, i_bh, i_c, NT, V, K) + o_v[:, None] * K + o_k[None, :]       # 64-bit to h[c]
     tl.store(p_h, b_M.to(h_ptr.dtype.element_ty), mask=m_s)
 
 

@@ -129,8 +129,15 @@ def call_backend(name: str, table: dict, *inputs):
 
 def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, model: str = "this model",
              missing: str | None = None):
-    """``choose_backend`` then ``call_backend``: every chapter's public function ends with this call."""
+    """``choose_backend`` then ``call_backend``: every chapter's public function ends with this call.
+
+    A kernel runs with ``x``'s GPU as the current device: Triton launches on the current device and its
+    stream, not on the device of the tensors it is given (a model on cuda:1 while cuda:0 is current).
+    """
     name = choose_backend(backend, x, table, unsupported=unsupported, model=model, missing=missing)
+    if name == "triton" and x.is_cuda:
+        with torch.cuda.device(x.device):
+            return call_backend(name, table, *inputs)
     return call_backend(name, table, *inputs)
 
 

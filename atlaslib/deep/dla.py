@@ -35,7 +35,7 @@ MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
 ENGINE_BACKENDS = ("recurrent", "frozen_seq", "chunk")
 
 
-def check_engine_backend(backend, q: Tensor, model: str, why: str) -> None:
+def check_engine_backend(backend: str, q: Tensor, model: str, why: str) -> None:
     """Refuse a backend the engine lacks under the caller's name: ``miras`` would name itself."""
     choose_backend(backend, q, dict.fromkeys(ENGINE_BACKENDS), model=model, missing=why)
 

@@ -44,8 +44,8 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
-from ..core.kernels import (as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch, load_state,
-                            load_tile, state_slice, store_tile, value_tile)
+from ..core.kernels import (MAX_HEAD_SPAN, as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.windows import window_gates
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
@@ -138,6 +138,9 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
                     chunk_size=64, hebbian=False, log_alpha=None):
     """Triton forward of the chunk form; same arguments and results as ``chunk.windowed_chunk``."""
     b, c = chunk_size, window
+    if q.shape[2] * c >= MAX_HEAD_SPAN:                  # the gates [B*H, T, c] are read with 32-bit offsets
+        raise ValueError(f"the Triton kernel indexes a head's window gates with 32-bit offsets: T * window must be "
+                         f"below 2^31, got T={q.shape[2]}, window={c}; use backend='chunk'")
     BW = dot_tile(b + c - 1)
     # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk, and so do wide fp32 features:
     # narrower value blocks (more programs) keep them within shared memory on the GPU (sm_80 AOT

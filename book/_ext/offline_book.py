@@ -37,7 +37,8 @@ class AuthorYearLabels(BaseLabelStyle):
 class AuthorYearSorting(BaseSortingStyle):
     """By the first author's surname (von Oswald under O), then year (2025a before 2025b), then title."""
     def sorting_key(self, entry):
-        return (surnames(entry, von=False)[0].lower(), entry.fields.get("year", ""), entry.fields.get("title", "").lower())
+        fields = entry.fields
+        return surnames(entry, von=False)[0].lower(), fields.get("year", ""), fields.get("title", "").lower()
 
 
 class AuthorYearStyle(UnsrtStyle):
