@@ -163,7 +163,7 @@ def test_tiny_lm_with_a_hybrid(gen):
 @pytest.mark.parametrize("name, kw, error, match", [
     ("swa", {"window": 0}, ValueError, "window"),
     ("mag", {"window": 0}, ValueError, "window"),
-    ("mal", {"window": 1.5}, ValueError, "window"),
+    ("mal", {"window": 1.5}, TypeError, "window"),
     ("mag", {"memory": "nope"}, ValueError, "unknown memory mixer"),
     ("mal", {"memory": "mag"}, ValueError, "hybrid"),
     ("atlas", {"memory": "deep"}, ValueError, "memory"),

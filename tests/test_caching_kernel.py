@@ -170,8 +170,8 @@ def test_no_cached_state_gives_the_online_output(gen, aggregate):
 def test_bad_inputs_are_refused(gen):
     q, u, states, pooled, online, online_score, blocks = random_inputs(gen)
     args = (q, u, states, pooled, online, online_score)
-    for top_k in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="top_k"):
+    for top_k, error in ((0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="top_k"):
             cached_readout_triton(*args, blocks, top_k=top_k, aggregate="ssc")
     with pytest.raises(ValueError, match="top_k"):
         cached_readout_triton(*args, blocks, top_k=2, aggregate="grm")
@@ -187,6 +187,8 @@ def test_bad_inputs_are_refused(gen):
         cached_readout_triton(q, u, states[..., :-1], pooled, online, online_score, blocks)
     with pytest.raises(TypeError, match="float64"):
         cached_readout_triton(*(x.double() for x in args), blocks)
+    with pytest.raises(ValueError, match=r"on q's device \(cpu\), got states on meta"):
+        cached_readout_triton(q, u, states.to("meta"), pooled, online, online_score, blocks)
 
 
 def test_unsupported_names_what_the_kernel_refuses():

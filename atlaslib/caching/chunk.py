@@ -130,6 +130,10 @@ def check_readout(q, u, states, pooled, online, online_score, blocks, top_k, agg
             continue
         if x is None or tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {None if x is None else list(x.shape)}")
+    others = {"u": u, "states": states, "pooled": pooled, "online": online, "online_score": online_score}
+    away = [f"{name} on {x.device}" for name, x in others.items() if x is not None and x.device != q.device]
+    if away:                                        # blocks, a table of indices, may be anywhere
+        raise ValueError(f"the readout's tensors must be on q's device ({q.device}), got {', '.join(away)}")
     if blocks.dtype != torch.int64 or blocks.dim() != 2 or blocks.shape[0] != T:
         raise ValueError(f"blocks must be an int64 tensor [T, J] = [{T}, J], got {blocks.dtype} {list(blocks.shape)}")
     # read on the host for CPU tensors; on an accelerator a device-side assert (no host sync); not while

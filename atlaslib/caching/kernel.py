@@ -302,7 +302,7 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
     BJ = max(2, min(SLOT_TILE, triton.next_power_of_2(J)))
     cached_readout_fwd_kernel[(B * H * NT, run.grid[1])](
         run.q, run.k, as_fp32(states), as_fp32(pooled), run.v,
-        as_fp32(online_score), blocks.to(torch.int32).contiguous(), run.o, *run.strides,
+        as_fp32(online_score), blocks.to(device=q.device, dtype=torch.int32).contiguous(), run.o, *run.strides,
         T, H, N, K, V, J, top, NT,
         AGG=agg, BT=TOKENS_PER_PROGRAM, BK=BK, BKC=min(BK, 32), BV=run.BV, BJ=BJ, ONE_BLOCK=J <= BJ,
         PRECISION=run.precision, num_warps=8,

@@ -135,7 +135,7 @@ def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, m
     stream, not on the device of the tensors it is given (a model on cuda:1 while cuda:0 is current).
     """
     name = choose_backend(backend, x, table, unsupported=unsupported, model=model, missing=missing)
-    if name == "triton" and x.is_cuda:
+    if name == "triton" and x.device.type == "cuda":
         with torch.cuda.device(x.device):
             return call_backend(name, table, *inputs)
     return call_backend(name, table, *inputs)

@@ -109,11 +109,23 @@ class KL(Retention):
         return {n: c * torch.softmax(z.flatten(-2), dim=-1).view_as(z) for n, z in Z.items()}
 
 
+SUBSCRIPT, SUPERSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"), str.maketrans("0123456789", "⁰¹²³⁴⁵⁶⁷⁸⁹")
+
+
 class Lq(Retention):
     name = "lq"
     formula = "ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
     identity_read = False
     scalar_read = True          # W = Z / nu(Z) with a scalar nu per matrix: readouts can use the dual form
+
+    @classmethod
+    def describe(cls, cfg) -> str:
+        """With a whole q the norm is written as the other rows write theirs: q = 4 gives W = A / ‖A‖₄²."""
+        q = cfg.lq
+        if not (float(q).is_integer() and q >= 2):
+            return super().describe(cfg)
+        q = int(q)
+        return f"ℓq normalisation, q={q}: W = A / ‖A‖{str(q).translate(SUBSCRIPT)}{str(q - 2).translate(SUPERSCRIPT)}"
 
     def divisor(self, a):
         """nu = ||A||_q^(q-2) over each matrix (last two dims), keepdim. The floor on ||A||_q keeps
@@ -128,7 +140,7 @@ class Lq(Retention):
 
 class ElasticNet(Retention):
     name = "elastic"
-    formula = "elastic net: S_γ(αW + u), γ={cfg.threshold:g}"
+    formula = "elastic net: Sᵧ(αW + u), γ={cfg.threshold:g}"
     linear = False
 
     def combine(self, Z, u, alpha):
