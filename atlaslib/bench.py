@@ -53,6 +53,7 @@ import argparse
 import importlib
 import pkgutil
 import statistics
+import sys
 import time
 
 import torch
@@ -287,6 +288,19 @@ def main(argv=None):
     p.add_argument("--json", default=None,
                    help="also write the rows, the card, versions, date and settings to this file")
     args = p.parse_args(argv)
+    for name in ("T", "B", "H", "K", "V", "chunk_size", "repeats", "threads"):
+        value = getattr(args, name)
+        bad = [v for v in (value if isinstance(value, list) else [value]) if v is not None and v < 1]
+        if bad:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {bad[0]}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.vs == "fla":
@@ -304,9 +318,17 @@ def main(argv=None):
         except bench_fla.FlaMissing as e:
             p.exit(2, f"{p.prog}: {e}\n")
         return
+    unknown = [m for m in args.models or () if m not in BENCH_CASES]
+    if unknown:
+        p.error(f"unknown --models {', '.join(unknown)}; known: {', '.join(BENCH_CASES)}")
+    known = list(dict.fromkeys(b for m in args.models or BENCH_CASES for b in BENCH_CASES[m].backends))
+    unknown = [b for b in args.backends or () if b not in known]
+    if unknown:
+        p.error(f"no case run has --backends {', '.join(unknown)}; they have {', '.join(known)}")
     dtype = getattr(torch, args.dtype)
+    # the bar redraws itself with carriage returns: on a terminal only, not in a log file
     kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
-              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress)
+              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress and sys.stderr.isatty())
     if args.quick:
         kw.update(warmup=1, repeats=1)
     if args.scaling:

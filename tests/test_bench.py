@@ -32,6 +32,48 @@ def test_scaling_mode(capsys):
     assert len(lines) == 4 and all(line.split()[1] == "chunk" for line in lines[2:])
 
 
+SMALL = ["--models", "linear", "--T", "16", "--H", "1", "--K", "4", "--V", "4", "--repeats", "1", "--warmup", "0"]
+
+
+def usage_error(main, argv, capsys) -> str:
+    """The last line ``main(argv)`` prints on stderr, after checking that it exits as argparse does (status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "nosuch"], "error: unknown --models nosuch; known: linear, "),
+    (["--T", "0"], "error: --T must be >= 1, got 0"),
+    (["--T", "16", "-5"], "error: --T must be >= 1, got -5"),
+    (["--chunk-size", "0"], "error: --chunk-size must be >= 1, got 0"),
+    (["--backends", "nosuch"], "error: no case run has --backends nosuch; they have recurrent, chunk, triton"),
+    (["--device", "nosuch"], "error: --device 'nosuch' is not a torch device"),
+])
+def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
+    line = usage_error(bench.main, SMALL[:2] + argv if "--models" not in argv else argv + SMALL[2:], capsys)
+    assert message in line, line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_a_usage_error(capsys):
+    line = usage_error(bench.main, [*SMALL, "--device", "cuda"], capsys)
+    assert "error: --device cuda: CUDA is not available on this machine" in line, line
+
+
+def test_the_progress_bar_is_left_out_of_a_log_file(capsys, monkeypatch):
+    """tqdm redraws its bar with carriage returns, which a file keeps as one long line of bars."""
+    bench.main([*SMALL, "--backends", "chunk"])
+    out, err = capsys.readouterr()
+    assert "linear" in out and "bench" not in err, err
+    import sys
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)       # a terminal still gets it
+    bench.main([*SMALL, "--backends", "chunk"])
+    assert "bench: 100%" in capsys.readouterr().err
+
+
 def test_peak_memory_sees_a_known_allocation():
     """A call that holds a 4 MiB buffer and a 2 MiB temporary peaks at 6 MiB and returns 4 MiB."""
     def fn():
