@@ -409,14 +409,19 @@ def reproduce(record: dict, tol: float = 1e-6, device="cpu", progress: bool = Fa
 
 
 def _parse_shard(text: str | None) -> tuple[int, int]:
-    """``--shard i/N``, else torchrun's RANK / WORLD_SIZE, else 0/1."""
+    """``--shard i/N``, else torchrun's RANK / WORLD_SIZE, else 0/1; ValueError unless 0 <= i < N."""
     if text:
         try:
             i, n = (int(p) for p in text.split("/"))
         except ValueError:
             raise ValueError(f"--shard wants i/N (e.g. 0/2), got {text!r}") from None
-        return i, n
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        where = "--shard"
+    else:
+        i, n = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        where = "RANK/WORLD_SIZE"
+    if n < 1 or not 0 <= i < n:
+        raise ValueError(f"{where} {i}/{n}: need 0 <= i < N")
+    return i, n
 
 
 def main(argv=None):
@@ -435,6 +440,8 @@ def main(argv=None):
     p.add_argument("--list", action="store_true", help="print this shard's cells and exit")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be >= 1, got {args.steps}")
     if args.experiment in ("inversion", "filler"):
         args.size = args.experiment
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
@@ -451,7 +458,15 @@ def main(argv=None):
         print(f"{len(records)} records merged into {out}")
         return
     mixers = args.mixers.split(",") if args.mixers else None
-    index, count = _parse_shard(args.shard)
+    labels = list(dict.fromkeys(c["mixer"] for c in grid(args.size)))
+    unknown = [m for m in mixers or () if m not in labels]
+    if unknown:
+        what = f"mqar --size {args.size}" if args.experiment == "mqar" else args.experiment
+        p.error(f"unknown --mixers {', '.join(unknown)}; {what} has {', '.join(labels)}")
+    try:
+        index, count = _parse_shard(args.shard)
+    except ValueError as e:
+        p.error(str(e))
     if args.list:
         for c in shard(grid(args.size, mixers, args.steps), index, count):
             print(cell_key(c))

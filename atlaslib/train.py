@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .nn import TinyLM
+from .nn import TinyLM, available_mixers
 # Re-exported: the chapters' notebooks import the table formatters from here.
 from .tables import format_table as format_table, print_table as print_table
 from .tasks import mqar
@@ -140,7 +140,7 @@ def train_mqar(model, data, *, steps: int = 500, batch_size: int = 32, lr: float
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     losses = []
     start = time.perf_counter()
     model.train()
@@ -242,14 +242,26 @@ def main(argv=None) -> TrainResult:
     p.add_argument("--out", help="write {mixer, world_size, accuracy, losses} as JSON here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.mixer not in available_mixers():
+        p.error(f"unknown --mixer {args.mixer!r}; known: {', '.join(available_mixers())}")
+    for name in ("steps", "batch_size", "d_model", "n_layers", "n_heads", "num_train", "num_test"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.d_model % args.n_heads:
+        p.error(f"--d-model {args.d_model} is not divisible by --n-heads {args.n_heads}")
 
     device = _init_distributed()
     rank, world = _world()
     try:
-        task = MQARTask(args.vocab_size, args.seq_len, args.num_kv_pairs, args.num_train, args.num_test)
-        data = tuple(t.to(device) for t in task.data(args.seed))
-        torch.manual_seed(args.seed)                    # the same initial weights on every rank
-        model = TinyLM(task.vocab_size, args.d_model, args.n_layers, args.mixer, args.n_heads)
+        try:      # the task's and the model's own checks of the sizes given (e.g. seq_len against the pairs)
+            task = MQARTask(args.vocab_size, args.seq_len, args.num_kv_pairs, args.num_train, args.num_test)
+            data = tuple(t.to(device) for t in task.data(args.seed))
+            torch.manual_seed(args.seed)                    # the same initial weights on every rank
+            model = TinyLM(task.vocab_size, args.d_model, args.n_layers, args.mixer, args.n_heads)
+        except ValueError as e:
+            p.error(str(e))
         model = model.to(device=device, dtype=getattr(torch, args.dtype))
         res = train_mqar(model, data, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                          warmup=args.warmup, seed=args.seed, progress=not args.no_progress)

@@ -51,6 +51,28 @@ def test_shard_from_torchrun_environment(monkeypatch):
         ex._parse_shard("1-2")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["mqar", "--shard", "abc"], "error: --shard wants i/N (e.g. 0/2), got 'abc'"),
+    (["mqar", "--shard", "5/2"], "error: --shard 5/2: need 0 <= i < N"),
+    (["mqar", "--mixers", "linear,nosuch"], "error: unknown --mixers nosuch; mqar --size tiny has softmax, linear,"),
+    (["inversion", "--mixers", "nosuch"], "error: unknown --mixers nosuch; inversion has linear, deltanet,"),
+    (["mqar", "--steps", "0"], "error: --steps must be >= 1, got 0"),
+])
+def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        ex.main([*argv, "--size", "tiny", "--list"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_a_rank_outside_the_world_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(["mqar", "--size", "tiny", "--list"])
+    assert exit_.value.code == 2 and "error: RANK/WORLD_SIZE 2/2: need 0 <= i < N" in capsys.readouterr().err
+
+
 def _record(mixer, seq_len, pairs, lr, seed, acc):
     cell = dict(ex.grid("tiny")[0], mixer=mixer, seq_len=seq_len, num_kv_pairs=pairs, lr=lr, seed=seed)
     return {**cell, "accuracy": acc}

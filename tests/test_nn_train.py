@@ -156,6 +156,30 @@ def test_training_is_seeded_and_learns():
     assert 0.0 <= a.accuracy <= 1.0 and len(a.losses) == 15
 
 
+TINY_CLI = ["--num-train", "16", "--num-test", "8", "--batch-size", "4", "--d-model", "16", "--n-heads", "2",
+            "--n-layers", "1", "--seq-len", "16", "--num-kv-pairs", "2", "--vocab-size", "32", "--no-progress"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mixer", "nosuch"], "error: unknown --mixer 'nosuch'; known: atlas, "),
+    (["--n-heads", "3"], "error: --d-model 16 is not divisible by --n-heads 3"),
+    (["--seq-len", "8", "--num-kv-pairs", "8"], "error: seq_len=8 is too small for num_kv_pairs=8"),
+    (["--steps", "0"], "error: --steps must be >= 1, got 0"),
+])
+def test_train_command_refuses_bad_arguments_in_one_line(capsys, argv, message):
+    from atlaslib import train
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*TINY_CLI, *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_no_warmup_is_a_schedule_that_starts_at_full_rate(capsys):
+    from atlaslib import train
+    res = train.main([*TINY_CLI, "--mixer", "linear", "--steps", "2", "--warmup", "0"])
+    assert len(res.losses) == 2 and "linear: 1 process(es)" in capsys.readouterr().out
+
+
 def test_compare_mixers_rows_and_table():
     task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=64, num_test=16)
     rows = compare_mixers(["softmax", ("linear+norm", "linear", {"normalize": True})], task, d_model=16,
