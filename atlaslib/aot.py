@@ -322,6 +322,10 @@ def backward_sizes_and_dtypes():
     yield from ((16, "fp32"), (64, "bf16"), (128, "bf16"), (256, "bf16"), (256, "fp32"), (ODD_SIZE, "fp32"))
 
 
+# The kernel families ``cases`` yields, for ``--family``.
+FAMILIES = ("linear", "linear_bwd", "delta", "delta_bwd", "titans", "omega", "swla", "atlas", "deep", "caching")
+
+
 def cases():
     """(kernel family, config label, call(T)) for every configuration checked."""
     from .delta.kernel import delta_rule_triton
@@ -640,11 +644,11 @@ def in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m atlaslib.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
-    parser.add_argument("--family", action="append", help="only these kernel families (linear, linear_bwd, "
-                        "delta, delta_bwd, titans, omega, swla, atlas, deep, caching)")
+    parser.add_argument("--family", action="append", choices=FAMILIES, metavar="FAMILY",
+                        help=f"only these kernel families ({', '.join(FAMILIES)})")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     parser.add_argument("--fast", action="store_true", help="stop each build once shared memory is allocated "
                         "(no LLVM, no ptxas): shared memory, 64-bit offsets and grids in about a second per "

@@ -322,3 +322,20 @@ def test_a_loop_over_chunks_is_built_where_it_runs_more_than_once():
     state, output = chunk_state_kernel.fn.__name__, chunk_output_kernel.fn.__name__
     assert aot.representative(short[state][0], longer[state][0]) is longer[state][0]
     assert aot.representative(short[output][0], longer[output][0]) is short[output][0]
+
+
+def test_families_are_those_the_cases_yield():
+    assert set(aot.FAMILIES) == {family for family, _, _ in aot.cases()} == FAMILIES
+
+
+def test_an_unknown_family_is_refused_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(["--family", "nosuch", "--fast"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'nosuch'" in err and "'caching'" in err, err
+
+
+def test_help_names_the_module(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(["--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m atlaslib.aot ")

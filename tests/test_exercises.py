@@ -65,6 +65,14 @@ def test_strip_solutions_rejects_unbalanced_markers(src):
         strip_solutions(src, "msg", "test")
 
 
+def test_generator_help_names_the_module(capsys):
+    from atlaslib.exercises.generate import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m atlaslib.exercises.generate ")
+
+
 # ---- verdicts ----------------------------------------------------------------------------
 
 def hebbian_step_ok(M, q, k, v, alpha):
