@@ -28,8 +28,10 @@ score: a check's printed verdict is only feedback.
   kernel is then restarted, the cells that had completed run again, and grading goes on.
 
 Exit status 0 when grading completed (1 with ``--fail-under N`` and fewer than N points);
-2 if the file cannot be graded at all (missing, not a notebook, no or malformed chapter metadata) — one
-line on stderr, and a JSON ``{"error": ...}`` on stdout with ``--json``.
+2 if the file cannot be graded at all (missing, not a notebook, no or malformed chapter metadata) or the
+folder holds no ``*.ipynb`` — one line on stderr, and a JSON ``{"error": ...}`` on stdout with ``--json``;
+2 with argparse's usage line for a bad option (``--timeout`` not above 0, ``--save`` into a missing folder,
+``--csv`` without a folder).
 """
 from __future__ import annotations
 
@@ -748,6 +750,14 @@ def main(argv=None) -> int:
         return 2
 
     target = Path(args.notebook)
+    if not 0 < args.timeout < math.inf:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.csv and not target.is_dir():
+        parser.error(f"--csv is for a folder of notebooks; {args.notebook} is not a folder")
+    if args.save and target.is_dir():
+        parser.error(f"--save is for a single notebook; {args.notebook} is a folder")
+    if args.save and not Path(args.save).parent.is_dir():       # before the notebook runs, not after
+        parser.error(f"--save {args.save}: no folder {Path(args.save).parent}")
     if args.worker:      # the child process of grade_in_child: the report goes to the file it names
         try:
             report = grade(target, timeout=args.timeout, save=args.save, progress=not args.json, everything=True)
@@ -756,6 +766,8 @@ def main(argv=None) -> int:
         write_atomically(args.worker, lambda f: json.dump(report, f))
         return 0
     if target.is_dir():
+        if not any(target.glob("*.ipynb")):
+            return refuse(f"no *.ipynb in {args.notebook}")
         reports = grade_folder(target, args.timeout, progress=not args.json, reap_all=True)
         if args.csv:
             write_atomically(args.csv, lambda f: write_csv(reports, f))

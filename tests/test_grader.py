@@ -207,6 +207,44 @@ def test_a_file_that_is_not_a_notebook_gives_one_line_and_exit_2(tmp_path, conte
             assert out.stdout == ""
 
 
+@pytest.fixture
+def grade_cli(monkeypatch):
+    """``atlaslib.grade.main`` with the grading itself replaced by a failure: the options are checked first."""
+    from atlaslib import grade as grade_module
+
+    def graded(*args, **kwargs):
+        raise AssertionError("a notebook was graded before the options were checked")
+    monkeypatch.setattr(grade_module, "grade_in_child", graded)
+    monkeypatch.setattr(grade_module, "grade_folder", graded)
+    return grade_module.main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "0"], "error: --timeout must be a positive number of seconds, got 0"),
+    (["--timeout", "-1"], "error: --timeout must be a positive number of seconds, got -1"),
+    (["--save", "{tmp}/missing/x.ipynb"], "error: --save {tmp}/missing/x.ipynb: no folder {tmp}/missing"),
+    (["--csv", "{tmp}/scores.csv"], f"error: --csv is for a folder of notebooks; {STUDENT} is not a folder"),
+])
+def test_bad_options_are_refused_before_grading(grade_cli, capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        grade_cli([str(STUDENT), *(a.format(tmp=tmp_path) for a in argv)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.format(tmp=tmp_path) in err.strip().splitlines()[-1], err
+
+
+def test_a_folder_needs_notebooks_and_takes_no_save(grade_cli, capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a notebook")
+    assert grade_cli([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"no *.ipynb in {tmp_path}"
+    assert grade_cli([str(tmp_path), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == f"no *.ipynb in {tmp_path}"
+    (tmp_path / "alice.ipynb").write_text(STUDENT.read_text())
+    with pytest.raises(SystemExit) as exit_:
+        grade_cli([str(tmp_path), "--save", str(tmp_path / "x.ipynb")])
+    assert exit_.value.code == 2
+    assert f"error: --save is for a single notebook; {tmp_path} is a folder" in capsys.readouterr().err
+
+
 def test_fail_under_sets_the_exit_status():
     args = [sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--timeout", str(TIMEOUT), "--fail-under"]
     assert subprocess.run([*args, "1"], capture_output=True, cwd=ROOT, timeout=300).returncode == 1
