@@ -105,12 +105,15 @@ def time_call(fn, device, *, warmup: int = 1, repeats: int = 3) -> float:
 
 
 def _cpu_allocations(prof):
-    """(time_ns, bytes) of every CPU allocator event (frees have negative size) seen by the profiler."""
+    """(time_ns, bytes) of every CPU allocator event (frees have negative size) seen by the profiler.
+
+    Reads the profiler's private event tree (torch 2.13: an allocation's ``extra_fields`` has
+    ``device``, a ``torch.device``, and ``alloc_size``)."""
     from torch._C._profiler import _EventType
     out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation and node.extra_fields.device_type == torch.device("cpu").type:
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             out.append((node.start_time_ns, node.extra_fields.alloc_size))
         stack.extend(node.children)
     return out
@@ -139,7 +142,7 @@ def peak_memory_mib(fn, device) -> float:
     del out
     try:
         events = _cpu_allocations(prof)
-    except Exception:                      # private API moved: use the public event list
+    except ImportError:                    # a torch without the private event types: the public event list
         events = _cpu_allocations_fallback(prof)
     held, peak = 0, 0
     for _, nbytes in sorted(events):
@@ -274,7 +277,7 @@ def main(argv=None):
                    help="default: each case's own (recurrent chunk, + triton on CUDA; deep_vs_sdpa: sdpa and "
                         "the kernel-trick forms)")
     p.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunk backend")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=None, help="timed calls (default 3; --vs fla: 10 on CUDA)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
@@ -313,7 +316,7 @@ def main(argv=None):
             p.error(f"--vs fla compares {', '.join(bench_fla.MODELS)}; not {', '.join(unknown)}")
         try:
             bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS, warmup=args.warmup,
-                          repeats=None if args.repeats == p.get_default("repeats") else args.repeats,
+                          repeats=args.repeats,
                           json_path=args.json, profile=args.profile)
         except bench_fla.FlaMissing as e:
             p.exit(2, f"{p.prog}: {e}\n")
@@ -328,7 +331,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     # the bar redraws itself with carriage returns: on a terminal only, not in a log file
     kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
-              warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress and sys.stderr.isatty())
+              warmup=args.warmup, repeats=3 if args.repeats is None else args.repeats,
+              progress=not args.no_progress and sys.stderr.isatty())
     if args.quick:
         kw.update(warmup=1, repeats=1)
     if args.scaling:
