@@ -85,6 +85,178 @@ def test_peak_memory_sees_a_known_allocation():
     assert bench.peak_memory_mib(fn, "cpu") == pytest.approx(6.0, abs=0.1)
 
 
+def test_the_profilers_allocations_are_read_without_the_fallback():
+    """``_cpu_allocations`` reads the pinned torch's event tree itself: a 4 MiB buffer kept and a 2 MiB one freed
+    are three events (+4 MiB, +2 MiB, -2 MiB) that peak at 6 MiB and agree with the public event list."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = torch.ones(2**20)
+        tmp = torch.ones(2**19)
+        del tmp
+    events = bench._cpu_allocations(prof)
+    assert sorted(nbytes for _, nbytes in events) == [-2**21, 2**21, 2**22]
+
+    def peak(events):
+        held, top = 0, 0
+        for _, nbytes in sorted(events):
+            held += nbytes
+            top = max(top, held)
+        return top
+    fallback = bench._cpu_allocations_fallback(prof)
+    assert peak(events) == peak(fallback) == 2**22 + 2**21
+    assert sum(n for _, n in events) == sum(n for _, n in fallback) == out.numel() * out.element_size()
+
+
+class FakeClock:
+    """A stand-in for ``time.perf_counter``: each function given to ``step`` advances it by its next cost (ms)."""
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+    def step(self, costs_ms):
+        costs = iter(costs_ms)
+
+        def call(*_):
+            self.now += next(costs) * 1e-3
+        return call
+
+
+def test_time_calls_is_the_median_in_milliseconds(monkeypatch):
+    """With a clock that each timed call advances by 1, 5 and 2 ms (after an untimed 9 ms warm-up): 2 ms,
+    the median (not the mean, 2.67), in milliseconds."""
+    clock = FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    times = bench.time_calls({"a": clock.step([9, 1, 5, 2]), "b": clock.step([9, 7, 3, 4])}, "cpu",
+                             warmup=1, repeats=3)
+    assert times == {"a": pytest.approx(2.0, rel=1e-9), "b": pytest.approx(4.0, rel=1e-9)}
+    assert bench.time_call(clock.step([9, 6]), "cpu", warmup=1, repeats=1) == pytest.approx(6.0, rel=1e-9)
+
+
+@pytest.fixture
+def probe_case(monkeypatch):
+    """A registered case "_probe" whose recurrent backend takes 4 ms and chunk 1 ms on a fake clock, each call
+    holding 4 KiB per token (a returned tensor), with flops 8e9, bytes 2e9 and a note naming T."""
+    clock = FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    cost = {"recurrent": 4.0, "chunk": 1.0}
+
+    def builder(shape, g):
+        def call(backend):
+            clock.now += cost[backend] * 1e-3
+            return torch.ones(shape.T * 1024)
+        return call
+    bench.register_bench_case("_probe", builder, backends=("recurrent", "chunk"), flops=lambda s: 8e9,
+                              bytes=lambda s: 2e9, note=lambda s: f"note of T={s.T}")
+    yield
+    bench.BENCH_CASES.pop("_probe")
+
+
+def test_speedup_is_the_reference_time_over_this_one(probe_case):
+    """recurrent 4 ms, chunk 1 ms: the chunk row's speedup is 4 (reference / this), the reference's 1; the
+    dtype column names the dtype without "torch."; the table prints the speedup with one decimal and an x."""
+    rows = bench.run_benchmarks(["_probe"], [8], warmup=1, repeats=3, progress=False)
+    by = {r["backend"]: r for r in rows}
+    assert by["recurrent"]["time_ms"] == pytest.approx(4.0) and by["chunk"]["time_ms"] == pytest.approx(1.0)
+    for r in rows:
+        assert r["speedup"] == by["recurrent"]["time_ms"] / r["time_ms"]
+        assert r["dtype"] == "float32" and "TFLOP/s" not in r and "GB/s" not in r       # CPU: no throughput
+    assert by["chunk"]["speedup"] == pytest.approx(4.0)
+    lines = bench._table(rows).splitlines()
+    column = lines[0].split().index("speedup")
+    assert [line.split()[column] for line in lines[2:]] == [f"{r['speedup']:.1f}x" for r in rows]
+    assert [line.split()[column] for line in lines[2:]] == ["1.0x", "4.0x"]
+    (half,) = bench.run_benchmarks(["_probe"], [8], backends=["chunk"], dtype=torch.bfloat16, warmup=0, repeats=1,
+                                   progress=False)
+    assert half["dtype"] == "bfloat16"
+
+
+def test_scaling_gives_memory_per_1024_tokens(probe_case):
+    """``MiB_per_1k_tokens`` is peak_MiB per 1024 tokens: the probe holds 4 KiB per token, 4 MiB per 1024."""
+    rows = bench.scaling(["_probe"], [8, 24], warmup=0, repeats=1, progress=False)
+    assert [r["T"] for r in rows] == [8, 24] and all("speedup" not in r for r in rows)
+    for r in rows:
+        assert r["peak_MiB"] > 0
+        assert r["MiB_per_1k_tokens"] == pytest.approx(r["peak_MiB"] * 1024 / r["T"])
+        assert r["MiB_per_1k_tokens"] == pytest.approx(4.0, rel=0.05)
+
+
+def test_case_notes_print_one_line_per_model_and_t(probe_case):
+    lines = bench.case_notes(["_probe"], [16, 24])
+    assert len(lines) == 2
+    for T, line in zip([16, 24], lines):
+        assert line.startswith(f"_probe T={T}") and line.endswith(f"note of T={T}")
+
+
+def test_cuda_rows_subtract_the_baseline_and_add_throughput(probe_case, monkeypatch):
+    """The CUDA branches with stand-in counters (no GPU): peak = (max allocated - allocated before) / 2**20;
+    TFLOP/s = flops / seconds / 1e12 except for the recurrent loop; GB/s = bytes / seconds / 1e9."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 10 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    assert bench.peak_memory_mib(lambda: None, "cuda") == 7.0
+    rows = bench.run_benchmarks(["_probe"], [8], device="cuda", warmup=0, repeats=1, progress=False)
+    assert synced and [r["backend"] for r in rows] == ["recurrent", "chunk"]
+    for r in rows:
+        seconds = r["time_ms"] * 1e-3
+        assert r["device"] == "cuda" and r["peak_MiB"] == 7.0
+        assert r["GB/s"] == pytest.approx(2e9 / seconds / 1e9)
+        assert r["TFLOP/s"] == (None if r["backend"] == "recurrent" else pytest.approx(8e9 / seconds / 1e12))
+    assert rows[1]["TFLOP/s"] == pytest.approx(8.0) and rows[1]["GB/s"] == pytest.approx(2000.0)
+
+
+def test_measured_peaks_are_work_over_time(monkeypatch):
+    """The footer's card peaks from stand-in times: a 4096^3 matmul is 2 * 4096^3 FLOPs, a copy of 256 MiB moves
+    2 * 256 MiB."""
+    times = iter([2.0, 4.0])
+    monkeypatch.setattr(bench, "time_call", lambda fn, device, **kw: next(times))
+    peaks = bench.measured_peaks("cpu")
+    assert peaks["matmul_TFLOP/s"] == pytest.approx(2 * 4096**3 / 2e-3 / 1e12)
+    assert peaks["copy_GB/s"] == pytest.approx(2 * 2**28 / 4e-3 / 1e9)
+
+
+def test_finite_rows_turn_nan_and_both_infinities_into_none():
+    import json
+    import math
+    rows = [{"a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.5, "e": "x", "f": 3}]
+    (row,) = bench.finite_rows(rows)
+    assert row == {"a": None, "b": None, "c": None, "d": 1.5, "e": "x", "f": 3}
+    json.dumps(bench.finite_rows(rows), allow_nan=False)
+
+
+@pytest.mark.parametrize("argv, Ts, warmup, repeats", [
+    (["--quick"], [256], 1, 1),
+    (["--quick", "--warmup", "4", "--repeats", "7"], [256], 1, 1),
+    ([], [1024, 4096], 1, 3),
+    (["--warmup", "2", "--repeats", "5", "--T", "32"], [32], 2, 5),
+])
+def test_quick_is_one_short_timed_call(monkeypatch, capsys, argv, Ts, warmup, repeats):
+    """``--quick``: T=256, one warm-up and one timed call, whatever else was asked; without it the options."""
+    seen = {}
+
+    def run_benchmarks(models, Ts, **kw):
+        seen.update(kw, Ts=list(Ts))
+        return []
+    monkeypatch.setattr(bench, "run_benchmarks", run_benchmarks)
+    monkeypatch.setattr(bench, "case_notes", lambda *a, **kw: [])
+    bench.main([*argv, "--device", "cpu", "--no-progress"])
+    assert (seen["Ts"], seen["warmup"], seen["repeats"]) == (Ts, warmup, repeats)
+
+
+@pytest.mark.parametrize("argv, repeats", [([], None), (["--repeats", "3"], 3), (["--repeats", "5"], 5)])
+def test_vs_fla_keeps_an_explicit_repeats(monkeypatch, argv, repeats):
+    """``--vs fla`` without ``--repeats`` leaves the count to ``bench_fla.run`` (10 on CUDA, 3 on a CPU); any
+    count given, 3 included, is passed on as given."""
+    from atlaslib import bench_fla
+    seen = {}
+    monkeypatch.setattr(bench_fla, "run", lambda device, **kw: seen.update(kw))
+    bench.main(["--vs", "fla", "--device", "cpu", *argv])
+    assert seen["repeats"] == repeats
+
+
 def test_time_calls_interleaves_the_functions():
     """Every function is timed over the same stretch: one call of each, round after round."""
     order = []
@@ -514,3 +686,91 @@ def test_vs_fla_says_how_our_fp32_products_were_made(tf32, monkeypatch, tmp_path
     said = [line for line in lines if line.startswith("fp32 rows:")]
     assert len(said) == 1 and ("TF32 (ATLASLIB_TF32=1)" if tf32 else "exact fp32 (ieee") in said[0], lines
     assert json.loads(path.read_text())["fp32_dot"]["ours"] == ("tf32" if tf32 else "ieee")
+
+
+def test_relative_error_divides_by_the_reference():
+    from atlaslib.bench_fla import relative_error
+    r = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
+    assert relative_error(2 * r, r) == pytest.approx(1.0, rel=1e-12)          # ||2r - r|| / ||r||
+    assert relative_error(r, 2 * r) == pytest.approx(0.5, rel=1e-12)          # ||r - 2r|| / ||2r||
+
+
+def test_grad_rel_err_is_the_largest_over_the_inputs():
+    """An fla stand-in whose gradient of v is twice the true one (same output): its v-gradient is off by 1/2
+    against ours (||g - 2g|| / ||2g||), the others agree, and the row reports the largest, 1/2."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    from atlaslib import bench_fla
+    fakes, _ = _fake_fla_chunk_ops()
+    path = bench_fla.FLA_CHUNK["linear"]
+    original = fakes[path]
+    fakes[path] = lambda q, k, v, **kw: original(q, k, v + (v - v.detach()), **kw)
+    timer = lambda fns, *, warmup, repeats: {name: 2.0 for name in fns}      # noqa: E731
+    (row,) = bench_fla.compare(["linear"], bench_fla.Shape(1, 2, 20, 8, 4, "float32"), impl="chunk",
+                               backend="chunk", backward=True, timer=timer, peak=lambda fn, device: 1.5, fns=fakes)
+    assert row["rel_err"] < 2e-6
+    assert row["grad_rel_err"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_kernel_times_are_per_call_and_the_total_covers_every_operator(monkeypatch):
+    """With a stand-in profiler reporting totals over 3 calls (6, 3 and 1.5 ms; 3, 6 and 3 launches): per call
+    2, 1 and 0.5 ms, 1, 2 and 1 launches; with top=2 the "all (3)" row still sums all three."""
+    from types import SimpleNamespace
+
+    import torch.profiler
+    from atlaslib.bench_fla import kernel_times
+    events = [SimpleNamespace(key=k, self_cpu_time_total=us, count=n)
+              for k, us, n in [("b", 3000.0, 6), ("a", 6000.0, 3), ("c", 1500.0, 3), ("idle", 0.0, 9)]]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    calls = []
+    rows = kernel_times(lambda: calls.append(1), "cpu", calls=3, top=2)
+    assert len(calls) == 4                                                      # one untimed, then 3
+    assert rows == [{"kernel": "a", "ms": 2.0, "launches": 1.0}, {"kernel": "b", "ms": 1.0, "launches": 2.0},
+                    {"kernel": "all (3)", "ms": 3.5, "launches": 4.0}]
+
+
+def test_fla_table_and_json_of_mixed_dtypes(tmp_path):
+    """Speedups print as "1.23x" with two decimals; the JSON lists every shape's dtype."""
+    from atlaslib import bench_fla
+    shapes = [bench_fla.Shape(1, 2, 64, 8, 4, "bfloat16"), bench_fla.Shape(1, 2, 64, 8, 4, "float32")]
+    rows = [{"model": "linear", **bench_fla.asdict(s), "fla": "chunk_linear_attn", "ours_ms": 1.0, "fla_ms": fla,
+             "speedup": fla / 1.0, "rel_err": 1e-3} for s, fla in zip(shapes, [1.2345, 0.5])]
+    lines = bench_fla.format_rows(rows).splitlines()
+    column = lines[0].split().index("speedup")
+    assert [line.split()[column] for line in lines[2:]] == [f"{r['speedup']:.2f}x" for r in rows] == ["1.23x", "0.50x"]
+    doc = bench_fla.write_json(tmp_path / "f.json", rows, shapes, {"card": "fake"})
+    assert doc["dtypes"] == ["bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16", "float32"), ("float32", "bfloat16"), ("bfloat16",)])
+def test_vs_fla_notes_fp32_products_when_any_shape_is_fp32(dtypes, monkeypatch):
+    """The line about our fp32 products is printed when some shape is fp32, even among bf16 ones, and only then."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    from atlaslib import bench_fla
+
+    def compare(models, s, *, forward=True, backward=None, **kw):
+        row = {"model": models[0], **bench_fla.asdict(s), "wall_s": 1.0}
+        if forward:
+            row.update(ours_ms=1.0, fla_ms=2.0, speedup=2.0, rel_err=1e-6, ours_MiB=1.0, fla_MiB=1.0)
+        if backward:
+            row.update(ours_fwdbwd_ms=3.0, fla_fwdbwd_ms=3.0, fwdbwd_speedup=1.0, grad_rel_err=1e-6,
+                       ours_fwdbwd_MiB=1.0, fla_fwdbwd_MiB=1.0, fwdbwd_wall_s=1.0)
+        return [row]
+    monkeypatch.setattr(bench_fla, "compare", compare)
+    lines = []
+    bench_fla.run("cuda", shapes=[bench_fla.Shape(1, 2, 64, 8, 4, d) for d in dtypes], models=["linear"],
+                  out=lines.append)
+    said = [line for line in lines if line.startswith("fp32 rows:")]
+    assert len(said) == ("float32" in dtypes)

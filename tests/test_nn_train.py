@@ -192,6 +192,25 @@ def test_compare_mixers_rows_and_table():
     assert "grows with T" in lines[2] and lines[0].split() == ["mixer", "state_size", "accuracy"]
 
 
+def test_format_table_rounds_to_fixed_decimals_and_right_aligns():
+    """Floats print with exactly ``digits`` decimals (the value rounded, not ``digits`` significant figures), and
+    every cell ends under its column header's last character."""
+    from atlaslib.tables import format_table
+    values = [12.3456, 0.001234, 7]
+    rows = [{"name": f"r{i}", "a_long_header": v} for i, v in enumerate(values)]
+    lines = format_table(rows, digits=3).splitlines()
+    cells = [line.split()[1] for line in lines[2:]]
+    for cell, v in zip(cells[:2], values[:2]):
+        assert len(cell.split(".")[1]) == 3 and float(cell) == round(v, 3), cell
+    assert cells[2] == "7"
+    header = lines[0]
+    for column in ("name", "a_long_header"):
+        end = header.index(column) + len(column)
+        for line, row in zip(lines[2:], rows):
+            cell = line.split()[list(row).index(column)]
+            assert line[:end].endswith(cell) and line[end:end + 1] in ("", " "), (column, line)
+
+
 def test_compare_mixers_in_processes_gives_the_one_thread_rows():
     # two models trained side by side in spawned processes (one thread each) against the same two
     # trained here one after the other on one thread: the same numbers, in the order asked
