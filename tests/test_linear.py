@@ -197,6 +197,15 @@ def test_bad_inputs():
         linear_attention(q.long(), k, v)
     with pytest.raises(TypeError, match="share a dtype"):
         linear_attention(q.double(), k.double(), v)
+    for i in range(3):                          # a meta tensor: on another device, with no values to read
+        moved = [x.to("meta") if j == i else x for j, x in enumerate((q, k, v))]
+        with pytest.raises(ValueError, match="q, k, v must be on one device, got "):
+            linear_attention(*moved)
+    for gate in ("alpha", "log_alpha"):
+        with pytest.raises(ValueError, match=f"^{gate} must be on cpu like q, got meta"):
+            linear_attention(q, k, v, **{gate: torch.zeros(1, 2, 10, device="meta")})
+    with pytest.raises(ValueError, match="^initial_state must be on cpu like q, got meta"):
+        linear_attention(q, k, v, initial_state=torch.zeros(1, 2, 3, 4, device="meta"))
     with pytest.raises(ValueError, match=r"alpha must have shape \[1, 2, 10\] or \[1, 2, 10, 4\]"):
         linear_attention(q, k, v, alpha=torch.ones(1, 2, 9))
     with pytest.raises(ValueError, match=r"alpha must lie in \[0.0, 1.0\]"):

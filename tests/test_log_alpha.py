@@ -264,6 +264,20 @@ def test_log_alpha_is_checked_like_alpha(name):
     fn(q, k, v, log_alpha=torch.full((1, 2, 6), -math.inf))      # alpha = 0: a full reset is allowed
 
 
+NUMBER_GATES = ["linear_attention", "delta_rule", "omega_rule", "swla"]     # the ones that take a gate as a number
+
+
+@pytest.mark.parametrize("name", NUMBER_GATES)
+def test_log_alpha_as_a_number_is_alpha_as_its_exp(name):
+    """log_alpha = x (a number, for every token) is alpha = e^x; x = 0.0, the gate 1 that keeps everything, included."""
+    fn = CHECKED[name]
+    q, k, v = random_qkv(1, 2, 6, 4, 4, seed=0, dtype=F64)
+    for x in (0.0, -0.25):
+        assert_close(fn(q, k, v, log_alpha=x)[0], fn(q, k, v, alpha=math.exp(x))[0], tol=1e-12, name=f"log_alpha={x}")
+    with pytest.raises(ValueError, match="log_alpha must be <= 0"):
+        fn(q, k, v, log_alpha=0.01)
+
+
 def test_miras_refuses_log_alpha_where_the_retention_has_no_gate():
     q, k, v = random_qkv(1, 2, 6, 4, 4, seed=0)
     with pytest.raises(ValueError, match="log_alpha was given but retention='none'"):

@@ -40,19 +40,20 @@ class Form(NamedTuple):
     gates: tuple[str, ...]
     chunked: bool = False               # takes chunk_size
     windowed: bool = False              # takes window
+    per_channel: tuple[str, ...] = ()   # gates that may also be [B, H, T, K], one value per key channel
 
 
 FORMS = {
     "linear_attention_recurrent": Form(lambda a: linear_attention_recurrent(a["q"], a["k"], a["v"], a["alpha"]),
-                                       ("alpha",)),
+                                       ("alpha",), per_channel=("alpha",)),
     "linear_attention_chunk": Form(lambda a: linear_attention_chunk(a["q"], a["k"], a["v"], a["alpha"], None,
                                                                     a["chunk_size"], a["log_alpha"]),
-                                   ("alpha", "log_alpha"), chunked=True),
+                                   ("alpha", "log_alpha"), chunked=True, per_channel=("alpha", "log_alpha")),
     "delta_rule_recurrent": Form(lambda a: delta_rule_recurrent(a["q"], a["k"], a["v"], a["beta"], a["alpha"]),
-                                 ("beta", "alpha")),
+                                 ("beta", "alpha"), per_channel=("alpha",)),
     "delta_rule_chunk": Form(lambda a: delta_rule_chunk(a["q"], a["k"], a["v"], a["beta"], a["alpha"], None,
                                                         a["chunk_size"], a["log_alpha"]),
-                             ("beta", "alpha", "log_alpha"), chunked=True),
+                             ("beta", "alpha", "log_alpha"), chunked=True, per_channel=("alpha", "log_alpha")),
     "omega_recurrent": Form(lambda a: omega_recurrent(a["q"], a["k"], a["v"], a["window"], a["gamma"], a["alpha"],
                                                       a["eta"]),
                             ("gamma", "alpha", "eta"), windowed=True),
@@ -121,6 +122,9 @@ def bad_inputs(form: Form, good: dict):
         drop = {"alpha": None} if name == "log_alpha" else {}                      # in place of alpha
         yield f"{name} of T/2 tokens", {name: g[:, :, :T // 2], **drop}, ValueError, rf"^{name} must have shape"
         yield f"{name} one rank short", {name: g[:, :, 0], **drop}, ValueError, rf"^{name} must have shape"
+        if name not in form.per_channel and name != "G":                          # G is [B, H, T, c] anyway
+            yield (f"{name} per key channel", {name: g[..., None].expand(B, H, T, K), **drop}, ValueError,
+                   rf"^{name} must have shape \[{B}, {H}, {T}\]")
     q, k, v = good["q"], good["k"], good["v"]
     yield "k of T-1 tokens", {"k": k[:, :, 1:]}, ValueError, r"^q and k must have the same shape"
     yield "v of T-1 tokens", {"v": v[:, :, 1:]}, ValueError, r"^v must have shape"
@@ -143,6 +147,15 @@ def test_good_inputs_pass(name):
 def test_bad_input_is_refused(name, label, change, error, pattern):
     with pytest.raises(error, match=pattern):
         FORMS[name].call({**GOOD, **change})
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FORMS.items() if f.per_channel))
+def test_per_channel_gates_pass(name):
+    """Where a form takes a retention gate per key channel, [B, H, T, K] runs (and is refused elsewhere, above)."""
+    wide = GOOD["alpha"][..., None].expand(B, H, T, K).contiguous()
+    FORMS[name].call({**GOOD, "alpha": wide})
+    if "log_alpha" in FORMS[name].per_channel:
+        FORMS[name].call({**GOOD, "alpha": None, "log_alpha": torch.log(wide)})
 
 
 @pytest.mark.parametrize("name", sorted(set(FORMS) - {"omega_deep"}))        # omega_deep: the checked miras

@@ -617,6 +617,10 @@ def test_bad_calls(gen):
         (ValueError, r"theta must have shape \[1, 2, 5\]", lambda: miras(q, k, v, preset="titans", theta=T[..., :4])),
         (ValueError, "delta must lie", lambda: miras(q, k, v, preset="yaad", delta=-T)),
         (ValueError, "eta contains NaN", lambda: miras(q, k, v, eta=T * float("nan"))),
+        (ValueError, r"eta must lie in \[0.0, inf\), got nan", lambda: miras(q, k, v, eta=float("nan"))),
+        (ValueError, r"alpha must lie in \[0.0, 1.0\], got nan",
+         lambda: miras(q, k, v, preset="titans", alpha=float("nan"))),
+        (ValueError, "eta must be on cpu like q, got meta", lambda: miras(q, k, v, eta=T.to("meta"))),
         (ValueError, "gamma must have shape", lambda: miras(q, k, v, window=2, gamma=torch.ones(1, 2, 5, 3))),
         (ValueError, "chunk_size must be >= 1", lambda: miras(q, k, v, chunk_size=0)),
         (TypeError, "chunk_size must be a positive int", lambda: miras(q, k, v, chunk_size=2.0)),
@@ -635,6 +639,11 @@ def test_bad_calls(gen):
          lambda: miras(q, k, v, preset="ttt_mlp", initial_state={"W1": Z, "W2": torch.zeros(1, 2, 4, 16)})),
         (ValueError, "keeps none", lambda: miras(q, k, v, initial_state=MirasState(Z, Z))),
         (ValueError, "phi must map", lambda: miras(q, k, v, phi=lambda x: x[0])),
+        # [B, T, H, K] for [B, H, T, K]: four dims, but not q's tokens
+        (ValueError, r"phi must map .* but phi\(q\) has shape \[1, 5, 2, 4\]",
+         lambda: miras(q, k, v, phi=lambda x: x.transpose(1, 2))),
+        (ValueError, r"phi\(q\) and phi\(k\) must have the same shape, got \[1, 2, 5, 4\] and \[1, 2, 5, 2\]",
+         lambda: miras(q, k, v, phi=lambda x: x if x is q else x[..., :2])),
         (TypeError, "output_final_state must be", lambda: miras(q, k, v, output_final_state="yes")),
     ]
     for exc, match, fn in cases:
