@@ -87,6 +87,17 @@ def test_taylor_kernel(gen, compressed, p):
     assert_close((phi(x) * phi(y)).sum(-1), sum(a[i] * s ** i for i in range(p + 1)), tol=1e-12)
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_taylor_zero_coefficient_drops_its_power(gen, compressed):
+    """coefficients=[1, 0, 1/2] is the kernel 1 + (x.y)^2 / 2 (a zero is kept as 1e-12 so that the softplus
+    inverts, far below what the kernel shows), not a kernel with some of x.y left in."""
+    x = torch.randn(20, 4, generator=gen, dtype=torch.float64)
+    y = torch.randn(20, 4, generator=gen, dtype=torch.float64)
+    phi = TaylorFeatures(2, compressed=compressed, coefficients=[1.0, 0.0, 0.5]).double()
+    s = (x * y).sum(-1)
+    torch.testing.assert_close((phi(x) * phi(y)).sum(-1), 1 + 0.5 * s ** 2, rtol=1e-6, atol=1e-9)
+
+
 def test_taylor_forms_agree_and_train(gen):
     x = torch.randn(5, 4, generator=gen)
     y = torch.randn(5, 4, generator=gen)
@@ -142,6 +153,9 @@ def test_bad_degrees_and_inputs():
             fn([1.0, 2.0], 2)
         with pytest.raises(TypeError, match=r"x must be a floating torch.Tensor"):
             fn(torch.ones(3, 4, dtype=torch.long), 2)
+        for empty in (torch.ones(3, 0), torch.ones(())):           # no input width d >= 1
+            with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., d\] with d >= 1"):
+                fn(empty, 2)
     with pytest.raises(ValueError, match="degree must be >= 0"):
         TaylorFeatures(-2)
     with pytest.raises(ValueError, match="degree must be >= 0"):

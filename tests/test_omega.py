@@ -15,6 +15,7 @@ from atlaslib.core import TaylorFeatures, assert_close, poisoned_outputs, random
 from atlaslib.core.testing import window_gate, window_l2_grad
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
+from atlaslib.core.windows import window_gates
 from atlaslib.omega import omega_frozen_seq, omega_rule, swla
 
 GAMMAS = [None, "source", "offset"]
@@ -341,6 +342,22 @@ def test_polynomial_features_in_the_rule(gen):
 
 
 # ------------------------------------------------------------------ bad inputs
+
+@pytest.mark.parametrize("gmode", GAMMAS)
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_window_gates_by_definition(gen, gmode, window):
+    """G[t, j] is the weight gamma_{t-j}^{(t)} of the pair j tokens back, and 0 where that token t - j < 0
+    does not exist (the first c - 1 tokens' windows reach before the sequence)."""
+    B, H, T = 2, 3, 7
+    _, _, _, gamma, *_ = make_inputs(gen, B, H, T, 2, 2, window, gmode, dtype=torch.float64)
+    G = window_gates(gamma, B, H, T, window, torch.float64, "cpu")
+    assert G.shape == (B, H, T, window)
+    for t in range(T):
+        for j in range(window):
+            expect = window_gate(gamma, t, t - j) if t - j >= 0 else 0.0
+            torch.testing.assert_close(G[:, :, t, j], torch.as_tensor(expect, dtype=torch.float64).expand(B, H),
+                                       rtol=0, atol=0, msg=f"G[t={t}, j={j}]")
+
 
 def test_bad_inputs():
     q, k, v = random_qkv(1, 2, 10, 4, 3, seed=0)
