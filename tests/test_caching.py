@@ -303,6 +303,23 @@ def test_log_linear_blocks(t):
     assert [(s + 1, e) for s, e in blocks] == binary_blocks(t)
 
 
+def test_cached_tables_are_rebuilt_when_an_id_is_reused(monkeypatch):
+    """The caches of a layout's table and of its reader groups are keyed by id(); an entry whose object is gone
+    (its id now another object's) must not be served: here such a stale entry sits under the key."""
+    import atlaslib.caching.segments as segments
+    layout = make_layout(8, [3, 3, 2])
+    expect = torch.tensor([[-1, -1]] * 3 + [[0, -1]] * 3 + [[0, 1]] * 2)  # token t reads the segments before its own
+    monkeypatch.setitem(segments._BLOCKS, (id(layout.visible), "cpu"), ([[0]], torch.full((8, 2), 7)))
+    blocks = layout.blocks()
+    assert torch.equal(blocks, expect)
+    N = len(layout.cached)
+    monkeypatch.setitem(segments._GROUPS, (id(blocks), N), (torch.zeros(1), [(5, None, None)]))
+    groups = segments.reader_groups(blocks, N)
+    # state 0 is read by tokens 3..7, state 1 by tokens 6..7
+    assert [(n, ns.tolist(), tokens.tolist()) for n, ns, tokens in groups] == [(2, [1], [[6, 7]]),
+                                                                               (5, [0], [[3, 4, 5, 6, 7]])]
+
+
 def test_log_linear_has_about_2L_blocks():
     for T in (1, 7, 64, 100):
         layout = log_layout(T)

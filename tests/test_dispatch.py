@@ -150,6 +150,34 @@ def test_triton_runs_forward_only_and_differentiates_the_chunk_form():
     torch.testing.assert_close(x.grad, 18.0 * x.detach())          # d/dx (3x)^2 = 18 x
 
 
+def test_a_differentiable_kernel_has_its_own_backward():
+    """An entry marked differentiable (``lazy(..., differentiable=True)``) runs as it is, under autograd: the
+    gradient is its own, and the chunk form runs neither forward nor backward."""
+    pytest.importorskip("triton")                                  # forward_or_fallback names Triton's error
+    log = []
+    table = _table(log)
+    table["triton"].differentiable = True
+    x = torch.randn(4, requires_grad=True)
+    (y,) = dispatch.call_backend("triton", table, x, 3.0)
+    y.square().sum().backward()
+    assert log == ["triton"]
+    torch.testing.assert_close(x.grad, 18.0 * x.detach())          # d/dx (3x)^2 = 18 x
+
+
+def test_kernel_limits_end_at_the_largest_head_size_built():
+    """``matrix_kernel_limits`` takes every head size the kernels are built for (``aot.HEAD_SIZES``), up to the
+    largest, its default ``max_key``, and names the first one past it."""
+    from atlaslib.aot import HEAD_SIZES
+    largest = max(HEAD_SIZES)
+    for K in (*HEAD_SIZES, largest - 1):
+        assert dispatch.matrix_kernel_limits(torch.empty(1, 1, 1, K, device="meta")) is None, K
+    assert (dispatch.matrix_kernel_limits(torch.empty(1, 1, 1, largest + 1, device="meta"))
+            == f"head size K={largest + 1} (at most {largest})")
+    limits = lambda K, **kw: dispatch.matrix_kernel_limits(torch.empty(1, 1, 1, K, device="meta", **kw), 8)  # noqa: E731
+    assert limits(8) is None and limits(9) == "head size K=9 (at most 8)"
+    assert "fp64" in limits(8, dtype=torch.float64)
+
+
 def test_a_backend_the_model_lacks_is_a_value_error_naming_the_ones_it_has():
     table = {"recurrent": None, "chunk": None}
     with pytest.raises(ValueError, match=r"deep thing has no backend 'triton': no kernel; its backends are "

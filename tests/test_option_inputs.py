@@ -185,6 +185,15 @@ def test_layouts_of_one_token_still_work():
     assert make_layout(1, 4).online == [(0, 1)] and segment_lengths(5, 4) == [4, 1]
 
 
+@pytest.mark.parametrize("lengths", [[3, 3], [6], [1, 1, 1, 1], (2, 2), [5, 1]])
+def test_segment_lengths_must_sum_to_the_sequence(lengths):
+    """A list of lengths covers the T tokens exactly: a sum short of T or past it (a segment of tokens that do not
+    exist) is refused with the sum; a list that sums to T is returned as a list."""
+    with pytest.raises(ValueError, match=rf"sum to {sum(lengths)}, but the sequence has T = 5 tokens"):
+        segment_lengths(5, lengths)
+    assert segment_lengths(sum(lengths), lengths) == list(lengths)
+
+
 @pytest.mark.parametrize("top_k, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError)])
 def test_memory_reads_checks_top_k(top_k, error):
     with pytest.raises(error, match=r"top_k must be .*\(or None: all visible states\)"):
