@@ -54,6 +54,19 @@ def planted_copy(tmp_path, **plants):
     return path
 
 
+def test_the_table_shows_points_and_earned_in_their_columns():
+    report = {"notebook": "nb.ipynb", "chapter": "ch01", "setup_problems": [], "points": 7, "earned": 3,
+              "exercises": [
+                  {"number": 1, "exercise": "first", "points": 5, "earned": 3, "status": "passed", "verdict": ""},
+                  {"number": 2, "exercise": "second_one", "points": 2, "earned": 0, "status": "failed",
+                   "verdict": "off by 0.5"}]}
+    lines = table(report).splitlines()
+    assert lines[2].split() == ["#", "exercise", "points", "earned", "verdict"]
+    assert lines[3].split() == ["1", "first", "5", "3", "passed"]
+    assert lines[4].split() == ["2", "second_one", "2", "0", "failed:", "off", "by", "0.5"]
+    assert lines[5].split() == ["total", "7", "3"]
+
+
 def test_solutions_score_full_marks():
     report = grade(SOLUTION, timeout=TIMEOUT, progress=False)
     assert [r["exercise"] for r in report["exercises"]] == list(POINTS)
@@ -280,6 +293,7 @@ def test_a_folder_of_submissions_gives_one_csv_row_each(tmp_path):
     assert by_name["alice"]["earned"] == by_name["alice"]["points"] == str(sum(POINTS.values()))
     assert all(by_name["alice"][name] == str(points) for name, points in POINTS.items())
     assert by_name["bob"]["earned"] == "0" and by_name["bob"]["error"] == ""
+    assert all(by_name["bob"][name] == "0" for name in POINTS)
     assert "not a notebook" in by_name["carol"]["error"]
 
 
@@ -345,6 +359,7 @@ def test_escape_hatches_are_refused_before_anything_runs(tmp_path, attack):
     path = with_code(tmp_path, **ESCAPES[attack])
     report = grade(path, timeout=TIMEOUT, progress=False)
     assert report["earned"] == 0 and "rejected" in report, table(report)
+    assert report["points"] == sum(POINTS.values())              # what the notebook could have earned
     reason = report["rejected"]
     assert reason.startswith("code cell ") and "\n" not in reason, reason
     cell = "(set-up)" if "setup" in ESCAPES[attack] else "(exercise chunkwise)"
