@@ -189,18 +189,23 @@ def inversion_cell(spec: tuple, seed: int, *, qk_norm: bool = False, **knobs) ->
     return make_cell("inversion", s, (64, num_kv_pairs, 64), spec, lr, seed, steps, random_filler)
 
 
-def inversion_grid() -> list[dict]:
+def inversion_grid(steps: int | None = None) -> list[dict]:
     """The base runs and one-knob variations (seeds 0 and 1), the most telling first: qk_norm for linear
     attention only (the delta rule needs unit keys to be stable), Gated DeltaNet for the budget and the
-    filler only (it costs as much as DeltaNet and moves with it)."""
-    conditions = [{}] + [{knob: v} for knob, values in INVERSION_KNOBS.items() for v in values]
+    filler only (it costs as much as DeltaNet and moves with it).
+
+    ``steps`` sets every run's budget (warm-up capped at it, as in every grid), so the budget is no
+    longer a knob: its variations would repeat the base runs and are left out."""
+    knobs = {k: v for k, v in INVERSION_KNOBS.items() if steps is None or k != "steps"}
+    conditions = [{}] + [{knob: v} for knob, values in knobs.items() for v in values]
+    budget = {} if steps is None else {"steps": steps}
     cells = []
     for cond, spec, seed in itertools.product(conditions, INVERSION_MIXERS, CHAPTER2.seeds):
         knob = next(iter(cond), None)
         if (knob == "qk_norm" and spec[0] != "linear") or (
                 spec[0] == "gated_deltanet" and knob not in (None, "steps", "random_filler")):
             continue
-        cells.append(inversion_cell(spec, seed, **cond))
+        cells.append(inversion_cell(spec, seed, **cond, **budget))
     return cells
 
 
@@ -235,11 +240,11 @@ FILLER_SKIP = ("moneta", "memora", "atlas++", "mag", "mal")
 def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -> list[dict]:
     """Every cell of the protocol as its key (a JSON-able dict), in a fixed order.
 
-    ``mixers`` keeps only those labels (in the protocol's order); ``steps`` overrides the budget.
+    ``mixers`` keeps only those labels (in the protocol's order); ``steps`` overrides the budget (the
+    inversion study's then drops its budget knob, see ``inversion_grid``).
     """
     if size == "inversion":
-        cells = inversion_grid()
-        return [dict(c, steps=steps or c["steps"]) for c in cells if mixers is None or c["mixer"] in mixers]
+        return [c for c in inversion_grid(steps) if mixers is None or c["mixer"] in mixers]
     if size == "filler":
         s = SIZES["small"]
         return [make_cell("filler", s, s.tasks[-1], spec, lr, seed, steps or s.steps, random_filler=False)

@@ -120,7 +120,36 @@ def test_real_tiny_runs_resume_and_reproduce(tmp_path):
 
     check = ex.reproduce(lines[0], tol=1e-6)
     assert check["ok"] and check["diff"] <= 1e-6
+    assert ex.reproduce(lines[0], tol=0.0)["ok"]                 # the same run in the same process: equal
     assert not ex.reproduce(dict(lines[0], accuracy=lines[0]["accuracy"] + 0.5), tol=1e-6)["ok"]
+
+
+def test_final_loss_is_the_mean_of_the_last_ten_losses(monkeypatch):
+    from types import SimpleNamespace
+    losses = [float(i * i) for i in range(25)]
+    fake = SimpleNamespace(losses=losses, accuracy=0.5, seconds=1.0, state_size=4, n_params=10)
+    monkeypatch.setattr(ex, "train_mqar", lambda *a, **k: fake)
+    record = ex.run_cell(ex.grid("tiny")[0], progress=False)
+    assert record["final_loss"] == pytest.approx(sum(i * i for i in range(15, 25)) / 10)
+    assert record["accuracy"] == 0.5
+
+
+def test_the_leaderboard_shows_a_dash_where_a_mixer_has_no_run(tmp_path):
+    out = tmp_path / "r.jsonl"
+    records = [_record("a", 16, 2, 1e-2, 0, 0.25), _record("a", 16, 4, 1e-2, 0, 0.75),
+               _record("b", 16, 2, 1e-2, 0, 0.5)]                  # b has no run with 4 pairs
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = ex.report(str(out)).splitlines()
+    assert lines[1].split() == ["mixer", "T16", "kv2", "d16", "T16", "kv4", "d16"]
+    assert [line.split() for line in lines[3:]] == [["a", "0.250", "0.750"], ["b", "0.500", "-"]]
+
+
+@pytest.mark.parametrize("size, steps, warmup", [
+    ("small", 5, 5), ("small", 100, 30), ("paper", 100, 100), ("filler", 3, 3), ("inversion", 7, 7),
+    ("inversion", 70, 50), ("tiny", 1, 1)])
+def test_warmup_never_exceeds_the_steps(size, steps, warmup):
+    cells = ex.grid(size, steps=steps)
+    assert cells and {(c["steps"], c["warmup"]) for c in cells} == {(steps, warmup)}
 
 
 def test_command_line_shards_and_report(tmp_path):
@@ -152,6 +181,32 @@ def test_inversion_grid_varies_one_knob_at_a_time():
             assert any(c["mixer"] == label and c["seed"] == seed and all(c[k] == v for k, v in base.items())
                        for c in cells)
     assert {c["mixer"] for c in cells if c["mixer_kwargs"].get("qk_norm")} == {"linear+qk_norm"}
+
+
+@pytest.mark.parametrize("steps", [None, 1, 10, 500, 1000, 2000])
+def test_inversion_with_a_step_budget_runs_each_cell_once(steps):
+    cells = ex.grid("inversion", steps=steps)
+    keys = [ex.cell_key(c) for c in cells]
+    assert len(set(keys)) == len(keys)
+    assert all(c["warmup"] <= c["steps"] for c in cells)
+    if steps is None:
+        return
+    assert {c["steps"] for c in cells} == {steps}
+    assert all(c["warmup"] == min(steps, ex.CHAPTER2.warmup) for c in cells)
+    # every run of the study but those varying the budget, now at this budget
+    unbudgeted = [c for c in ex.grid("inversion") if c["steps"] == ex.INVERSION_BASE["steps"]]
+    assert sorted(keys) == sorted(ex.cell_key(dict(c, steps=steps, warmup=min(steps, c["warmup"])))
+                                  for c in unbudgeted)
+    assert ex.grid("inversion", mixers=["deltanet"], steps=steps) == [c for c in cells if c["mixer"] == "deltanet"]
+
+
+def test_inversion_table_has_one_row_per_knob_value():
+    records = [dict(c, accuracy=0.5) for c in ex.grid("inversion")]
+    conditions = [r["condition"] for r in ex.inversion_table(records)]
+    expected = {f"{knob}={v}" for knob, values in ex.INVERSION_KNOBS.items() for v in values}
+    assert len(conditions) == len(set(conditions)) == 1 + sum(map(len, ex.INVERSION_KNOBS.values()))
+    assert set(conditions) - expected == {"base (1000 steps, lr 1e-2, 8 pairs)"}
+    assert expected <= set(conditions)
 
 
 def test_inversion_table_averages_seeds_per_condition():
