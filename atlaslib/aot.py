@@ -26,16 +26,17 @@ momentum matrix, launched once per chunk on that chunk's B*H*b matrices, so its 
 bounded by B*H*b and its number of launches grows with T. A call that launches several
 kernels has each of them built.
 
-``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's). ``--fast`` stops
+``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's) and exits with status 1
+if a build failed, does not fit or adds 32-bit offsets to a pointer argument. ``--fast`` stops
 each build once its shared memory is allocated, before LLVM and ptxas: about a second a build
 instead of up to minutes, with everything checked but registers and spills. ``make test`` runs
 the tests that assert every configuration builds, fits and addresses 64-bit offsets on fast
 builds; ``make aot`` runs them on full builds and checks registers too. Results are cached in
-``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation and the
-target, so an unchanged kernel is not rebuilt. Needs the real kernels: run it with
-``TRITON_INTERPRET`` unset (it re-executes itself that way when asked from an interpreted
-process). Uses Triton's JIT internals (``create_function_from_signature``, ``_pack_args``),
-pinned by ``triton==3.7.1``.
+``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation, the
+target and the 64-bit offset check (``checks_version``), so an unchanged kernel is not rebuilt.
+Needs the real kernels: run it with ``TRITON_INTERPRET`` unset (it re-executes itself that way
+when asked from an interpreted process). Uses Triton's JIT internals
+(``create_function_from_signature``, ``_pack_args``), pinned by ``triton==3.7.1``.
 """
 from __future__ import annotations
 
@@ -173,8 +174,8 @@ def specialised(launch: Launch, target_name: str):
 
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 PTXAS_REGS = re.compile(r"Used (\d+) registers")
-# A pointer argument (%q_ptr) or a splat of one, moved by an offset of type ...
-ADDPTR = re.compile(r"tt\.addptr (%[A-Za-z_][\w]*), %[\w]+ : [^,]+, (?:tensor<[^>]*x)?(i32|i64)>?")
+# A pointer argument (%q_ptr) or a splat of one (%q, or a number: %43), moved by an offset of type ...
+ADDPTR = re.compile(r"tt\.addptr (%[\w]+), %[\w]+ : [^,]+, (?:tensor<[^>]*x)?(i32|i64)>?")
 
 
 def int64_bases(ttir: str, pointer_args: list[str]) -> bool:
@@ -190,6 +191,12 @@ def int64_bases(ttir: str, pointer_args: list[str]) -> bool:
         if m and m.group(2) in bases:
             bases.add(m.group(1))
     return all(dtype == "i64" for base, dtype in ADDPTR.findall(ttir) if base in bases)
+
+
+def checks_version() -> str:
+    """A hash of what ``int64_bases`` reads from a build's IR, part of the cache's file names: a changed
+    check reads every build again instead of reusing the verdicts of the old one."""
+    return hashlib.sha256((ADDPTR.pattern + inspect.getsource(int64_bases)).encode()).hexdigest()[:8]
 
 
 class _StopBeforeLLVM(Exception):
@@ -244,7 +251,7 @@ def build(launch: Launch, target_name: str, config: str, full: bool = True) -> B
 
     source, options, key = specialised(launch, target_name)
     name = launch.kernel.fn.__name__
-    cache = CACHE_DIR / f"{name}-{key}{'' if full else '-fast'}.json"
+    cache = CACHE_DIR / f"{name}-{key}-{checks_version()}{'' if full else '-fast'}.json"
     if cache.exists():
         return Build(**json.loads(cache.read_text()))
     pointer_args = [p.name for p, a in zip(launch.kernel.params, launch.args) if isinstance(a, torch.Tensor)]
@@ -665,14 +672,14 @@ def main(argv=None):
         results = [oversized_build(t, full=not args.fast) for t in targets]
     else:
         results = check_all(targets, progress=not args.json, families=args.family, full=not args.fast)
+    bad = [r for r in results if not (r.fits and r.int64_bases)]
     if args.json:
         for r in results:
             print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits)))
     else:
         print(format_builds(results))
-        bad = [r for r in results if not (r.fits and r.int64_bases)]
         print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets")
-    return 0
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ def family(build):
     return build["config"].split(":")[0]
 
 
-def run_aot(*args):
+def run_aot(*args, status=0):
     proc = aot.in_subprocess([*args, "--json"])
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == status, proc.stderr[-4000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
@@ -71,7 +71,9 @@ def builds():
     # one subprocess per target, side by side on the two cores
     procs = [aot.popen_subprocess(["--json", "--target", t] + ([] if FULL else ["--fast"])) for t in aot.TARGETS]
     out = [(p.communicate(), p.returncode) for p in procs]
-    assert all(code == 0 for _, code in out), "\n".join(err[-4000:] for (_, err), _ in out)
+    # status 1 with builds printed: some build failed a check, which the tests below name
+    assert all(code == 0 or (code == 1 and '{"kernel"' in stdout) for (stdout, _), code in out), \
+        "\n".join(err[-4000:] for (_, err), _ in out)
     return [json.loads(line) for (stdout, _), _ in out for line in stdout.splitlines() if line.startswith("{")]
 
 
@@ -263,7 +265,7 @@ def test_caching_grid_is_one_program_per_block_of_tokens(builds):
 
 
 def test_an_oversized_tile_is_caught():
-    (over,) = run_aot("--oversized", "--target", "sm_80", *([] if FULL else ["--fast"]))
+    (over,) = run_aot("--oversized", "--target", "sm_80", *([] if FULL else ["--fast"]), status=1)
     assert not over["fits"], over
 
 
@@ -272,6 +274,88 @@ def test_int64_check_can_fail():
             "%a = tt.addptr %q, %offs : tensor<16x!tt.ptr<f32>>, tensor<16xi32>\n")
     assert not aot.int64_bases(ttir, ["q_ptr"])
     assert aot.int64_bases(ttir.replace("xi32", "xi64"), ["q_ptr"])
+    # Triton names most splats with numbers
+    numbered = ("%43 = tt.splat %q_ptr : !tt.ptr<f32> -> tensor<16x!tt.ptr<f32>>\n"
+                "%44 = tt.addptr %43, %offs : tensor<16x!tt.ptr<f32>>, tensor<16xi32>\n")
+    assert not aot.int64_bases(numbered, ["q_ptr"])
+    assert aot.int64_bases(numbered.replace("xi32", "xi64"), ["q_ptr"])
+    # an addition to a scalar pointer argument, and to a pointer that is not an argument's
+    scalar = "%5 = tt.addptr %k_ptr, %off : !tt.ptr<f32>, i32\n"
+    assert not aot.int64_bases(scalar, ["k_ptr"]) and aot.int64_bases(scalar.replace("i32", "i64"), ["k_ptr"])
+    assert aot.int64_bases(numbered, ["k_ptr"])
+    # one 64-bit and one 32-bit addition: every one must be 64-bit
+    mixed = ("%7 = tt.addptr %k_ptr, %off : !tt.ptr<f32>, i64\n"
+             "%8 = tt.splat %v_ptr : !tt.ptr<f32> -> tensor<16x!tt.ptr<f32>>\n"
+             "%9 = tt.addptr %8, %offs : tensor<16x!tt.ptr<f32>>, tensor<16xi32>\n")
+    assert not aot.int64_bases(mixed, ["k_ptr", "v_ptr"])
+    assert aot.int64_bases(mixed.replace("xi32", "xi64"), ["k_ptr", "v_ptr"])
+
+
+def test_a_changed_offset_check_is_not_answered_from_the_cache(monkeypatch, tmp_path):
+    # a cached verdict of the 64-bit check holds only for the check that gave it
+    import dataclasses
+    import re
+    from types import SimpleNamespace
+    monkeypatch.setattr(aot, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(aot, "specialised", lambda launch, target: (None, None, "key"))
+    launch = SimpleNamespace(kernel=SimpleNamespace(fn=SimpleNamespace(__name__="k"), params=[]), args=())
+    cached = aot.Build("k", "linear: cached", "sm_80", 1024, -1, -1, -1, True)
+    (tmp_path / f"k-key-{aot.checks_version()}-fast.json").write_text(json.dumps(dataclasses.asdict(cached)))
+    hit = aot.build(launch, "sm_80", "linear: cached", full=False)
+    assert (hit.shared, hit.error, hit.int64_bases) == (1024, "", True)
+    monkeypatch.setattr(aot, "ADDPTR", re.compile(r"tt\.addptr (%[A-Za-z_][\w]*), %[\w]+ : [^,]+, (i32|i64)"))
+    rebuilt = aot.build(launch, "sm_80", "linear: cached", full=False)     # not from the cache: built (and
+    assert rebuilt.shared == 0 and rebuilt.error                            # failing, this launch is a stub)
+
+
+def _builds_to_judge():
+    """A build over sm_80's limit, one that failed, one with 32-bit offsets and one exactly at the limit."""
+    limit = aot.TARGETS["sm_80"]["shared_limit"]
+    over = aot.Build("k", "linear: over", "sm_80", limit + 1024, 0, 0, 0, True)
+    failed = aot.Build("k", "linear: failed", "sm_80", 0, 0, 0, 0, False, error="CompilationError: bad")
+    narrow = aot.Build("k", "linear: narrow", "sm_80", 1024, 0, 0, 0, False)
+    good = aot.Build("k", "linear: good", "sm_80", limit, 0, 0, 0, True)
+    return over, failed, narrow, good
+
+
+def _columns(text):
+    """A ``format_table`` table as one dict per row, cut at the columns of its dashes line."""
+    lines = text.splitlines()
+    spans, start = [], 0
+    for dashes in lines[1].split("  "):
+        spans.append((start, start + len(dashes)))
+        start += len(dashes) + 2
+    header = [lines[0][a:b].strip() for a, b in spans]
+    return [dict(zip(header, (line[a:b].strip() for a, b in spans))) for line in lines[2:]]
+
+
+def test_a_failed_build_does_not_fit_and_the_table_says_why():
+    over, failed, narrow, good = _builds_to_judge()
+    assert (over.fits, failed.fits, narrow.fits, good.fits) == (False, False, True, True)
+    rows = {r["config"]: r for r in _columns(aot.format_builds([over, failed, narrow, good]))}
+    assert [rows[c]["ok"] for c in ("over", "failed", "narrow", "good")] == ["TOO BIG", "BUILD FAILED", "yes", "yes"]
+    assert [rows[c]["int64"] for c in ("over", "failed", "narrow", "good")] == ["yes", "NO", "NO", "yes"]
+    assert all(r["limit KB"] == "163" and r["target"] == "sm_80" for r in rows.values())
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_command_fails_when_a_build_fails_a_check(monkeypatch, capsys, as_json):
+    import atlaslib.core.dispatch
+    over, failed, narrow, good = _builds_to_judge()
+    monkeypatch.setattr(atlaslib.core.dispatch, "interpreter_on", lambda: False)
+    json_flag = ["--json"] if as_json else []
+    monkeypatch.setattr(aot, "check_all", lambda *a, **k: [over, failed, narrow, good])
+    assert aot.main(["--fast", *json_flag]) == 1
+    out = capsys.readouterr().out
+    if as_json:
+        assert [json.loads(line)["fits"] for line in out.splitlines()] == [False, False, True, True]
+    else:
+        assert out.rstrip().endswith("\n4 builds, 3 that would not launch or address 64-bit offsets"), out
+    monkeypatch.setattr(aot, "check_all", lambda *a, **k: [good, good])
+    assert aot.main(["--fast", *json_flag]) == 0
+    if not as_json:
+        assert capsys.readouterr().out.rstrip().endswith("\n2 builds, 0 that would not launch or address "
+                                                         "64-bit offsets")
 
 
 def test_a_kernel_the_card_refuses_falls_back_to_the_chunk_form():
