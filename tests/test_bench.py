@@ -658,6 +658,18 @@ def test_vs_fla_records_a_refused_backward_and_times_ours_alone():
     assert "refused" in bench_fla.format_rows([row])
 
 
+def fake_compare(models, s, *, forward=True, backward=None, **kw):
+    """``bench_fla.compare`` without a GPU: one row of made-up measurements for the first model."""
+    from atlaslib import bench_fla
+    row = {"model": models[0], **bench_fla.asdict(s), "wall_s": 1.0}
+    if forward:
+        row.update(ours_ms=1.0, fla_ms=2.0, speedup=2.0, rel_err=1e-6, ours_MiB=1.0, fla_MiB=1.0)
+    if backward:
+        row.update(ours_fwdbwd_ms=3.0, fla_fwdbwd_ms=3.0, fwdbwd_speedup=1.0, grad_rel_err=1e-6,
+                   ours_fwdbwd_MiB=1.0, fla_fwdbwd_MiB=1.0, fwdbwd_wall_s=1.0)
+    return [row]
+
+
 @pytest.mark.parametrize("tf32", [False, True])
 def test_vs_fla_says_how_our_fp32_products_were_made(tf32, monkeypatch, tmp_path):
     """On CUDA the fp32 rows compare our exact products with fla's TF32 ones unless ATLASLIB_TF32=1: the line
@@ -671,15 +683,7 @@ def test_vs_fla_says_how_our_fp32_products_were_made(tf32, monkeypatch, tmp_path
     else:
         monkeypatch.delenv("ATLASLIB_TF32", raising=False)
 
-    def compare(models, s, *, forward=True, backward=None, **kw):
-        row = {"model": models[0], **bench_fla.asdict(s), "wall_s": 1.0}
-        if forward:
-            row.update(ours_ms=1.0, fla_ms=2.0, speedup=2.0, rel_err=1e-6, ours_MiB=1.0, fla_MiB=1.0)
-        if backward:
-            row.update(ours_fwdbwd_ms=3.0, fla_fwdbwd_ms=3.0, fwdbwd_speedup=1.0, grad_rel_err=1e-6,
-                       ours_fwdbwd_MiB=1.0, fla_fwdbwd_MiB=1.0, fwdbwd_wall_s=1.0)
-        return [row]
-    monkeypatch.setattr(bench_fla, "compare", compare)
+    monkeypatch.setattr(bench_fla, "compare", fake_compare)
     lines, path = [], tmp_path / "gpu.json"
     bench_fla.run("cuda", shapes=[bench_fla.Shape(1, 2, 64, 8, 4, "float32")], models=["linear"],
                   json_path=path, out=lines.append)
@@ -760,15 +764,7 @@ def test_vs_fla_notes_fp32_products_when_any_shape_is_fp32(dtypes, monkeypatch):
     pytest.importorskip("fla", reason=FLA_SKIP)
     from atlaslib import bench_fla
 
-    def compare(models, s, *, forward=True, backward=None, **kw):
-        row = {"model": models[0], **bench_fla.asdict(s), "wall_s": 1.0}
-        if forward:
-            row.update(ours_ms=1.0, fla_ms=2.0, speedup=2.0, rel_err=1e-6, ours_MiB=1.0, fla_MiB=1.0)
-        if backward:
-            row.update(ours_fwdbwd_ms=3.0, fla_fwdbwd_ms=3.0, fwdbwd_speedup=1.0, grad_rel_err=1e-6,
-                       ours_fwdbwd_MiB=1.0, fla_fwdbwd_MiB=1.0, fwdbwd_wall_s=1.0)
-        return [row]
-    monkeypatch.setattr(bench_fla, "compare", compare)
+    monkeypatch.setattr(bench_fla, "compare", fake_compare)
     lines = []
     bench_fla.run("cuda", shapes=[bench_fla.Shape(1, 2, 64, 8, 4, d) for d in dtypes], models=["linear"],
                   out=lines.append)
