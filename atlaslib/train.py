@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
+from .core.validation import check_int
 from .nn import TinyLM, available_mixers
 # Re-exported: the chapters' notebooks import the table formatters from here.
 from .tables import format_table as format_table, print_table as print_table
@@ -127,6 +128,9 @@ def train_mqar(model, data, *, steps: int = 500, batch_size: int = 32, lr: float
     is the same on every rank; only rank 0 shows a progress bar. The caller puts the model
     and data on the rank's device.
     """
+    check_int("steps", steps, 1)
+    check_int("batch_size", batch_size, 1)
+    check_int("warmup", warmup, 0)
     rank, world = _world()
     if batch_size % world:
         raise ValueError(f"batch_size={batch_size} is the global batch and must be divisible by the "

@@ -180,6 +180,15 @@ def test_no_warmup_is_a_schedule_that_starts_at_full_rate(capsys):
     assert len(res.losses) == 2 and "linear: 1 process(es)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kw, error", [(dict(steps=0), ValueError), (dict(steps=2.0), TypeError),
+                                       (dict(batch_size=0), ValueError), (dict(warmup=-1), ValueError)])
+def test_train_mqar_refuses_counts_out_of_range(kw, error):
+    """Called from Python as from the command line: steps=0 divided by zero in the LR schedule."""
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=16, num_test=8)
+    with pytest.raises(error, match=f"^{next(iter(kw))} must be"):
+        train_mqar(TinyLM(40, 16, 1, "linear", 2), task.data(0), progress=False, **kw)
+
+
 def test_compare_mixers_rows_and_table():
     task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=64, num_test=16)
     rows = compare_mixers(["softmax", ("linear+norm", "linear", {"normalize": True})], task, d_model=16,
