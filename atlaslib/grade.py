@@ -752,6 +752,8 @@ def main(argv=None) -> int:
     target = Path(args.notebook)
     if not 0 < args.timeout < math.inf:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.fail_under is not None and args.fail_under < 0:
+        parser.error(f"--fail-under must be a number of points >= 0, got {args.fail_under}")
     if args.csv and not target.is_dir():
         parser.error(f"--csv is for a folder of notebooks; {args.notebook} is not a folder")
     if args.save and target.is_dir():

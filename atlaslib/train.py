@@ -148,7 +148,9 @@ def train_mqar(model, data, *, steps: int = 500, batch_size: int = 32, lr: float
     losses = []
     start = time.perf_counter()
     model.train()
-    bar = tqdm(range(steps), desc=f"train {name}", disable=not progress or rank != 0, leave=False)
+    # disable=None: a terminal or a notebook shows the bar, a log file does not (its carriage returns would
+    # run the updates together on one line)
+    bar = tqdm(range(steps), desc=f"train {name}", disable=None if progress and rank == 0 else True, leave=False)
     for _ in bar:
         idx = torch.randint(len(train_x), (batch_size,), generator=g)     # the global batch, same on every rank
         n_labelled = (train_y[idx] != -100).sum()                       # over the global batch

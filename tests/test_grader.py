@@ -237,6 +237,7 @@ def grade_cli(monkeypatch):
     (["--timeout", "-1"], "error: --timeout must be a positive number of seconds, got -1"),
     (["--save", "{tmp}/missing/x.ipynb"], "error: --save {tmp}/missing/x.ipynb: no folder {tmp}/missing"),
     (["--csv", "{tmp}/scores.csv"], f"error: --csv is for a folder of notebooks; {STUDENT} is not a folder"),
+    (["--fail-under", "-1"], "error: --fail-under must be a number of points >= 0, got -1"),
 ])
 def test_bad_options_are_refused_before_grading(grade_cli, capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_:

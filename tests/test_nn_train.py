@@ -156,6 +156,17 @@ def test_training_is_seeded_and_learns():
     assert 0.0 <= a.accuracy <= 1.0 and len(a.losses) == 15
 
 
+def test_the_progress_bar_shows_on_a_terminal_and_not_in_a_log_file(capsys, monkeypatch):
+    """tqdm redraws its bar with carriage returns, which a redirected stderr keeps as one long line."""
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=16, num_test=8)
+    train_mqar(TinyLM(40, 16, 1, "linear", 2), task.data(0), steps=2, batch_size=4, progress=True)
+    assert "train" not in capsys.readouterr().err
+    import sys
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    train_mqar(TinyLM(40, 16, 1, "linear", 2), task.data(0), steps=2, batch_size=4, progress=True)
+    assert "train linear" in capsys.readouterr().err
+
+
 TINY_CLI = ["--num-train", "16", "--num-test", "8", "--batch-size", "4", "--d-model", "16", "--n-heads", "2",
             "--n-layers", "1", "--seq-len", "16", "--num-kv-pairs", "2", "--vocab-size", "32", "--no-progress"]
 

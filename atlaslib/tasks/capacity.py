@@ -92,7 +92,7 @@ def capacity_sweep(d_k: int, d_v: int, ms, trials: int = 20, seed: int = 0, *, p
     """
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    for m in tqdm(list(ms), desc="capacity sweep", disable=not progress):
+    for m in tqdm(list(ms), desc="capacity sweep", disable=None if progress else True):     # None: not into a log file
         check_int("every m", m, 1)
         ls, hebb = 0.0, 0.0
         for _ in range(trials):
