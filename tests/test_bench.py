@@ -1,4 +1,5 @@
 """Smoke tests of ``python -m atlaslib.bench`` (no timing assertions), its memory meter, and ``--vs fla``."""
+import os
 import re
 
 import pytest
@@ -770,3 +771,14 @@ def test_vs_fla_notes_fp32_products_when_any_shape_is_fp32(dtypes, monkeypatch):
                   out=lines.append)
     said = [line for line in lines if line.startswith("fp32 rows:")]
     assert len(said) == ("float32" in dtypes)
+
+
+def test_the_memory_profiler_prints_nothing_of_its_own():
+    """Kineto logged a "USDT: ... profiler_start/stop" pair on stderr for every profiled row."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, "-m", "atlaslib.bench", *SMALL, "--backends", "chunk"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and "linear" in run.stdout, run.stderr
+    assert "profiler_start" not in run.stderr and "USDT" not in run.stderr, run.stderr
