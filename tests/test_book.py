@@ -176,3 +176,17 @@ def test_no_raw_math_in_prose(html_dir):
     offenders = [f"{doc}: {text}" for doc in built_pages(html_dir)
                  for text in raw_math_in_prose(soup_of(html_dir, doc))]
     assert not offenders, "unparsed inline math (a `$` or LaTeX command left in the prose):\n" + "\n".join(offenders)
+
+
+def test_every_chapter_numbers_its_sections_and_ends_with_summary_and_references():
+    """Sections 1, 2, ... in order, the last numbered one the Summary, then References with citations."""
+    import json
+    for path in sorted((ROOT / "book").glob("ch*.ipynb")):
+        text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                         if c["cell_type"] == "markdown")
+        headings = re.findall(r"^## (.+)$", text, flags=re.M)
+        numbered = [h for h in headings if re.match(r"\d+\. ", h)]
+        assert [int(h.split(".")[0]) for h in numbered] == list(range(1, len(numbered) + 1)), (path.name, headings)
+        assert numbered[-1].endswith(". Summary"), (path.name, numbered[-1])
+        assert headings[-1] == "References", (path.name, headings)
+        assert "{cite:" in text.split("\n## References\n")[-1], f"{path.name}: References cites nothing"
