@@ -41,6 +41,7 @@ class Form(NamedTuple):
     chunked: bool = False               # takes chunk_size
     windowed: bool = False              # takes window
     per_channel: tuple[str, ...] = ()   # gates that may also be [B, H, T, K], one value per key channel
+    needs: tuple[str, ...] = ()         # other tensor arguments it takes (W2: the MLP's second layer)
 
 
 FORMS = {
@@ -102,10 +103,10 @@ FORMS = {
                                                 False, a["chunk_size"], a["log_alpha"]),
                          ("alpha", "eta", "log_alpha"), chunked=True, windowed=True),
     "deep_mlp_recurrent": Form(lambda a: deep_mlp_recurrent(a["q"], a["k"], a["v"], a["W2"], a["alpha"], a["eta"]),
-                               ("alpha", "eta")),
+                               ("alpha", "eta"), needs=("W2",)),
     "dot_mlp_recurrent": Form(lambda a: dot_mlp_recurrent(a["q"], a["k"], a["v"], a["W2"], a["alpha"], a["eta"],
                                                           window=a["window"], gamma=a["gamma"]),
-                              ("gamma", "alpha", "eta"), windowed=True),
+                              ("gamma", "alpha", "eta"), windowed=True, needs=("W2",)),
 }
 
 
@@ -129,6 +130,18 @@ def bad_inputs(form: Form, good: dict):
     yield "k of T-1 tokens", {"k": k[:, :, 1:]}, ValueError, r"^q and k must have the same shape"
     yield "v of T-1 tokens", {"v": v[:, :, 1:]}, ValueError, r"^v must have shape"
     yield "q of rank 3", {"q": q[0]}, ValueError, r"^q must have shape"
+    yield "v in float64", {"v": v.double()}, TypeError, r"^q, k, v must share a dtype"
+    yield "k on another device", {"k": k.to("meta")}, ValueError, r"^q, k, v must be on one device"
+    for name in form.gates:
+        if good[name] is not None:
+            yield (f"{name} on another device", {name: good[name].to("meta")}, ValueError,
+                   rf"^{name} must be on cpu like q")
+    if "W2" in form.needs:
+        W2 = good["W2"]
+        yield "W2 for another V", {"W2": W2[:, :, 1:]}, ValueError, r"^W2 must have shape \[1, 2, 3, 8\]"
+        yield "W2 of rank 3", {"W2": W2[0]}, ValueError, r"^W2 must have shape \[B, H, V, h\]"
+        yield "W2 of width 0", {"W2": W2[..., :0]}, ValueError, r"^W2 must have a hidden width h >= 1"
+        yield "W2 on another device", {"W2": W2.to("meta")}, ValueError, r"^W2 must be on cpu like q"
     # no token: the loops met an empty torch.stack, some chunk forms returned an empty output
     empty = {name: good[name][:, :, :0] for name in ("q", "k", "v", *form.gates) if good[name] is not None}
     yield "T = 0", empty, ValueError, r"^q, k, v must be non-empty"

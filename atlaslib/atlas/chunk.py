@@ -53,7 +53,7 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
     ns = newton_schulz if orthogonalise is None else orthogonalise
     B, H, T, D, V = check_form_shapes(q, k, v, alpha=alpha, eta=eta, theta=theta, log_alpha=log_alpha)
     c, b = check_window(window), check_chunk_size(chunk_size)
-    check_shape("G", G, (B, H, T, c))
+    check_shape("G", G, (B, H, T, c), ref=q)
     check_shape("initial_momentum", initial_momentum, (B, H, V, D))
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)

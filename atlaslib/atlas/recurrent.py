@@ -93,7 +93,7 @@ def check_token(M, q_t, k_t, v_t, window, G_t, *gates):
 
 def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, chunk_size):
     B, H, T, D, V = check_form_shapes(q, k, v, alpha=alpha, eta=eta, theta=theta)
-    check_shape("G", G, (B, H, T, check_window(window)))          # per offset (``core.windows.window_gates``)
+    check_shape("G", G, (B, H, T, check_window(window)), ref=q)          # per offset (``core.windows.window_gates``)
     check_shape("initial_momentum", initial_momentum, (B, H, V, D))
     M0 = start_memory(q, v, initial_state)
     state = start_state(M0, None if initial_momentum is None else initial_momentum.to(M0.dtype))

@@ -70,8 +70,9 @@ def check_qkv(q, k, v):
     return B, H, T, K, v.shape[3]
 
 
-def check_shape(name: str, x, *shapes: tuple):
-    """``x`` is None (an absent gate) or a floating tensor of one of ``shapes``; returns it.
+def check_shape(name: str, x, *shapes: tuple, ref: torch.Tensor | None = None):
+    """``x`` is None (an absent gate) or a floating tensor of one of ``shapes`` (on ``ref``'s device, when
+    given); returns it.
 
     Shapes only: no value is read, so the lower-level forms can call it without waiting for the device.
     """
@@ -84,6 +85,8 @@ def check_shape(name: str, x, *shapes: tuple):
         raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
     if tuple(x.shape) not in [tuple(s) for s in shapes]:
         raise ValueError(f"{name} must have shape {allowed}, got {_shape(x)}")
+    if ref is not None and x.device != ref.device:
+        raise ValueError(f"{name} must be on {ref.device} like q, got {x.device}")
     return x
 
 
@@ -95,10 +98,11 @@ def check_one_retention(alpha, log_alpha) -> None:
 
 def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_channel: tuple = (),
                       required: tuple = (), **gates):
-    """The shapes a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
+    """The shapes, dtypes and devices a lower-level form (a ``*_recurrent`` or ``*_chunk``) can check for free.
 
-    q, k [B, H, T, K] and v [B, H, T, V], none of them empty; ``gamma`` [B, H, T] or [B, H, T, window]; every other gate
-    [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``; absent gates None, except those
+    q, k [B, H, T, K] and v [B, H, T, V], none of them empty, one dtype, one device; ``gamma`` [B, H, T] or
+    [B, H, T, window]; every other gate [B, H, T], or also [B, H, T, K] when its name is in ``per_channel``, on
+    q's device; absent gates None, except those
     named in ``required``; alpha and log_alpha not both. Values are not read: the entry points check them
     before they call a form, and here it would cost a host sync. Returns (B, H, T, K, V).
     """
@@ -106,11 +110,10 @@ def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_cha
         if gates.get(name) is None:
             raise TypeError(f"{name} is required: a [B, H, T] tensor")
     check_one_retention(gates.get("alpha"), gates.get("log_alpha"))
-    B, H, T, K, V = check_qkv_shapes(q, k, v)
-    check_non_empty(q, v)
-    check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]))
+    B, H, T, K, V = check_qkv(q, k, v)
+    check_shape("gamma", gamma, (B, H, T), *([] if window is None else [(B, H, T, window)]), ref=q)
     for name, g in gates.items():
-        check_shape(name, g, (B, H, T), *([(B, H, T, K)] if name in per_channel else []))
+        check_shape(name, g, (B, H, T), *([(B, H, T, K)] if name in per_channel else []), ref=q)
     return B, H, T, K, V
 
 
@@ -121,10 +124,8 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
     Values must lie in ``[low, high]`` (``high=None``: no upper bound, but finite); ``_value_check``
     says how that is checked. Returns the gate, or ``None`` if ``g`` is ``None``.
     """
-    if check_shape(name, g, (B, H, T), *([] if K is None else [(B, H, T, K)])) is None:
+    if check_shape(name, g, (B, H, T), *([] if K is None else [(B, H, T, K)]), ref=ref) is None:
         return None
-    if ref is not None and g.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} like q, got {g.device}")
     if g.numel() == 0:
         return g
     rng = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"

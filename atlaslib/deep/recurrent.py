@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..core.chunking import compute_dtype, start_memory
-from ..core.validation import check_chunk_size, check_form_shapes, check_window
+from ..core.validation import check_chunk_size, check_form_shapes, check_shape, check_tensor, check_window
 from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
 from ..miras.bias import BIASES
@@ -195,7 +195,11 @@ def dot_mlp_recurrent(q, k, v, W2, alpha=None, eta=None, kappa=torch.exp, activa
 
 def _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, bias, window, gamma):
     """The loop both rules share: the bias and the window (c pairs, gates gamma) are what differs."""
-    B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
+    B, H, T, _, V = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
+    check_tensor("W2", W2, 4, "[B, H, V, h]")
+    check_shape("W2", W2, (B, H, V, W2.shape[3]), ref=q)
+    if W2.shape[3] < 1:
+        raise ValueError(f"W2 must have a hidden width h >= 1, got shape {tuple(W2.shape)}")
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, W2 = q.to(cd), k.to(cd), v.to(cd), W2.to(cd)
     act, loss = ACTIVATIONS[activation], BIASES[bias](None)
