@@ -81,6 +81,12 @@ def test_ttt_mlp_grads_rejects_a_single_return_value():
     fails(ch03.ttt_mlp_grads, lambda *a: grads_by_hand(*a)[0], where="expected a tuple (grad_W1, grad_W2)")
 
 
+def test_ttt_mlp_grads_in_float32_names_the_dtype():
+    # buffers made with torch.zeros(...) are float32: right to ~1e-7, which looks equal in the message
+    v = fails(ch03.ttt_mlp_grads, lambda *a: tuple(g.float() for g in grads_by_hand(*a)), where="relative RMSE")
+    assert "torch.float32" in v.message and "inputs are torch.float64" in v.message, v.message
+
+
 # ---- exercise 2: Yaad's step ----------------------------------------------------------------------
 
 def yaad_by_autograd(M, k, v, alpha, eta, delta):
@@ -221,6 +227,11 @@ def test_momentum_chunk_rejects_typical_mistakes(kw):
 def test_momentum_chunk_rejects_quotients_of_cumulative_products():
     # right in exact arithmetic, and on mild gates; 0/0 once the products underflow fp32
     fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, ratio="quotient"), where="theta in [0.02, 0.2]")
+
+
+def test_momentum_chunk_names_the_division_by_zero():
+    v = fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, ratio="quotient"), where="a division by zero")
+    assert "never wrote" not in v.message and "log-gates" in v.message, v.message
 
 
 def test_momentum_chunk_rejects_gd_without_momentum():

@@ -71,6 +71,12 @@ def test_monomials_rejects_wrong_dimensions(wrong):
     assert v.status == "failed" and "feature_dim" in v.message, v.message
 
 
+def test_monomials_in_float32_names_the_dtype():
+    v = ch04.monomials.evaluate(lambda x, p: monomials_by_loop(x, p).float(), dim_ok)
+    assert v.status == "failed" and "torch.float32" in v.message and "inputs are torch.float64" in v.message, \
+        v.message
+
+
 # ---- exercise 2: one Omega step ------------------------------------------------------------------
 
 def step_by_autograd(M, k_win, v_win, gamma, alpha, eta):

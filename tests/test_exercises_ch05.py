@@ -328,6 +328,12 @@ def test_momenta_names_the_division_by_zero_and_atlas_step_the_dtype():
     assert v.status == "failed" and "torch.float32" in v.message and "torch.float64" in v.message, v.message
 
 
+def test_momenta_without_the_clamp_is_told_to_clamp():
+    # log-differences, but log 0 = -inf at a restart: -inf - (-inf) is NaN, not a quotient
+    v = ch05.momenta.evaluate(lambda *a: momenta_masked(*a, clamp=False))
+    assert v.status == "failed" and "clamp theta" in v.message, v.message
+
+
 @pytest.mark.library_rules
 def test_the_named_helper_is_forbidden_however_it_is_reached():
     import functools

@@ -80,6 +80,15 @@ def test_phi_star_rejects_wrong_dimensions(dim):
     assert v.status == "failed" and "phi_star_dim" in v.message and "is not right" in v.message, v.message
 
 
+def test_phi_star_and_kernel_read_in_float32_name_the_dtype():
+    for exercise, fn in ((ch06.phi_star, lambda x, P: phi_by_exponents(x, P).float()),
+                         (ch06.kernel_read, lambda u, k, q: read_loop(u, k, q).float())):
+        fns = (fn, comb) if exercise is ch06.phi_star else (fn,)
+        v = exercise.evaluate(*fns)
+        assert v.status == "failed" and "torch.float32" in v.message and "inputs are torch.float64" in v.message, \
+            v.message
+
+
 # ---- exercise 2: the kernel-trick read ------------------------------------------------------------
 
 def read_loop(u, k, q, causal="<=", transpose=False, exp=True):

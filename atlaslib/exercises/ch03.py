@@ -160,6 +160,12 @@ def momentum_chunk(fn, gen):
             got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_n"))
             check_shape("M", got_M, M_ref.shape)
             check_shape("S_n", got_S, S_ref.shape)
+            for name, got in (("M", got_M), ("S_n", got_S)):
+                if got.is_floating_point() and got.isnan().any():
+                    raise CheckFailed(f"{name} is NaN at {int(got.isnan().sum())} entries where the memories are "
+                                      "finite: a division by zero (0/0). Over this chunk the cumulative products of "
+                                      "the gates underflow fp32 to 0, so their quotients are 0/0: build the ratios "
+                                      "as exp of differences of cumulative log-gates, masked before the exponential")
             compare("M", got_M, M_ref, TOL)
             compare("S_n", got_S, S_ref, TOL)
     return f"all the chunk's memories and its final momentum match the per-token recursion on {len(cases)} chunks"

@@ -23,8 +23,8 @@ from ..core.windows import band_gates
 from ..omega.chunk import window_weights
 from ..omega.recurrent import window_gradient
 from .ch01 import clones, triton_setup
-from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output, compare_number,
-                       guarded, guarded_output, unpack)
+from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_features,
+                       compare_kernel_output, compare_number, guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch04")
 
@@ -63,7 +63,7 @@ def monomials(features_fn, dim_fn, gen):
                                       f"(one feature per monomial of degree <= {p})")
             gram = torch.einsum("...i,...i->...", fx.to(torch.float64), fy.to(torch.float64))
             ref = torch.einsum("...i,...i->...", monomial_features(x, p), monomial_features(y, p))
-            compare("sum over monomials of x^b y^b", gram, ref, 1e-8)
+            compare_features("sum over monomials of x^b y^b", gram, ref, (fx, fy), x.dtype)
     for d, p in [(4, 2), (16, 2), (128, 2), (4, 3), (7, 1), (3, 0)]:
         with case(f"feature_dim(d={d}, p={p})"):
             compare_number("your answer", call(dim_fn, d, p), math.comb(d + p, p))

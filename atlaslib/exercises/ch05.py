@@ -177,11 +177,13 @@ def momenta(fn, gen):
             check_shape("S", got, ref.shape)
             if isinstance(got, torch.Tensor) and got.is_floating_point() and got.isnan().any() \
                     and not ref.isnan().any():
-                raise CheckFailed(f"S is NaN at {int(got.isnan().sum())} entries where the momenta are finite: a "
-                                  "division by zero (0/0). Over a long chunk the cumulative products of theta "
-                                  "underflow to 0, and a gate of exactly 0 makes them 0, so their quotients are "
-                                  "0/0: build the decay matrix from products over each range (or differences of "
-                                  "cumulative log-gates, masked) instead")
+                zeros = " (log 0 = -inf, and -inf - (-inf) is NaN: clamp theta at a tiny floor before the log)" \
+                    if kind == "zeros" else ""
+                raise CheckFailed(f"S is NaN at {int(got.isnan().sum())} entries where the momenta are finite: "
+                                  "a division by zero (0/0) or inf - inf. Over a long chunk the cumulative "
+                                  "products of theta underflow to 0, and a gate of exactly 0 makes them 0, so their "
+                                  "quotients are 0/0: build the decay matrix from products over each range (or "
+                                  f"differences of cumulative log-gates, masked) instead{zeros}")
             compare("S", got, ref, TOL)
     return (f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks "
             "(resets and underflow included)")

@@ -19,8 +19,8 @@ from ..core import softmax_attention
 from ..core.testing import random_gate, random_qkv
 from ..deep import coefficient_recurrent, dot_coefficient_recurrent, exp_features
 from .ch01 import clones, triton_setup
-from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare, compare_finite,
-                       compare_kernel_output, compare_number, guarded, guarded_output)
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare,
+                       compare_features, compare_finite, compare_kernel_output, compare_number, guarded, guarded_output)
 
 EXERCISES = Registry("ch06")
 
@@ -67,7 +67,7 @@ def phi_star(features_fn, dim_fn, gen):
             for name, a, b, a_ref, b_ref in (("phi*_P(x) . phi*_P(y)", fx, fy, fx_ref, fy_ref),
                                              ("|phi*_P(x)|^2", fx, fx, fx_ref, fx_ref)):
                 got = torch.einsum("...i,...i->...", a.to(torch.float64), b.to(torch.float64))
-                compare(name, got, torch.einsum("...i,...i->...", a_ref, b_ref), 1e-8)
+                compare_features(name, got, torch.einsum("...i,...i->...", a_ref, b_ref), (a, b), x.dtype)
     for d, P in [(4, 2), (16, 2), (64, 2), (3, 4), (7, 1), (5, 0), (1, 6)]:
         with case(f"phi_star_dim(d={d}, P={P})"):
             compare_number("your answer", call(dim_fn, d, P), math.comb(d + P, P))

@@ -339,7 +339,26 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None) ->
     try:
         assert_close(got.detach(), expected.detach(), tol=tol, name=name)
     except AssertionError as e:
-        raise CheckFailed(str(e)) from None
+        raise CheckFailed(f"{e}{dtype_hint(got.dtype, expected.dtype)}") from None
+
+
+def dtype_hint(got, want) -> str:
+    """Added to a failed comparison when the answer lost precision: a float32 result cannot reach the
+    tolerance of a float64 check, and the values shown then look equal."""
+    if got.is_floating_point and want.is_floating_point and torch.finfo(got).eps > torch.finfo(want).eps:
+        return (f". Your result is {got}, but the inputs are {want}: keep the inputs' dtype (a tensor made "
+                f"without dtype=..., e.g. torch.zeros(n), is {torch.get_default_dtype()}, and so is a .float())")
+    return ""
+
+
+def compare_features(name: str, got, expected: torch.Tensor, features, dtype, tol: float = 1e-8) -> None:
+    """``compare`` for inner products of a learner's feature vectors (computed in float64), with the dtype
+    hint when the features themselves were made in a coarser dtype than the inputs (``dtype``)."""
+    try:
+        compare(name, got, expected, tol)
+    except CheckFailed as e:
+        coarse = [f.dtype for f in features if isinstance(f, torch.Tensor) and f.dtype != dtype]
+        raise CheckFailed(f"{e}{dtype_hint(coarse[0], dtype) if coarse else ''}") from None
 
 
 def check_shape(name: str, got, want, hint: str = "") -> None:
