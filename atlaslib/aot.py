@@ -596,7 +596,8 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
             for name in short:
                 todo += [(family, label + tag, s, lo) for tag, s, lo in variants(short[name], longer[name])]
     results = []
-    with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=not progress) as bar:
+    # disable=None: a terminal or a notebook shows the bar, a log file does not
+    with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=None if progress else True) as bar:
         for family, label, launches, longer in todo:
             for target in targets:
                 result = build(representative(launches[0], longer[0]), target, f"{family}: {label}", full)
