@@ -270,3 +270,43 @@ def test_the_kernels_fallback_warning_points_at_the_users_call():
     x = torch.randn(3, requires_grad=True)
     filename, line = _warned_line(lambda: dispatch.call_backend("triton", table, x))     # the user's call
     assert filename == __file__ and line.rstrip().endswith("# the user's call"), (filename, line)
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradients(monkeypatch, model):
+    """Chapters 1-2's Functions: a forward that fits the card and a backward that does not (it holds more
+    tiles at once) give the gradients of autograd through the chunk form, with a warning, not a crash."""
+    errors = pytest.importorskip("triton.runtime.errors")
+    import atlaslib.delta.kernel as delta_kernel
+    import atlaslib.linear.backward as linear_backward
+    from atlaslib.delta import delta_rule
+
+    def too_big(*args, **kwargs):
+        raise errors.OutOfResources(150_000, 101_376, "shared memory")
+    monkeypatch.setattr(*((delta_kernel, "delta_rule_backward") if model == "delta"
+                          else (linear_backward, "linear_attention_backward")), too_big)
+    gen = torch.Generator().manual_seed(7)
+    B, H, T, K, V = 1, 2, 70, 8, 6                               # two chunks, the second one short
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    alpha = random_gate(B, H, T, low=0.8, generator=gen)
+    beta = random_gate(B, H, T, generator=gen)
+    h0 = torch.randn(B, H, V, K, generator=gen)
+    do, dht = torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen)
+
+    def grads(backend):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, alpha, beta, h0)]
+        q_, k_, v_, a_, b_, h_ = xs
+        if model == "delta":
+            o, ht = delta_rule(q_, k_, v_, b_, alpha=a_, initial_state=h_, output_final_state=True, backend=backend)
+        else:
+            o, ht = linear_attention(q_, k_, v_, alpha=a_, initial_state=h_, output_final_state=True,
+                                     backend=backend)
+        wrt = xs if model == "delta" else [q_, k_, v_, a_, h_]
+        return torch.autograd.grad((o * do).sum() + (ht * dht).sum(), wrt)
+
+    with pytest.warns(RuntimeWarning, match="the backward kernels do not fit this GPU .*shared memory.*chunk form"):
+        got = grads("triton")
+    names = ["q", "k", "v", "alpha", "beta", "h0"] if model == "delta" else ["q", "k", "v", "alpha", "h0"]
+    for name, g, ref in zip(names, got, grads("recurrent"), strict=True):
+        err = float((g - ref).norm() / ref.norm())
+        assert err < 1e-5, f"{model} d{name}: relative error {err:.2e}"

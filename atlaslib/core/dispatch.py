@@ -183,18 +183,23 @@ class ChunkBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        saved = ctx.saved_tensors
-        inputs = [s.detach().requires_grad_(s.requires_grad) if is_t and s is not None else o
-                  for s, is_t, o in zip(saved, ctx.is_tensor, ctx.others)]
-        with torch.enable_grad():
-            outs = ctx.forward_chunk(*inputs)
-            pairs = [(o, g) for o, g in zip(outs, grad_outs) if o is not None and g is not None and o.requires_grad]
-            wrt = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-            grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
-                     if pairs and wrt else [])
-        it = iter(grads)
-        result = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return (None, None, *result)
+        inputs = [s if is_t else o for s, is_t, o in zip(ctx.saved_tensors, ctx.is_tensor, ctx.others)]
+        needs = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
+        return (None, None, *chunk_grads(ctx.forward_chunk, inputs, needs, grad_outs))
+
+
+def chunk_grads(forward_chunk, inputs, needs, grad_outs) -> list:
+    """The gradients of ``forward_chunk(*inputs)`` (outputs met by ``grad_outs``) for the inputs whose
+    ``needs`` is true, by autograd through the recomputed chunk form; None for the others."""
+    xs = [x.detach().requires_grad_(need) if isinstance(x, torch.Tensor) else x for x, need in zip(inputs, needs)]
+    wrt = [x for x, need in zip(xs, needs) if need and isinstance(x, torch.Tensor)]
+    with torch.enable_grad():
+        outs = forward_chunk(*xs)
+        pairs = [(o, g) for o, g in zip(outs, grad_outs) if o is not None and g is not None and o.requires_grad]
+        grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                 if pairs and wrt else [None] * len(wrt))
+    it = iter(grads)
+    return [next(it) if need and isinstance(x, torch.Tensor) else None for x, need in zip(xs, needs)]
 
 
 def forward_or_fallback(forward_triton, forward_chunk, *inputs):
@@ -213,6 +218,20 @@ def forward_or_fallback(forward_triton, forward_chunk, *inputs):
         warn_at_caller(f"{getattr(forward_triton, '__name__', 'the Triton kernel')} does not fit this GPU "
                        f"({exc}); using the chunk form instead")
         return forward_chunk(*inputs)
+
+
+def backward_or_fallback(backward_triton, forward_chunk, inputs, needs, grad_outs) -> list:
+    """``backward_triton()`` (the gradients of ``inputs``), or, if the card cannot hold the backward
+    kernels' tiles, ``chunk_grads`` with a warning: ``forward_or_fallback`` for a Function whose forward
+    fitted the card and whose backward kernels, which hold more tiles at once, do not."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return backward_triton()
+    except OutOfResources as exc:
+        warn_at_caller(f"the backward kernels do not fit this GPU ({exc}); gradients by autograd through "
+                       f"the chunk form instead")
+        return chunk_grads(forward_chunk, inputs, needs, grad_outs)
 
 
 def with_chunk_backward(forward_triton, forward_chunk, *inputs):

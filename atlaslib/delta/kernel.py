@@ -97,6 +97,8 @@ from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch,
                             dot_tile, feature_tile, forward_launch, inverse_precision, load_block, precision,
                             store_tile, unwrapped)
 from ..core.alloc import empty
+from ..core.dispatch import backward_or_fallback
+from .chunk import delta_rule_chunk
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
 MAX_KEY = 256
@@ -536,7 +538,8 @@ class DeltaRuleFunction(torch.autograd.Function):
     scores Aq, Ak (B*H*Tp*64*4 bytes each). NT = cdiv(T, 64), Tp = 64 NT.
 
     Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
-    tensors and is not itself differentiable).
+    tensors and is not itself differentiable). A card whose shared memory holds the forward's tiles but
+    not the backward's gets autograd through the chunk form, with a warning (``core.dispatch.backward_or_fallback``).
     """
 
     @staticmethod
@@ -555,10 +558,19 @@ class DeltaRuleFunction(torch.autograd.Function):
         q, k, v, beta, logs, h0, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        inputs = (q, k, v, beta, logs, h0)
+
+        def kernels():
+            dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, *inputs)
+            return [dq, dk, dv, dbeta.to(beta.dtype), None if logs is None else dlogs.to(logs.dtype),
+                    None if h0 is None else dh0.to(h0.dtype)]
         with torch._C._DisableFuncTorch():       # the buffers it allocates are plain tensors too
-            dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, q, k, v, beta, logs, h0)
-        return (dq, dk, dv, dbeta.to(beta.dtype), None if logs is None else dlogs.to(logs.dtype),
-                None if h0 is None else dh0.to(h0.dtype))
+            return tuple(backward_or_fallback(kernels, _chunk_form, inputs, ctx.needs_input_grad, (do, dht)))
+
+
+def _chunk_form(q, k, v, beta, logs, initial_state):
+    """``DeltaRuleFunction``'s function as the chunk form computes it (the backward's fallback)."""
+    return delta_rule_chunk(q, k, v, beta, None, initial_state, CHUNK, logs)
 
 
 def delta_rule_triton(q, k, v, beta, alpha=None, initial_state=None, log_alpha=None):

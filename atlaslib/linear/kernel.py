@@ -36,8 +36,10 @@ import torch
 
 from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
 from ..core.chunking import gate_logs
+from ..core.dispatch import backward_or_fallback
 from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
     gate_mode, unwrapped
+from .chunk import linear_attention_chunk
 
 # The state pass holds the delta rule's whole state; linear attention keeps the same limit.
 MAX_KEY = 256
@@ -97,15 +99,22 @@ class LinearAttentionFunction(torch.autograd.Function):
         if do is None:
             do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         gate = gate_mode(logs)
-        with torch._C._DisableFuncTorch():       # the buffers the backward allocates are plain tensors too
+        need = ctx.needs_input_grad
+
+        def kernels():
             g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
             grads = linear_attention_backward(q, k, v, gate, g, as_fp32(h0), do, dht, h=h,
                                               ht=ht if h is not None else None)
-        need = ctx.needs_input_grad
-        dlog = grads.dlog if need[3] else None
-        dh0 = grads.dh0.to(h0.dtype) if need[4] else None
-        return (grads.dq if need[0] else None, grads.dk if need[1] else None, grads.dv if need[2] else None,
-                dlog, dh0, None)
+            return [grads.dq if need[0] else None, grads.dk if need[1] else None, grads.dv if need[2] else None,
+                    grads.dlog if need[3] else None, grads.dh0.to(h0.dtype) if need[4] else None]
+        with torch._C._DisableFuncTorch():       # the buffers the backward allocates are plain tensors too
+            grads = backward_or_fallback(kernels, _chunk_form, (q, k, v, logs, h0), need[:5], (do, dht))
+        return (*grads, None)
+
+
+def _chunk_form(q, k, v, logs, initial_state):
+    """``LinearAttentionFunction``'s (o, final state) as the chunk form computes it (the backward's fallback)."""
+    return linear_attention_chunk(q, k, v, None, initial_state, CHUNK, logs)
 
 
 def linear_attention_autograd(q, k, v, alpha=None, initial_state=None, log_alpha=None, keep_states=False):
@@ -114,7 +123,8 @@ def linear_attention_autograd(q, k, v, alpha=None, initial_state=None, log_alpha
     Same arguments and results as ``linear_attention_triton``. ``alpha``/``log_alpha`` become fp32
     log-gates in autograd (clamped below at ``core.chunking.LOG_FLOOR`` as everywhere), so their
     gradients follow. Without gradients it is the plain forward. A card that cannot hold the
-    kernels' tiles gets the chunk form from the caller (``core.dispatch.call_backend``).
+    kernels' tiles gets the chunk form from the caller (``core.dispatch.call_backend``), and one that
+    cannot hold the backward's, autograd through it (``core.dispatch.backward_or_fallback``).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     tensors = (q, k, v, logs, initial_state)
