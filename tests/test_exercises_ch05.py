@@ -75,11 +75,11 @@ def singular_values_by_library(sigma, steps, coeffs):
 
 
 def singular_values_scalar(sigma, steps, coeffs, norm="frobenius", even=False, always_once=False,
-                           normalise_at_zero=False):
+                           normalise_at_zero=False, eps=1e-7):
     a, b, c = coeffs
     if steps == 0 and not normalise_at_zero:
         return sigma
-    s = sigma / (sigma.max() if norm == "max" else sigma.square().sum().sqrt() + 1e-7)
+    s = sigma / (sigma.max() if norm == "max" else sigma.square().sum().sqrt() + eps)
     for _ in range(1 if always_once else steps):
         s = (a + b * s**2 + c * s**4) if even else (a * s + b * s**3 + c * s**5)
     return s
@@ -100,6 +100,14 @@ def test_ns_polynomial_passes_correct_answers():
 def test_ns_polynomial_rejects_typical_mistakes(kw, where):
     v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c, **kw))
     assert v.status == "failed" and where in v.message, v.message
+
+
+def test_ns_polynomial_names_a_missing_epsilon():
+    """Dividing by ||sigma|| alone moves every value by about 1e-7, over the 1e-8 tolerance: say why."""
+    v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c, eps=0.0))
+    assert v.status == "failed" and "divides by ||G||_F + eps with eps = 1e-7" in v.message, v.message
+    v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c, norm="max"))
+    assert "eps = 1e-7" not in v.message, v.message                      # other mistakes: no such hint
 
 
 def test_ns_polynomial_rejects_sorted_values():

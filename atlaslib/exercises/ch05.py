@@ -71,6 +71,20 @@ def _orthonormal(m, r, gen):
     return Q * torch.sign(torch.diagonal(R))
 
 
+def _epsilon_hint(got, sigma, steps, coeffs) -> str:
+    """Added when the answer is the polynomial on sigma / ||sigma|| without Muon's epsilon: at 1e-7 against
+    norms near 1 it moves the values by about 1e-7, more than the check's tolerance."""
+    if steps == 0 or not isinstance(got, torch.Tensor) or got.shape != sigma.shape:
+        return ""
+    s = sigma / sigma.norm()
+    for _ in range(steps):
+        s = coeffs[0] * s + coeffs[1] * s**3 + coeffs[2] * s**5
+    if torch.allclose(got.double(), s, rtol=1e-10, atol=1e-12):
+        return (". Your values are the polynomial on sigma / ||sigma|| exactly: the normalisation of Exercise 1 "
+                "divides by ||G||_F + eps with eps = 1e-7, and so must this one")
+    return ""
+
+
 @EXERCISES.check("ns_polynomial", title="The polynomial acting on the singular values", points=2,
                   functions=("ns_singular_values",), forbidden=NEWTON_SCHULZ)
 def ns_polynomial(fn, gen):
@@ -103,7 +117,10 @@ def ns_polynomial(fn, gen):
         with case(f"{m} x {n}, {spectrum} singular values, J={steps}, coefficients {name} {coeffs}"):
             got = call(fn, sigma.clone(), steps, coeffs)
             check_shape("the singular values", got, sigma.shape)
-            compare("the singular values", got, ref, 1e-8)
+            try:
+                compare("the singular values", got, ref, 1e-8)
+            except CheckFailed as e:
+                raise CheckFailed(f"{e}{_epsilon_hint(got, sigma, steps, coeffs)}") from None
     return (f"the singular values of NS_J(G) match atlaslib.atlas.newton_schulz on {len(cases)} spectra "
             "(J = 0 to 5, rank-deficient and ill-conditioned included)")
 
