@@ -61,6 +61,21 @@ def test_many_query_and_key_blocks(gen, normalize, window):
     assert_close(got, want.float(), tol=1e-5)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("window", [2, 34, 70, 90])
+def test_windows_at_key_block_edges_and_past_T(gen, normalize, window):
+    """T = 70 (fp32: query and key blocks of 32). Windows of 2 and 34 put the oldest key of the query block
+    at 32 (and 64) in the last row of the key block before it; a window of T or more is every past key."""
+    q, k, v, _, eta = inputs(gen, B=1, H=2, T=70, K=8, V=6)
+    alpha = random_gate(1, 2, 70, low=0.95, generator=gen)           # the first key still counts at t = 69
+    want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
+    got, _ = deep_transformer(q, k, v, alpha=alpha, eta=eta, normalize=normalize, window=window, backend="triton")
+    assert_close(got, want.float(), tol=1e-5)
+    if window >= 70:
+        full = reference(q, k, v, alpha, eta, normalize=normalize)
+        assert_close(want, full, name="a window of T or more is no window")
+
+
 def test_wide_keys_and_values(gen):
     """K = 136 (tile 256: query/key blocks of 32) and V = 70 (two value blocks of 64)."""
     q, k, v, alpha, eta = inputs(gen, B=1, H=1, T=45, K=136, V=70, scale=0.15)
