@@ -241,7 +241,9 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
 
-    fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)       # features in fp32/fp64
+    # features in fp32/fp64, and v with them: the forms take q, k, v of one dtype (bf16 v beside fp32
+    # features was refused as "q, k, v must share a dtype", naming tensors the caller never made)
+    fq, fk, v = exp_features(q.to(cd), order), exp_features(k.to(cd), order), v.to(cd)
     if matrix:
         o, state = dispatch(backend, q, hebbian_table(chunk_size), fq, fk, v, alpha, eta, initial_state, log_alpha,
                             unsupported=lambda: feature_kernel_limits(fq), model="deep_transformer")
