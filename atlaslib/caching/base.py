@@ -60,10 +60,11 @@ def check_base(base, base_kwargs) -> dict:
 
 
 def check_per_token(kw: dict, B: int, H: int, T: int) -> None:
-    """A tensor of ``base_kwargs`` that starts [B, H, ...] is per token ([B, H, T, ...]) and is cut into
-    the segments; one with another length there would reach every segment whole, so it is refused."""
+    """A tensor of ``base_kwargs`` with 3 dims or more is a per-token gate ([B, H, T, ...]) and is cut into
+    the segments; any other shape (another T, or [B, T, H]) would reach every segment whole and fail there
+    with the segment's length in its message, so it is refused here, with the whole sequence's shape."""
     for n, x in kw.items():
-        if isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:2]) == (B, H) and x.shape[2] != T:
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and tuple(x.shape[:3]) != (B, H, T):
             raise ValueError(f"base_kwargs[{n!r}] must have shape [B, H, T, ...] = [{B}, {H}, {T}, ...] like q "
                              f"(it is cut into the segments), got {list(x.shape)}")
 
