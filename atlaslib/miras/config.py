@@ -82,6 +82,10 @@ class MirasConfig:
 
 
 # Which option belongs to which axis value: passing it with another choice is an error.
+# The field names, once: torch.compile cannot trace dataclasses.fields on the class (a mixer's forward
+# calls make_config).
+FIELDS = frozenset(f.name for f in dataclasses.fields(MirasConfig))
+
 OPTION_OWNERS = {
     "p": ("bias", ("lp",)), "sign_sharpness": ("bias", ("lp",)), "abs_eps": ("bias", ("lp",)),
     "delta": ("bias", ("huber", "huber_norm", "huber_switch", "value_shift")),
@@ -195,10 +199,9 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
         base = PRESETS[preset]
     else:
         raise TypeError(f"preset must be a preset name or a MirasConfig, got {type(preset).__name__}")
-    fields = {f.name for f in dataclasses.fields(MirasConfig)}
-    unknown = sorted(set(overrides) - fields)
+    unknown = sorted(set(overrides) - FIELDS)
     if unknown:
-        raise TypeError(f"unknown config option(s) {unknown}; options: {sorted(fields - {'name'})}")
+        raise TypeError(f"unknown config option(s) {unknown}; options: {sorted(FIELDS - {'name'})}")
     if "memory" in overrides and "layer_norm" not in overrides and overrides["memory"] != "residual":
         overrides = {**overrides, "layer_norm": False}        # a preset's LN belongs to its residual memory
     if isinstance(overrides.get("ns_coeffs"), list):

@@ -40,7 +40,9 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     from .memory import build_memory
     cfg = make_config(cfg) if not hasattr(cfg, "memory") else cfg
     memory = build_memory(cfg, K, V)
-    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
+    # The linear memory draws nothing, so no generator is made for it: one made inside a function that
+    # torch.compile traces stops a fullgraph compilation (miras(..., initial_state=None) on a linear memory)
+    gen = generator if generator is not None or cfg.memory == "linear" else torch.Generator().manual_seed(seed)
     params = memory.init(H, gen, dtype=torch.float32, device="cpu")
     if cfg.retention == "kl" and cfg.memory != "linear":
         params = {n: torch.randn(w.shape, generator=gen) for n, w in params.items()}
