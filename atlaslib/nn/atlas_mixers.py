@@ -20,7 +20,8 @@ Every memory and gamma mode has a one-token ``step`` (generation): the linear me
 ``atlas_step`` (its ``AtlasState`` keeps M, S, the last c - 1 pairs and their per-source gates),
 the deep ones through ``miras_step`` (``miras_mixers.engine_step``), whose ``TokenState`` keeps
 the weights, the momenta and the last c - 1 pairs; ``DeepState`` adds the per-source gates
-that ``gamma="source"`` needs. The deep step starts from the forward's W_0 (``miras.init_state``).
+that ``gamma="source"`` needs. The deep step starts from the forward's W_0 (``miras.init_state``'s
+seeded weights, drawn once when the layer is built: ``start_weights``).
 
 The chunk size **changes the model** (gradients frozen at the chunk start; chunk_size = 1 is
 the per-token rule that ``step`` runs), default ``ATLAS_CHUNK_SIZE`` = 16.
@@ -74,12 +75,27 @@ class AtlasMixer(WindowedMixer):
                              f"got {self.head_k_dim} and {self.head_v_dim}")
         self.memory, self.ns_steps, self.ns_coeffs = memory, check_ns_steps(ns_steps), ns_coeffs
         self.theta_proj = nn.Linear(d_model, n_heads) if check_flag("momentum", momentum) else None
+        # A deep memory's W_0: the seeded weights ``atlas`` starts from without an initial_state
+        # (``init_state``), drawn once here in fp32 rather than at every forward: a generator made inside
+        # the forward stops torch.compile(fullgraph=True). A plain attribute, not a buffer, so that
+        # ``.to(bf16)`` does not round it and state_dict stays as it was.
+        self.start_weights = None if memory == "linear" else init_state(
+            atlas_config(memory, self.window, self.ns_steps, ns_coeffs), 1, n_heads, self.feature_dim(),
+            self.head_v_dim).memory
 
     def theta(self, x):
         """Momentum decay in (0, 1), [B, H, T], or None (no momentum)."""
         if self.theta_proj is None:
             return None
         return torch.sigmoid(self.theta_proj(x).to(gate_dtype(x))).transpose(1, 2)    # squashed in fp32
+
+    def deep_start(self, q) -> dict | None:
+        """W_0 of a deep memory for a batch of B (``start_weights`` in q's compute dtype); None: linear."""
+        if self.start_weights is None:
+            return None
+        B = q.shape[0]
+        return {n: w.to(device=q.device, dtype=compute_dtype(q)).expand(B, *w.shape[1:])
+                for n, w in self.start_weights.items()}
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
@@ -88,7 +104,8 @@ class AtlasMixer(WindowedMixer):
         theta = self.theta(x)
         return atlas(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                      theta=None if theta is None else theta.to(dtype), ns_steps=self.ns_steps, ns_coeffs=self.ns_coeffs,
-                     memory=self.memory, backend=self.backend, chunk_size=self.chunk_size)[0]
+                     memory=self.memory, initial_state=self.deep_start(q), backend=self.backend,
+                     chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
         """One token of the per-token rule (the model of ``chunk_size=1``).
@@ -116,7 +133,7 @@ class AtlasMixer(WindowedMixer):
         cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
         parts = build_parts(cfg, D, v.shape[-1])
         if state is None:
-            W0 = init_state(cfg, B, H, D, v.shape[-1], dtype=compute_dtype(q), device=q.device).memory
+            W0 = self.deep_start(q)
             sources = gamma.new_zeros(B, H, 0) if self.gamma_mode == "source" else None
             state = DeepState(start_token_state(W0, True, False, q, v), sources)
         G, sources = self.offset_gates(gamma, state.gammas, B, H, q)
