@@ -119,11 +119,13 @@ class MemoryCaching(TokenMixer):
         return self.heads(self.u_proj(x))
 
     def mix(self, q, k, v, x):
-        return memory_caching(q, k, v, base=type(self).library, base_kwargs=self.base_gates(q, x),
-                              segments=self.segments, mode=self.mode, aggregate=self.aggregate, top_k=self.top_k,
-                              u=None if self.aggregate == "residual" else self.relevance(x).to(q.dtype),
-                              pool=self.pool, backend=self.backend,
-                              chunk_size=self.chunk_size)[0]
+        u = None if self.aggregate == "residual" else self.relevance(x).to(q.dtype)
+        o = memory_caching(q, k, v, base=type(self).library, base_kwargs=self.base_gates(q, x),
+                           segments=self.segments, mode=self.mode, aggregate=self.aggregate, top_k=self.top_k,
+                           u=u, pool=self.pool, backend=self.backend, chunk_size=self.chunk_size)[0]
+        # A sequence of one segment caches nothing and reads no score: u_proj would get no gradient at all
+        # (None), and DDP, which waits for every parameter's, stops at the next step. A zero term gives it 0.
+        return o if u is None else o + 0 * u.sum()
 
     def mix_step(self, q, k, v, x, state: CachingState | None):
         """One token: the base's step on the online memory, then the cached readout of a sequence of one."""
