@@ -122,6 +122,11 @@ class TinyLM(nn.Module):
         a sample from softmax(logits / temperature) restricted to the ``top_k`` most likely
         tokens (None: all), drawn with ``generator``. ``return_state``: also return the final
         ``DecodeState``.
+
+        ``step`` runs each mixer's per-token rule. Where the chunk length is part of the model (the
+        chapter 3 presets, OmegaNet, ATLAS, DLA, DOT with a window, and MAG/MAL over them: their chunk
+        form freezes the gradients at each chunk start), that rule is the model of ``chunk_size=1``, so
+        generation continues what ``forward`` computes only for layers built with ``chunk_size=1``.
         """
         if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
             raise ValueError(f"prompt_ids must be [B, T0] with T0 >= 1, got shape {list(prompt_ids.shape)}")
