@@ -1,0 +1,118 @@
+"""The library as a user meets it: half-precision inputs, misplaced gate layouts, torch.compile of the
+public functions and of the mixers."""
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from atlaslib.atlas import atlas
+from atlaslib.caching import memory_caching
+from atlaslib.core import assert_close
+from atlaslib.deep import deep_transformer
+from atlaslib.linear import linear_attention
+from atlaslib.miras import make_config, miras
+from atlaslib.nn import make_mixer
+
+B, H, T, K = 1, 2, 9, 4
+
+
+def qkv(gen, dtype=torch.float32):
+    q = torch.randn(B, H, T, K, generator=gen) / 2
+    k = torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=gen), dim=-1)
+    v = torch.randn(B, H, T, K, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", [{}, {"normalize": True}, {"window": 3}], ids=["plain", "normalize", "window"])
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_deep_transformer_taylor_takes_half_precision(gen, dtype, kw, backend):
+    """phi*_P features are computed in fp32: v must follow them, or the forms refuse q, k, v of two dtypes
+    (a bf16 call failed with "q, k, v must share a dtype" although the caller's q, k, v did)."""
+    q, k, v = qkv(gen, dtype)
+    alpha = torch.rand(B, H, T, generator=gen) * 0.2 + 0.8
+    o, _ = deep_transformer(q, k, v, phi_star=("taylor", 2), alpha=alpha, eta=0.5, backend=backend,
+                            chunk_size=4, **kw)
+    ref, _ = deep_transformer(q.double(), k.double(), v.double(), phi_star=("taylor", 2), alpha=alpha.double(),
+                              eta=0.5, backend="recurrent", **kw)
+    assert o.dtype == dtype
+    assert_close(o, ref.to(dtype), tol=2e-2, name=f"{dtype} vs fp64 on the same inputs")
+
+
+def test_memory_caching_names_a_gate_in_the_wrong_layout(gen):
+    """A gate given as [B, T, H] is not cut into segments; it used to reach every segment whole, whose
+    base call then asked for a shape with the *segment's* length. It is refused with the sequence's shape."""
+    q, k, v = qkv(gen)
+    with pytest.raises(ValueError, match=r"base_kwargs\['alpha'\] must have shape \[B, H, T, \.\.\.\] = "
+                                         rf"\[{B}, {H}, {T}, \.\.\.\]"):
+        memory_caching(q, k, v, base=linear_attention, segments=3, base_kwargs={"alpha": torch.full((B, T, H), 0.9)})
+
+
+def compiled_equals_eager(fn, *args):
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(fn, fullgraph=True, backend=counter)(*args)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert_close(got, fn(*args), tol=1e-6, name="compiled vs eager")
+
+
+@pytest.mark.slow                                 # compiles, as test_compile.py does (2 s)
+def test_miras_with_a_config_compiles_into_one_graph(gen):
+    """The MIRAS mixers call ``miras(config=...)``, which validates the config on every call: reading the
+    dataclass's fields there broke fullgraph compilation of every chapter 3 mixer. (No initial_state: the
+    linear memory's zero start made a random generator it did not use, which broke it too.)"""
+    q, k, v = qkv(gen)
+    cfg = make_config("titans", memory="linear")
+    theta = torch.rand(B, H, T, generator=gen)
+    compiled_equals_eager(lambda q, k, v, t: miras(q, k, v, config=cfg, eta=0.1, theta=t, backend="chunk",
+                                                   chunk_size=4)[0], q, k, v, theta)
+
+
+def deep_atlas_mixer(gen, name, **kw):
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    return make_mixer(name, 8, 2, backend="chunk", chunk_size=4, **kw), torch.randn(2, 5, 8, generator=gen)
+
+
+@pytest.mark.parametrize("name, kw", [("atlas", {"memory": "mlp", "ns_steps": 2}), ("atlas++", {"window": 2})])
+def test_deep_atlas_mixers_start_from_atlas_default(gen, name, kw):
+    """A deep ATLAS memory starts from ``atlas``'s own default W_0 (initial_state=None), which the mixer
+    now draws once when it is built instead of at every forward."""
+    mixer, x = deep_atlas_mixer(gen, name, **kw)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
+    q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    with torch.no_grad():
+        got = mixer.mix(q, k, v, x)
+        gamma, _, eta = mixer.gate_tensors(x, torch.float32, alpha=False)
+        ref, _ = atlas(q, k, v, window=mixer.window, gamma=gamma, log_alpha=mixer.log_alpha(x), eta=eta,
+                       theta=mixer.theta(x), ns_steps=mixer.ns_steps, ns_coeffs=mixer.ns_coeffs, memory=mixer.memory,
+                       backend="chunk", chunk_size=4)
+    assert_close(got, ref, tol=1e-6, name="mixer vs atlas(initial_state=None)")
+
+
+@pytest.mark.slow                                 # compiles (3 s)
+def test_a_deep_atlas_mixer_compiles_into_one_graph(gen):
+    """The mixer drew W_0 with a generator made inside its forward, which fullgraph compilation refuses."""
+    mixer, x = deep_atlas_mixer(gen, "atlas", memory="mlp", ns_steps=1)
+    with torch.no_grad():
+        compiled_equals_eager(mixer, x)
+
+
+@pytest.mark.parametrize("segments, T", [(16, 9), ("log", 2)])
+def test_memory_caching_mixer_gives_every_parameter_a_gradient_on_one_segment(gen, segments, T):
+    """With T no longer than a segment nothing is cached and the relevance projection scores nothing: its
+    gradient was None, which stops DistributedDataParallel (``torchrun -m atlaslib.train --mixer
+    memory_caching --seq-len 16`` failed at its second step). It is zero now, and the output is unchanged."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer("memory_caching", 8, 2, segments=segments, backend="chunk")
+    x = torch.randn(2, T, 8, generator=gen)
+    y = mixer(x)
+    y.sum().backward()
+    missing = [n for n, p in mixer.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    assert mixer.u_proj.weight.grad.abs().max() == 0
+    base = make_mixer("gated_deltanet", 8, 2, backend="chunk")     # one segment: MC is its base mixer
+    base.load_state_dict({n: p for n, p in mixer.state_dict().items() if not n.startswith("u_proj")})
+    with torch.no_grad():
+        assert_close(y.detach(), base(x), tol=1e-6, name="one segment vs the base mixer")
