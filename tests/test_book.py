@@ -190,3 +190,17 @@ def test_every_chapter_numbers_its_sections_and_ends_with_summary_and_references
         assert numbered[-1].endswith(". Summary"), (path.name, numbered[-1])
         assert headings[-1] == "References", (path.name, headings)
         assert "{cite:" in text.split("\n## References\n")[-1], f"{path.name}: References cites nothing"
+
+
+def test_every_widget_view_has_its_saved_state():
+    """A widget cell's output names a model of the notebook's saved widget state, which holds the default
+    figure the rendered book shows; a cell re-run without saving that state leaves a dangling name."""
+    import json
+    for path in sorted((ROOT / "book").glob("ch*.ipynb")):
+        nb = json.loads(path.read_text())
+        state = nb["metadata"].get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+        for i, cell in enumerate(nb["cells"]):
+            for out in cell.get("outputs", []):
+                view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
+                if view:
+                    assert view["model_id"] in state, f"{path.name} cell {i}: widget {view['model_id']} unsaved"
