@@ -6,7 +6,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from atlaslib.atlas import atlas
 from atlaslib.caching import memory_caching
-from atlaslib.core import assert_close
+from atlaslib.core import assert_close, random_qkv
 from atlaslib.deep import deep_transformer
 from atlaslib.linear import linear_attention
 from atlaslib.miras import make_config, miras
@@ -16,10 +16,7 @@ B, H, T, K = 1, 2, 9, 4
 
 
 def qkv(gen, dtype=torch.float32):
-    q = torch.randn(B, H, T, K, generator=gen) / 2
-    k = torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=gen), dim=-1)
-    v = torch.randn(B, H, T, K, generator=gen)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
+    return random_qkv(B, H, T, K, K, dtype=dtype, generator=gen)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
