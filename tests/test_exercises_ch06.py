@@ -153,6 +153,13 @@ def test_dot_step_rejects_typical_mistakes(kw):
     assert v.status == "failed" and "relative RMSE" in v.message, v.message
 
 
+def test_dot_step_names_a_float32_answer():
+    # the check reads U_t in float64, so a float32 U_t fails the 1e-8 tolerance with values that print equal
+    v = ch06.dot_step.evaluate(lambda *a: dot_step_math(*a).float())
+    assert v.status == "failed" and "Your result is torch.float32, but the inputs are torch.float64" in v.message, \
+        v.message
+
+
 def test_dot_step_asks_for_every_coefficient():
     v = ch06.dot_step.evaluate(lambda *a: dot_step_math(*a)[:, :, -1:])
     assert v.status == "failed" and "U_t has shape" in v.message and "token t=1" in v.message, v.message
