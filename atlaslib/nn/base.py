@@ -34,7 +34,6 @@ chapters 3-5, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size
 from __future__ import annotations
 
 import abc
-import inspect
 import math
 from typing import NamedTuple
 
@@ -93,24 +92,7 @@ def make_mixer(name: str, d_model: int, n_heads: int, **kw) -> "TokenMixer":
         known = ", ".join(f"{n} ({MIXERS[n].__module__})" for n in available_mixers())
         raise ValueError(f"unknown mixer {name!r}; available: {known}. Mixers are registered when their "
                          "module is imported (import atlaslib.nn registers the chapters' mixers)")
-    unknown = sorted(set(kw) - set(mixer_options(name)))
-    if unknown:
-        raise TypeError(f"mixer {name!r} has no option {', '.join(map(repr, unknown))}; "
-                        f"its options: {', '.join(mixer_options(name))}")
     return MIXERS[name](d_model, n_heads, **kw)
-
-
-def mixer_options(name: str) -> list[str]:
-    """The keyword options of the mixer registered as ``name``: its constructor's and those it passes on
-    through ``**kw`` to the classes above it (``TokenMixer``'s widths, conv, feature map, backend, chunk)."""
-    options: list[str] = []
-    for cls in MIXERS[name].__mro__:
-        params = inspect.signature(cls.__init__).parameters.values() if "__init__" in vars(cls) else ()
-        options += [p.name for p in params if p.kind is p.KEYWORD_ONLY or
-                    (p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ("self", "d_model", "n_heads"))]
-        if "__init__" in vars(cls) and not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return list(dict.fromkeys(options))
 
 
 def check_size(name: str, value, default: str = "") -> int:
