@@ -178,6 +178,32 @@ def test_no_raw_math_in_prose(html_dir):
     assert not offenders, "unparsed inline math (a `$` or LaTeX command left in the prose):\n" + "\n".join(offenders)
 
 
+# A pipe table's |---|---| row; Sphinx's smart quotes print an unrendered one as |—|—|.
+MARKDOWN_TABLE_RULE = re.compile(r"\|(\s*:?(-{3,}|[—–]+):?\s*\|){2,}")
+
+
+def markdown_tables_as_text(soup) -> list[str]:
+    """Text outside code that still holds a Markdown table's delimiter row: a table (typed in a cell, or printed
+    by one as text/markdown) that was rendered as a paragraph of pipes instead of a table."""
+    main = soup.select_one("main") or soup
+    return [" ".join(text.split())[:160] for text in main.find_all(string=MARKDOWN_TABLE_RULE)
+            if not any(parent.name in NOT_PROSE for parent in text.parents)]
+
+
+def test_markdown_table_detector_finds_a_table_left_as_text():
+    broken = BeautifulSoup('<main><div class="cell_output"><p>| a | b |\n|—|—|\n| 1 | 2 |</p></div>'
+                           '<p>| x | y | |---|:---:| | 3 | 4 |</p><p>a | b, not a table</p>'
+                           '<table><tr><td>a</td></tr></table><pre>|---|---|</pre></main>', "html.parser")
+    assert markdown_tables_as_text(broken) == ["| a | b | |—|—| | 1 | 2 |", "| x | y | |---|:---:| | 3 | 4 |"]
+
+
+def test_markdown_tables_render_as_tables(html_dir):
+    """Chapter 3 prints its table of presets as text/markdown; it (and every typed table) must become a <table>."""
+    offenders = [f"{doc}: {text}" for doc in built_pages(html_dir)
+                 for text in markdown_tables_as_text(soup_of(html_dir, doc))]
+    assert not offenders, "Markdown tables rendered as text (nb_render_markdown_format?):\n" + "\n".join(offenders)
+
+
 def test_every_chapter_numbers_its_sections_and_ends_with_summary_and_references():
     """Sections 1, 2, ... in order, the last numbered one the Summary, then References with citations."""
     import json
