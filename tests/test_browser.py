@@ -19,6 +19,19 @@ RAW_TEX = re.compile(r"\$\$|\\\[|\\\(|\\begin\{|\$[^$\n]{0,80}[\\^_][^$\n]{0,80}
 
 PAGE_REPORT_JS = """
 async () => {
+  // A display formula wider than the column is cut off: scrolled out of view on the right, or, with a
+  // \\tag, pushed out of its box on the left. Its glyphs must lie inside the box that holds it.
+  const wideMath = () => {
+    const tex = new Map();
+    for (const item of (window.MathJax && MathJax.startup && MathJax.startup.document
+                        && MathJax.startup.document.math) || []) tex.set(item.typesetRoot, item.math);
+    return [...document.querySelectorAll('mjx-container[display="true"]')].flatMap(m => {
+      const box = m.parentElement.getBoundingClientRect();
+      const glyphs = [...m.querySelectorAll('mjx-c')].map(c => c.getBoundingClientRect()).filter(r => r.width);
+      const cut = glyphs.some(r => r.left < box.left - 1 || r.right > box.right + 1);
+      return cut ? [(tex.get(m) || m.textContent).replace(/\\s+/g, ' ').trim().slice(0, 80)] : [];
+    });
+  };
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
     await MathJax.startup.promise;
   }
@@ -47,6 +60,11 @@ async () => {
     hasNext: !!document.querySelector('a.right-next'),
     hasPrev: !!document.querySelector('a.left-prev'),
     hasSidebarToc: document.querySelectorAll('nav.bd-docs-nav a, .bd-sidebar-primary a.reference').length,
+    wideMath: wideMath(),
+    wideTables: [...document.querySelectorAll('main article table')]
+        .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
+        .map(t => `${t.scrollWidth} px in ${t.parentElement.clientWidth}: ` +
+                  t.querySelector('tr').innerText.replace(/\\s+/g, ' ').slice(0, 80)),
   };
 }
 """
@@ -112,6 +130,10 @@ def test_every_page_renders_offline(site):
         raw = RAW_TEX.findall(report["text"])
         if raw:
             bad(f"raw TeX left in the text: {raw[:5]}")
+        if report["wideMath"]:
+            bad(f"display formulas wider than the column at 1280 px (break them into lines): {report['wideMath']}")
+        if report["wideTables"]:
+            bad(f"tables wider than the column at 1280 px (columns scroll out of view): {report['wideTables']}")
         if report["brokenImages"]:
             bad(f"images that did not load: {report['brokenImages']}")
         for word in ("Traceback", "NotImplementedError"):
