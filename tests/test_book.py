@@ -230,3 +230,20 @@ def test_every_widget_view_has_its_saved_state():
                 view = out.get("data", {}).get("application/vnd.jupyter.widget-view+json")
                 if view:
                     assert view["model_id"] in state, f"{path.name} cell {i}: widget {view['model_id']} unsaved"
+
+
+def test_wide_figures_take_the_full_width():
+    """The page's column is 688 px wide at a laptop's 1280: a figure much wider is shrunk until its legend and
+    tick labels are a few pixels high, so its cell carries the ``full-width`` tag (936 px, into the margin)."""
+    import base64
+    import json
+    import struct
+    narrow = []
+    for path in sorted((ROOT / "book").glob("ch*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            for out in cell.get("outputs", []):
+                png = out.get("data", {}).get("image/png")
+                width = struct.unpack(">I", base64.b64decode(png)[16:20])[0] if png else 0   # the IHDR width
+                if width > 860 and "full-width" not in cell["metadata"].get("tags", []):
+                    narrow.append(f"{path.name} cell {i}: {width} px")
+    assert not narrow, "figures shrunk below 0.8 of their size; tag their cells full-width:\n" + "\n".join(narrow)
