@@ -11,8 +11,9 @@ Writing a check for a new exercise::
 
     EXERCISES = Registry("ch02")
 
-    @EXERCISES.check("delta_step", title="One delta-rule step", points=2)
-    def delta_step(fn, gen):
+    @EXERCISES.check("delta_step", title="One delta-rule step", points=2,
+                     functions=("delta_step",), forbidden=("atlaslib.delta.delta_rule",))
+    def delta_step(fn, gen):                          # one learner function per name in `functions`
         for shape in ...:
             with case(f"B={B}, T={T}"):
                 got = call(fn, *inputs)               # the learner's exceptions, reported cleanly
