@@ -52,7 +52,8 @@ Every forward row is measured first, then (CUDA) the forward + backward columns 
 printed as each is measured, with the time so far. ``--json PATH`` writes the table with the card, the
 versions, the date and the shapes, rewritten after each row ("complete": false until the end). ``--profile`` adds,
 for each row, the forward's largest kernels on both sides (``kernel_times``: torch.profiler, self time
-per call), printed after the table and kept in the JSON rows: the first place to look when a ratio is low.
+per call), printed after the table and kept in each JSON row as "profile": the first place to look when a
+ratio is low.
 
 In fp32 the two sides do not multiply alike: our kernels' ``tl.dot`` products of fp32 tiles are exact
 (``input_precision="ieee"``, CUDA cores, as the tests' tolerances need) unless ``ATLASLIB_TF32=1`` is set,

@@ -245,7 +245,7 @@ def main(argv=None) -> TrainResult:
     p.add_argument("--num-train", type=int, default=20_000)
     p.add_argument("--num-test", type=int, default=1_000)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--out", help="write {mixer, world_size, accuracy, losses} as JSON here (rank 0)")
+    p.add_argument("--out", help="write {mixer, world_size, accuracy, losses, seconds} as JSON here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.mixer not in available_mixers():

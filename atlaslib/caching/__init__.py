@@ -62,7 +62,8 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
 
 
 def check_options(mode: str, aggregate: str, pool: str | None, top_k: int | None, log: bool = False) -> None:
-    """The caching options shared by ``memory_caching`` and its mixer (``nn.MemoryCaching``); pool None: not given."""
+    """The caching options shared by ``memory_caching`` and its mixer (``nn.caching_mixers.MemoryCaching``);
+    pool None: not given."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if aggregate not in AGGREGATES:
