@@ -120,11 +120,13 @@ def _chunk_form(q, k, v, logs, initial_state):
 def linear_attention_autograd(q, k, v, alpha=None, initial_state=None, log_alpha=None, keep_states=False):
     """``backend="triton"``: the kernels' forward and backward through ``LinearAttentionFunction``.
 
-    Same arguments and results as ``linear_attention_triton``. ``alpha``/``log_alpha`` become fp32
-    log-gates in autograd (clamped below at ``core.chunking.LOG_FLOOR`` as everywhere), so their
-    gradients follow. Without gradients it is the plain forward. A card that cannot hold the
-    kernels' tiles gets the chunk form from the caller (``core.dispatch.call_backend``), and one that
-    cannot hold the backward's, autograd through it (``core.dispatch.backward_or_fallback``).
+    Same arguments and results as ``linear_attention_triton``, plus ``keep_states`` (as in
+    ``LinearAttentionFunction``: keep the chunk-start states for the backward instead of recomputing
+    them). ``alpha``/``log_alpha`` become fp32 log-gates in autograd (clamped below at
+    ``core.chunking.LOG_FLOOR`` as everywhere), so their gradients follow. Without gradients it is the
+    plain forward. A card that cannot hold the kernels' tiles gets the chunk form from the caller
+    (``core.dispatch.call_backend``), and one that cannot hold the backward's, autograd through it
+    (``core.dispatch.backward_or_fallback``).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     tensors = (q, k, v, logs, initial_state)

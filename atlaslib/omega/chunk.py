@@ -109,7 +109,8 @@ def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state
 
     Equals ``omega_frozen_seq(..., chunk_size)`` for every chunk size and ``omega_recurrent``
     at chunk_size = 1; for chunk_size > 1 it is a different (approximate) model.
-    Same arguments and results as ``recurrent.omega_frozen_seq``. Shapes, window and chunk_size are checked
+    Same arguments and results as ``recurrent.omega_frozen_seq``; the retention may instead come as
+    ``log_alpha`` ([B, H, T], <= 0), used without rounding. Shapes, window and chunk_size are checked
     here; value ranges are the caller's (``omega_rule`` checks them).
     """
     return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, False, log_alpha)
@@ -117,6 +118,7 @@ def omega_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state
 
 def swla_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_state=None, chunk_size=64,
                log_alpha=None):
-    """Chunkwise SWLA, exact for every chunk size. Same arguments and results as ``swla_recurrent``.
-    Shapes, window and chunk_size are checked here; value ranges are the caller's (``swla`` checks them)."""
+    """Chunkwise SWLA, exact for every chunk size. Same arguments and results as ``swla_recurrent``, plus
+    chunk_size and ``log_alpha`` (the retention as its log, instead of alpha). Shapes, window and chunk_size
+    are checked here; value ranges are the caller's (``swla`` checks them)."""
     return windowed_chunk(q, k, v, window, gamma, alpha, eta, initial_state, chunk_size, True, log_alpha)
