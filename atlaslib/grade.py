@@ -1,4 +1,5 @@
-"""Grade an exercise notebook: ``python -m atlaslib.grade NOTEBOOK [--json] [--timeout S] [--fail-under N]``.
+"""Grade an exercise notebook: ``python -m atlaslib.grade NOTEBOOK [--json] [--timeout S] [--save PATH]
+[--fail-under N]``, or a folder of them: ``python -m atlaslib.grade FOLDER [--csv PATH] ...``.
 
 The notebook runs top to bottom in a fresh kernel, one cell at a time, with a time
 limit per cell, so that the learner's functions get defined (and the learner's own check
@@ -30,8 +31,8 @@ score: a check's printed verdict is only feedback.
 Exit status 0 when grading completed (1 with ``--fail-under N`` and fewer than N points);
 2 if the file cannot be graded at all (missing, not a notebook, no or malformed chapter metadata) or the
 folder holds no ``*.ipynb`` — one line on stderr, and a JSON ``{"error": ...}`` on stdout with ``--json``;
-2 with argparse's usage line for a bad option (``--timeout`` not above 0, ``--save`` into a missing folder,
-``--csv`` without a folder).
+2 with argparse's usage line for a bad option (``--timeout`` not above 0, ``--fail-under`` below 0, ``--save``
+into a missing folder or with a folder, ``--csv`` without a folder).
 """
 from __future__ import annotations
 
