@@ -6,6 +6,7 @@
 * The mixer registry names the module behind every name.
 """
 import inspect
+import re
 import sys
 
 import pytest
@@ -118,3 +119,15 @@ def test_registering_a_name_twice_names_both_modules():
         MIXERS.pop("_twice")
     with pytest.raises(TypeError, match="TokenMixer subclass"):
         register_mixer("_bad")(nn.Linear)
+
+
+def test_the_readme_examples_run_as_written():
+    # the README's Python blocks, in a fresh interpreter as a reader pastes them (CPU: the chunk forms)
+    import subprocess
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
+    assert blocks, "the README shows no Python example"
+    for code in blocks:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{code}\n{proc.stderr[-3000:]}"
