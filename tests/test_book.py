@@ -247,3 +247,57 @@ def test_wide_figures_take_the_full_width():
                 if width > 860 and "full-width" not in cell["metadata"].get("tags", []):
                     narrow.append(f"{path.name} cell {i}: {width} px")
     assert not narrow, "figures shrunk below 0.8 of their size; tag their cells full-width:\n" + "\n".join(narrow)
+
+
+# Names of the library in the prose: `atlaslib.delta.chunk.chunk_step`, and paths from the repository's root.
+LIBRARY_NAME = re.compile(r"\batlaslib(?:\.\w+)+")
+REPO_PATH = re.compile(r"(?<![\w./-])(?:atlaslib|book|exercises|results|tests)/[\w./*-]*")
+
+
+def book_prose() -> list[tuple[str, str]]:
+    """(where, text) for every piece of prose a reader sees: the chapters' and exercise notebooks'
+    markdown cells, the book's Markdown pages and the exercises' README."""
+    import json
+    prose = []
+    notebooks = [*(ROOT / "book").glob("ch*.ipynb"), *(ROOT / "exercises").rglob("*.ipynb")]
+    for path in sorted(p for p in notebooks if ".ipynb_checkpoints" not in p.parts):   # not Jupyter's autosaves
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                prose.append((f"{path.relative_to(ROOT)} cell {i}", "".join(cell["source"])))
+    for path in sorted([*(ROOT / "book").glob("*.md"), ROOT / "exercises" / "README.md"]):
+        prose.append((str(path.relative_to(ROOT)), path.read_text()))
+    return prose
+
+
+def library_name_resolves(name: str) -> bool:
+    """Whether ``atlaslib.a.b`` is a module, or an attribute (chain) of the longest importable module."""
+    import importlib
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if not (module_name + ".").startswith(f"{error.name}."):   # no such module (here or above it);
+                raise                                                   # a module that fails to import is a failure
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_code_references_in_the_book_resolve():
+    """Every `atlaslib....` name the prose gives imports, and every repository path it writes exists (`NN` in
+    `chNN_*.ipynb` stands for a chapter's number): a function renamed or a file moved leaves a stale name."""
+    stale = []
+    for where, text in book_prose():
+        for name in sorted(set(LIBRARY_NAME.findall(text))):
+            if not library_name_resolves(name):
+                stale.append(f"{where}: {name} does not resolve")
+        for path in sorted(set(REPO_PATH.findall(text))):
+            if not list(ROOT.glob(path.rstrip("/.").replace("NN", "[0-9][0-9]"))):
+                stale.append(f"{where}: {path} does not exist")
+    assert not stale, "stale code references in the book's prose:\n" + "\n".join(stale)
