@@ -151,6 +151,24 @@ def test_log_alpha_gives_what_alpha_gives(gen, case, backend):
         assert_close(a, b, tol=tol, name=f"{case.name} {backend} {'output' if i == 0 else f'state {i}'}")
 
 
+@pytest.mark.parametrize("case, backend", BACKEND_CASES, ids=[f"{c.name}-{b}" for c, b in BACKEND_CASES])
+def test_a_log_gate_of_minus_inf_is_the_full_reset_of_alpha_zero(gen, case, backend):
+    """log_alpha = -inf (allowed: alpha = 0) resets the memory as alpha = 0 does, finite on every backend: the
+    chunk forms and kernels clamp it, as they clamp alpha = 0 (an unclamped -inf makes -inf - (-inf) = NaN)."""
+    dtype = torch.float32 if backend == "triton" else F64
+    q, k, v, extras, log_alpha = draw(gen, case, dtype)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    extras = {n: x.to(dtype) for n, x in extras.items()}
+    log_alpha = log_alpha.to(dtype)
+    log_alpha[:, :, T // 2] = -math.inf                      # a reset mid-sequence, inside a chunk
+    got = outputs(case, q, k, v, backend, extras, log_alpha=log_alpha)
+    ref = outputs(case, q, k, v, backend, extras, alpha=log_alpha.exp())
+    for i, (a, b) in enumerate(zip(got, ref)):
+        name = f"{case.name} {backend} {'output' if i == 0 else f'state {i}'}"
+        assert torch.isfinite(a).all(), f"{name} is not finite"
+        assert_close(a, b, tol=1e-5 if backend == "triton" else 1e-12, name=name)
+
+
 @pytest.mark.parametrize("case, backend", [(c, b) for c, b in BACKEND_CASES if c.name in
                                            ("linear_attention (GLA)", "delta_rule", "omega_rule", "swla",
                                             "miras (titans, linear)")],
