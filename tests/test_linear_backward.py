@@ -121,6 +121,25 @@ def test_final_state_only_and_summed_outputs(gen):
         assert_close(a, r, tol=1e-5, name=name)
 
 
+@pytest.mark.parametrize("which", range(len(NAMES)), ids=NAMES)
+def test_one_input_alone_gets_its_gradient(gen, which):
+    # only one input requires grad (a frozen embedding's k and v, say): the Function must return that
+    # input's gradient, selected by its own needs_input_grad, and it must be the fp64 loop's
+    inputs, do, dht = draw(gen, CHUNK + 3, "scalar")
+    inputs[3] = inputs[3].log()
+    ref = []
+    for backend, dtype in (("triton", torch.float32), ("recurrent", torch.float64)):
+        xs = [x.detach().to(dtype).requires_grad_(i == which) for i, x in enumerate(inputs)]
+        o, s = linear_attention(*xs[:3], log_alpha=xs[3], initial_state=xs[4], output_final_state=True,
+                                backend=backend)
+        ((o.double() * do.double()).sum() + (s.double() * dht.double()).sum()).backward()
+        assert all(x.grad is None for i, x in enumerate(xs) if i != which)
+        ref.append(xs[which].grad)
+    got, want = ref
+    assert got is not None, f"no gradient reached {NAMES[which]}"
+    assert_close(got.double(), want, tol=1e-5, name=f"{NAMES[which]} gradient")
+
+
 def test_kept_states_give_the_same_gradients(gen):
     (q, k, v, alpha, h0), do, dht = draw(gen, CHUNK + 3, "scalar")
     logs = alpha.log()
