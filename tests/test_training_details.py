@@ -58,6 +58,43 @@ def test_delta_mixers_hand_unit_keys_to_the_delta_rule(gen, monkeypatch, name):
         assert_close(seen[which].norm(dim=-1), torch.ones(2, 2, 6), name=f"{name}: |{which}|")
 
 
+@pytest.mark.parametrize("name", ["mamba2", "gla", "gated_deltanet", "kda"])
+def test_retention_gates_and_steps_follow_their_formulas(gen, monkeypatch, name):
+    """Rules out: the gate temperature ignored (a fixed 1/16), KDA's gate made one scalar per head instead of
+    one per key channel, and the delta rule's step beta rescaled. Step-vs-forward checks cannot see these
+    (both paths call the same gate code), nor can the chunk-vs-recurrent ones. Reference: the documented
+    formulas on the layer's own weights, in fp64: log alpha_t = logsigmoid(w^T x_t + b) / tau, one per head
+    (mamba2, gated_deltanet) or per head and key channel (gla, kda), and beta_t = sigmoid(w_h^T x_t + b_h)."""
+    import atlaslib.nn.delta_mixers as delta_mod
+    import atlaslib.nn.linear_mixers as linear_mod
+    mod, fn = (delta_mod, "delta_rule") if name in ("gated_deltanet", "kda") else (linear_mod, "linear_attention")
+    real, seen = getattr(mod, fn), {}
+
+    def spy(q, k, v, *args, **kw):
+        seen["args"], seen["kw"] = args, kw
+        return real(q, k, v, *args, **kw)
+    monkeypatch.setattr(mod, fn, spy)
+    seeded(gen)
+    B, T, D, H, K, tau = 2, 5, 16, 2, 3, 4.0
+    mixer = make_mixer(name, D, H, head_k_dim=K, gate_temperature=tau, backend="chunk")
+    x = torch.randn(B, T, D, generator=gen)
+    with torch.no_grad():
+        mixer(x)
+
+    def projected(proj):                                   # w^T x_t + b per head (and channel): [B, H, T, w]
+        z = x.double() @ proj.weight.double().T + proj.bias.double()
+        return z.view(B, T, H, -1).transpose(1, 2)
+    per_channel = name in ("gla", "kda")
+    want = torch.nn.functional.logsigmoid(projected(mixer.gate_proj)) / tau
+    want = want if per_channel else want[..., 0]
+    got = seen["kw"]["log_alpha"]
+    assert got.shape == ((B, H, T, K) if per_channel else (B, H, T)), f"{name}: log_alpha {list(got.shape)}"
+    assert_close(got.double(), want, tol=1e-6, name=f"{name}: log_alpha")
+    if fn == "delta_rule":
+        assert_close(seen["args"][0].double(), torch.sigmoid(projected(mixer.beta.proj))[..., 0], tol=1e-6,
+                     name=f"{name}: beta")
+
+
 @pytest.mark.parametrize("name", ["linear", "mamba2", "gated_deltanet", "omeganet"])
 def test_a_bf16_mixer_steps_with_an_fp32_state(gen, name):
     """Rules out: the step's first memory M_0 is made in the activation dtype instead of fp32. In fp32 and
