@@ -260,6 +260,7 @@ MIXER_CASES = [
     ("swla", {"backend": "chunk", "chunk_size": 4, "gamma": None, "retention": False}),
     ("ttt_linear", {"backend": "chunk", "chunk_size": 1}),
     ("ttt_linear", {"backend": "chunk", "chunk_size": 1, "window": 2}),
+    ("ttt_linear", {"backend": "chunk", "chunk_size": 1, "retention": "proximal"}),   # the implicit step
     ("ttt_mlp", {"backend": "chunk", "chunk_size": 1}),
     ("titans", {"backend": "chunk", "chunk_size": 1}),
     ("yaad", {"backend": "chunk", "chunk_size": 1}),
