@@ -97,6 +97,14 @@ def test_eta_init_sets_the_start_of_eta():
     assert torch.allclose(m.eta_gate(torch.zeros(1, 3, D)), torch.full((1, H, 3), 0.25))
 
 
+def test_theta_and_delta_start_where_the_mixers_say():
+    # theta_t = sigmoid(w^T x + b) starts at 0.5 (Titans' momentum decay) and delta_t = softplus(w^T x + b) at 1
+    # (Yaad's Huber threshold), as miras_mixers documents: at x = 0 each gate is its start
+    x = torch.zeros(1, 3, D)
+    assert torch.allclose(make_mixer("titans", D, H).theta_gate(x), torch.full((1, H, 3), 0.5))
+    assert torch.allclose(make_mixer("yaad", D, H).delta_gate(x), torch.full((1, H, 3), 1.0))
+
+
 # ---------------------------------------------------------------- the cache of step
 
 @pytest.mark.parametrize("name", ["linear", "deltanet", "softmax", "ttt_linear", "omeganet"])
