@@ -68,6 +68,7 @@ def test_mqar_power_law_gaps(gen):
 @pytest.mark.parametrize("kw,match", [
     (dict(seq_len=63), "even"),
     (dict(seq_len=16, num_kv_pairs=8), "too small"),
+    (dict(seq_len=30, num_kv_pairs=8), "too small"),         # 3 P <= T < 4 P: the pairs fit, their queries not
     (dict(vocab_size=64), "exceed seq_len"),
     (dict(power_a=0.0), "power_a"),
     (dict(num_examples=0), "num_examples"),
@@ -116,6 +117,10 @@ def test_hebbian_crosstalk_sqrt_law(gen):
     rows = capacity_sweep(d_k, 16, ms, trials=400, seed=_seed(gen))
     for r in rows:
         assert r["hebbian_error"] == pytest.approx(math.sqrt((r["m"] - 1) / d_k), rel=0.12)
+        # the sweep's own theory column is the law it is printed next to
+        assert r["hebbian_theory"] == pytest.approx(r["hebbian_error"], rel=0.12)
+    one = capacity_sweep(d_k, 16, [1], trials=3, seed=_seed(gen))[0]     # one unit key: recalled exactly
+    assert one["hebbian_error"] < 1e-12 and one["hebbian_theory"] == 0.0
     # quadrupling m doubles the error (for m >> 1)
     assert rows[2]["hebbian_error"] / rows[1]["hebbian_error"] == pytest.approx(math.sqrt(63 / 15), rel=0.12)
 
