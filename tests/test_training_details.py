@@ -207,6 +207,36 @@ def test_learning_rate_warms_up_then_decays_to_zero(monkeypatch):
     assert rates[-1] < 0.01 * lr
 
 
+def test_every_step_sees_clipped_gradients_and_the_weight_decay_asked_for(gen, monkeypatch):
+    """Rules out: the gradient clipping dropped (a loss spike then moves every weight by its full size), and
+    the weight_decay argument not handed to AdamW (its own default, 0.01, instead of the 0.1 documented).
+    Both still train and still reproduce a seeded run, which is all the other tests check. The head is
+    scaled up so that every unclipped gradient has a norm far above 1 (15-30 here): each step AdamW takes
+    must see the whole gradient at norm 1."""
+    seen = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            seen.append((torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item(),
+                         self.param_groups[0]["weight_decay"]))
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=50, num_test=4)
+    for weight_decay in (None, 0.05):
+        seen.clear()
+        seeded(gen)
+        lm = TinyLM(40, 8, 1, "linear", 2)
+        with torch.no_grad():
+            lm.head.weight.mul_(20.0)
+        kw = {} if weight_decay is None else {"weight_decay": weight_decay}
+        train_mqar(lm, task.data(0), steps=6, batch_size=4, progress=False, **kw)
+        assert len(seen) == 6
+        for norm, decay in seen:
+            assert norm == pytest.approx(1.0, rel=1e-4), f"gradient norm {norm} at a step"
+            assert decay == (0.1 if weight_decay is None else weight_decay)
+
+
 def test_held_out_data_is_not_the_training_data(gen):
     """Rules out: MQARTask.data draws the test split with the training seed, so the held-out accuracy is
     measured on training sequences (with equal sizes, the very same ones)."""
