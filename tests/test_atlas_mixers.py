@@ -84,6 +84,20 @@ def test_hybrid_head_dims_reach_both_branches(gen, name):
     assert (own.attention.head_k_dim, own.attention.head_v_dim) == (2, 6)
 
 
+@pytest.mark.parametrize("name", ["mag", "mal"])
+def test_hybrid_windows_reach_their_branches(gen, name):
+    """``window`` is the attention's and ``memory_window`` the memory's own Omega window: the memory branch
+    computes what an atlas mixer built with that window computes on the same weights."""
+    seeded(gen)
+    hybrid = make_mixer(name, D, H, memory="atlas", window=5, memory_window=3, backend="chunk", chunk_size=1)
+    assert hybrid.attention.window == 5
+    alone = make_mixer("atlas", D, H, window=3, backend="chunk", chunk_size=1)
+    alone.load_state_dict(hybrid.memory.state_dict())
+    x = x_of(gen)
+    with torch.no_grad():
+        assert_close(hybrid.memory(x), alone(x), name="memory branch vs atlas(window=3)")
+
+
 def test_mag_is_the_documented_mix(gen):
     seeded(gen)
     x = x_of(gen)
@@ -166,6 +180,7 @@ def test_tiny_lm_with_a_hybrid(gen):
     ("mal", {"window": 1.5}, TypeError, "window"),
     ("mag", {"memory": "nope"}, ValueError, "unknown memory mixer"),
     ("mal", {"memory": "mag"}, ValueError, "hybrid"),
+    ("mag", {"memory": "mal"}, ValueError, "hybrid"),
     ("atlas", {"memory": "deep"}, ValueError, "memory"),
     ("atlas", {"window": 0}, ValueError, "window"),
     ("atlas++", {"head_k_dim": 4, "head_v_dim": 6}, ValueError, "head_k_dim == head_v_dim"),
