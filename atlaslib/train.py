@@ -180,7 +180,7 @@ def compare_mixers(mixers, task: MQARTask | None = None, *, d_model: int = 64, n
     ``mixers`` holds names (``"linear"``) or ``(label, name, kwargs)`` triples, e.g.
     ``("linear+norm", "linear", {"normalize": True})``. Every model starts from
     ``torch.manual_seed(seed)`` and sees the same batches. Rows have keys
-    mixer, state_size, params, accuracy, final_loss, seconds.
+    mixer, state_size, params, accuracy, final_loss (the mean training loss of the last 20 steps), seconds.
 
     ``processes`` > 1 trains that many models at once, each in a process of its own with one torch
     thread (no progress bars): small models use a second thread poorly, so on two cores two of them

@@ -212,6 +212,18 @@ def test_compare_mixers_rows_and_table():
     assert "grows with T" in lines[2] and lines[0].split() == ["mixer", "state_size", "accuracy"]
 
 
+def test_compare_mixers_final_loss_is_the_end_of_training(gen):
+    # final_loss is the mean of the last 20 training losses of the very run the row reports: trained
+    # again here from the same seed (compare_mixers seeds each model), 30 steps, so the first 20 differ
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=64, num_test=16)
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    kw = dict(steps=30, batch_size=8, progress=False)
+    (row,) = compare_mixers(["linear"], task, d_model=16, n_layers=1, n_heads=2, seed=seed, **kw)
+    torch.manual_seed(seed)
+    losses = train_mqar(TinyLM(40, 16, 1, "linear", 2), task.data(seed), seed=seed, **kw).losses
+    assert row["final_loss"] == pytest.approx(sum(losses[-20:]) / 20, rel=1e-12)
+
+
 def test_format_table_rounds_to_fixed_decimals_and_right_aligns():
     """Floats print with exactly ``digits`` decimals (the value rounded, not ``digits`` significant figures), and
     every cell ends under its column header's last character."""
