@@ -86,6 +86,15 @@ def test_mqar_type_error():
 
 # ----------------------------------------------------------------------------- capacity
 
+def test_random_pairs_unit_keys_are_the_gaussian_keys_scaled_to_norm_one(gen):
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=gen))
+    K, V = random_pairs(7, 5, 3, generator=torch.Generator().manual_seed(seed))
+    Ku, Vu = random_pairs(7, 5, 3, unit_keys=True, generator=torch.Generator().manual_seed(seed))
+    for i in range(7):                                          # each key (a row) on its own
+        assert torch.allclose(Ku[i], K[i] / K[i].norm(), atol=1e-12)
+    assert torch.equal(Vu, V)
+
+
 def test_least_squares_matches_lstsq(gen):
     for m in (5, 16, 30):                                       # under, at and over capacity
         K, V = random_pairs(m, 16, 7, generator=gen)
