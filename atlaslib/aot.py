@@ -654,9 +654,9 @@ def in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m atlaslib.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
-    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="only these targets")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="build for this target only (repeat the flag for several)")
     parser.add_argument("--family", action="append", choices=FAMILIES, metavar="FAMILY",
-                        help=f"only these kernel families ({', '.join(FAMILIES)})")
+                        help=f"this kernel family only (repeat the flag for several): {', '.join(FAMILIES)}")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")
     parser.add_argument("--fast", action="store_true", help="stop each build once shared memory is allocated "
                         "(no LLVM, no ptxas): shared memory, 64-bit offsets and grids in about a second per "

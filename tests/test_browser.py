@@ -2,9 +2,10 @@
 
 For each page of _toc.yml that was built: no console error, no failed or off-site
 request, MathJax has typeset the math (no raw TeX left, no MathJax error), every image
-has loaded, no cell output shows a traceback, widgets show no error. The search page
-must find "delta rule". A page with a widget must show a static figure and say how to
-run it live. A screenshot of each page goes to _build/screenshots/.
+has loaded, no cell output shows a traceback, widgets show no error, no formula, table or
+code box is wider than its column. The search page must find "delta rule". A page
+with a widget must show a static figure and say how to run it live. A screenshot of each
+page goes to _build/screenshots/.
 """
 import re
 import time
@@ -61,6 +62,18 @@ async () => {
     hasPrev: !!document.querySelector('a.left-prev'),
     hasSidebarToc: document.querySelectorAll('nav.bd-docs-nav a, .bd-sidebar-primary a.reference').length,
     wideMath: wideMath(),
+    // Code (a cell's source, its printed output, a code block in the text) that scrolls sideways hides
+    // the rest of its longest lines: cells are wrapped to the 12-px box of book/_static/code.css.
+    wideCode: [...document.querySelectorAll('main article pre')]
+        .filter(p => p.scrollWidth > p.clientWidth + 1)
+        .map(p => {
+          const cells = [...document.querySelectorAll('div.cell')];
+          const cell = p.closest('div.cell');
+          const where = cell ? `cell ${cells.indexOf(cell)} ${p.closest('.cell_output') ? 'output' : 'source'}`
+                             : 'code block';
+          const longest = p.textContent.split('\\n').reduce((a, b) => b.length > a.length ? b : a, '');
+          return `${where} (${p.scrollWidth} px in ${p.clientWidth}): ${longest.trim().slice(0, 60)}`;
+        }),
     wideTables: [...document.querySelectorAll('main article table')]
         .filter(t => t.scrollWidth > t.parentElement.clientWidth + 1)
         .map(t => `${t.scrollWidth} px in ${t.parentElement.clientWidth}: ` +
@@ -134,6 +147,9 @@ def test_every_page_renders_offline(site):
             bad(f"display formulas wider than the column at 1280 px (break them into lines): {report['wideMath']}")
         if report["wideTables"]:
             bad(f"tables wider than the column at 1280 px (columns scroll out of view): {report['wideTables']}")
+        if report["wideCode"]:
+            bad(f"{len(report['wideCode'])} code boxes scroll sideways at 1280 px (wrap their lines): "
+                f"{report['wideCode'][:8]}")
         if report["brokenImages"]:
             bad(f"images that did not load: {report['brokenImages']}")
         for word in ("Traceback", "NotImplementedError"):
