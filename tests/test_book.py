@@ -249,6 +249,39 @@ def test_wide_figures_take_the_full_width():
     assert not narrow, "figures shrunk below 0.8 of their size; tag their cells full-width:\n" + "\n".join(narrow)
 
 
+
+# Characters a code box shows at 1280 px (book/_static/code.css: 12 px code), in the column and in a
+# full-width cell; test_browser measures the rendered boxes. Sources are wrapped a little inside them.
+CODE_BOX, CODE_BOX_FULL = 90, 124
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"   # a widget shows its view, not its text
+
+
+def too_wide(lines, limit) -> list[str]:
+    return [f"{len(line)}: {line[:60]}" for line in lines if len(line) > limit]
+
+
+def test_code_cells_and_printed_outputs_fit_the_code_box():
+    """A code line or a printed line longer than its box scrolls sideways and hides its end: sources are
+    wrapped to 88 characters (120 in a full-width cell), printed text to the box itself."""
+    import json
+    wide = []
+    for path in sorted((ROOT / "book").glob("ch*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            full = "full-width" in cell["metadata"].get("tags", [])
+            source = "".join(cell["source"]).splitlines()
+            wide += [f"{path.name} cell {i} source {w}" for w in too_wide(source, 120 if full else 88)]
+            for out in cell.get("outputs", []):
+                data = out.get("data", {})
+                shown_as_text = not {"text/html", "text/markdown", WIDGET_VIEW} & set(data)
+                text = out.get("text") or data.get("text/plain") if shown_as_text else None
+                if text:
+                    printed = "".join(text).splitlines()
+                    wide += [f"{path.name} cell {i} output {w}"
+                             for w in too_wide(printed, CODE_BOX_FULL if full else CODE_BOX)]
+    assert not wide, f"{len(wide)} lines wider than their code box:\n" + "\n".join(wide[:40])
+
 # Names of the library in the prose: `atlaslib.delta.chunk.chunk_step`, and paths from the repository's root.
 LIBRARY_NAME = re.compile(r"\batlaslib(?:\.\w+)+")
 REPO_PATH = re.compile(r"(?<![\w./-])(?:atlaslib|book|exercises|results|tests)/[\w./*-]*")
