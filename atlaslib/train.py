@@ -1,7 +1,7 @@
 """A small, seeded training loop for MQAR, and a recall-versus-state-size comparison.
 
     task = MQARTask(vocab_size=128, seq_len=64, num_kv_pairs=8)
-    rows = compare_mixers(["softmax", "linear"], task)      # about 20 s per model on 2 cores
+    rows = compare_mixers(["softmax", "linear"], task)      # about 25 s per model on 2 cores
     print_table(rows)
 
 Everything is deterministic for a fixed seed and thread count: the data come from
