@@ -57,6 +57,7 @@ test: lint test-lib test-notebooks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m ruff check --select F book/*.ipynb   # the chapters' code: unused imports, undefined names
 	$(PY) -m mypy
 
 PYTEST_LIB := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
