@@ -13,8 +13,10 @@ sm_80 (A100) and sm_90 (H100) — without a device:
    16-byte alignment, integers divisible by 16) and compiles with
    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
 3. it reads what the build used: shared memory (from the compiled metadata), registers and
-   spilled bytes (from the ``ptxas -v`` log of that same build), and whether every offset
-   added to a kernel's pointer arguments is 64-bit (from the Triton IR).
+   spilled bytes (from the ``ptxas -v`` log of that same build), whether every offset
+   added to a kernel's pointer arguments is 64-bit (from the Triton IR), and which of its
+   ``tl.dot`` products run on tensor cores and which on CUDA cores (from the TTGIR, where
+   each product has been given a tensor-core layout or left as a plain FMA loop).
 
 Every grid is checked as well, at T = 40 and T = 400. Most kernels' programs loop over
 chunks, so a head's kernel launches the same grid at both. Chapters 1 and 2 run the
@@ -87,6 +89,8 @@ class Build:
     spill_loads: int
     int64_bases: bool      # every offset added to a pointer argument is 64-bit
     error: str = ""        # the build's error message, if it failed
+    tensor_core_dots: int = -1     # tl.dot products lowered to tensor cores (mma / wgmma)
+    cuda_core_dots: int = -1       # and to FMA loops on the CUDA cores (fp32 "ieee" products)
     grid: tuple = ()       # the (largest) launch grid at T = 40 (B*H = 2)
     grid_fixed_in_T: bool = True   # the same grid at T = 400: programs loop over chunks
     launches: tuple = (1, 1)       # kernel launches per call at T = 40 and T = 400
@@ -193,10 +197,31 @@ def int64_bases(ttir: str, pointer_args: list[str]) -> bool:
     return all(dtype == "i64" for base, dtype in ADDPTR.findall(ttir) if base in bases)
 
 
+# A product in the TTGIR: ``tt.dot`` (its result's layout says where it runs) or Hopper's ``ttng.warp_group_dot``.
+DOT_OP = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) .*-> tensor<[^,>]*(?:, #(\w+))?")
+
+
+def dot_units(ttgir: str) -> tuple[int, int]:
+    """(tensor-core products, CUDA-core products) of a build's TTGIR.
+
+    Triton gives every ``tl.dot`` it can run on tensor cores an ``#mma`` result layout (Hopper's
+    wgmma becomes ``ttng.warp_group_dot``); a product it cannot (fp32 operands in ``"ieee"``
+    precision, tiles below 16) keeps a ``#blocked`` layout and becomes a loop of FMAs.
+    """
+    tensor = cuda = 0
+    for op, layout in DOT_OP.findall(ttgir):
+        if op == "ttng.warp_group_dot" or layout.startswith("mma"):
+            tensor += 1
+        else:
+            cuda += 1
+    return tensor, cuda
+
+
 def checks_version() -> str:
-    """A hash of what ``int64_bases`` reads from a build's IR, part of the cache's file names: a changed
-    check reads every build again instead of reusing the verdicts of the old one."""
-    return hashlib.sha256((ADDPTR.pattern + inspect.getsource(int64_bases)).encode()).hexdigest()[:8]
+    """A hash of what ``int64_bases`` and ``dot_units`` read from a build's IR, part of the cache's file
+    names: a changed check reads every build again instead of reusing the verdicts of the old one."""
+    read = ADDPTR.pattern + inspect.getsource(int64_bases) + DOT_OP.pattern + inspect.getsource(dot_units)
+    return hashlib.sha256(read.encode()).hexdigest()[:8]
 
 
 class _StopBeforeLLVM(Exception):
@@ -205,7 +230,7 @@ class _StopBeforeLLVM(Exception):
 
 @contextlib.contextmanager
 def _stop_before_llvm(seen: dict):
-    """Make ``triton.compile`` stop once shared memory is allocated, keeping the TTIR and that size.
+    """Make ``triton.compile`` stop once shared memory is allocated, keeping the TTIR, TTGIR and that size.
 
     The TTGIR-to-LLVM-dialect passes allocate shared memory and record it on the module
     (``ttg.shared``, which the full build copies into its metadata). Everything after that,
@@ -219,13 +244,18 @@ def _stop_before_llvm(seen: dict):
     def hook(backend=None, stages=None, *rest):
         if stages is None:                       # asked for a cache key: keep these builds apart
             return "stop-before-llvm", "stop-before-llvm"
-        make_ttir = stages["ttir"]
+        make_ttir, make_ttgir = stages["ttir"], stages["ttgir"]
 
         def ttir(src, metadata):
             module = make_ttir(src, metadata)
             seen["ttir"] = str(module)
             return module
-        stages["ttir"] = ttir
+
+        def ttgir(src, metadata, *rest):
+            module = make_ttgir(src, metadata, *rest)
+            seen["ttgir"] = str(module)
+            return module
+        stages["ttir"], stages["ttgir"] = ttir, ttgir
 
     def stop(module, context):
         seen["shared"] = module.get_int_attr("ttg.shared")
@@ -264,7 +294,8 @@ def build(launch: Launch, target_name: str, config: str, full: bool = True) -> B
             try:
                 with contextlib.nullcontext() if full else _stop_before_llvm(seen):
                     compiled = triton.compile(source, target=_target(target_name), options=options.__dict__)
-                seen = {"shared": compiled.metadata.shared, "ttir": compiled.asm["ttir"]}
+                seen = {"shared": compiled.metadata.shared, "ttir": compiled.asm["ttir"],
+                        "ttgir": compiled.asm["ttgir"]}
             except _StopBeforeLLVM:
                 pass
             finally:
@@ -279,6 +310,7 @@ def build(launch: Launch, target_name: str, config: str, full: bool = True) -> B
                    spill_stores=int(spills.group(1)) if spills else -1,
                    spill_loads=int(spills.group(2)) if spills else -1,
                    int64_bases=int64_bases(seen["ttir"], pointer_args))
+    result.tensor_core_dots, result.cuda_core_dots = dot_units(seen["ttgir"])
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(dataclasses.asdict(result)))
     return result
@@ -632,7 +664,8 @@ def format_builds(results: list[Build]) -> str:
     rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
              "warps": r.warps, "regs": f"{r.registers}" + (f" (<= {r.maxnreg})" if r.maxnreg else ""),
-             "spill B": r.spill_stores, "int64": "yes" if r.int64_bases else "NO",
+             "spill B": r.spill_stores, "dots TC/CUDA": f"{r.tensor_core_dots}/{r.cuda_core_dots}",
+             "int64": "yes" if r.int64_bases else "NO",
              "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
     return format_table(rows, columns=list(rows[0]))
 
@@ -654,7 +687,8 @@ def in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m atlaslib.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per build instead of the table")
-    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="build for this target only (repeat the flag for several)")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS),
+                        help="build for this target only (repeat the flag for several)")
     parser.add_argument("--family", action="append", choices=FAMILIES, metavar="FAMILY",
                         help=f"this kernel family only (repeat the flag for several): {', '.join(FAMILIES)}")
     parser.add_argument("--oversized", action="store_true", help="build only a deliberately oversized tile")

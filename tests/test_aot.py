@@ -2,7 +2,8 @@
 
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
-adds 64-bit offsets to its pointers, and keeps its grid independent of the sequence
+adds 64-bit offsets to its pointers, runs chapters 1-2's 16-bit products on tensor cores (and their
+fp32 products exactly, on the CUDA cores), and keeps its grid independent of the sequence
 length (checked on their own: the chunk-parallel kernels of chapters 1-2, whose intra-chunk and
 output grids grow with the number of chunks while the state pass keeps its grid; chapter 6's
 kernel-trick forward, a program per block of queries; the Newton-Schulz kernel, one program per
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from atlaslib import aot
+from atlaslib.core.kernels import TF32_ENV
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
 FAMILIES = {"linear", "linear_bwd", "delta", "delta_bwd", "titans", "omega", "swla", "atlas", "deep", "caching"}
@@ -137,6 +139,36 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
     narrow = [f"{b['config']} on {b['target']}" for b in builds if not b["int64_bases"]]
     assert not narrow, "32-bit offsets added to a pointer argument:\n" + "\n".join(narrow)
 
+
+
+def test_chapters_1_and_2_multiply_16_bit_inputs_on_tensor_cores_and_fp32_exactly(builds):
+    """Every product of chapters 1-2's kernels, forward and backward, gets a tensor-core layout when the
+    inputs are bf16/fp16 (the delta rule's inverse included, in TF32), and none does for fp32 inputs,
+    whose products stay exact ("ieee", FMAs on the CUDA cores) unless ATLASLIB_TF32=1."""
+    ch12 = [b for b in builds if family(b) in {"linear", "linear_bwd", "delta", "delta_bwd"}]
+    half = [b for b in ch12 if "bf16" in b["config"] or "fp16" in b["config"]]
+    fp32 = [b for b in ch12 if "fp32" in b["config"]]
+    assert half and fp32
+    on_cuda_cores = [f"{b['config']} on {b['target']}: {b['kernel']} {b['cuda_core_dots']} products"
+                     for b in half if b["cuda_core_dots"] or not b["tensor_core_dots"]]
+    assert not on_cuda_cores, "16-bit products left on the CUDA cores:\n" + "\n".join(on_cuda_cores)
+    if os.environ.get(TF32_ENV) == "1":     # asked for: fp32 products rounded to TF32 on the tensor cores
+        return
+    on_tensor_cores = [f"{b['config']} on {b['target']}: {b['kernel']}" for b in fp32 if b["tensor_core_dots"]]
+    assert not on_tensor_cores, "fp32 products rounded on tensor cores:\n" + "\n".join(on_tensor_cores)
+    assert all(b["cuda_core_dots"] > 0 for b in fp32)
+
+
+def test_dot_units_reads_where_each_product_runs():
+    fma = ("%1 = tt.dot %a, %b, %c, inputPrecision = ieee : tensor<16x64xf32, #ttg.dot_op<{opIdx = 0, "
+           "parent = #blocked}>> * tensor<64x64xf32, #ttg.dot_op<{opIdx = 1, parent = #blocked}>> "
+           "-> tensor<16x64xf32, #blocked>")
+    mma = fma.replace("inputPrecision = ieee", "inputPrecision = tf32").replace("#blocked", "#mma1")
+    wgmma = ("%3 = ttng.warp_group_dot %a, %b, %c {inputPrecision = 0 : i32} : !ttg.memdesc<64x64xbf16, "
+             "#shared, #smem> * !ttg.memdesc<64x128xbf16, #shared1, #smem> -> tensor<64x128xf32, #mma>")
+    assert aot.dot_units(fma) == (0, 1)
+    assert aot.dot_units(mma) == (1, 0)
+    assert aot.dot_units("\n".join([fma, mma, wgmma, "%4 = arith.addf %x, %y : tensor<16xf32, #blocked>"])) == (2, 1)
 
 def test_grid_does_not_grow_with_the_sequence(builds):
     # programs loop over chunks, so T = 1M launches the grid of T = 40: B*H on axis 0
