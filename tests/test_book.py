@@ -250,6 +250,22 @@ def test_wide_figures_take_the_full_width():
 
 
 
+
+def test_every_figure_has_an_alt_text():
+    """A figure's alt text is what a screen reader says and what a page shows when the image is missing;
+    left unset, Sphinx writes the image's hashed file name. A cell sets it for its images through
+    ``metadata.mystnb.image.alt``: a sentence or three on what the figure shows, read aloud (no TeX)."""
+    import json
+    missing = []
+    for path in sorted((ROOT / "book").glob("ch*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if not any("image/png" in out.get("data", {}) for out in cell.get("outputs", [])):
+                continue
+            alt = cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "")
+            if len(alt) < 60 or "$" in alt or "\\" in alt:
+                missing.append(f"{path.name} cell {i}: {alt!r}")
+    assert not missing, "figures without a readable alt text:\n" + "\n".join(missing)
+
 # Characters a code box shows at 1280 px (book/_static/code.css: 12 px code), in the column and in a
 # full-width cell; test_browser measures the rendered boxes. Sources are wrapped a little inside them.
 CODE_BOX, CODE_BOX_FULL = 90, 124

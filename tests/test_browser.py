@@ -2,10 +2,10 @@
 
 For each page of _toc.yml that was built: no console error, no failed or off-site
 request, MathJax has typeset the math (no raw TeX left, no MathJax error), every image
-has loaded, no cell output shows a traceback, widgets show no error, no formula, table or
-code box is wider than its column. The search page must find "delta rule". A page
-with a widget must show a static figure and say how to run it live. A screenshot of each
-page goes to _build/screenshots/.
+has loaded and has an alt text, no cell output shows a traceback, widgets show no error,
+no formula, table or code box is wider than its column. The search page must find
+"delta rule". A page with a widget must show a static figure and say how to run it live.
+A screenshot of each page goes to _build/screenshots/.
 """
 import re
 import time
@@ -50,6 +50,9 @@ async () => {
     mathRendered: document.querySelectorAll('mjx-container').length,
     mathErrors: [...document.querySelectorAll('mjx-merror, mjx-container [style*="color: red"]')]
                  .map(e => e.textContent).slice(0, 5),
+    // an image whose alt text is missing or its own file name says nothing to a screen reader
+    pathAlts: imgs.filter(i => !i.alt || /\\.(png|svg|jpe?g)$|_images\\//.test(i.alt))
+                  .map(i => i.getAttribute('src').slice(-40)),
     brokenImages: imgs.filter(i => !(i.complete && i.naturalWidth > 0 && i.naturalHeight > 0))
                       .map(i => i.getAttribute('src').slice(0, 80)),
     images: imgs.length,
@@ -150,6 +153,8 @@ def test_every_page_renders_offline(site):
         if report["wideCode"]:
             bad(f"{len(report['wideCode'])} code boxes scroll sideways at 1280 px (wrap their lines): "
                 f"{report['wideCode'][:8]}")
+        if report["pathAlts"]:
+            bad(f"images without an alt text (a file name is no description): {report['pathAlts'][:5]}")
         if report["brokenImages"]:
             bad(f"images that did not load: {report['brokenImages']}")
         for word in ("Traceback", "NotImplementedError"):
