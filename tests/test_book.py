@@ -296,7 +296,13 @@ def test_code_cells_and_printed_outputs_fit_the_code_box():
                     printed = "".join(text).splitlines()
                     wide += [f"{path.name} cell {i} output {w}"
                              for w in too_wide(printed, CODE_BOX_FULL if full else CODE_BOX)]
+    # the exercises' worked solutions too, which the student notebooks are made from (JupyterLab)
+    for path in sorted((ROOT / "exercises" / "solutions").glob("ch*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                wide += [f"{path.name} cell {i} source {w}" for w in too_wide("".join(cell["source"]).splitlines(), 88)]
     assert not wide, f"{len(wide)} lines wider than their code box:\n" + "\n".join(wide[:40])
+
 
 # Names of the library in the prose: `atlaslib.delta.chunk.chunk_step`, and paths from the repository's root.
 LIBRARY_NAME = re.compile(r"\batlaslib(?:\.\w+)+")
