@@ -296,8 +296,9 @@ def test_code_cells_and_printed_outputs_fit_the_code_box():
                     printed = "".join(text).splitlines()
                     wide += [f"{path.name} cell {i} output {w}"
                              for w in too_wide(printed, CODE_BOX_FULL if full else CODE_BOX)]
-    # the exercises' worked solutions too, which the student notebooks are made from (JupyterLab)
-    for path in sorted((ROOT / "exercises" / "solutions").glob("ch*.ipynb")):
+    # the exercises' notebooks too (JupyterLab), worked solutions and the student copies made from them
+    exercises = ROOT / "exercises"
+    for path in sorted([*(exercises / "solutions").glob("ch*.ipynb"), *exercises.glob("ch*.ipynb")]):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             if cell["cell_type"] == "code":
                 wide += [f"{path.name} cell {i} source {w}" for w in too_wide("".join(cell["source"]).splitlines(), 88)]

@@ -58,6 +58,18 @@ def test_strip_solutions_keeps_indentation_and_the_rest():
                    "raise NotImplementedError('Exercise 9: f')\nprint(3)")
 
 
+def test_a_long_stub_is_wrapped_and_raises_the_whole_message():
+    title = "Exercise 12: " + " ".join(f"word{i}" for i in range(40))
+    src = "def f():\n        # BEGIN SOLUTION\n        return 1\n        # END SOLUTION\n"
+    out = strip_solutions(src, title, "test")
+    assert max(len(line) for line in out.splitlines()) <= 88
+    namespace = {}
+    exec(out, namespace)
+    with pytest.raises(NotImplementedError) as raised:
+        namespace["f"]()
+    assert str(raised.value) == title
+
+
 @pytest.mark.parametrize("src", ["# BEGIN SOLUTION\nx = 1", "x = 1\n# END SOLUTION",
                                  "# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION"])
 def test_strip_solutions_rejects_unbalanced_markers(src):

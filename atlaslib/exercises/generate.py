@@ -5,7 +5,8 @@
 For every ``exercises/solutions/chNN_*.ipynb`` this writes ``exercises/chNN_*.ipynb``:
 the same cells, with each block between ``# BEGIN SOLUTION`` and ``# END SOLUTION``
 replaced by ``raise NotImplementedError("Exercise N: <title>")`` at the marker's
-indentation, and with every output cleared. The exercise number and title come from
+indentation (the message on lines of its own where the line would pass 88 characters),
+and with every output cleared. The exercise number and title come from
 the chapter's check module, via the cell metadata ``{"atlaslib": {"exercise": name}}``
 and the notebook metadata ``{"atlaslib": {"chapter": "ch01"}}``.
 ``--check`` writes nothing and exits 1 if a student notebook is stale.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -23,6 +25,21 @@ from . import registry
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = ROOT / "exercises" / "solutions"
+
+
+WIDTH = 88   # the code cells' width (a line longer than the book's code box scrolls sideways)
+
+
+def raise_not_implemented(indent: str, message: str) -> list[str]:
+    """The stub's lines: one ``raise NotImplementedError(message)``, or, past WIDTH characters, the message
+    on lines of its own as adjacent string literals."""
+    line = f"{indent}raise NotImplementedError({message!r})"
+    if len(line) <= WIDTH:
+        return [line]
+    inner = indent + " " * 4
+    pieces = textwrap.wrap(message, WIDTH - len(inner) - 3, drop_whitespace=False)
+    return [f"{indent}raise NotImplementedError(", *(f"{inner}{p!r}" for p in pieces[:-1]),
+            f"{inner}{pieces[-1]!r})"]
 
 
 def strip_solutions(source: str, message: str, where: str) -> str:
@@ -35,7 +52,7 @@ def strip_solutions(source: str, message: str, where: str) -> str:
                 raise ValueError(f"{where}: nested '{BEGIN}'")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}raise NotImplementedError({message!r})")
+            out += raise_not_implemented(indent, message)
         elif marker.startswith(END):
             if not inside:
                 raise ValueError(f"{where}: '{END}' without '{BEGIN}'")
