@@ -2,8 +2,8 @@
 
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
-adds 64-bit offsets to its pointers, runs chapters 1-2's 16-bit products on tensor cores (and their
-fp32 products exactly, on the CUDA cores), and keeps its grid independent of the sequence
+adds 64-bit offsets to its pointers, runs its 16-bit products on tensor cores (and its fp32 products
+exactly, on the CUDA cores), and keeps its grid independent of the sequence
 length (checked on their own: the chunk-parallel kernels of chapters 1-2, whose intra-chunk and
 output grids grow with the number of chunks while the state pass keeps its grid; chapter 6's
 kernel-trick forward, a program per block of queries; the Newton-Schulz kernel, one program per
@@ -141,16 +141,18 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
 
 
 
-def test_chapters_1_and_2_multiply_16_bit_inputs_on_tensor_cores_and_fp32_exactly(builds):
-    """Every product of chapters 1-2's kernels, forward and backward, gets a tensor-core layout when the
-    inputs are bf16/fp16 (the delta rule's inverse included, in TF32), and none does for fp32 inputs,
-    whose products stay exact ("ieee", FMAs on the CUDA cores) unless ATLASLIB_TF32=1."""
-    ch12 = [b for b in builds if family(b) in {"linear", "linear_bwd", "delta", "delta_bwd"}]
-    half = [b for b in ch12 if "bf16" in b["config"] or "fp16" in b["config"]]
-    fp32 = [b for b in ch12 if "fp32" in b["config"]]
-    assert half and fp32
+def test_16_bit_inputs_multiply_on_tensor_cores_and_fp32_inputs_exactly(builds):
+    """Every product of every kernel, forward and backward, gets a tensor-core layout when the inputs are
+    bf16/fp16 (fp32 intermediates rounded to 16 bits next in TF32: the delta rule's inverse, Titans' decay
+    product, the Omega rule's gate matrix, Newton-Schulz for bf16), and none does for fp32 inputs, whose
+    products stay exact ("ieee", FMAs on the CUDA cores) unless ATLASLIB_TF32=1. One exception: DOT's
+    coefficient solve keeps its fp32 products on the CUDA cores (its k.k products are 16-bit)."""
+    half = [b for b in builds if "bf16" in b["config"] or "fp16" in b["config"]]
+    fp32 = [b for b in builds if "fp32" in b["config"]]
+    assert {family(b) for b in half} == {family(b) for b in fp32} == FAMILIES
     on_cuda_cores = [f"{b['config']} on {b['target']}: {b['kernel']} {b['cuda_core_dots']} products"
-                     for b in half if b["cuda_core_dots"] or not b["tensor_core_dots"]]
+                     for b in half if not b["tensor_core_dots"]
+                     or (b["cuda_core_dots"] and b["kernel"] not in DOT_SOLVE_KERNELS)]
     assert not on_cuda_cores, "16-bit products left on the CUDA cores:\n" + "\n".join(on_cuda_cores)
     if os.environ.get(TF32_ENV) == "1":     # asked for: fp32 products rounded to TF32 on the tensor cores
         return

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atlaslib.caching.kernel import MAX_KEY, SLOT_TILE, cached_readout_triton, kernel_limits
-from atlaslib.core.testing import TOLERANCE, assert_close
+from atlaslib.core.testing import TOLERANCE, assert_close, assert_within_rounding
 
 B, H, T, K, V, N, J = 1, 2, 37, 24, 40, 5, 6
 
@@ -99,6 +99,18 @@ def test_bf16_inputs(gen, aggregate, top_k):
     # the reference reads the same bf16 inputs; SSC's selection can flip on near ties after
     # rounding the scores, so the tolerance is bf16's
     assert_close(y, readout_reference(*inputs, top_k, aggregate), tol=TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("aggregate,top_k", [("residual", None), ("grm", None), ("ssc", 2)])
+def test_16_bit_products_cost_about_the_outputs_rounding(gen, dtype, aggregate, top_k):
+    """16-bit queries meet the fp32 states rounded to their dtype (tensor-core products, fp32 sums): y is
+    within a small multiple of what rounding it to that dtype costs (1.2x-1.4x in the interpreter, which
+    rounds as a card does)."""
+    for _ in range(3):
+        inputs = random_inputs(gen, dtype=dtype)
+        y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
+        assert_within_rounding(y.double(), readout_reference(*inputs, top_k, aggregate), dtype, 2.0)
 
 
 def test_a_block_of_tokens_sharing_its_states(gen):

@@ -186,9 +186,9 @@ def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch)
     product with it in TF32): outputs and every gradient are as close to the fp64 result as with exact
     products, since R is rounded to bf16 right after."""
     import atlaslib.delta.kernel as delta_kernel
-    from atlaslib.core.kernels import inverse_precision, precision
-    assert inverse_precision(torch.bfloat16) == inverse_precision(torch.float16) == "tf32"
-    assert inverse_precision(torch.float32) == precision(torch.float32)
+    from atlaslib.core.kernels import intermediate_precision, precision
+    assert intermediate_precision(torch.bfloat16) == intermediate_precision(torch.float16) == "tf32"
+    assert intermediate_precision(torch.float32) == precision(torch.float32)
     q, k, v, alpha, beta, h0 = inputs(gen, 2 * CHUNK, mode, K=64, V=32)
     beta = 0.5 + 0.5 * beta                                 # strong corrections: R far from I
     ref = [None if x is None else x.double().requires_grad_() for x in (q, k, v, alpha, beta)]
@@ -200,7 +200,7 @@ def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch)
     ref_o = ref_o.detach()
     errors, outputs = {}, {}
     for p in ("ieee", "tf32"):
-        monkeypatch.setattr(delta_kernel, "inverse_precision", lambda dtype, p=p: p)
+        monkeypatch.setattr(delta_kernel, "intermediate_precision", lambda dtype, p=p: p)
         x = [None if t is None else t.detach().to(torch.bfloat16 if i < 3 else torch.float32).requires_grad_()
              for i, t in enumerate(ref)]
         o = delta_rule(*x[:3], x[4], alpha=x[3], backend="triton")[0]

@@ -59,24 +59,25 @@ columns so the score tiles are the widest single tile, BJ = 32; ranges over sm_8
 
     K = V   dtype   shared     registers (residual / GRM / SSC)    spills
     16      fp32    2 KB       40-48 / 40-50 / 40-47               0
-    16      bf16    2 KB       40-48 / 40-50 / 40-47               0
+    16      bf16    1.5 KB     48 / 40-48 / 40-48                  0
     64      fp32    10 KB      140-144 / 184 / 144-180             0
-    64      bf16    10 KB      139-142 / 182-184 / 144-180         0
+    64      bf16    9 KB       64 / 80-93 / 80                     0
     128     fp32    10 KB      145-151 / 190-192 / 191-193         0
-    128     bf16    10 KB      146-149 / 191-193 / 189-193         0
+    128     bf16    9 KB       64-76 / 102-118 / 102-123           0
     256     fp32    6 KB       146-150 / 195 / 195-198             0
-    256     bf16    6 KB       146-148 / 188 / 188-190             0
+    256     bf16    5 KB       75-80 / 149-157 / 149-153           0
 
-The bf16 builds match the fp32 ones: q, u and online are loaded as fp32 (``load_tile``) and the
-states are fp32, so a bf16 readout runs the same fp32 products (same shared memory, registers within
-8). More than one slot tile (J = 65, three tiles) builds with 64-255 registers: GRM and SSC at
-K >= 128 take up to 255 and spill up to 100 B a thread (SSC, K = 256, fp32, sm_90), residual at
-K = 64 up to 32 B, K = 16 at most 4 B.
+Precision: for fp32 inputs the products are exact fp32 (FMA units; TF32 only under ATLASLIB_TF32=1).
+For bf16/fp16 queries each state tile is rounded to their dtype before its product, which runs on
+tensor cores with fp32 sums (the weights, the scores and y's sum stay fp32): in the interpreter, which
+rounds as a card does, y is off by 1.2x-1.4x what rounding it to bf16/fp16 costs anyway. Hence the
+lighter bf16 builds. More than one slot tile (J = 65, three tiles) builds with 62-255 registers: GRM
+and SSC at K >= 128 in fp32 take up to 255 and spill up to 100 B a thread (SSC, K = 256, fp32, sm_90),
+residual at K = 64 up to 28 B, K = 16 at most 4 B; bf16 at most 28 B.
 
-Why 8 warps and K slices: the products are exact fp32 for every input dtype (FMA units; TF32 only
-under ATLASLIB_TF32=1), which hold a whole K slice of their operands per thread. At 4 warps and
-BK = 128 in one piece the build spilled 4-5 KB a thread; slicing K by 32 at 4 warps still used all 255
-registers; 8 warps and slices of 32 bring it to the table's.
+Why 8 warps and K slices: exact fp32 products run on FMA units, which hold a whole K slice of their
+operands per thread. At 4 warps and BK = 128 in one piece the build spilled 4-5 KB a thread; slicing K
+by 32 at 4 warps still used all 255 registers; 8 warps and slices of 32 bring it to the table's.
 
 Forward only: the library takes gradients through the PyTorch form. Runs under
 ``TRITON_INTERPRET=1`` on CPU.
@@ -87,8 +88,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch, load_tile,
-                            store_tile, value_tile)
+from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch, load_block,
+                            load_tile, store_tile, value_tile)
 from ..core.memory_kernels import key_channels
 from .chunk import check_readout
 
@@ -142,6 +143,7 @@ def read_states(b_y, b_idx, b_W, q_ptr, s_q, states_ptr, o_t, m_t, o_v, m_v, N, 
     b_idx = tl.where(b_W != 0.0, b_idx, -1)                 # zero weights load nothing (SSC's dropped slots)
     o_c = tl.arange(0, BKC)
     i_cur = tl.min(tl.where(b_idx >= 0, b_idx, N), axis=None)
+    dt = q_ptr.dtype.element_ty             # tl.dot's operand dtype: the queries' (the states are rounded to it)
     while i_cur < N:
         b_w = tl.sum(tl.where(b_idx == i_cur, b_W, 0.0), axis=1)
         b_Mq = tl.zeros([BT, BV], dtype=tl.float32)
@@ -149,9 +151,9 @@ def read_states(b_y, b_idx, b_W, q_ptr, s_q, states_ptr, o_t, m_t, o_v, m_v, N, 
             # K in slices of BKC: fp32 products run on FMA units, which hold a whole slice per thread
             o_kc = k0 + o_c
             m_kc = o_kc < K
-            b_q = load_tile(q_ptr, s_q, o_t, o_kc, m_t, m_kc)
+            b_q = load_block(q_ptr, s_q, o_t, o_kc, m_t, m_kc)
             b_M = tl.load(states_ptr + i_cur * V * K + o_v[:, None] * K + o_kc[None, :],
-                          mask=m_v[:, None] & m_kc[None, :], other=0.0)
+                          mask=m_v[:, None] & m_kc[None, :], other=0.0).to(dt)
             b_Mq += tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION)
         b_y += b_w[:, None] * b_Mq
         i_cur = tl.min(tl.where(b_idx > i_cur, b_idx, N), axis=None)

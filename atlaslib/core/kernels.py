@@ -281,7 +281,7 @@ def precision(dtype: torch.dtype) -> str:
 
     It applies only to products of fp32 operands: "ieee" (exact fp32 products), so fp32 inputs
     and the fp32 intermediates of half-precision kernels are computed exactly (one exception: the
-    delta rule's triangular inverse, ``inverse_precision``); "tf32" only when ``ATLASLIB_TF32=1``
+    products of ``intermediate_precision``); "tf32" only when ``ATLASLIB_TF32=1``
     is set. bf16/fp16 tiles given to tl.dot as they are run on bf16/fp16 tensor cores with fp32
     accumulation whatever this says. (``dtype`` is kept so a kernel's choice reads as a function
     of its inputs.)
@@ -289,15 +289,17 @@ def precision(dtype: torch.dtype) -> str:
     return "tf32" if os.environ.get(TF32_ENV) == "1" else "ieee"
 
 
-def inverse_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` of the products that build the delta rule's triangular inverse R (and its gradient).
+def intermediate_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` of products between fp32 intermediates whose result is rounded to the inputs'
+    dtype right after: the delta rule's triangular inverse R (and its gradient), Titans' decay product
+    D_alpha D_theta, the Omega rule's gate matrix C (and, for bf16 only, Newton-Schulz: ``atlas.kernel``).
 
-    R is an fp32 intermediate. For fp32 inputs its products are exact like the rest ("ieee", or TF32
-    under ``ATLASLIB_TF32=1``: ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores:
-    exact fp32 products run on the CUDA cores, at about 1/15 of an H100's bf16 tensor-core rate, where the
-    inverse's 2.6 MFLOP per chunk would cost more than the forward's 12.6 MFLOP of bf16 products (K = V = 128),
-    while R is rounded to the inputs' dtype right after (a bf16 mantissa is 3 bits shorter than TF32's,
-    fp16's as long), so the TF32 error stays below the rounding that follows it.
+    For fp32 inputs these products are exact like the rest ("ieee", or TF32 under ``ATLASLIB_TF32=1``:
+    ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores: exact fp32 products run on the
+    CUDA cores, at about 1/15 of an H100's bf16 tensor-core rate (the delta rule's inverse, 2.6 MFLOP per
+    chunk, would cost more than the forward's 12.6 MFLOP of bf16 products at K = V = 128), while the
+    result is rounded to the inputs' dtype next (a bf16 mantissa is 3 bits shorter than TF32's, fp16's
+    as long), so the TF32 error stays below the rounding that follows it.
     """
     return "tf32" if dtype in (torch.bfloat16, torch.float16) else precision(dtype)
 

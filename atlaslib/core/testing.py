@@ -52,6 +52,17 @@ def assert_close(actual, expected, tol: float | None = None, name: str = "output
     return err
 
 
+def assert_within_rounding(actual, expected, dtype: torch.dtype, times: float, name: str = "output"):
+    """Assert that ``actual``, computed from ``dtype`` inputs, is within ``times`` the error that rounding
+    ``expected`` (fp64, from the same inputs) to ``dtype`` makes: what a kernel's 16-bit products cost,
+    measured against what storing its result in that dtype costs anyway."""
+    own = rel_rmse(expected.to(dtype), expected)
+    err = rel_rmse(actual, expected)
+    if not err <= times * own:
+        raise AssertionError(f"{name}: relative error {err:.2e} is {err / own:.2f} times the {dtype} rounding of the "
+                             f"result ({own:.2e}); at most {times} allowed")
+
+
 def nan_filled(allocate):
     """An allocator like ``allocate`` whose floating-point buffers come back filled with NaN."""
     def nan_empty(*shape, **kw) -> torch.Tensor:

@@ -78,7 +78,7 @@ terms, dS and dL, and their shares of dk and dg.
 
 Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every gradient buffer
 are fp32. The inverse's own products, and dA's product with it, are exact for fp32 inputs and TF32 for
-16-bit ones (``core.kernels.inverse_precision``: R is rounded to the inputs' dtype right after, and exact
+16-bit ones (``core.kernels.intermediate_precision``: R is rounded to the inputs' dtype right after, and exact
 fp32 products would run on CUDA cores, slower than all the chunk's bf16 products together).
 Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
@@ -94,7 +94,7 @@ from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
-                            dot_tile, feature_tile, forward_launch, inverse_precision, load_block, precision,
+                            dot_tile, feature_tile, forward_launch, intermediate_precision, load_block, precision,
                             store_tile, unwrapped)
 from ..core.alloc import empty
 from ..core.dispatch import backward_or_fallback
@@ -140,7 +140,7 @@ def delta_wy_kernel(
     INV_PRECISION: tl.constexpr,
 ):
     """w = R Diag(beta) (K e^g) and u = R Diag(beta) V for chunk i_c, R = (I + Diag(beta) L)^{-1}, the
-    inverse's products at ``INV_PRECISION`` (``core.kernels.inverse_precision``: TF32 for 16-bit inputs).
+    inverse's products at ``INV_PRECISION`` (``core.kernels.intermediate_precision``: TF32 for 16-bit inputs).
     With ``r_ptr`` (the backward's recomputation) also stores R, fp32 [B*H, Tp, BT], for ``delta_bwd_wy_kernel``."""
     i_bh, i_c, i_b, i_h = chunk_program(NT, H)
     k_ptr, v_ptr = at_head(k_ptr, s_k, i_b, i_h), at_head(v_ptr, s_v, i_b, i_h)
@@ -402,7 +402,7 @@ def wy_factors(run, gate, g, beta, ak, keep_inverse=False):
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
         GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
-        INV_PRECISION=inverse_precision(run.q.dtype), num_warps=8,
+        INV_PRECISION=intermediate_precision(run.q.dtype), num_warps=8,
     )
     return w, u, r
 
@@ -507,7 +507,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()), tuple(dw.stride()),
         tuple(dv2.stride()), tuple(dk1.stride()), tuple(dk_wy.stride()), tuple(dv.stride()),
         T, H, Tp, K, V, NT,
-        GATE=gate, BT=CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, INV_PRECISION=inverse_precision(dt),
+        GATE=gate, BT=CHUNK, BK=wy_BK, BV=wy_BV, PRECISION=run.precision, INV_PRECISION=intermediate_precision(dt),
         num_warps=wy_warps,
     )
     if channel:

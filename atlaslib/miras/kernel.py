@@ -68,8 +68,17 @@ all K key channels. Tiles: BT = max(16, next_pow2(b)) token rows, BK = max(16,
 next_pow2(K)), BV = min(64, next_pow2(V)) (32 at BK = 128, 16 at BK = 256: ``tile_sizes``), so every tl.dot has sizes
 >= 16; rows past the chunk or the sequence load zeros, eta = 0 and gates = 1, so they
 write nothing. The chunk size is a runtime argument (any 1 <= b <= 64; b = 1 wastes 15
-of 16 rows). fp32/fp16/bf16 inputs, loaded as fp32 tiles whatever their dtype, and every tl.dot exact IEEE fp32
-(TF32 only when ``ATLASLIB_TF32=1`` asks for it, and never for the decay product D_alpha D_theta).
+of 16 rows).
+
+Precision. fp32 inputs: every tl.dot is exact IEEE fp32 (TF32 only when ``ATLASLIB_TF32=1`` asks
+for it). bf16/fp16 inputs: q and k are tiles of their own dtype and every other operand of a
+tl.dot (the states M and S, the steps U, the weighted scores) is rounded to that dtype first, so all
+eight products run on tensor cores with fp32 accumulation; the decay product D_alpha D_theta is TF32
+(``core.kernels.intermediate_precision``). The states themselves, the errors and every sum stay fp32.
+In the interpreter (which rounds as a card does) at T = 4096, K = V = 64, chunks of 16 and 64, this
+adds about as much error as rounding the output to bf16 does (relative RMS of o against an fp64 run
+on the same bf16 inputs: 2.9e-3, of which 1.7e-3 is o's own rounding; M_T 1.7e-3) and it does not
+grow with T.
 
 q, k, v are read through their strides (a [B, T, H, K] tensor transposed to [B, H, T, K]
 needs no copy); absent gates and start states are ``None`` pointers, which Triton compiles
@@ -88,8 +97,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..core.kernels import (as_fp32, dot_tile, feature_tile, forward_launch, load_state, load_tile, state_slice,
-                            store_tile, value_tile)
+from ..core.kernels import (as_fp32, dot_tile, feature_tile, forward_launch, intermediate_precision, load_block,
+                            load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.validation import check_chunk_size, check_qkv, check_state
 from .config import DEFAULT_CHUNK_SIZE
@@ -97,13 +106,12 @@ from .config import DEFAULT_CHUNK_SIZE
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
 # (triton.compile with GPUTarget("cuda", 90, 32), num_stages=1, BT = 64, all gates and
 # both states on). Shared memory per program: fp32 inputs 64 KB at (BK, BV) = (64, 64),
-# 96 KB at (128, 32), 176 KB at (256, 32). The tiles are fp32 whatever the inputs' dtype and their
-# products exact ("ieee" unless TF32 is asked for), so half-precision inputs take the same. An H100
-# block may use at most 227 KB; (256, 64) would take 208-224 KB, too close. BV = 32
-# beyond BK = 64 also halves the register-held states: ptxas still spills at these
-# tiles (at BT = 64, K = V = 64, 3.8-4.2 KB a thread with ``per_head_launch``'s 16 warps,
-# fp32 or bf16 inputs; none at BT = 16). Speed has not been measured on a GPU. So: chunks
-# of at most 64 tokens, keys of at most 256 channels, any V.
+# 96 KB at (128, 32), 176 KB at (256, 32); 16-bit inputs take less (48, 72 and 120 KB), and the
+# same tiles. An H100 block may use at most 227 KB; (256, 64) would take 208-224 KB, too close.
+# BV = 32 beyond BK = 64 also halves the register-held states: ptxas still spills at these
+# tiles (at BT = 64, K = V = 64, 4.1-4.2 KB a thread with ``per_head_launch``'s 16 warps for
+# fp32 inputs, 1.3-1.7 KB for bf16; none at BT = 16 on sm_90). Speed has not been measured on
+# a GPU. So: chunks of at most 64 tokens, keys of at most 256 channels, any V.
 MAX_CHUNK = 64
 MAX_KEY = 256
 
@@ -132,11 +140,13 @@ def titans_linear_fwd_kernel(
     s_q, s_k, s_v, s_o,
     T, H, K, V, b,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    DECAY_PRECISION: tl.constexpr,
 ):
     i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
     q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
     o_k, m_k = key_channels(BK, K)
     o_i, m_causal = chunk_rows(BT)                                 # rows of a chunk, n <= t
+    dt = q_ptr.dtype.element_ty             # tl.dot's operand dtype: the inputs' (see the docstring)
 
     # this program's slices of the memory M and the momentum S, [BV, BK] each, in fp32
     o_s, m_s = state_slice(i_bh, o_v, o_k, V, K)
@@ -147,8 +157,8 @@ def titans_linear_fwd_kernel(
         o_t = start + o_i                                          # the chunk's tokens
         m_t = (o_i < b) & (o_t < T)
         o_last = tl.minimum(b, T - start) - 1                      # its last row
-        b_q = load_tile(q_ptr, s_q, o_t, o_k, m_t, m_k)
-        b_k = load_tile(k_ptr, s_k, o_t, o_k, m_t, m_k)
+        b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
+        b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         b_v = load_tile(v_ptr, s_v, o_t, o_v, m_t, m_v)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
@@ -170,10 +180,11 @@ def titans_linear_fwd_kernel(
             b_to_end = tl.where(m_t, 1.0, 0.0)
 
         # errors at the chunk-start state and the scaled steps U = Diag(eta) E
-        b_E = tl.dot(b_k, tl.trans(b_M), input_precision=PRECISION) - b_v
+        b_Mt = tl.trans(b_M).to(dt)
+        b_E = tl.dot(b_k, b_Mt, input_precision=PRECISION) - b_v
         b_U = b_E * b_eta[:, None]
         b_scores = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
-        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None]
+        b_o = tl.dot(b_q, b_Mt, input_precision=PRECISION) * b_A[:, None]
 
         if theta_ptr is not None:
             # momentum: D_theta[n, i] = B_n / B_i, B_n, mom_end[i] = B_last / B_i
@@ -183,22 +194,22 @@ def titans_linear_fwd_kernel(
             b_B = tl.where(m_t & (b_zB == 0.0), tl.exp(b_lB), 0.0)
             b_B_end = tl.where(b_zB_end == 0.0, tl.exp(b_lB_end), 0.0)
             b_mom_end = tl.where(m_t & (b_zB == b_zB_end), tl.exp(tl.minimum(b_lB_end - b_lB, 0.0)), 0.0)
-            b_W = tl.dot(b_DA, b_DB, input_precision="ieee")            # W[t, i] = sum_n A_t/A_n B_n/B_i
+            b_W = tl.dot(b_DA, b_DB, input_precision=DECAY_PRECISION)   # W[t, i] = sum_n A_t/A_n B_n/B_i
             b_c = tl.sum(b_DA * b_B[None, :], axis=1)                   # s_t = sum_n A_t/A_n B_n
             b_w_end = tl.sum(b_to_end[:, None] * b_DB, axis=0)          # the last row W[last, :]
             b_c_end = tl.sum(b_to_end * b_B, axis=0)
-            b_o += tl.dot(b_q, tl.trans(b_S), input_precision=PRECISION) * b_c[:, None]
+            b_o += tl.dot(b_q, tl.trans(b_S).to(dt), input_precision=PRECISION) * b_c[:, None]
         else:
             # theta = 0: B_n = 0 for n >= 1, D_theta = I, so W = D_alpha and S is the last token's step
             b_W = b_DA
             b_w_end = b_to_end
             b_mom_end = tl.where(o_i == o_last, 1.0, 0.0)
 
-        b_o -= tl.dot(b_scores * b_W, b_U, input_precision=PRECISION)
+        b_o -= tl.dot((b_scores * b_W).to(dt), b_U.to(dt), input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
 
-        b_M_step = tl.dot(tl.trans(b_U * b_w_end[:, None]), b_k, input_precision=PRECISION)
-        b_S_step = tl.dot(tl.trans(b_U * b_mom_end[:, None]), b_k, input_precision=PRECISION)
+        b_M_step = tl.dot(tl.trans(b_U * b_w_end[:, None]).to(dt), b_k, input_precision=PRECISION)
+        b_S_step = tl.dot(tl.trans(b_U * b_mom_end[:, None]).to(dt), b_k, input_precision=PRECISION)
         if theta_ptr is not None:
             b_M = b_M * b_A_end + b_S * b_c_end - b_M_step
             b_S = b_S * b_B_end - b_S_step
@@ -248,7 +259,7 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     """
     B, H, T, K, V = check_qkv(q, k, v)
     chunk_size = check_chunk_size(chunk_size)
-    BT, BK, BV = tile_sizes(K, V, chunk_size)          # fp32 tiles for every input dtype
+    BT, BK, BV = tile_sizes(K, V, chunk_size)          # the fp32 budget, for every input dtype
     run = forward_launch(q, k, v, BV, name="titans_linear_triton")
     if chunk_size > MAX_CHUNK:
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "
@@ -263,7 +274,8 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
     titans_linear_fwd_kernel[run.grid](
         run.q, run.k, run.v, alpha, eta, theta, m0, s0, run.o, M_T, S_T, *run.strides,
         T, H, K, V, chunk_size,
-        BT=BT, BK=BK, BV=BV, PRECISION=run.precision, **per_head_launch(BT),
+        BT=BT, BK=BK, BV=BV, PRECISION=run.precision, DECAY_PRECISION=intermediate_precision(q.dtype),
+        **per_head_launch(BT),
     )
     return run.o, M_T, S_T
 

@@ -29,6 +29,14 @@ inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton 
 away. ``core.kernels`` holds the set-up every chapter's kernels share, ``core.memory_kernels``
 the start (head, channels, chunk rows) of the per-head kernels.
 
+Precision. fp32 inputs: every tl.dot is exact IEEE fp32 (TF32 only under ``ATLASLIB_TF32=1``).
+bf16/fp16 inputs: q and the window's keys are tiles of their own dtype, and the memory, the weighted
+scores and the errors are rounded to that dtype before their products, so all six run on tensor cores
+with fp32 sums; C = D Diag(eta) Gamma is TF32 (``core.kernels.intermediate_precision``). The memory and
+the errors stay fp32. In the interpreter (which rounds as a card does) at T = 512, D = V = 64, c = 8,
+o is off an fp64 run on the same bf16 inputs by 1.7x what rounding o to bf16 costs (2.9e-3 against
+1.7e-3; fp16 2.8x-3.3x), SWLA by 1.5x.
+
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
 inputs). Runs under ``TRITON_INTERPRET=1`` on CPU: no autotune, int64 base offsets.
@@ -45,7 +53,8 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.kernels import (MAX_HEAD_SPAN, as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
-                            load_state, load_tile, state_slice, store_tile, value_tile)
+                            intermediate_precision, load_block, load_state, load_tile, state_slice, store_tile,
+                            value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.windows import window_gates
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
@@ -68,6 +77,7 @@ def omega_fwd_kernel(
     T, H, Tp, D, V, b, c,
     HEBBIAN: tl.constexpr,
     BT: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    GATE_PRECISION: tl.constexpr,
 ):
     i_bh, i_b, i_h, o_v, m_v = head_value_block(H, V, BV)        # this program's head and value channels
     q_ptr, k_ptr, v_ptr, o_ptr = qkvo_at_head(q_ptr, k_ptr, v_ptr, o_ptr, s_q, s_k, s_v, s_o, i_b, i_h)
@@ -75,6 +85,7 @@ def omega_fwd_kernel(
     o_d, m_d = key_channels(BD, D)
     o_i, m_causal = chunk_rows(BT)                                 # rows of a chunk, n <= t
     o_j = tl.arange(0, BW)                  # rows of its window
+    dt = q_ptr.dtype.element_ty             # tl.dot's operand dtype: the inputs' (see the docstring)
 
     # this program's slice M [BV, BD] of the state, in fp32 (zeros without h0)
     o_s, m_s = state_slice(i_bh, o_v, o_d, V, D)
@@ -86,8 +97,8 @@ def omega_fwd_kernel(
         o_w = start - (c - 1) + o_j                             # its window's tokens, may be < 0
         m_w = (o_j < b + c - 1) & (o_w >= 0) & (o_w < T)
 
-        b_q = load_tile(q_ptr, s_q, o_t, o_d, m_t, m_d)
-        b_kw = load_tile(k_ptr, s_k, o_w, o_d, m_w, m_d)        # keys and values of the window
+        b_q = load_block(q_ptr, s_q, o_t, o_d, m_t, m_d)
+        b_kw = load_block(k_ptr, s_k, o_w, o_d, m_w, m_d)       # keys and values of the window
         b_vw = load_tile(v_ptr, s_v, o_w, o_v, m_w, m_v)
         if eta_ptr is not None:
             b_eta = tl.load(eta_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
@@ -113,17 +124,19 @@ def omega_fwd_kernel(
             b_A_end = 1.0
             b_to_end = tl.full([BT], 1.0, tl.float32)
 
-        b_C = tl.dot(b_decay * b_eta[None, :], b_gam, input_precision=PRECISION)       # D diag(eta) Gamma
+        b_C = tl.dot(b_decay * b_eta[None, :], b_gam, input_precision=GATE_PRECISION)  # D diag(eta) Gamma
         b_c_end = tl.sum((b_to_end * b_eta)[:, None] * b_gam, axis=0)                  # its last row C[b, :]
+        b_Mt = tl.trans(b_M).to(dt)
         if HEBBIAN:
             b_E = -b_vw
         else:
-            b_E = tl.dot(b_kw, tl.trans(b_M), input_precision=PRECISION) - b_vw      # errors at M_{t0}
+            b_E = tl.dot(b_kw, b_Mt, input_precision=PRECISION) - b_vw                # errors at M_{t0}
         b_scores = tl.dot(b_q, tl.trans(b_kw), input_precision=PRECISION) * b_C
-        b_o = tl.dot(b_q, tl.trans(b_M), input_precision=PRECISION) * b_A[:, None] \
-            - tl.dot(b_scores, b_E, input_precision=PRECISION)
+        b_o = tl.dot(b_q, b_Mt, input_precision=PRECISION) * b_A[:, None] \
+            - tl.dot(b_scores.to(dt), b_E.to(dt), input_precision=PRECISION)
         store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_o)
-        b_M = b_M * b_A_end - tl.dot(tl.trans(b_E * b_c_end[:, None]), b_kw, input_precision=PRECISION)
+        b_step = tl.dot(tl.trans(b_E * b_c_end[:, None]).to(dt), b_kw, input_precision=PRECISION)
+        b_M = b_M * b_A_end - b_step
 
     tl.store(ht_ptr + o_s, b_M, mask=m_s)
 
@@ -145,7 +158,7 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     # wide windows hold two [BW, BD] and two [BW, BV] tiles per chunk, and so do wide fp32 features:
     # narrower value blocks (more programs) keep them within shared memory on the GPU (sm_80 AOT
     # builds at BW = 64, D = 256, fp32: 192 KB at BV = 64, 160 KB at 32)
-    # (the tiles are fp32 whatever the inputs' dtype, with exact products: half-precision inputs too)
+    # (budgets for fp32 tiles, whatever the inputs' dtype: 16-bit inputs take less)
     wide_rows = dot_tile(q.shape[-1]) * 4 > 512
     if hebbian and wide_rows and b > 32:
         # SWLA's chunk form is exact for every chunk length, so the kernel may use shorter chunks:
@@ -170,6 +183,7 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
         run.q, run.k, run.v, G, as_fp32(eta), g, as_fp32(initial_state), run.o, ht, *run.strides,
         T, H, Tp, D, run.V, b, c,
         HEBBIAN=hebbian, BT=dot_tile(b), BW=BW, BD=BD, BV=run.BV, PRECISION=run.precision,
+        GATE_PRECISION=intermediate_precision(q.dtype),
         **per_head_launch(dot_tile(b)),
     )
     return run.o, ht
