@@ -105,12 +105,13 @@ def test_bf16_inputs(gen, aggregate, top_k):
 @pytest.mark.parametrize("aggregate,top_k", [("residual", None), ("grm", None), ("ssc", 2)])
 def test_16_bit_products_cost_about_the_outputs_rounding(gen, dtype, aggregate, top_k):
     """16-bit queries meet the fp32 states rounded to their dtype (tensor-core products, fp32 sums): y is
-    within a small multiple of what rounding it to that dtype costs (1.2x-1.4x in the interpreter, which
-    rounds as a card does)."""
+    within a small multiple of what rounding it to that dtype costs (1.26x-1.39x over 12 draws in the
+    interpreter, which rounds as a card does; a sum over the states rounded to 16 bits after each state,
+    residual: 1.66x-2.07x)."""
     for _ in range(3):
         inputs = random_inputs(gen, dtype=dtype)
         y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
-        assert_within_rounding(y.double(), readout_reference(*inputs, top_k, aggregate), dtype, 2.0)
+        assert_within_rounding(y.double(), readout_reference(*inputs, top_k, aggregate), dtype, 1.6)
 
 
 def test_a_block_of_tokens_sharing_its_states(gen):
