@@ -457,11 +457,11 @@ def delta_backward_cases():
 def deep_cases():
     """Chapter 6's kernel-trick DeepTransformer (``deep_kernel_triton``): with and without the
     normaliser, gates and eta, a window, and the head sizes that change its tiles (BK = 256 halves
-    the query and key blocks to 32)."""
+    the query and key blocks to 32); unnormalised fp16, whose weights stay fp32 (a TF32 product)."""
     from .deep.kernel import deep_kernel_triton
 
     for K, dt, normalize, window in ((64, "bf16", True, None), (128, "fp32", True, 8), (64, "fp32", False, None),
-                                     (256, "bf16", True, None), (256, "fp32", False, 5)):
+                                     (256, "bf16", True, None), (256, "fp32", False, 5), (64, "fp16", False, None)):
         def deep(T, K=K, dt=dt, normalize=normalize, window=window):
             q, k, v = _qkv(K, K, DTYPES[dt], T)
             deep_kernel_triton(q, k, v, _gate(q.shape[:3]), torch.full(q.shape[:3], 0.5), None, window, normalize)

@@ -28,8 +28,11 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
 * fp16/bf16 inputs reach ``tl.dot`` in their own dtype (tensor-core products, fp32 accumulation), and
   the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
   unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there
-  and V is cast to fp32 for an fp32 product. fp32 inputs stay exact fp32 products (``ieee``; TF32
-  only with ATLASLIB_TF32=1).
+  and V is cast to fp32 for a TF32 product (``core.kernels.intermediate_precision``), on tensor cores:
+  TF32 keeps fp32's range and every mantissa bit of an fp16 value. In the interpreter (which drops
+  TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x what rounding
+  it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay exact fp32
+  products (``ieee``; TF32 only with ATLASLIB_TF32=1).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -87,8 +90,8 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
-from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch, load_block,
-                            load_tile, store_tile, value_tile)
+from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch,
+                            intermediate_precision, load_block, load_tile, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
@@ -113,6 +116,7 @@ def deep_kernel_fwd_kernel(
     T, H, K, V, c, NQ,
     NORMALIZE: tl.constexpr, P_IN_INPUT_DTYPE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+    P_PRECISION: tl.constexpr,
 ):
     # axis 0 enumerates (query block, batch*head) pairs, the last query block of every head first: those
     # see the most keys, so the longest programs start first; axis 1, blocks of value channels
@@ -170,7 +174,7 @@ def deep_kernel_fwd_kernel(
         if P_IN_INPUT_DTYPE:
             b_acc += tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
         else:
-            b_acc += tl.dot(b_p, b_v.to(tl.float32), input_precision=PRECISION)
+            b_acc += tl.dot(b_p, b_v.to(tl.float32), input_precision=P_PRECISION)
     if NORMALIZE:
         # 0/0 where every visible eta is 0, as in the chunk form; rows past T (which may see
         # no key at all with a window) are not stored and divide by 1
@@ -206,7 +210,8 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
         run.q, run.k, run.v, g, as_fp32(eta), run.o, *run.strides,
         run.T, run.H, run.K, run.V, c, NQ,
         NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
-        BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision, num_stages=1,
+        BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision,
+        P_PRECISION=intermediate_precision(run.q.dtype), num_stages=1,
         num_warps=8 if (not half and BK > 64) else 4,
     )
     return run.o, None
