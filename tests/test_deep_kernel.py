@@ -307,6 +307,17 @@ def test_dot_triton_recursive_solve(gen, K, T, leaf, gates):
     assert_close(got, dot_definition(q, k, v, alpha, eta).float(), tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,gates,times", [(torch.float16, False, 1.5), (torch.bfloat16, True, 4.0)])
+def test_dot_triton_16_bit_inputs_cost_about_the_outputs_rounding(gen, dtype, gates, times):
+    """DOT's read sums coefficients that cancel (most without gates), so any rounding of its terms is
+    amplified: fp16 keeps its fp32 coefficients and exact products (1.0x its own rounding in the
+    interpreter; TF32 products gave 20x), bf16 rounds them (about 3x with gates, 18x without)."""
+    from atlaslib.deep.kernel import dot_kernel_triton
+    q, k, v, alpha, eta = dot_inputs(gen, B=1, H=2, T=200, K=16, V=32, gates=gates, dtype=dtype)
+    got, _ = dot_kernel_triton(q, k, v, alpha, eta, leaf=32)
+    assert_within_rounding(got.double(), dot_definition(q, k, v, alpha, eta), dtype, times)
+
+
 @pytest.mark.parametrize("K", [16, 100])
 def test_dot_triton_bf16_and_views(gen, K):
     """bf16 inputs (tf32 products; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);

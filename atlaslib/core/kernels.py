@@ -292,7 +292,8 @@ def precision(dtype: torch.dtype) -> str:
 def intermediate_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of products between fp32 intermediates whose result is rounded to the inputs'
     dtype right after: the delta rule's triangular inverse R (and its gradient), Titans' decay product
-    D_alpha D_theta, the Omega rule's gate matrix C (and, for bf16 only, Newton-Schulz: ``atlas.kernel``).
+    D_alpha D_theta, the Omega rule's gate matrix C, the unnormalised deep kernel's fp32 weights with fp16
+    values (and, for bf16 only, Newton-Schulz: ``atlas.kernel``).
 
     For fp32 inputs these products are exact like the rest ("ieee", or TF32 under ``ATLASLIB_TF32=1``:
     ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores: exact fp32 products run on the

@@ -28,11 +28,13 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
 * fp16/bf16 inputs reach ``tl.dot`` in their own dtype (tensor-core products, fp32 accumulation), and
   the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
   unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there
-  and V is cast to fp32 for a TF32 product (``core.kernels.intermediate_precision``), on tensor cores:
-  TF32 keeps fp32's range and every mantissa bit of an fp16 value. In the interpreter (which drops
-  TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x what rounding
-  it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay exact fp32
-  products (``ieee``; TF32 only with ATLASLIB_TF32=1).
+  and V is cast to fp32 for a TF32 product (``core.kernels.intermediate_precision`` of V's dtype), on
+  tensor cores: TF32 keeps fp32's range and every mantissa bit of an fp16 value. In the interpreter
+  (which drops TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x
+  what rounding it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 values (fp32
+  inputs, and DOT's fp32 coefficients read with fp16 queries) stay exact fp32 products (``ieee``; TF32
+  only with ATLASLIB_TF32=1): DOT's read sums coefficients that cancel, and TF32 put its fp16 output
+  4.8x (gated) to 20x (no gates) further from fp64 than rounding does.
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -67,8 +69,9 @@ DeepTransformer's forward above (no window, no eta, unnormalised) with the coeff
 one program per block of queries. For bf16 inputs the fp32 coefficients are rounded to bf16 for the
 read (as FlashAttention rounds its weights), so its products run on tensor cores; fp16 keeps them fp32
 (its range ends at 65504), and the solve keeps fp32 coefficients, since an error there feeds every
-later one. Only the leaves of the solve
-are sequential.
+later one. The rounding costs accuracy where the read's terms cancel: in the interpreter (which rounds
+as a card does) at T = 200, bf16 outputs are 3x further from fp64 than their own rounding with gates,
+18x without (fp16, exact products: 1.0x). Only the leaves of the solve are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -211,7 +214,7 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
         run.T, run.H, run.K, run.V, c, NQ,
         NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
         BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision,
-        P_PRECISION=intermediate_precision(run.q.dtype), num_stages=1,
+        P_PRECISION=intermediate_precision(run.v.dtype), num_stages=1,
         num_warps=8 if (not half and BK > 64) else 4,
     )
     return run.o, None
