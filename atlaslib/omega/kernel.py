@@ -35,7 +35,7 @@ scores and the errors are rounded to that dtype before their products, so all si
 with fp32 sums; C = D Diag(eta) Gamma is TF32 (``core.kernels.intermediate_precision``). The memory and
 the errors stay fp32. In the interpreter (which rounds as a card does) at T = 512, D = V = 64, c = 8,
 o is off an fp64 run on the same bf16 inputs by 1.7x what rounding o to bf16 costs (2.9e-3 against
-1.7e-3; fp16 2.8x-3.3x), SWLA by 1.5x.
+1.7e-3; fp16 2.8x-3.2x), SWLA's by 1.5x (fp16 2.6x-3.3x).
 
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
