@@ -314,6 +314,37 @@ def test_bench_case_kernel_on_gpu(case, dtype):
     assert_close(out.float(), ref.float(), tol=TOL[dtype])
 
 
+# The memory kernels of chapters 3-5 with bf16 inputs: their products take bf16 operands (the fp32 states
+# rounded for the product only). Against their chunk forms in fp64 on the same inputs the outputs stay
+# within a small multiple of their own bf16 rounding (the interpreter measures 1.5x-2.0x here; the bound leaves
+# room for a card's summation order). No decay, so the memories keep every error over T = 1024.
+BF16_ROUNDING_BOUND = 3.0
+
+
+@gpu
+@pytest.mark.parametrize("model", ["titans", "omega", "swla", "atlas"])
+def test_bf16_products_cost_about_the_outputs_rounding_on_gpu(gen, model):
+    from atlaslib.atlas import atlas
+    from atlaslib.core.testing import assert_within_rounding
+    from atlaslib.miras import miras
+    from atlaslib.omega import omega_rule, swla
+    T = length(1024)
+    q, k, v = random_qkv(1, 2, T, 64, 64, generator=gen)
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    eta = (0.05 + 0.2 * torch.rand(1, 2, T, generator=gen)).to(DEVICE)
+    q, k, v = (x.to(DEVICE).bfloat16() for x in (q, k, v))
+    calls = {"titans": lambda *x, **kw: miras(*x, preset="titans", memory="linear", **kw),
+             "omega": lambda *x, **kw: omega_rule(*x, window=4, **kw),
+             "swla": lambda *x, **kw: swla(*x, window=4, **kw),
+             "atlas": lambda *x, **kw: atlas(*x, **kw)}
+    call = calls[model]
+    ref = call(q.double(), k.double(), v.double(), eta=eta.double(), backend="chunk", chunk_size=16)[0]
+    with poisoned_outputs():
+        out = call(q, k, v, eta=eta, backend="triton", chunk_size=16)[0]
+    assert out.dtype == torch.bfloat16
+    assert_within_rounding(out.double(), ref, torch.bfloat16, BF16_ROUNDING_BOUND, name=model)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_newton_schulz_kernel_on_gpu(gen, dtype):
