@@ -57,6 +57,9 @@ def assert_within_rounding(actual, expected, dtype: torch.dtype, times: float, n
     ``expected`` (fp64, from the same inputs) to ``dtype`` makes: what a kernel's 16-bit products cost,
     measured against what storing its result in that dtype costs anyway."""
     own = rel_rmse(expected.to(dtype), expected)
+    if own == 0:
+        raise ValueError(f"{name}: the reference is exact in {dtype}, so its rounding is no yardstick; "
+                         "draw inputs whose result is not")
     err = rel_rmse(actual, expected)
     if not err <= times * own:
         raise AssertionError(f"{name}: relative error {err:.2e} is {err / own:.2f} times the {dtype} rounding of the "

@@ -28,13 +28,12 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
 * fp16/bf16 inputs reach ``tl.dot`` in their own dtype (tensor-core products, fp32 accumulation), and
   the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
   unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there
-  and V is cast to fp32 for a TF32 product (``core.kernels.intermediate_precision`` of V's dtype), on
-  tensor cores: TF32 keeps fp32's range and every mantissa bit of an fp16 value. In the interpreter
+  and V is cast to fp32 for a TF32 product (``weights_precision``), on tensor cores: TF32 keeps fp32's
+  range and every mantissa bit of an fp16 value. In the interpreter
   (which drops TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x
-  what rounding it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 values (fp32
-  inputs, and DOT's fp32 coefficients read with fp16 queries) stay exact fp32 products (``ieee``; TF32
-  only with ATLASLIB_TF32=1): DOT's read sums coefficients that cancel, and TF32 put its fp16 output
-  4.8x (gated) to 20x (no gates) further from fp64 than rounding does.
+  what rounding it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay
+  exact fp32 products (``ieee``; TF32 only with ATLASLIB_TF32=1); DOT's fp32 coefficients are read in
+  TF32 into a bf16 output and exactly into an fp16 one (see DOT below).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -66,12 +65,14 @@ in order; for each block:
 The read y_t = sum_{j<=t} e^{g_t - g_j} exp(k_j^T q_t) u_j needs every coefficient up to t and
 nothing else, so it waits for the solve and then runs in parallel: it is the kernel-trick
 DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
-one program per block of queries. For bf16 inputs the fp32 coefficients are rounded to bf16 for the
-read (as FlashAttention rounds its weights), so its products run on tensor cores; fp16 keeps them fp32
-(its range ends at 65504), and the solve keeps fp32 coefficients, since an error there feeds every
-later one. The rounding costs accuracy where the read's terms cancel: in the interpreter (which rounds
-as a card does) at T = 200, bf16 outputs are 3x further from fp64 than their own rounding with gates,
-18x without (fp16, exact products: 1.0x). Only the leaves of the solve are sequential.
+one program per block of queries. The coefficients stay fp32 (the solve's, whose error would feed every
+later one, and the read's). The read's terms cancel where little decays, so how its products round
+shows: measured in the interpreter (which rounds as a card does) at T = 200, K = 16 and 64, as a multiple
+of the output's own rounding, bf16 outputs with the coefficients rounded to bf16 for bf16 products
+(FlashAttention's choice for its weights) are 3.1x-3.3x off fp64 with gates and 18x-20x without; in
+TF32, 1.2x and 2.6x-3.0x; exact, 1.0x. So a bf16 read runs in TF32, on tensor cores, and an fp16 read
+exactly (TF32 is 20x there: fp16's mantissa is as long as TF32's), ``weights_precision``. Only the
+leaves of the solve are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -94,7 +95,7 @@ import triton.language as tl
 from ..core.chunking import gate_logs
 from ..core.dispatch import matrix_kernel_limits
 from ..core.kernels import (as_fp32, at_head, channel_block, chunk_program, feature_tile, forward_launch,
-                            intermediate_precision, load_block, load_tile, store_tile, value_tile)
+                            load_block, load_tile, precision, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, qkvo_at_head
 from ..core.alloc import empty
 from ..delta.kernel import unit_lower_inverse
@@ -185,6 +186,18 @@ def deep_kernel_fwd_kernel(
     store_tile(o_ptr, s_o, o_t, o_v, m_t, m_v, b_acc)
 
 
+def weights_precision(q_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
+    """``input_precision`` of the read's product P V where the weights P stay fp32 (unused where they are
+    rounded to the inputs' dtype). TF32, on tensor cores, where the output's rounding hides TF32's: fp16
+    values (exact in TF32) and fp32 values read into a bf16 output (DOT's coefficients: TF32 keeps 10
+    mantissa bits, bf16 7). Exact otherwise: fp32 inputs (``precision``), and DOT's fp32 coefficients read
+    into fp16, whose mantissa is as long as TF32's (TF32 put that read's output 20x further from fp64 than
+    its own rounding: the read's terms cancel)."""
+    if v_dtype == torch.float16 or (v_dtype == torch.float32 and q_dtype == torch.bfloat16):
+        return "tf32"
+    return precision(v_dtype)
+
+
 def kernel_limits(q) -> str | None:
     """What the kernel refuses (``backend="auto"`` on CUDA then runs the chunk form): fp64, K > MAX_KEY."""
     if q.dtype == torch.float64:
@@ -214,7 +227,7 @@ def deep_kernel_triton(q, k, v, alpha=None, eta=None, log_alpha=None, window=Non
         run.T, run.H, run.K, run.V, c, NQ,
         NORMALIZE=bool(normalize), P_IN_INPUT_DTYPE=half and (bool(normalize) or run.q.dtype == torch.bfloat16),
         BM=BM, BN=BN, BK=BK, BV=run.BV, PRECISION=run.precision,
-        P_PRECISION=intermediate_precision(run.v.dtype), num_stages=1,
+        P_PRECISION=weights_precision(run.q.dtype, run.v.dtype), num_stages=1,
         num_warps=8 if (not half and BK > 64) else 4,
     )
     return run.o, None
@@ -421,6 +434,4 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None, leaf=DOT_LEAF):
     # for fp16, whose range ends at 65504: the unnormalised kernel keeps them fp32, as it keeps P)
     q, k = run.q, run.k
     del run
-    if q.dtype == torch.bfloat16:
-        U = U.to(q.dtype)
     return deep_kernel_triton(q, k, U, alpha)
