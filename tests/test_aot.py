@@ -144,7 +144,8 @@ def test_offsets_to_pointer_arguments_are_64_bit(builds):
 def test_16_bit_inputs_multiply_on_tensor_cores_and_fp32_inputs_exactly(builds):
     """Every product of every kernel, forward and backward, gets a tensor-core layout when the inputs are
     bf16/fp16 (fp32 intermediates rounded to 16 bits next in TF32: the delta rule's inverse, Titans' decay
-    product, the Omega rule's gate matrix, Newton-Schulz for bf16), and none does for fp32 inputs, whose
+    product, the Omega rule's gate matrix, Newton-Schulz for bf16; DOT's read of its fp32 coefficients in
+    three TF32 products, "tf32x3"), and none does for fp32 inputs, whose
     products stay exact ("ieee", FMAs on the CUDA cores) unless ATLASLIB_TF32=1. One exception: DOT's
     coefficient solve keeps its fp32 products on the CUDA cores (its k.k products are 16-bit)."""
     half = [b for b in builds if "bf16" in b["config"] or "fp16" in b["config"]]

@@ -180,6 +180,17 @@ def test_interpreter_multiplies_tf32_as_a_card(gen):
     assert (out["tf32"] - out["ieee"]).norm() > 1e-4 * out["ieee"].norm()      # TF32: about 2^-11 relative
 
 
+def test_interpreter_multiplies_tf32x3_about_exactly(gen):
+    """"tf32x3" (on a card: each fp32 operand split into its TF32 part and the rest, three TF32 products,
+    about 2^-21 relative) is not read as "tf32": it comes out as the exact product, not one TF32 product."""
+    a, b = (torch.randn(32, 32, generator=gen) for _ in range(2))
+    out = {p: torch.full((32, 32), float("nan")) for p in ("tf32", "tf32x3")}
+    for p, o in out.items():
+        product[(1,)](a, b, o, N=32, PRECISION=p)
+    exact = a.double() @ b.double()
+    assert (out["tf32x3"].double() - exact).norm() < 1e-6 * exact.norm() < 1e-2 * (out["tf32"].double() - exact).norm()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch):
     """For bf16 inputs the delta rule builds R = (I + Diag(beta) L)^{-1} with TF32 products (and takes dA's

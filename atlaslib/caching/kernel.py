@@ -67,11 +67,11 @@ columns so the score tiles are the widest single tile, BJ = 32; ranges over sm_8
     256     fp32    6 KB       146-150 / 195 / 195-198             0
     256     bf16    5 KB       75-80 / 149-157 / 149-153           0
 
-Precision: for fp32 inputs the products are exact fp32 (FMA units; TF32 only under ATLASLIB_TF32=1).
-For bf16/fp16 queries each state tile is rounded to their dtype before its product, which runs on
-tensor cores with fp32 sums (the weights, the scores and y's sum stay fp32): in the interpreter, which
-rounds as a card does, y is off by 1.2x-1.4x what rounding it to bf16/fp16 costs anyway. Hence the
-lighter bf16 builds. More than one slot tile (J = 65, three tiles) builds with 62-255 registers: GRM
+Precision: for fp32 inputs the products are exact fp32 (FMA units; TF32 only under ATLASLIB_TF32=1). For
+bf16/fp16 queries each state tile is rounded to their dtype before its product, which runs on tensor cores
+with fp32 sums (the weights, the scores and y's sum stay fp32; fp16's range: ``core.chunk_kernels``): in the
+interpreter, which rounds as a card does, y is off by 1.2x-1.4x what rounding it to bf16/fp16 costs anyway.
+Hence the lighter bf16 builds. More than one slot tile (J = 65, three tiles) builds with 62-255 registers: GRM
 and SSC at K >= 128 in fp32 take up to 255 and spill up to 100 B a thread (SSC, K = 256, fp32, sm_90),
 residual at K = 64 up to 28 B, K = 16 at most 4 B; bf16 at most 28 B.
 

@@ -33,7 +33,9 @@ one column per step. Gates of 0 are clamped to log -60 on the host, so nothing o
 Precision: q, k, v are loaded in their own dtype; bf16/fp16 tiles go to tl.dot as they are
 (fp32 accumulation), and fp32 intermediates (decayed keys, scores, states) are cast to the input
 dtype before a product, as FlashLinearAttention does. fp32 inputs stay fp32 with exact products
-(``input_precision="ieee"``; ``core.kernels.precision`` explains the TF32 opt-in).
+(``input_precision="ieee"``; ``core.kernels.precision`` explains the TF32 opt-in). One cost of fp16: its
+range ends at 65504, so a state entry past it becomes inf in its product (the fp32 state itself stays
+finite); bf16 has fp32's range. The kernels of chapters 3, 4 and 7 round their states the same way.
 
 ``unit_lower_inverse`` (the delta rule's triangular inverse, also used by chapter 6) lives
 here too, since it is a building block of (a).

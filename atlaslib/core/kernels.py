@@ -190,8 +190,9 @@ def _interpreter_multiplies_as_a_gpu():
     It also ignores ``input_precision``: a "tf32" product of fp32 tiles comes out exact. Here its
     operands lose the low 13 of their 23 mantissa bits first, as a compiled Triton kernel's do (its
     TF32 tensor-core instructions read fp32 registers and drop those bits: a truncation, not a
-    rounding), so a test in the interpreter sees the TF32 error a card makes.
-    Compiled kernels are untouched.
+    rounding), so a test in the interpreter sees the TF32 error a card makes. A "tf32x3" product (on a card,
+    three TF32 products of each operand split into its TF32 part and the rest, about 2^-21 relative) is
+    exact here, as an "ieee" one. Compiled kernels are untouched.
     """
     try:
         from triton.runtime import interpreter

@@ -32,8 +32,8 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
   range and every mantissa bit of an fp16 value. In the interpreter
   (which drops TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x
   what rounding it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay
-  exact fp32 products (``ieee``; TF32 only with ATLASLIB_TF32=1); DOT's fp32 coefficients are read in
-  TF32 into a bf16 output and exactly into an fp16 one (see DOT below).
+  exact fp32 products (``ieee``; TF32 only with ATLASLIB_TF32=1); DOT's fp32 coefficients are read with
+  "tf32x3" for 16-bit inputs (see DOT below).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -67,12 +67,15 @@ nothing else, so it waits for the solve and then runs in parallel: it is the ker
 DeepTransformer's forward above (no window, no eta, unnormalised) with the coefficients as values,
 one program per block of queries. The coefficients stay fp32 (the solve's, whose error would feed every
 later one, and the read's). The read's terms cancel where little decays, so how its products round
-shows: measured in the interpreter (which rounds as a card does) at T = 200, K = 16 and 64, as a multiple
-of the output's own rounding, bf16 outputs with the coefficients rounded to bf16 for bf16 products
-(FlashAttention's choice for its weights) are 3.1x-3.3x off fp64 with gates and 18x-20x without; in
-TF32, 1.2x and 2.6x-3.0x; exact, 1.0x. So a bf16 read runs in TF32, on tensor cores, and an fp16 read
-exactly (TF32 is 20x there: fp16's mantissa is as long as TF32's), ``weights_precision``. Only the
-leaves of the solve are sequential.
+shows. Measured in the interpreter (which rounds as a card does), bf16 outputs without gates, K = 64, as a
+multiple of their own rounding: coefficients rounded to bf16 for bf16 products (FlashAttention's choice
+for its weights) 21x at T = 256, 43x at T = 1024 (3.1x-3.3x with gates at T = 200); one TF32 product of
+the fp32 coefficients 3.1x and 5.6x (fp16 outputs: 20x, fp16's mantissa being as long as TF32's); exact
+products 1.0x at every T. So 16-bit inputs read with "tf32x3" (``weights_precision``): each fp32 operand
+split into its TF32 part and the rest, three TF32 products on tensor cores (small x small left out),
+about 2^-21 relative on a card (the interpreter computes it exactly), far below a 16-bit output's
+rounding. Only the leaves of the solve are
+sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -188,13 +191,13 @@ def deep_kernel_fwd_kernel(
 
 def weights_precision(q_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
     """``input_precision`` of the read's product P V where the weights P stay fp32 (unused where they are
-    rounded to the inputs' dtype). TF32, on tensor cores, where the output's rounding hides TF32's: fp16
-    values (exact in TF32) and fp32 values read into a bf16 output (DOT's coefficients: TF32 keeps 10
-    mantissa bits, bf16 7). Exact otherwise: fp32 inputs (``precision``), and DOT's fp32 coefficients read
-    into fp16, whose mantissa is as long as TF32's (TF32 put that read's output 20x further from fp64 than
-    its own rounding: the read's terms cancel)."""
-    if v_dtype == torch.float16 or (v_dtype == torch.float32 and q_dtype == torch.bfloat16):
+    rounded to the inputs' dtype): TF32 for fp16 values, which TF32 holds exactly (unnormalised fp16);
+    "tf32x3" for fp32 values read with 16-bit queries (DOT's coefficients, whose sum cancels: see DOT
+    below); ``precision`` for fp32 inputs (exact)."""
+    if v_dtype == torch.float16:
         return "tf32"
+    if v_dtype == torch.float32 and q_dtype in (torch.float16, torch.bfloat16):
+        return "tf32x3"
     return precision(v_dtype)
 
 
@@ -260,7 +263,9 @@ DOT_MAX_KEY = 128
 # (``atlaslib.aot``, num_stages=1, gates and eta on): shared memory 7-16 KB; the leaf kernel 128-196
 # registers, no spills, except fp32 at K = 128: 112 B a thread (140-156 B before the recursive split,
 # whatever the tiles tried: BV 16-64, 8 or 16 warps; bf16 keys at K = 128 spilled 128 B while they were
-# loaded as fp32, none now); the recall kernel 53-124 registers, no spills. On an H100 (B=1, H=4, T=2048,
+# loaded as fp32, none now); the recall kernel 53-124 registers, no spills; the read of bf16 inputs
+# ("tf32x3": the bf16 scores and three TF32 products, all on tensor cores) 123-161 registers, no spills
+# (one TF32 product: 94-126). On an H100 (B=1, H=4, T=2048,
 # K=V=64, fp32) the first kernel, one program walking every block and reading as it went, took 45.5 ms
 # where the chunk form took 28.7 ms; the parallel read and the recursive solve have not been timed on a
 # card yet.
@@ -429,9 +434,8 @@ def dot_kernel_triton(q, k, v, alpha=None, eta=None, leaf=DOT_LEAF):
     gp = None if logs is None else (g - logs).contiguous()           # g_{t-1}
     U = dot_coefficients(run, g, gp, as_fp32(eta), BT, BK, leaf)
     # the read: the kernel-trick forward on the coefficients, a program per block of queries (it
-    # allocates its own output, so run's unused one is freed first); for bf16 inputs the coefficients
-    # are rounded to bf16, as FlashAttention rounds its weights, so the read runs on tensor cores (not
-    # for fp16, whose range ends at 65504: the unnormalised kernel keeps them fp32, as it keeps P)
+    # allocates its own output, so run's unused one is freed first), on the fp32 coefficients: their
+    # sum cancels, so 16-bit inputs read them with "tf32x3" (``weights_precision``), not rounded
     q, k = run.q, run.k
     del run
     return deep_kernel_triton(q, k, U, alpha)

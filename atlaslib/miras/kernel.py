@@ -74,7 +74,8 @@ Precision. fp32 inputs: every tl.dot is exact IEEE fp32 (TF32 only when ``ATLASL
 for it). bf16/fp16 inputs: q and k are tiles of their own dtype and every other operand of a
 tl.dot (the states M and S, the steps U, the weighted scores) is rounded to that dtype first, so all
 eight products run on tensor cores with fp32 accumulation; the decay product D_alpha D_theta is TF32
-(``core.kernels.intermediate_precision``). The states themselves, the errors and every sum stay fp32.
+(``core.kernels.intermediate_precision``). The states themselves, the errors and every sum stay fp32
+(fp16's range: ``core.chunk_kernels``).
 In the interpreter (which rounds as a card does) at T = 4096, K = V = 64, chunks of 16 and 64, this
 adds about as much error as rounding the output to bf16 does (relative RMS of o against an fp64 run
 on the same bf16 inputs: 2.9e-3, of which 1.7e-3 is o's own rounding; M_T 1.7e-3) and it does not

@@ -29,13 +29,13 @@ inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton 
 away. ``core.kernels`` holds the set-up every chapter's kernels share, ``core.memory_kernels``
 the start (head, channels, chunk rows) of the per-head kernels.
 
-Precision. fp32 inputs: every tl.dot is exact IEEE fp32 (TF32 only under ``ATLASLIB_TF32=1``).
-bf16/fp16 inputs: q and the window's keys are tiles of their own dtype, and the memory, the weighted
-scores and the errors are rounded to that dtype before their products, so all six run on tensor cores
-with fp32 sums; C = D Diag(eta) Gamma is TF32 (``core.kernels.intermediate_precision``). The memory and
-the errors stay fp32. In the interpreter (which rounds as a card does) at T = 512, D = V = 64, c = 8,
-o is off an fp64 run on the same bf16 inputs by 1.7x what rounding o to bf16 costs (2.9e-3 against
-1.7e-3; fp16 2.8x-3.2x), SWLA's by 1.5x (fp16 2.6x-3.3x).
+Precision. fp32 inputs: every tl.dot is exact IEEE fp32 (TF32 only under ``ATLASLIB_TF32=1``). bf16/fp16
+inputs: q and the window's keys are tiles of their own dtype, and the memory, the weighted scores and the
+errors are rounded to that dtype before their products, so all six run on tensor cores with fp32 sums;
+C = D Diag(eta) Gamma is TF32 (``core.kernels.intermediate_precision``). The memory and the errors stay
+fp32 (fp16's range: ``core.chunk_kernels``). In the interpreter (which rounds as a card does) at T = 512,
+D = V = 64, c = 8, o is off an fp64 run on the same bf16 inputs by 1.7x what rounding o to bf16 costs
+(2.9e-3 against 1.7e-3; fp16 2.8x-3.2x), SWLA's by 1.5x (fp16 2.6x-3.3x).
 
 Forward only: ``omega_rule(..., backend="triton")`` gets its gradients from
 ``core.with_chunk_backward`` (autograd through the chunk form, recomputed from the saved
