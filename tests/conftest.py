@@ -1,7 +1,6 @@
 """Test set-up: Triton's interpreter on (before atlaslib is imported), fixed threads, reproducible seeds,
-and the interpreter made to behave more like a GPU in three ways (``tests/interpreter_checks.py``: programs in
-reversed order, every load and store inside a tensor argument, NaN in the masked-off lanes of a load without
-``other``; ``ATLAS_INTERPRETER_CHECKS=0`` turns it off).
+and the interpreter made to behave more like a GPU in two ways (``tests/interpreter_checks.py``: programs in
+reversed order, every load and store inside a tensor argument; ``ATLAS_INTERPRETER_CHECKS=0`` turns it off).
 
 Random inputs are reproducible: every test starts from a seed derived from one base seed and the
 test's id (so a test draws the same inputs whether it runs alone or in the whole suite, whatever

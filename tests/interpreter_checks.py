@@ -1,4 +1,4 @@
-"""Three things a GPU does that Triton's interpreter does not, checked while the tests run in it.
+"""Two things a GPU does that Triton's interpreter does not, checked while the tests run in it.
 
 * **Programs run in any order, at once.** The interpreter runs the grid's programs one after another in
   index order, so a kernel whose program reads what an earlier program of the same launch wrote passes
@@ -9,12 +9,8 @@
   stores through raw host pointers, so an unmasked lane past the end of a buffer reads whatever lies
   there. ``install`` checks every active lane of every load and store against the extents of the
   launch's tensor arguments and raises ``OutOfBounds`` (with the program and the address) otherwise.
-* **A masked-off lane of a load without ``other`` holds whatever the register held.** The interpreter
-  gives it 0, so a kernel that leaves out ``other=0.0`` and then sums over those lanes (a tile's padding
-  rows in a ``tl.dot``, say) is right there and wrong on a card. ``install`` fills such lanes with NaN
-  (floats; the largest value for integers), so every result they reach shows it.
 
-``tests/conftest.py`` installs them for the whole suite when ``TRITON_INTERPRET=1``, except for the
+``tests/conftest.py`` installs both for the whole suite when ``TRITON_INTERPRET=1``, except for the
 exercise tests, whose deliberately wrong kernels must meet the interpreter as a learner's notebook
 does (``checking(False)``). The hooks replace methods of Triton's interpreter (the pinned version's
 ``GridExecutor`` and ``InterpreterBuilder``); ``install`` fails loudly if they are gone.
@@ -71,24 +67,6 @@ def check_lanes(ptrs, mask, what: str) -> None:
                           f"{[(hex(lo), hi - lo) for lo, hi in EXTENTS]}, start and bytes)")
 
 
-def undefined_lanes(ptrs, other):
-    """What a card may leave in a load's masked-off lanes when the kernel gave no ``other``: NaN for
-    floats (bf16 is stored as uint16 by the interpreter: its NaN's bits), the largest value for integers."""
-    dtype = ptrs.get_element_ty()
-    if other is not None or not ENABLED[0]:
-        return other
-    np_dtype = interpreter._get_np_dtype(dtype)
-    if dtype.is_bf16():
-        fill = np.uint16(0x7FC0)
-    elif np_dtype.kind == "f":
-        fill = np.nan
-    elif np_dtype.kind in "iu":
-        fill = np.iinfo(np_dtype).max
-    else:                                   # booleans: any value is a value
-        return other
-    return interpreter.TensorHandle(np.full(ptrs.data.shape, fill, dtype=np_dtype), dtype)
-
-
 def install() -> None:
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
     for cls, name in ((executor, "_init_args_hst"), (builder, "set_grid_idx"),
@@ -107,9 +85,9 @@ def install() -> None:
             x, y, z = (n - 1 - i for n, i in zip(self.grid_dim, (x, y, z)))
         set_grid_idx(self, x, y, z)
 
-    def checked_load(self, ptrs, mask, other, *args):
+    def checked_load(self, ptrs, mask, *args):
         check_lanes(ptrs, mask, "load")
-        return load(self, ptrs, mask, undefined_lanes(ptrs, other), *args)
+        return load(self, ptrs, mask, *args)
 
     def checked_store(self, ptrs, value, mask, *args):
         check_lanes(ptrs, mask, "store")

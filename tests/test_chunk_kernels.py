@@ -191,6 +191,28 @@ def test_interpreter_multiplies_tf32x3_about_exactly(gen):
     assert (out["tf32x3"].double() - exact).norm() < 1e-6 * exact.norm() < 1e-2 * (out["tf32"].double() - exact).norm()
 
 
+@triton.jit
+def padded_sum_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, OTHER: tl.constexpr):
+    """y = the sum of x's N entries, read as one padded block; OTHER gives the padding a value (0)."""
+    o = tl.arange(0, BLOCK)
+    if OTHER:
+        b = tl.load(x_ptr + o, mask=o < N, other=0)
+    else:
+        b = tl.load(x_ptr + o, mask=o < N)
+    tl.store(y_ptr, tl.sum(b.to(tl.float32)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32])
+def test_interpreter_leaves_masked_off_lanes_undefined_as_a_card(dtype):
+    """A masked load without ``other`` gets NaN (integers: their largest value) in its masked-off lanes, which
+    a card leaves undefined and the bare interpreter fills with 0: a sum over them shows it."""
+    x, y = (torch.rand(20) * 10).to(dtype), torch.zeros(1)
+    padded_sum_kernel[(1,)](x, y, 20, BLOCK=32, OTHER=True)
+    torch.testing.assert_close(y[0], x.float().sum())
+    padded_sum_kernel[(1,)](x, y, 20, BLOCK=32, OTHER=False)   # 12 lanes a card leaves undefined
+    assert not torch.isfinite(y[0]) if dtype.is_floating_point else y[0] > 1e9
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch):
     """For bf16 inputs the delta rule builds R = (I + Diag(beta) L)^{-1} with TF32 products (and takes dA's

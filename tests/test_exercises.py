@@ -231,15 +231,20 @@ def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
 @triton.jit
 def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                          MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr):
+                          MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr,
+                          OTHER: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t, c, r = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     if MASK_LOADS:
         m_t, m_c, m_r = t < n, c < K, r < V
     else:
         m_t, m_c, m_r = t < BT, c < BK, r < BV
-    k = tl.load(k_ptr + i * n * K + t[:, None] * K + c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
-    v = tl.load(v_ptr + i * n * V + t[:, None] * V + r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+    if OTHER:
+        k = tl.load(k_ptr + i * n * K + t[:, None] * K + c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+        v = tl.load(v_ptr + i * n * V + t[:, None] * V + r[None, :], mask=m_t[:, None] & m_r[None, :], other=0.0)
+    else:                                               # padding rows left to whatever the card holds
+        k = tl.load(k_ptr + i * n * K + t[:, None] * K + c[None, :], mask=m_t[:, None] & m_c[None, :])
+        v = tl.load(v_ptr + i * n * V + t[:, None] * V + r[None, :], mask=m_t[:, None] & m_r[None, :])
     g = tl.load(g_ptr + i * n + t, mask=t < n, other=0.0)
     if LAST_OF_BLOCK:
         g_last = tl.sum(tl.where(t == BT - 1, g, 0.0))   # the padded row, not the last real token
@@ -254,13 +259,13 @@ def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
         tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < BK)[None, :])
 
 
-def launcher(mask_loads=True, mask_store=True, last_of_block=False):
+def launcher(mask_loads=True, mask_store=True, last_of_block=False, other=True):
     def state_update(M, k, v, g, out):
         N, n, K = k.shape
         V = v.shape[-1]
         BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (n, K, V))
         state_update_variants[(N,)](M, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
-                                    MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block)
+                                    MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block, OTHER=other)
         return out
     return state_update
 
@@ -282,6 +287,12 @@ def test_triton_check_requires_a_kernel_launch():
 def test_triton_check_catches_unmasked_loads():
     v = ch01.triton_state_update.evaluate(launcher(mask_loads=False))
     assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
+
+
+def test_triton_check_catches_masked_loads_without_other():
+    """Padding rows loaded without other=0.0 are undefined on a GPU; atlaslib's interpreter makes them NaN."""
+    v = ch01.triton_state_update.evaluate(launcher(other=False))
+    assert v.status == "failed" and "NaN" in v.message and "other=0.0" in v.message, v.message
 
 
 def test_triton_check_catches_stores_past_the_end():

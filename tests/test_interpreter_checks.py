@@ -1,6 +1,5 @@
 """The suite's stricter interpreter (``tests/interpreter_checks.py``) catches what it claims to catch:
-a program that depends on another's output, a lane outside every tensor argument, and a sum over
-masked-off lanes a load left undefined. Each check is
+a program that depends on another's output, and a lane outside every tensor argument. Each check is
 shown failing on a kernel made to break it, and passing on the same kernel written correctly."""
 import pytest
 import torch
@@ -37,26 +36,6 @@ def copy_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, MASKED: tl.constexpr):
         tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < N), mask=o < N)
     else:
         tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < N))
-
-
-@triton.jit
-def padded_sum_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, OTHER: tl.constexpr):
-    """y = the sum of x's N entries, read as one padded block; OTHER gives the padding a value (0)."""
-    o = tl.arange(0, BLOCK)
-    if OTHER:
-        b = tl.load(x_ptr + o, mask=o < N, other=0)
-    else:
-        b = tl.load(x_ptr + o, mask=o < N)
-    tl.store(y_ptr, tl.sum(b.to(tl.float32)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32])
-def test_a_sum_over_padding_loaded_without_other_is_caught(dtype):
-    x, y = (torch.rand(20) * 10).to(dtype), torch.zeros(1)
-    padded_sum_kernel[(1,)](x, y, 20, BLOCK=32, OTHER=True)
-    torch.testing.assert_close(y[0], x.float().sum())
-    padded_sum_kernel[(1,)](x, y, 20, BLOCK=32, OTHER=False)   # 12 lanes a card leaves undefined
-    assert not torch.isfinite(y[0]) if dtype.is_floating_point else y[0] > 1e9
 
 
 def block_sums(chained: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +82,5 @@ def test_the_checks_can_be_turned_off():
     try:
         y, expected = block_sums(chained=True)
         torch.testing.assert_close(y, expected)        # index order: the chain happens to work
-        x, total = torch.rand(20), torch.zeros(1)
-        padded_sum_kernel[(1,)](x, total, 20, BLOCK=32, OTHER=False)
-        torch.testing.assert_close(total[0], x.sum())  # the interpreter's own padding: zeros
     finally:
         interpreter_checks.checking(True)

@@ -46,14 +46,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import numpy as np
-
 import torch
 import triton
 import triton.language as tl
 
 from .chunking import gate_logs
 from .alloc import empty
+from .interpreter import as_a_gpu
+
+as_a_gpu()      # under TRITON_INTERPRET=1 the kernels' products, casts and masked loads as on a card
 
 GATE_NONE = tl.constexpr(0)       # no retention: M <- M + v k^T
 GATE_SCALAR = tl.constexpr(1)     # log-gates [B, H, T]: one decay per token
@@ -178,60 +179,6 @@ def load_state(ptr, o_s, m_s, BV: tl.constexpr, BK: tl.constexpr):
         b_M += tl.load(ptr + o_s, mask=m_s, other=0.0)
     return b_M
 
-
-def _interpreter_multiplies_as_a_gpu():
-    """Make Triton's interpreter treat bf16 tiles and TF32 products as a GPU does, in ``tl.dot`` and in casts.
-
-    The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its
-    ``tl.dot`` multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to
-    the nearest. So ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is
-    an fp32 value with a shorter mantissa, and so is the product of two; this is what bf16
-    tensor cores compute, with fp32 accumulation), and fp32 -> bf16 casts round to nearest even.
-    It also ignores ``input_precision``: a "tf32" product of fp32 tiles comes out exact. Here its
-    operands lose the low 13 of their 23 mantissa bits first, as a compiled Triton kernel's do (its
-    TF32 tensor-core instructions read fp32 registers and drop those bits: a truncation, not a
-    rounding), so a test in the interpreter sees the TF32 error a card makes. A "tf32x3" product (on a card,
-    three TF32 products of each operand split into its TF32 part and the rest, about 2^-21 relative) is
-    exact here, as an "ieee" one. Compiled kernels are untouched.
-    """
-    try:
-        from triton.runtime import interpreter
-        builder, convert, handle = interpreter.InterpreterBuilder, interpreter._convert_float, interpreter.TensorHandle
-    except (ImportError, AttributeError):        # another Triton: leave it as it is
-        return
-    if getattr(builder.create_dot, "as_a_gpu", False):
-        return
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def as_fp32(x):
-        if x.dtype == tl.bfloat16:
-            return handle(convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32), tl.float32)
-        return x
-
-    def as_tf32(x):
-        if x.dtype != tl.float32:
-            return x
-        bits = np.ascontiguousarray(x.data, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)
-        return handle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if getattr(input_precision, "name", str(input_precision)).upper() == "TF32":
-            a, b = as_tf32(a), as_tf32(b)
-        return dot(self, as_fp32(a), as_fp32(b), d, input_precision, max_num_imprecise_acc)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)   # to nearest, ties to even
-            nan = np.isnan(src.data)
-            return handle(np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16), tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    create_dot.as_a_gpu = True
-    builder.create_dot, builder.cast_impl = create_dot, cast_impl
-
-
-_interpreter_multiplies_as_a_gpu()
 
 
 # ---------------------------------------------------------------------------------------

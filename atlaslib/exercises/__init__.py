@@ -2,7 +2,12 @@
 (``python -m atlaslib.exercises.generate``) and the channel the grader
 (``python -m atlaslib.grade``) reads the verdicts from (``checking.MIME``)."""
 from .. import CHAPTERS as _BOOK_CHAPTERS
+from ..core.dispatch import interpreter_on
 from .checking import MIME, Registry, Verdict
+
+if interpreter_on():    # a learner's kernel meets the interpreter the library's kernels meet
+    from ..core.interpreter import as_a_gpu
+    as_a_gpu()
 
 # chapter tag -> module with that chapter's checks (its ``EXERCISES`` registry), one per book chapter
 CHAPTERS = {f"ch{n:02d}": f"atlaslib.exercises.ch{n:02d}" for n in sorted(_BOOK_CHAPTERS.values())}

@@ -518,8 +518,10 @@ def check_guards(name: str, out: torch.Tensor) -> None:
                               "mask the stores with the true sizes")
 
 
-NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, or from a load past the end of "
-            "an input (the check surrounds every input with NaN); mask loads and stores with the true sizes.")
+NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, from a load past the end of an input "
+            "(the check surrounds every input with NaN), or from the masked-off lanes of a load without "
+            "other= (undefined on a GPU: NaN here); mask loads and stores with the true sizes, and give "
+            "masked loads other=0.0.")
 
 
 def compare_kernel_output(name: str, got, want, tol: float, hint: str = NAN_HINT, on: tuple = ("NaN",)) -> None:
