@@ -276,6 +276,18 @@ def test_rel_rmse_and_poison():
     assert alloc.allocate is torch.empty                           # restored after the block
 
 
+def test_assert_within_rounding():
+    """The error against fp64, as a multiple of what rounding the reference to the dtype costs: passes
+    within the bound, fails past it naming the multiple, refuses a reference the dtype holds exactly."""
+    from atlaslib.core.testing import assert_within_rounding
+    want = torch.linspace(0.1, 1.0, 50, dtype=torch.float64) / 3
+    assert_within_rounding(want.bfloat16().double(), want, torch.bfloat16, 1.0)
+    with pytest.raises(AssertionError, match=r"times the torch.bfloat16 rounding"):
+        assert_within_rounding(want.bfloat16().double() * (1 + 2 ** -6), want, torch.bfloat16, 2.0)
+    with pytest.raises(ValueError, match="exact in torch.bfloat16"):
+        assert_within_rounding(torch.ones(4), torch.ones(4, dtype=torch.float64), torch.bfloat16, 2.0)
+
+
 def test_poisoned_fixture(poisoned):
     """The fixture swaps the kernels' allocation hook for the whole test; the library never does."""
     from atlaslib.core import alloc, empty
