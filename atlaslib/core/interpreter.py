@@ -15,20 +15,19 @@ def as_a_gpu() -> None:
     """Make Triton's interpreter treat bf16 tiles, TF32 products and masked-off lanes as a GPU does, in
     ``tl.dot``, in casts and in masked loads.
 
-    The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its
-    ``tl.dot`` multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to
-    the nearest. So ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is
-    an fp32 value with a shorter mantissa, and so is the product of two; this is what bf16
-    tensor cores compute, with fp32 accumulation), and fp32 -> bf16 casts round to nearest even.
-    It also ignores ``input_precision``: a "tf32" product of fp32 tiles comes out exact. Here its
-    operands lose the low 13 of their 23 mantissa bits first, as a compiled Triton kernel's do (its
-    TF32 tensor-core instructions read fp32 registers and drop those bits: a truncation, not a
-    rounding), so a test in the interpreter sees the TF32 error a card makes. A "tf32x3" product (on a card,
-    three TF32 products of each operand split into its TF32 part and the rest, about 2^-21 relative) is
-    exact here, as an "ieee" one. And a masked load without ``other`` fills its masked-off lanes with 0,
-    where a card leaves them undefined (whatever the register held): a kernel that sums over them is
-    right here and wrong on a card. Here those lanes hold NaN (floats; the largest value for integers),
-    so every result they reach shows it. Compiled kernels are untouched.
+    The interpreter (triton 3.7) stores bf16 tiles as their raw 16 bits (uint16 arrays): its ``tl.dot``
+    multiplies those integers, and it truncates fp32 to bf16 where a GPU rounds to the nearest. So
+    ``tl.dot`` here converts both operands to fp32 first (exact: a bf16 value is an fp32 value with a
+    shorter mantissa, and so is the product of two; this is what bf16 tensor cores compute, with fp32
+    accumulation), and fp32 -> bf16 casts round to nearest even. It also ignores ``input_precision``: a
+    "tf32" product of fp32 tiles comes out exact. Here its operands lose the low 13 of their 23 mantissa
+    bits first, as a compiled Triton kernel's do (its TF32 tensor-core instructions read fp32 registers and
+    drop those bits: a truncation, not a rounding), so a test in the interpreter sees the TF32 error a card
+    makes. A "tf32x3" product (on a card, three TF32 products of each operand split into its TF32 part and
+    the rest, about 2^-21 relative) is exact here, as an "ieee" one. And a masked load without ``other``
+    fills its masked-off lanes with 0, where a card leaves them undefined (whatever the register held): a
+    kernel that sums over them is right here and wrong on a card. Here those lanes hold NaN (floats; the
+    largest value for integers), so every result they reach shows it. Compiled kernels are untouched.
     """
     try:
         from triton.runtime import interpreter

@@ -29,11 +29,11 @@ log-decay in the exponent and a per-key weight eta_i, so the kernel is FlashAtte
   the weights P are rounded to that dtype for the product with V, as FlashAttention does; except
   unnormalised fp16, whose weights e^{S} can pass fp16's largest value (65504), so P stays fp32 there
   and V is cast to fp32 for a TF32 product (``weights_precision``), on tensor cores: TF32 keeps fp32's
-  range and every mantissa bit of an fp16 value. In the interpreter
-  (which drops TF32's bits as a card does) that o is off an fp64 run on the same inputs by 2.0x-2.7x
-  what rounding it to fp16 costs (1.0x with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay
-  exact fp32 products (``ieee``; TF32 only with ATLASLIB_TF32=1); DOT's fp32 coefficients are read with
-  "tf32x3" for 16-bit inputs (see DOT below).
+  range and every mantissa bit of an fp16 value. In the interpreter (which drops TF32's bits as a card
+  does) that o is off an fp64 run on the same inputs by 2.0x-2.7x what rounding it to fp16 costs (1.0x
+  with exact products), bf16's by 1.3x-1.6x. fp32 inputs stay exact fp32 products (``ieee``; TF32 only
+  with ATLASLIB_TF32=1); DOT's fp32 coefficients are read with "tf32x3" for 16-bit inputs (see DOT
+  below).
 
 q, k, v are read through their strides (views need no copy); absent inputs (no alpha, no eta)
 are ``None`` pointers, which Triton compiles away. Tiles: BK = dot_tile(K) with K <= 256 (every
@@ -74,8 +74,7 @@ the fp32 coefficients 3.1x and 5.6x (fp16 outputs: 20x, fp16's mantissa being as
 products 1.0x at every T. So 16-bit inputs read with "tf32x3" (``weights_precision``): each fp32 operand
 split into its TF32 part and the rest, three TF32 products on tensor cores (small x small left out),
 about 2^-21 relative on a card (the interpreter computes it exactly), far below a 16-bit output's
-rounding. Only the leaves of the solve are
-sequential.
+rounding. Only the leaves of the solve are sequential.
 
 Exponents are masked to -inf before the exponential; the exp kernel is unnormalised, so ``dot``
 refuses scores above MAX_EXPONENT first (``validation.check_exponents``, for k.q and k.k). The
@@ -265,10 +264,9 @@ DOT_MAX_KEY = 128
 # whatever the tiles tried: BV 16-64, 8 or 16 warps; bf16 keys at K = 128 spilled 128 B while they were
 # loaded as fp32, none now); the recall kernel 53-124 registers, no spills; the read of bf16 inputs
 # ("tf32x3": the bf16 scores and three TF32 products, all on tensor cores) 123-161 registers, no spills
-# (one TF32 product: 94-126). On an H100 (B=1, H=4, T=2048,
-# K=V=64, fp32) the first kernel, one program walking every block and reading as it went, took 45.5 ms
-# where the chunk form took 28.7 ms; the parallel read and the recursive solve have not been timed on a
-# card yet.
+# (one TF32 product: 94-126). On an H100 (B=1, H=4, T=2048, K=V=64, fp32) the first kernel, one program
+# walking every block and reading as it went, took 45.5 ms where the chunk form took 28.7 ms; the
+# parallel read and the recursive solve have not been timed on a card yet.
 # DOT SOLVE. The tokens are split in halves recursively, as a blocked triangular solve (TRSM) does:
 # solve the first half; subtract what it recalls from the second half's right-hand sides
 # (``dot_recall_kernel``, a program per block of BT tokens: parallel); solve the second half. Halves of
