@@ -322,7 +322,7 @@ def test_dot_triton_16_bit_inputs_cost_about_the_outputs_rounding(gen, dtype, ga
 
 @pytest.mark.parametrize("K", [16, 100])
 def test_dot_triton_bf16_and_views(gen, K):
-    """bf16 inputs (tf32 products; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);
+    """bf16 inputs (bf16 key products, the read in tf32x3; T = 70: three blocks of 32 at K = 16, five of 16 at K = 100);
     [B, T, H, K] tensors transposed are read in place."""
     q, k, v, alpha, eta = dot_inputs(gen, T=70, K=K, V=12, dtype=torch.bfloat16)
     got, _ = dot(q, k, v, alpha=alpha, eta=eta, backend="triton")

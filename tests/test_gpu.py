@@ -349,27 +349,26 @@ def test_bf16_products_cost_about_the_outputs_rounding_on_gpu(gen, model):
 
 
 # The kernels of chapters 6 and 7 with 16-bit inputs, bounded the same way, each by what the interpreter
-# measured (in parentheses) with room for a card's summation order: the deep kernel (bf16 and normalised fp16
-# 1.3x-1.6x; unnormalised fp16, whose fp32 weights meet v in TF32, 2.0x-2.7x), DOT (its read sums
-# coefficients that cancel, read with "tf32x3": 1.0x, exact in the interpreter; one TF32 product gave 4.1x
-# at T = 512 in bf16 without gates) and the caching readout (1.26x-1.39x).
-ROUNDING_BOUNDS = {("deep", torch.bfloat16): 3.0, ("deep", torch.float16): 4.0, ("dot", torch.float16): 2.0,
-                   ("dot", torch.bfloat16): 2.0, ("dot_no_gates", torch.float16): 2.0,
-                   ("dot_no_gates", torch.bfloat16): 2.0, ("caching", torch.bfloat16): 3.0,
-                   ("caching", torch.float16): 3.0}
+# measured (in parentheses) with room for a card's summation order. Few cases, each a new compile: the deep
+# kernel (bf16 normalised with a window and unnormalised, 1.3x-1.6x; unnormalised fp16, whose fp32 weights
+# meet v in TF32, 2.0x-2.7x), DOT (its read sums coefficients that cancel, most without gates, and reads them
+# with "tf32x3": 1.0x, exact in the interpreter; one TF32 product gave 4.1x at T = 512 in bf16 without
+# gates) and the caching readout (bf16: its three aggregates; fp16: GRM; 1.26x-1.39x).
+ROUNDING_CASES = [("deep", torch.bfloat16, 3.0), ("deep", torch.float16, 4.0), ("dot", torch.float16, 2.0),
+                  ("dot_no_gates", torch.bfloat16, 2.0), ("caching", torch.bfloat16, 3.0),
+                  ("caching", torch.float16, 3.0)]
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", ["deep", "dot", "dot_no_gates", "caching"])
-def test_16_bit_products_of_chapters_6_and_7_cost_about_the_outputs_rounding_on_gpu(gen, case, dtype):
+@pytest.mark.parametrize("case, dtype, bound", ROUNDING_CASES)
+def test_16_bit_products_of_chapters_6_and_7_cost_about_the_outputs_rounding_on_gpu(gen, case, dtype, bound):
     from atlaslib.core.testing import assert_within_rounding
     from atlaslib.deep import deep_transformer, dot
-    bound = ROUNDING_BOUNDS[case, dtype]
     if case == "caching":
         from test_caching_kernel import random_inputs, readout_reference
         from atlaslib.caching.kernel import cached_readout_triton
-        for aggregate, top_k in (("residual", None), ("grm", None), ("ssc", 2)):
+        aggregates = (("residual", None), ("grm", None), ("ssc", 2)) if dtype == torch.bfloat16 else (("grm", None),)
+        for aggregate, top_k in aggregates:
             inputs = random_inputs(gen, dtype=dtype)
             with poisoned_outputs():
                 y = cached_readout_triton(*(x.to(DEVICE) for x in inputs), top_k=top_k, aggregate=aggregate)
@@ -383,7 +382,9 @@ def test_16_bit_products_of_chapters_6_and_7_cost_about_the_outputs_rounding_on_
     eta = (0.1 + 0.4 * torch.rand(1, 2, T, generator=gen)).to(DEVICE) if gates else None
     if case == "deep":
         q = q / K ** 0.5
-        calls = [partial(deep_transformer, normalize=True, window=64), partial(deep_transformer, normalize=False)]
+        calls = [partial(deep_transformer, normalize=False)]
+        if dtype == torch.bfloat16:
+            calls.append(partial(deep_transformer, normalize=True, window=64))
     else:
         k = 0.5 * k / k.norm(dim=-1, keepdim=True)                  # a stable delta rule on phi*, as above
         q = 0.5 * q / q.norm(dim=-1, keepdim=True)
