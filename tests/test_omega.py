@@ -201,6 +201,21 @@ def test_triton_low_precision(gen):
         assert_close(o.float(), ref, tol=3e-2, name=str(dtype))
 
 
+def test_triton_fp16_gate_matrix_costs_about_the_outputs_rounding(gen):
+    """With decays, the gate matrix C = D Diag(eta) Gamma weighs every output, and for fp16 inputs it is one
+    TF32 product, as long as fp16's mantissa: o is off fp64 by 2.81x what rounding it to fp16 costs
+    (interpreter, T = 512, D = V = 64, c = 8). Three TF32 products ("tf32x3") gave 1.66x, but their builds
+    spilled 1.8-2.8 KB a thread at 64-token chunks (0.4-1.1 KB with TF32), so TF32 stays."""
+    c, b = 8, 16
+    q, k, v, gamma, _, eta, _ = make_inputs(gen, 1, 2, 512, 64, 64, c, "offset", h0=False)
+    q, k = (x / x.norm(dim=-1, keepdim=True) for x in (q, k))
+    alpha = 0.9 + 0.1 * torch.rand(1, 2, 512, generator=gen)
+    q, k, v = q.half(), k.half(), v.half()
+    ref_o, _ = frozen(q, k, v, gamma, alpha, eta, None, c, b)
+    o, _ = run("triton", q, k, v, gamma, alpha, eta, None, c, chunk_size=b)
+    assert_within_rounding(o.double(), ref_o, torch.float16, 3.3)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rule", ["omega", "swla"])
 def test_triton_16_bit_products_cost_about_the_outputs_rounding(gen, dtype, rule):
