@@ -248,7 +248,10 @@ def intermediate_precision(dtype: torch.dtype) -> str:
     CUDA cores, at about 1/15 of an H100's bf16 tensor-core rate (the delta rule's inverse, 2.6 MFLOP per
     chunk, would cost more than the forward's 12.6 MFLOP of bf16 products at K = V = 128), while the
     result is rounded to the inputs' dtype next (a bf16 mantissa is 3 bits shorter than TF32's, fp16's
-    as long), so the TF32 error stays below the rounding that follows it.
+    as long), so the TF32 error stays below the rounding that follows it. For fp16 it is about as large:
+    with decays, Titans' and the Omega rule's fp16 outputs are 2.4x-2.8x their own rounding (bf16's 1.7x);
+    three TF32 products ("tf32x3") brought them to 1.7x but doubled the spills of 64-token chunks
+    (``tests/test_miras_kernel.py``, ``tests/test_omega.py``), so fp16 keeps one.
     """
     return "tf32" if dtype in (torch.bfloat16, torch.float16) else precision(dtype)
 
