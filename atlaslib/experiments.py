@@ -21,8 +21,9 @@ averages over seeds (Zoology's protocol: each architecture gets its own best lea
 
 Time, measured on this project's 2-core CPU machine with two shards of one thread each:
 ``mqar --size small`` (156 runs) took 39 min of wall time, 76 min of summed run time. Other jobs
-shared the machine for part of it; without them, about 34 min. ATLAS++ alone is 47% of that
-(about 350 s a run, against 4-7 s for most matrix memories). ``inversion`` (42 runs of chapter 2's
+shared the machine for part of it; without them, about 34 min. ATLAS++ is the slowest mixer by far
+(300-460 s a run in that sweep; 245-270 s when its six cells were rerun alone, 26 min summed, after its
+W_0 became a learned parameter), against 4-7 s for most matrix memories. ``inversion`` (42 runs of chapter 2's
 model, 500-2000 steps) took 28 min, 50 min summed. ``filler`` (42 runs) took 14 min summed.
 """
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Size:
 
 SIZES = {
     # 2 CPU cores: 26 mixers x 3 tasks x 2 lrs x 1 seed = 156 runs of 300 steps, split over 2 shards
-    # (one thread each): 34-39 min measured (see the module docstring), ATLAS++ nearly half of it.
+    # (one thread each): 34-39 min measured (see the module docstring), ATLAS++ about 40% of it.
     "small": Size(tasks=((32, 2, 32), (32, 4, 32), (32, 8, 32)), lrs=(1e-2, 3e-2), seeds=(0,),
                   steps=300, batch_size=32, window=8, n_heads=2, num_train=4_000, num_test=256, warmup=30),
     # A GPU (defined, not run here): Zoology-like lengths, pairs (T / kv >= 8) and widths, 4 log-spaced

@@ -157,7 +157,8 @@ def test_deep_step_state_is_bounded(gen, name, kw):
     assert gammas is None or gammas.shape == (B, H, c - 1)
 
 
-@pytest.mark.parametrize("name, kw", [("mag", {"memory": "atlas"}), ("mal", {"memory": "atlas"}), ("atlas", {})])
+@pytest.mark.parametrize("name, kw", [("mag", {"memory": "atlas"}), ("mal", {"memory": "atlas"}), ("atlas", {}),
+                                      ("atlas", {"memory": "mlp"}), ("atlas++", {})])
 def test_gradients_flow(gen, name, kw):
     seeded(gen)
     mixer = make_mixer(name, D, H, window=3, backend="chunk", **kw)

@@ -73,24 +73,35 @@ def deep_atlas_mixer(gen, name, **kw):
 
 
 @pytest.mark.parametrize("name, kw", [("atlas", {"memory": "mlp", "ns_steps": 2}), ("atlas++", {"window": 2})])
-def test_deep_atlas_mixers_start_from_atlas_default(gen, name, kw):
-    """A deep ATLAS memory starts from ``atlas``'s own default W_0 (initial_state=None), which the mixer
-    now draws once when it is built instead of at every forward."""
+def test_deep_atlas_mixers_start_from_their_learned_w0(gen, name, kw):
+    """A deep ATLAS memory starts from W_0 parameters of the layer, as chapter 3's mixers do: the forward is
+    ``atlas`` from them, they receive a gradient, and two layers draw different ones (they were fixed seeded
+    weights, shared by every layer and never trained)."""
     mixer, x = deep_atlas_mixer(gen, name, **kw)
+    other, _ = deep_atlas_mixer(gen, name, **kw)
+    assert set(mixer.initial) == set(other.initial) and all(
+        not torch.equal(mixer.initial[n], other.initial[n]) for n in mixer.initial)
     q, k, v = (torch.randn(2, 2, 5, 4, generator=gen) for _ in range(3))
     q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    got = mixer.mix(q, k, v, x)
+    got.square().sum().backward()
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in mixer.initial.values())
     with torch.no_grad():
-        got = mixer.mix(q, k, v, x)
         gamma, _, eta = mixer.gate_tensors(x, torch.float32, alpha=False)
+        W0 = {n: w.detach()[None].expand(2, -1, -1, -1) for n, w in mixer.initial.items()}
         ref, _ = atlas(q, k, v, window=mixer.window, gamma=gamma, log_alpha=mixer.log_alpha(x), eta=eta,
                        theta=mixer.theta(x), ns_steps=mixer.ns_steps, ns_coeffs=mixer.ns_coeffs, memory=mixer.memory,
-                       backend="chunk", chunk_size=4)
-    assert_close(got, ref, tol=1e-6, name="mixer vs atlas(initial_state=None)")
+                       initial_state=W0, backend="chunk", chunk_size=4)
+        seeded_start, _ = atlas(q, k, v, window=mixer.window, gamma=gamma, log_alpha=mixer.log_alpha(x), eta=eta,
+                                theta=mixer.theta(x), ns_steps=mixer.ns_steps, ns_coeffs=mixer.ns_coeffs,
+                                memory=mixer.memory, backend="chunk", chunk_size=4)
+    assert_close(got.detach(), ref, tol=1e-6, name="mixer vs atlas(initial_state=its W_0)")
+    assert (got.detach() - seeded_start).abs().max() > 1e-3
 
 
 @pytest.mark.slow                                 # compiles (3 s)
 def test_a_deep_atlas_mixer_compiles_into_one_graph(gen):
-    """The mixer drew W_0 with a generator made inside its forward, which fullgraph compilation refuses."""
+    """The mixer once drew W_0 with a generator made inside its forward, which fullgraph compilation refuses."""
     mixer, x = deep_atlas_mixer(gen, "atlas", memory="mlp", ns_steps=1)
     with torch.no_grad():
         compiled_equals_eager(mixer, x)

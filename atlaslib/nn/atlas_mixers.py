@@ -20,8 +20,13 @@ Every memory and gamma mode has a one-token ``step`` (generation): the linear me
 ``atlas_step`` (its ``AtlasState`` keeps M, S, the last c - 1 pairs and their per-source gates),
 the deep ones through ``miras_step`` (``miras_mixers.engine_step``), whose ``TokenState`` keeps
 the weights, the momenta and the last c - 1 pairs; ``DeepState`` adds the per-source gates
-that ``gamma="source"`` needs. The deep step starts from the forward's W_0 (``miras.init_state``'s
-seeded weights, drawn once when the layer is built: ``start_weights``).
+that ``gamma="source"`` needs.
+
+The linear memory starts at zero, as chapters 1 and 2's memories do. A deep memory's initial weights
+W_0 (one set per head, shared by the batch) are parameters of the layer (``initial``), trained by the
+outer loop as chapter 3's mixers train theirs (``miras_mixers.learned_start``: the engine's default
+initialisation, drawn from torch's global generator, so two layers differ); the forward and ``step``
+both start from them.
 
 The chunk size **changes the model** (gradients frozen at the chunk start; chunk_size = 1 is
 the per-token rule that ``step`` runs), default ``ATLAS_CHUNK_SIZE`` = 16.
@@ -38,9 +43,9 @@ from ..atlas.recurrent import atlas_step, start_state
 from ..core.chunking import compute_dtype
 from ..core.newton_schulz import check_ns_steps
 from ..core.validation import check_flag
-from ..miras import build_parts, init_state
+from ..miras import build_parts
 from ..miras.recurrent import TokenState
-from .miras_mixers import engine_step, start_token_state
+from .miras_mixers import batch_start, engine_step, learned_start, start_token_state
 from .base import gate_dtype, register_mixer
 from .linear_mixers import empty_memory
 from .omega_mixers import WindowedMixer
@@ -75,13 +80,9 @@ class AtlasMixer(WindowedMixer):
                              f"got {self.head_k_dim} and {self.head_v_dim}")
         self.memory, self.ns_steps, self.ns_coeffs = memory, check_ns_steps(ns_steps), ns_coeffs
         self.theta_proj = nn.Linear(d_model, n_heads) if check_flag("momentum", momentum) else None
-        # A deep memory's W_0: the seeded weights ``atlas`` starts from without an initial_state
-        # (``init_state``), drawn once here in fp32 rather than at every forward: a generator made inside
-        # the forward stops torch.compile(fullgraph=True). A plain attribute, not a buffer, so that
-        # ``.to(bf16)`` does not round it and state_dict stays as it was.
-        self.start_weights = None if memory == "linear" else init_state(
-            atlas_config(memory, self.window, self.ns_steps, ns_coeffs), 1, n_heads, self.feature_dim(),
-            self.head_v_dim).memory
+        # A deep memory's W_0 is learned, as chapter 3's mixers learn theirs; the linear memory starts at zero
+        self.initial = None if memory == "linear" else learned_start(
+            atlas_config(memory, self.window, self.ns_steps, ns_coeffs), n_heads, self.feature_dim(), self.head_v_dim)
 
     def theta(self, x):
         """Momentum decay in (0, 1), [B, H, T], or None (no momentum)."""
@@ -90,12 +91,9 @@ class AtlasMixer(WindowedMixer):
         return torch.sigmoid(self.theta_proj(x).to(gate_dtype(x))).transpose(1, 2)    # squashed in fp32
 
     def deep_start(self, q) -> dict | None:
-        """W_0 of a deep memory for a batch of B (``start_weights`` in q's compute dtype); None: linear."""
-        if self.start_weights is None:
-            return None
-        B = q.shape[0]
-        return {n: w.to(device=q.device, dtype=compute_dtype(q)).expand(B, *w.shape[1:])
-                for n, w in self.start_weights.items()}
+        """A deep memory's learned W_0 (``initial``) for q's batch, in q's compute dtype; None: the linear memory
+        (``atlas`` starts it at zero)."""
+        return None if self.initial is None else batch_start(self.initial, q.shape[0], compute_dtype(q))
 
     def mix(self, q, k, v, x):
         q, k = self.features(q, k)
@@ -128,7 +126,7 @@ class AtlasMixer(WindowedMixer):
 
     def deep_step(self, q, k, v, gamma, alpha, eta, theta, state):
         """One token of a deep memory on chapter 3's engine (``engine_step``: Muon and the Omega window),
-        the engine ``atlas(memory=...)`` runs; it starts, as that forward does, from ``init_state``'s W_0."""
+        the engine ``atlas(memory=...)`` runs; it starts, as that forward does, from the learned W_0."""
         B, H, _, D = q.shape
         cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
         parts = build_parts(cfg, D, v.shape[-1])

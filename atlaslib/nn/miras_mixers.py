@@ -74,6 +74,21 @@ def engine_step(parts, state: TokenState, q, k, v, G, eta, alpha=None, theta=Non
     return y_t.reshape(B, H, 1, V).to(q.dtype), state
 
 
+def learned_start(config: MirasConfig, n_heads: int, in_dim: int, v_dim: int) -> nn.ParameterDict:
+    """W_0 as parameters of the layer, one set per head ({name: [H, out, in]}; "M" for the linear memory):
+    the engine's default initialisation (``init_state``) drawn from a seed taken from torch's global
+    generator, so that ``torch.manual_seed`` fixes it and two layers differ."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    start = init_state(config, 1, n_heads, in_dim, v_dim, generator=torch.Generator().manual_seed(seed)).memory
+    start = start if isinstance(start, dict) else {"M": start}
+    return nn.ParameterDict({name: nn.Parameter(w[0].clone()) for name, w in start.items()})
+
+
+def batch_start(initial: nn.ParameterDict, B: int, dtype) -> dict:
+    """``learned_start``'s W_0 broadcast over a batch of B: {name: [B, H, out, in]} in ``dtype``."""
+    return {n: w.to(dtype)[None].expand(B, *w.shape) for n, w in initial.items()}
+
+
 class ScalarGate(nn.Module):
     """One value per head and token from x [B, T, D]: squash(w_h^T x_t + b_h) as [B, H, T], in
     ``gate_dtype(x)`` (a bf16 sigmoid rounds every value above 1 - 2^-9 to exactly 1)."""
@@ -112,11 +127,7 @@ class MirasMixer(GatedLinear):
         self.theta_gate = ScalarGate(d_model, n_heads, "sigmoid", 0.5) if parts.optimizer.uses_theta else None
         self.delta_gate = ScalarGate(d_model, n_heads, "softplus", 1.0) if parts.bias.uses_delta else None
         self.has_momentum = parts.optimizer.has_state
-        seed = int(torch.randint(0, 2**31 - 1, ()).item())            # from the global RNG (torch.manual_seed)
-        start = init_state(self.config, 1, n_heads, self.memory_in_dim(), self.head_v_dim,
-                           generator=torch.Generator().manual_seed(seed)).memory
-        start = start if isinstance(start, dict) else {"M": start}
-        self.initial = nn.ParameterDict({name: nn.Parameter(w[0].clone()) for name, w in start.items()})
+        self.initial = learned_start(self.config, n_heads, self.memory_in_dim(), self.head_v_dim)
 
     def memory_in_dim(self) -> int:
         """The width of what the memory reads: the key width K (a feature map on q, k may change it)."""
@@ -124,7 +135,7 @@ class MirasMixer(GatedLinear):
 
     def initial_state(self, B: int, dtype) -> MirasState:
         """W_0 broadcast over the batch: a tensor [B, H, V, K] (linear memory) or a dict of them."""
-        mem = {n: w.to(dtype)[None].expand(B, *w.shape) for n, w in self.initial.items()}
+        mem = batch_start(self.initial, B, dtype)
         return MirasState(mem["M"] if set(mem) == {"M"} else mem, None)
 
     def gates(self, x, dtype, log_alpha: bool = False):
