@@ -129,7 +129,7 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
         chunk_size: the base's chunk length; None (the default) leaves the base's own default (e.g. 16
             for Titans, OmegaNet and ATLAS, where the chunk length is part of the model).
         stats: optional dict; "reads" is increased by the number of memory passes of the readout
-            (one online read per token plus one per cached state it reads: O(L + N L), [MC] §3.1).
+            (one online read per token plus one per cached state it reads: O(L + N L), [MC] §4.2).
             The recurrent backend counts them as it reads; the others take ``memory_reads``.
 
     Exactness (chapter 7 §1–4): all segment operations are exact, so "chunk" equals "recurrent" to

@@ -214,7 +214,7 @@ def reader_spans(layout: Layout) -> list:
 
 def memory_reads(layout: Layout, top_k=None) -> int:
     """Memory passes the readout makes: one online read per token plus one per cached state it reads
-    (at most top_k >= 1 with SSC; None: all). [MC] §3.1 bounds it by O(L + N L)."""
+    (at most top_k >= 1 with SSC; None: all). [MC] §4.2 bounds it by O(L + N L)."""
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a Layout (make_layout's result), got {type(layout).__name__}")
     check_top_k(top_k)
