@@ -41,8 +41,8 @@ class MirasConfig:
 
     memory:     "linear" | "mlp" | "residual" | "gated"                        (axis 1)
     bias:       "dot" | "l2" | "lp" | "huber" | "huber_norm" | "huber_switch" | "value_shift"   (axis 2)
-    retention:  "none" | "decay" | "decay_first" | "proximal" | "kl" | "lq" | "elastic"        (axis 4)
-    optimizer:  "gd" | "momentum" | "muon"                                       (axis 3)
+    retention:  "none" | "decay" | "decay_first" | "proximal" | "kl" | "lq" | "elastic"        (axis 3)
+    optimizer:  "gd" | "momentum" | "muon"                                       (axis 4)
     window:     c >= 1 past pairs in each update (Omega rule, l2-family biases; 1: one pair)
     expansion, activation: hidden width expansion * K and nonlinearity of deep memories
     layer_norm: LN on the residual memory's branch, x + LN(W1 act(W2 x)) (MIRAS, [M] §4.2)

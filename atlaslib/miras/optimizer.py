@@ -4,7 +4,7 @@
     momentum   S_t = theta_t S_{t-1} - eta_t ∇_t,   u_t = S_t            (Titans, [A] eqs 12-13)
     muon       S_t = theta_t S_{t-1} + ∇_t,         u_t = -eta_t NS_J(S_t)   (ATLAS, [A] eqs 32-33)
 
-so that with retention (axis 4) Titans is M_t = alpha_t M_{t-1} + S_t and ATLAS is
+so that with retention (axis 3) Titans is M_t = alpha_t M_{t-1} + S_t and ATLAS is
 M_t = alpha_t M_{t-1} - eta_t NS_J(S_t). Here ∇_t is the gradient of the token's loss (or,
 with a window, the gamma-weighted sum over its c pairs); g is kept for the log-gates.
 

@@ -1,7 +1,7 @@
 """The definition: any MIRAS configuration, one token at a time.
 
 For each token t (book/notation.md and book ch. 3 §1), with W_{t-1} = R(Z_{t-1}) the memory's weights
-read from the raw state (retention, axis 4):
+read from the raw state (retention, axis 3):
 
     grad_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad_W l(W; phi(k_i), v_i) |_{W = W_{t-1}}
                                           (at alpha_t W_{t-1} for retention decay_first)
@@ -142,8 +142,8 @@ def miras_step(parts: Parts, state: TokenState, q_t, k_t, v_t, gates_t: Gates, g
     W = ret.read(state.Z if grad_at is None else grad_at)                 # W_{t-1} (or W_{t0})
     scale = gates_t.alpha if ret.grad_at_decayed else None
     grad = loss_gradient(parts, W, keys, values, deltas, weights, scale)
-    u, S = opt.step(state.S, grad, gates_t.eta, gates_t.theta)            # optimizer (axis 3)
-    Z = ret.combine(state.Z, u, gates_t.alpha)                            # retention (axis 4)
+    u, S = opt.step(state.S, grad, gates_t.eta, gates_t.theta)            # optimizer (axis 4)
+    Z = ret.combine(state.Z, u, gates_t.alpha)                            # retention (axis 3)
     y_t = mem(ret.read(Z), q_t[:, None])[:, 0]                            # y_t = M_{W_t}(phi(q_t))
     drop = max(n - (parts.cfg.window - 1), 0)                             # the oldest row leaves a full window
     keep = lambda x: None if x is None else x[:, drop:]                   # noqa: E731

@@ -1,7 +1,7 @@
 """Axis 4, retention: how the memory holds on to (or lets go of) what it stored.
 
 The engines keep a *raw state* Z (one tensor per weight matrix) and read the memory's
-weights from it with ``read``; each token's update u_t (from the optimizer, axis 3)
+weights from it with ``read``; each token's update u_t (from the optimizer, axis 4)
 enters through ``combine``:
 
     name         combine                         read W = R(Z)                 gradient at

@@ -2,7 +2,7 @@
 
 ``MirasState(memory, momentum)``:
 
-* ``memory``: the raw state Z of axis 4 (see ``retention``): the memory's weights for
+* ``memory``: the raw state Z of axis 3 (see ``retention``): the memory's weights for
   every retention except ``kl`` (Memora: Z are the log-weights, W = c softmax(Z)) and
   ``lq`` (Moneta: Z is the accumulator A, W = A / ||A||_q^(q-2)). For the linear memory
   it is one tensor [B, H, V, K] (M maps keys to values, as in atlaslib.linear/delta);
