@@ -170,7 +170,7 @@ def kda_beta(prox_fn, beta_fn, gen):
     return f"the proximal step and its beta match atlaslib.delta (Longhorn) on {len(cases)} cases, unit keys or not"
 
 
-@EXERCISES.check("triton_chunk_matrix", title="A Triton kernel for the chunk's matrix A", points=3,
+@EXERCISES.check("triton_chunk_matrix", title="A Triton kernel for the chunk's matrix Diag(beta) L", points=3,
                   functions=("chunk_matrix",),
                   forbidden=("atlaslib.delta.chunk.decayed_products",), needs_launch=True)
 def triton_chunk_matrix(fn, gen):
