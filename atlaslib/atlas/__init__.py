@@ -130,8 +130,9 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
         initial_state: None (zeros for the linear memory; ``miras.init_state`` for deep ones),
             the memory (a tensor [B, H, V, D] or, deep, a dict of weights) with zero momentum,
             or a ``MirasState(memory, momentum)``, e.g. a previous call's final state (which
-            continues the sequence exactly for window=1; a window also needs the last c - 1
-            pairs, which ``atlas_step``'s ``AtlasState`` carries).
+            continues the sequence exactly for window=1 on "recurrent", and on the chunk forms when the
+            split falls on a chunk boundary, since b fixes where gradients freeze; a window also needs the
+            last c - 1 pairs, which ``atlas_step``'s ``AtlasState`` carries).
         output_final_state: also return the final ``MirasState(memory, momentum)``.
         backend: "recurrent" (per token, gradients at M_{t-1}), "frozen_seq" (per token,
             gradients frozen at each chunk start: the chunk form's oracle), "chunk" (chunkwise
@@ -140,7 +141,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
             fp32/fp16/bf16; CPU under
             TRITON_INTERPRET=1; backward through the chunk form) or "auto" (triton on CUDA
             where the kernel takes the inputs, chunk otherwise).
-        chunk_size: b of "chunk" and "frozen_seq"; None: 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
+        chunk_size: b of "chunk", "frozen_seq" and "triton"; None: 16 (``ATLAS_CHUNK_SIZE``, chapter 3's
             ``DEFAULT_CHUNK_SIZE``). **It changes the model**: b = 1 is the per-token rule.
 
     Which equalities hold (book ch. 5; all tested in tests/test_atlas.py):

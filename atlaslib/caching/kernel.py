@@ -5,7 +5,7 @@ and the cached final states M^(i) of the earlier segments it sees:
 
     y_t = gamma_s online_t + sum_{i visible to t} gamma_i M^(i) q_t,
 
-    r_i = <u_t, p_i> (p_i: segment i's mean key),   r_s = online_score_t
+    r_i = <u_t, p_i> (p_i: segment i's pooled key, the mean of its keys or their sum),   r_s = online_score_t
     residual: every gamma = 1
     GRM:      gamma = softmax over {visible i} and the online segment of (r_i, r_s)
     SSC:      the same softmax over the top_k visible r_i and the online segment only.
@@ -290,7 +290,7 @@ def launch_aggregate(q, u, states, pooled, online, online_score, blocks, top_k, 
 def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
     """Memory Caching's readout y [B, H, T, V] (in q's dtype) from the cached states of linear memories.
 
-    q, u [B, H, T, K]; states [B, H, N, V, K] (the cached final states); pooled [B, H, N, K] (mean keys);
+    q, u [B, H, T, K]; states [B, H, N, V, K] (the cached final states); pooled [B, H, N, K] (pooled keys);
     online [B, H, T, V] (the base's output inside the token's own segment); online_score [B, H, T]
     (r_s); blocks [T, J] (the states each token reads, -1 padded); top_k for aggregate="ssc". For
     "residual", u, pooled and online_score are not read and may be None. See the module docstring.

@@ -187,8 +187,9 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
             as ``MirasState(memory, None)``, e.g. a previous call's final state.
         output_final_state: return the final state as ``MirasState(memory, None)`` for every memory: the
             linear memory's M_T [B, H, V (+1), D] or the "mlp" memory's ``{"W1", "W2"}`` (Taylor form only).
-            Same restriction as initial_state: the kernel form's state grows with T, and a window must also
-            remember the pairs it will drop, so there it raises ValueError.
+            It raises ValueError for the kernel form (its state grows with T; with memory="mlp" that holds
+            although initial_state={"W2": ...} is taken, since W1 becomes one coefficient per token) and for
+            a window, which must also remember the pairs it will drop.
         backend: "recurrent" (per token), "chunk" (masked matrix products), "triton" (``kernel.py``:
             phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
             1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
@@ -322,8 +323,9 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
             ``dot_coefficient_recurrent(chunk_size=b)``); "auto" = chunk; no kernel.
         chunk_size: rows per block of the chunk form; with c > 1 (or "mlp") it is the b of the
             frozen-gradient approximation and so part of the model (b = 1: the definition). None:
-            DEFAULT_CHUNK_SIZE (64) for c = 1, else FROZEN_CHUNK_SIZE, chapter 4's b (``OMEGA_CHUNK_SIZE``),
-            so that by default dot(window=c, phi_star=("taylor", P)) is ``omega_rule`` on the features.
+            DEFAULT_CHUNK_SIZE (64) for c = 1 with the linear memory, else FROZEN_CHUNK_SIZE, chapter 4's b
+            (``OMEGA_CHUNK_SIZE``), so that by default dot(window=c, phi_star=("taylor", P)) is ``omega_rule``
+            on the features.
         activation: "mlp" only, as ``deep_transformer`` takes it (None: "gelu").
 
     Returns:
@@ -371,7 +373,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
                  "chunk": lambda q, k, v, alpha, eta: dot_chunk(q, k, v, alpha, eta, "exp", chunk_size),
                  "triton": lazy(f"{__name__}.kernel", "dot_kernel_triton")}
         o, _ = dispatch(backend, q, table, q, k, v, alpha, eta, model="dot",
-                        unsupported=lambda: lazy(f"{__name__}.kernel", "dot_unsupported")(q))
+                        unsupported=lambda: lazy(f"{__name__}.kernel", "dot_kernel_limits")(q))
         return o.to(q.dtype), None
     fq, fk = exp_features(q.to(cd), order), exp_features(k.to(cd), order)
     check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)

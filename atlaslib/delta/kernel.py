@@ -76,10 +76,11 @@ product per earlier sub-chunk through a reference token (every exponent <= 0) an
 blocks elementwise, never a [BT, BT, BK] tile. (f) and (g) store what those need: the state
 terms, dS and dL, and their shares of dk and dg.
 
-Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and every gradient buffer
-are fp32. The inverse's own products, and dA's product with it, are exact for fp32 inputs and TF32 for
-16-bit ones (``core.kernels.intermediate_precision``: R is rounded to the inputs' dtype right after, and exact
-fp32 products would run on CUDA cores, slower than all the chunk's bf16 products together).
+Products take the inputs' dtype (bf16 tiles, fp32 sums); the inverse, dA and the gradients' accumulators
+are fp32 (dv_local, dv2 and the returned gradients take the inputs' dtype). The inverse's own products,
+and dA's product with it, are exact for fp32 inputs and TF32 for 16-bit ones
+(``core.kernels.intermediate_precision``: R is rounded to the inputs' dtype right after, and exact fp32
+products would run on CUDA cores, slower than all the chunk's bf16 products together).
 Runs under ``TRITON_INTERPRET=1`` on CPU.
 """
 from __future__ import annotations

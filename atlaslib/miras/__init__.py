@@ -11,7 +11,7 @@ ttt_linear, ttt_mlp, titans, moneta, yaad, memora, chapter 5's atlas and chapter
     o, _ = miras(q, k, v, memory="mlp", bias="huber_switch", retention="kl", delta=d)
 
 The three rooms: ``recurrent.py`` (the per-token definition, the frozen-gradient oracle
-``frozen_seq`` and ``memory_gradient``, grad_W l for any configuration by autograd),
+``miras_frozen_seq``, backend "frozen_seq", and ``memory_gradient``, grad_W l for any configuration by autograd),
 ``chunk.py`` (chunkwise, gradients frozen at the chunk start; ``titans_linear_chunk``, the
 kernel's contract in PyTorch) and ``kernel.py`` (Triton, Titans/TTT with a linear memory).
 ``config.py`` has the presets and the four-axis table (``axes_table``, ``axes_markdown``),
@@ -74,7 +74,7 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
             The default suits the linear memory on unit-norm keys (stable while eta ||k||^2 < 2);
             the plain MLP memories (ttt_mlp, titans) diverge per token at it: on random unit keys
             at T = 512 they blew up at eta >= 0.4 (K = 16) and >= 0.3 (K = 64), not at 0.2.
-        theta: momentum decay in [0, 1], [B, H, T] or a number, optimizer="momentum" only
+        theta: momentum decay in [0, 1], [B, H, T] or a number, optimizer="momentum" or "muon" only
             (None: 0, no momentum carried).
         delta: Huber threshold / value-shift radius >= 0 for the biases that take one,
             [B, H, T] (data-dependent, as in Yaad) or a number (None: the config's delta).

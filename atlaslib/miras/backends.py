@@ -172,7 +172,8 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
 
 
 def run(problem: Problem, backend: str | None = None):
-    """Run a prepared problem; returns (o [B, H, T, V] in the compute dtype, final MirasState)."""
+    """Run a prepared problem; returns (o [B, H, T, V] in the compute dtype, q's dtype from the Triton
+    kernel, final MirasState)."""
     backend = backend or problem.backend
     B, H, T, D, V = problem.shape
     parts = problem.parts

@@ -266,7 +266,7 @@ def titans_linear_chunk(q, k, v, alpha=None, eta=None, theta=None, initial_state
     initial_state / initial_momentum [B, H, V, K] or None (zeros). In each chunk, with errors
     frozen at the chunk-start state: S_t = theta_t S_{t-1} - eta_t (M_{t0} k_t - v_t) k_t^T,
     M_t = alpha_t M_{t-1} + S_t, y_t = M_t q_t. Returns (o [B, H, T, V] in q's dtype, M_T, S_T
-    fp32). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
+    fp32, fp64 for fp64 inputs). It is the backward of ``backend="triton"`` and the reference of ``kernel.py``.
     ``log_alpha`` (fp32/fp64, <= 0) may replace alpha; as in ``miras``, the decays use it directly.
     """
     B, H, T, K, V = check_qkv(q, k, v)

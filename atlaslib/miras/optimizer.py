@@ -1,4 +1,4 @@
-"""Axis 3, the memory's optimizer: how the gradients ∇_t (``grad``) become the updates u_t.
+"""Axis 4, the memory's optimizer: how the gradients ∇_t (``grad``) become the updates u_t.
 
     gd         u_t = -eta_t ∇_t
     momentum   S_t = theta_t S_{t-1} - eta_t ∇_t,   u_t = S_t            (Titans, [A] eqs 12-13)

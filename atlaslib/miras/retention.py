@@ -1,4 +1,4 @@
-"""Axis 4, retention: how the memory holds on to (or lets go of) what it stored.
+"""Axis 3, retention: how the memory holds on to (or lets go of) what it stored.
 
 The engines keep a *raw state* Z (one tensor per weight matrix) and read the memory's
 weights from it with ``read``; each token's update u_t (from the optimizer, axis 4)

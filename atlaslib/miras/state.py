@@ -10,7 +10,8 @@
 * ``momentum``: the buffer S of ``optimizer="momentum"`` or ``"muon"`` with the same structure, or None.
 
 A final state returned with ``output_final_state=True`` can be passed back as
-``initial_state`` to continue the sequence exactly where it stopped.
+``initial_state`` to continue the sequence where it stopped: exactly on the per-token backend, and on
+the chunk forms when the split falls on a chunk boundary (b fixes where gradients freeze).
 """
 from __future__ import annotations
 

@@ -72,8 +72,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             alpha; never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
             Deep memories turn it into alpha in fp32 (fp64) at entry, as ``miras`` does.
         eta: [B, H, T] inner learning rate >= 0, or a number (``None``: 1). The step is stable while
-            eta_t * ||sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T|| <= 2: for unit features and
-            gamma = 1 that is eta_t <= 2 / c, so eta = 1 with c > 2 can diverge.
+            eta_t * ||sum_i gamma_i^{(t)} phi(k_i) phi(k_i)^T|| <= 1 + alpha_t (2 without retention): for
+            unit features and gamma = 1 that is eta_t <= (1 + alpha_t) / c, so eta = 1 with c > 2 can diverge.
         phi: feature map for q and k: ``None`` (identity), a name from
             ``core.FEATURE_MAPS`` or a callable [B, H, T, K] -> [B, H, T, D], e.g.
             ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
