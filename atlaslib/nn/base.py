@@ -27,7 +27,9 @@ body of its per-token loop. A subclass opts in by defining
 
     mix_step(q, k, v, x, state) -> (o, state)    ``mix`` for T = 1, plus the memory state
 
-and the cache holds that state and the convolution's last inputs, never the whole past. The step is
+and the cache holds that state and the convolution's last inputs: a fixed size, except for the memories
+that grow with T (``state_size`` None: softmax attention, the DeepTransformer without a window, DOT's
+exact form, Memory Caching), whose state is itself the past they keep. The step is
 the per-token rule: for the mixers whose chunk length is part of the model (frozen gradients per chunk:
 chapters 3-5, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size=1``.
 """

@@ -2,8 +2,10 @@
 
 ``TinyLM.generate`` decodes one token at a time through the mixers' ``step``: per layer it
 keeps only the mixer's cache (the memory state and the short convolution's last inputs),
-whose size does not depend on how many tokens came before -- except for softmax
-attention, whose cache is the growing list of past keys and values.
+whose size does not depend on how many tokens came before -- except for the memories that grow
+with T (``state_size`` None): softmax attention and the DeepTransformer without a window keep every
+past key and value, DOT's exact form every key and coefficient, Memory Caching one state per segment,
+and MAG / MAL over any of them.
 """
 from __future__ import annotations
 

@@ -64,9 +64,10 @@ def without_constant(x, degree):
 def polynomial_map(kind: str, degree: int, constant: bool = True):
     """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p.
 
-    ``constant=False`` drops the degree-0 term (a_0 = 0 for the Taylor map, which then stays 0):
-    after normalisation a constant feature makes all keys alike (cosine >= a_0 / sum_i a_i
-    for unit inputs), which a memory that must tell keys apart does not want.
+    ``constant=False`` drops the degree-0 term (the Taylor map's a_0 starts at 0, and its channel is
+    dropped, so it stays there): after normalisation a constant feature pulls all keys together (for
+    unit inputs with q^T k >= 0 their cosine is at least a_0 / sum_i a_i), which a memory that must tell
+    keys apart does not want.
     """
     if kind == "taylor":
         coefficients = None if constant else [0.0] + [1.0 / math.factorial(i) for i in range(1, degree + 1)]
