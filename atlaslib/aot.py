@@ -584,7 +584,8 @@ def representative(short: Launch, longer: Launch) -> Launch:
     kernel runs up to an integer argument that is 1 in ``short`` and not in ``longer``. Triton
     compiles an argument equal to 1 as the constant 1, so at one chunk (T <= 64) a loop over chunks
     is unrolled away with its software pipeline, and its shared memory reads several times too small
-    (the reverse state pass of the delta rule: 40 KB at one chunk, 233 KB at seven). Otherwise
+    (the reverse state pass of the delta rule, as its tiles were when this was found: 40 KB at one chunk,
+    233 KB at seven). Otherwise
     ``short``: the same code, and a faster build."""
     source = inspect.getsource(short.kernel.fn)
     for name, a, b in zip(inspect.signature(short.kernel.fn).parameters, short.args, longer.args):
@@ -654,14 +655,17 @@ def oversized_build(target_name: str = "sm_80", full: bool = True) -> Build:
     launches = by_kernel(captured_launches(lambda: linear_attention_triton(q, k, v, None, torch.zeros(1, 2, 256, 256))))
     (launch,) = launches["chunk_output_kernel"]
     launch.kwargs.update(BT=256, BK=256)
-    return build(launch, target_name, "linear: oversized output BT=256 BK=256 BV=64 fp32", full)
+    result = build(launch, target_name, "linear: oversized output BT=256 BK=256 BV=64 fp32", full)
+    return dataclasses.replace(result, grid=largest_grid([launch]), warps=launch.kwargs.get("num_warps", 4),
+                               maxnreg=launch.kwargs.get("maxnreg") or 0)
 
 
 def format_builds(results: list[Build]) -> str:
-    """The builds as a table: kernel, configuration, target, shared memory against the limit, warps, registers
-    (with the launch's cap, if it sets one)."""
+    """The builds as a table: family, kernel, configuration, target, shared memory against the limit, warps,
+    registers (with the launch's cap, if it sets one)."""
     from .tables import format_table
-    rows = [{"kernel": r.config.split(":")[0], "config": r.config.split(": ", 1)[1], "target": r.target,
+    rows = [{"family": r.config.split(":")[0], "kernel": r.kernel, "config": r.config.split(": ", 1)[1],
+             "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
              "warps": r.warps, "regs": f"{r.registers}" + (f" (<= {r.maxnreg})" if r.maxnreg else ""),
              "spill B": r.spill_stores, "dots TC/CUDA": f"{r.tensor_core_dots}/{r.cuda_core_dots}",

@@ -342,7 +342,11 @@ def main(argv=None):
     if args.scaling:
         Ts = args.T or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192])
         backend = (args.backends or ["chunk"])[0]
-        print(_table(scaling(args.models, Ts, backend=backend, **kw)))
+        rows = scaling(args.models, Ts, backend=backend, **kw)
+        print(_table(rows))
+        if args.json:
+            write_rows_json(args.json, rows, Ts=Ts, backend=backend, **{k: v for k, v in kw.items() if k != "progress"})
+            print(f"wrote {args.json}")
     else:
         Ts = args.T or ([256] if args.quick else [1024, 4096])
         rows = run_benchmarks(args.models, Ts, backends=args.backends, **kw)

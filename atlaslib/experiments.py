@@ -234,7 +234,7 @@ def inversion_table(records: list[dict]) -> list[dict]:
 
 
 # The filler check (chapter 8): the small grid's hardest task with token 0 as filler instead of random
-# tokens, every mixer but the five slowest (over 40 s a run; 3 min on two cores instead of 20).
+# tokens, every mixer but the five slowest (over 40 s a run; about 7 min on two cores instead of about 15).
 FILLER_SKIP = ("moneta", "memora", "atlas++", "mag", "mal")
 
 
@@ -252,7 +252,7 @@ def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -
                 for spec, lr, seed in itertools.product(mixer_specs(s.window), s.lrs, s.seeds)
                 if spec[0] not in FILLER_SKIP and (mixers is None or spec[0] in mixers)]
     if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)} or 'inversion'")
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}, 'inversion' or 'filler'")
     s = SIZES[size]
     specs = mixer_specs(s.window)
     if mixers is not None:

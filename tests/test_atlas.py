@@ -255,13 +255,49 @@ def test_deep_memories_chunk_matches_frozen_seq(gen, memory):
             assert rel_rmse(o_c, o_r) > 1e-4
 
 
-def test_deep_memory_is_the_engine_with_optimizer_muon(gen):
-    q, k, v, kw = make_inputs(gen, T=8, K=4, V=4, h0=False)
-    o = atlas(q, k, v, memory="residual", backend="recurrent", **kw)[0]
-    kw.pop("window")
-    o_m = miras(q, k, v, memory="residual", bias="l2", retention="decay", optimizer="muon", backend="recurrent",
-                **kw)[0]
-    assert_close(o, o_m)
+def deep_memory(memory, W, x):
+    """Chapter 3's deep memories written out for x [B, H, K] (GELU): the residual MLP x + W1 gelu(W2 x)
+    and the gated one x + W1 (gelu(W2 x) * (W3 x))."""
+    mv = lambda name, y: (W[name] @ y[..., None])[..., 0]              # noqa: E731  [B, H, out, in] x [B, H, in]
+    hidden = torch.nn.functional.gelu(mv("W2", x))
+    return x + mv("W1", hidden * mv("W3", x) if memory == "gated" else hidden)
+
+
+def deep_oracle(memory, q, k, v, window, alpha, eta, theta, W0):
+    """ATLAS with a deep memory, written independently of the engine: per token, the gradient of the window's
+    l2 loss sum_i 1/2 ||M_{t-1}(k_i) - v_i||^2 by autograd, and per weight matrix S = theta S + grad,
+    W = alpha W - eta NS(S); the output is M_t(q_t)."""
+    T = q.shape[2]
+    W = {n: w.clone() for n, w in W0.items()}
+    S = {n: torch.zeros_like(w) for n, w in W0.items()}
+    outs = []
+    for t in range(T):
+        params = {n: w.detach().requires_grad_(True) for n, w in W.items()}
+        loss = sum(0.5 * (deep_memory(memory, params, k[:, :, i]) - v[:, :, i]).square().sum()
+                   for i in range(max(0, t - window + 1), t + 1))
+        grads = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+        for n in W:
+            S[n] = theta[:, :, t, None, None] * S[n] + grads[n]
+            W[n] = alpha[:, :, t, None, None] * W[n] - eta[:, :, t, None, None] * newton_schulz(S[n], 5, "muon")
+        outs.append(deep_memory(memory, W, q[:, :, t]))
+    return torch.stack(outs, dim=2), W, S
+
+
+@pytest.mark.parametrize("memory, window", [("residual", 1), ("residual", 3), ("gated", 2)])
+def test_deep_memories_match_an_independent_oracle(gen, memory, window):
+    """The deep memories' per-token rule (Muon on each weight matrix, chapter 3's engine) against a loop
+    written from the update rule, with autograd for the gradients of the window's loss."""
+    q, k, v, kw = make_inputs(gen, T=9, K=4, V=4, h0=False)
+    names = ("W1", "W2", "W3") if memory == "gated" else ("W1", "W2")
+    shapes = {"W1": (4, 16), "W2": (16, 4), "W3": (16, 4)}
+    W0 = {n: torch.randn(1, 2, *shapes[n], generator=gen, dtype=F64) / math.sqrt(shapes[n][1]) for n in names}
+    o, st = atlas(q, k, v, memory=memory, window=window, alpha=kw["alpha"], eta=kw["eta"], theta=kw["theta"],
+                  initial_state=W0, backend="recurrent", output_final_state=True)
+    o_ref, W_ref, S_ref = deep_oracle(memory, q, k, v, window, kw["alpha"], kw["eta"], kw["theta"], W0)
+    assert_close(o, o_ref)
+    for n in names:
+        assert_close(st.memory[n], W_ref[n], name=f"{n}_T")
+        assert_close(st.momentum[n], S_ref[n], name=f"S_T[{n}]")
 
 
 def test_state_continues_the_sequence(gen):
@@ -281,10 +317,11 @@ def test_state_continues_the_sequence(gen):
 
 
 def test_one_token_steps_are_the_forward_pass(gen):
-    """atlas_step carries (M, S, the last c - 1 pairs): token by token it is the per-token rule."""
+    """atlas_step carries (M, S, the last c - 1 pairs): token by token it is the per-token rule, checked against
+    the independent ``oracle`` (``backend="recurrent"`` is itself a loop over atlas_step)."""
     from atlaslib.atlas import atlas_step, start_state
     q, k, v, kw = make_inputs(gen, T=9, window=3, gmode="offset")
-    o, st = atlas(q, k, v, backend="recurrent", output_final_state=True, **kw)
+    o, M_T, S_T = oracle(q, k, v, 3, kw["gamma"], kw["alpha"], kw["eta"], kw["theta"], kw["initial_state"])
     state = start_state(*kw["initial_state"])
     G = window_gates(kw["gamma"], 1, 2, 9, 3, F64, q.device)
     ys = []
@@ -294,7 +331,8 @@ def test_one_token_steps_are_the_forward_pass(gen):
         ys.append(y)
         assert state.window.keys.shape[2] == min(t + 1, 2), "the window keeps c - 1 pairs"
     assert_close(torch.stack(ys, dim=2), o)
-    assert_close(state.S, st.momentum, name="S_T")
+    assert_close(state.M, M_T, name="M_T")
+    assert_close(state.S, S_T, name="S_T")
 
 
 def test_log_alpha_and_dtypes(gen):

@@ -61,7 +61,7 @@ def gd_memory(K: torch.Tensor, V: torch.Tensor, *, steps: int = 2000, lr: float 
     """Full-batch GD on 1/2 sum_i ||M k_i - v_i||^2 starting from M = 0.
 
     The gradient is (M K^T - V^T) K. ``lr`` defaults to 1 / sigma_max(K)^2, the largest
-    step that is safe for every direction of this quadratic.
+    step that overshoots in no direction of this quadratic (GD converges for any step below 2 / sigma_max^2).
     """
     _check_pairs(K, V)
     if lr is None:
