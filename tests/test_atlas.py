@@ -64,9 +64,22 @@ def test_convergent_coefficients_reach_the_polar_factor(gen, coeffs, enough, too
 # still 0.37 after 5 steps and joins the band by step 10), and they stay in [0.682, 1.134] after
 # 30 steps: a band around 1, not convergence (measured: about [0.68, 1.20] after 5 steps on ill-conditioned
 # inputs, [0.68, 1.13] after 30).
+def muon_on_a_singular_value(s, steps):
+    """Muon's quintic a s + b s^3 + c s^5 iterated on one number: Newton–Schulz maps every singular value of
+    G / ||G||_F through it (the reference the bands below are measured against)."""
+    for _ in range(steps):
+        s = 3.4445 * s - 4.7750 * s**3 + 2.0315 * s**5
+    return s
+
+
 def test_muon_coefficients_settle_in_a_band(gen):
     G = ill_conditioned(gen, 16, 32, 100.0, batch=(4,))
     s5 = torch.linalg.svdvals(newton_schulz(G, 5, "muon"))
+    s0 = torch.linalg.svdvals(G) / torch.linalg.matrix_norm(G)[..., None]
+    for steps, s in ((5, s5), (30, torch.linalg.svdvals(newton_schulz(G, 30, "muon")))):
+        scalar = muon_on_a_singular_value(s0, steps).sort(-1, descending=True).values
+        assert_close(s.sort(-1, descending=True).values, scalar, tol=1e-5,      # NORM_EPS: 1e-7 relative
+                     name=f"NS_{steps} on each singular value")
     assert s5.min() > 0.66 and s5.max() < 1.2, (s5.min().item(), s5.max().item())
     s30 = torch.linalg.svdvals(newton_schulz(G, 30, "muon"))
     assert s30.min() > 0.66 and s30.max() < 1.15
@@ -302,7 +315,6 @@ def test_deep_memories_match_an_independent_oracle(gen, memory, window):
 
 def test_state_continues_the_sequence(gen):
     q, k, v, kw = make_inputs(gen, T=20, window=2, gmode="offset", h0=False)
-    o, st = atlas(q, k, v, backend="recurrent", output_final_state=True, **{**kw, "window": 1, "gamma": None})
     cut = lambda x, s: x[:, :, s]                                      # noqa: E731
     kw1 = {n: (cut(x, slice(0, 8)) if torch.is_tensor(x) else x) for n, x in kw.items()}
     kw2 = {n: (cut(x, slice(8, 20)) if torch.is_tensor(x) else x) for n, x in kw.items()}
@@ -313,6 +325,7 @@ def test_state_continues_the_sequence(gen):
                     **{**kw2, "initial_state": st1})
     full, stf = atlas(q, k, v, chunk_size=4, output_final_state=True, **{**kw, "window": 1, "gamma": None})
     assert_close(torch.cat([o1, o2], dim=2), full)
+    assert_close(st2.memory, stf.memory, name="M_T")
     assert_close(st2.momentum, stf.momentum, name="S_T")
 
 

@@ -557,7 +557,7 @@ def test_dot_taylor_converges_to_kernel(gen):
 
 def test_dot_kernel_one_step_read(gen):
     """The corrected [A] eq. 30-31 at alpha = 1: y_t = M_{t-1} phi*(q_t) + eta_t (v_t - M_{t-1} phi*(k_t)) exp(k_t.q_t),
-    checked from the outputs of two runs (T and T - 1 tokens) and coefficient reads written here."""
+    checked against coefficients rebuilt token by token here and read with exp(k_j . q_t)."""
     q, k, v, _, eta = dot_inputs(gen, T=9)
     y, _ = dot(q, k, v, eta=eta, backend="chunk", chunk_size=4)
     # rebuild the coefficients token by token from the definition, independently of the library
