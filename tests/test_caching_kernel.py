@@ -210,6 +210,19 @@ def test_unsupported_names_what_the_kernel_refuses():
     assert "fp64" in kernel_limits(q.double(), blocks)
     assert "K=" in kernel_limits(torch.zeros(1, 1, 4, MAX_KEY + 1), blocks)
     assert kernel_limits(q, torch.full((4, 4 * SLOT_TILE + 1), -1)) is None       # any number of slots
+    assert "feature map" in kernel_limits(torch.zeros(1, 1, 4, 2 * K), blocks, u=q)
+
+
+def test_a_base_with_a_feature_map_reads_without_the_kernel(gen):
+    """A base whose feature map widens q (D = 2K here) gives the readout queries wider than the router u,
+    which the kernel cannot read: the readout runs cached_readout (it raised on a GPU under "auto")."""
+    from atlaslib.caching import memory_caching
+    from atlaslib.omega import omega_rule
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=gen) / 2 for _ in range(3))
+    kw = dict(base=omega_rule, segments=4, aggregate="grm",
+              base_kwargs={"window": 1, "phi": lambda x: torch.cat([x, x * x], -1)})
+    tri, _ = memory_caching(q, k, v, backend="triton", **kw)
+    assert_close(tri, memory_caching(q, k, v, backend="chunk", **kw)[0], tol=1e-5, name="triton vs chunk")
 
 
 @pytest.mark.parametrize("segments, aggregate, top_k", [(8, "soup", None), (8, "ssc", 2), ("log", "grm", None),

@@ -418,6 +418,11 @@ def test_exponent_and_step_checks_on_an_accelerator_assert_on_the_device(monkeyp
     deep.check_dot_step(torch.full((B, H, T), 1.2), torch.full((B, H, T), 0.2))
     with pytest.raises(RuntimeError, match=r"dot: eta must be at most 1 \+ alpha"):
         deep.check_dot_step(torch.full((B, H, T), 1.3), torch.full((B, H, T), 0.2))
+    deep.check_positive_alpha(torch.full((B, H, T), 0.5))
+    alpha = torch.full((B, H, T), 0.5)
+    alpha[0, 1, 7] = 0.0                                       # passed unchecked on a GPU (host branch only)
+    with pytest.raises(RuntimeError, match=r"dot: alpha must lie in \(0, 1\]"):
+        deep.check_positive_alpha(alpha)
 
 
 @pytest.mark.parametrize("window", [None, 1, 4, 40])

@@ -333,3 +333,34 @@ def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradient
     for name, g, ref in zip(names, got, grads("recurrent"), strict=True):
         err = float((g - ref).norm() / ref.norm())
         assert err < 1e-5, f"{model} d{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("module", ["atlaslib.miras.backends", "atlaslib.caching"])
+def test_kernels_called_outside_dispatch_run_on_the_inputs_gpu(monkeypatch, module):
+    """Chapter 3's kernel (miras' own backend table) and chapter 7's readout kernel are launched without
+    ``dispatch``: each launch runs inside ``on_the_inputs_gpu`` of its inputs (they ran on whichever GPU
+    was current)."""
+    import importlib
+    pytest.importorskip("triton")
+    mod = importlib.import_module(module)
+    entered = []
+    monkeypatch.setattr(mod, "on_the_inputs_gpu", lambda x: entered.append(x) or dispatch.on_the_inputs_gpu(x))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = random_qkv(1, 2, 12, 8, 4, generator=g)
+    if module == "atlaslib.caching":
+        from atlaslib.caching import memory_caching
+        memory_caching(q, k, v, base=linear_attention, segments=4, aggregate="grm", backend="triton")
+    else:
+        miras(torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1), v,
+              preset="titans", memory="linear", eta=0.1, theta=0.5, backend="triton")
+    assert entered and all(x is q or x.shape[:3] == q.shape[:3] for x in entered)
+
+
+def test_on_the_inputs_gpu_makes_a_cuda_tensors_device_current(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device", lambda device: ("current", device))
+
+    class OnGpu1:
+        device = torch.device("cuda", 1)
+    assert dispatch.on_the_inputs_gpu(OnGpu1()) == ("current", torch.device("cuda", 1))
+    with dispatch.on_the_inputs_gpu(torch.zeros(1)):                 # a CPU tensor: nothing to do
+        pass

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..core import check_chunk_size, check_flag, check_qkv
-from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, with_chunk_backward
+from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu, with_chunk_backward
 from ..core.types import ModelOutput
 from .base import base_name, check_base, check_per_token
 from .chunk import AGGREGATES, cached_readout, memory_caching_chunk, readout_weights
@@ -52,13 +52,14 @@ READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
     """The kernel's forward, differentiated through ``cached_readout`` (as the forward-only kernels of
     chapters 3-6 are; linear attention and the delta rule have backward kernels of their own).
-    Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64) runs
-    ``cached_readout`` instead, the same function."""
+    Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64, a feature map that
+    makes q wider than u) runs ``cached_readout`` instead, the same function."""
     aggregate = "grm" if aggregate == "soup" else aggregate
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
-    if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks) is not None:
+    if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks, u) is not None:
         return cached_readout(*args)
-    return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
+    with on_the_inputs_gpu(q):
+        return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
 
 
 def check_options(mode: str, aggregate: str, pool: str | None, top_k: int | None, log: bool = False) -> None:

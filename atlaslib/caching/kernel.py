@@ -267,8 +267,11 @@ def cached_readout_fwd_kernel(
     store_tile(y_ptr, s_y, o_t, o_v, m_t, m_v, b_y)
 
 
-def kernel_limits(q, blocks) -> str | None:
-    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY."""
+def kernel_limits(q, blocks, u=None) -> str | None:
+    """What the kernel refuses (a dispatch then runs the PyTorch form): fp64, K > MAX_KEY, and a router u
+    narrower or wider than q (a base with a feature map reads phi(q), while u keeps the key width)."""
+    if u is not None and u.shape[-1] != q.shape[-1]:
+        return f"a router of width {u.shape[-1]} with queries of width {q.shape[-1]} (a feature map on the base)"
     if q.dtype == torch.float64:
         return "fp64 inputs (it computes in fp32)"
     if q.shape[-1] > MAX_KEY:

@@ -18,6 +18,7 @@ decides at decoration time whether it builds a GPU kernel or an interpreted one.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -135,10 +136,17 @@ def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, m
     stream, not on the device of the tensors it is given (a model on cuda:1 while cuda:0 is current).
     """
     name = choose_backend(backend, x, table, unsupported=unsupported, model=model, missing=missing)
-    if name == "triton" and x.device.type == "cuda":
-        with torch.cuda.device(x.device):
+    if name == "triton":
+        with on_the_inputs_gpu(x):
             return call_backend(name, table, *inputs)
     return call_backend(name, table, *inputs)
+
+
+def on_the_inputs_gpu(x: torch.Tensor):
+    """Where a kernel launches: ``x``'s GPU made the current device (Triton launches on the current device
+    and its stream, not on the device of the tensors it is given), or nothing to do off a GPU. Every call
+    of a kernel that does not go through ``dispatch`` runs inside it."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
 def lazy(module: str, name: str, differentiable: bool = False):

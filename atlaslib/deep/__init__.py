@@ -342,8 +342,8 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     if form == "kernel" and memory == "linear" and (initial_state is not None or output_final_state):
         raise ValueError("dot: initial_state and output_final_state need phi_star=('taylor', P) (or memory='mlp'): "
                          "the kernel form keeps one coefficient per past token, not a fixed-size matrix state")
-    if alpha is not None and _value_check(alpha) == "host" and not bool((alpha > 0).all()):
-        raise ValueError("dot: alpha must lie in (0, 1]; a gate of 0 is not supported")
+    if alpha is not None:
+        check_positive_alpha(alpha)
     chunk_size = default_chunk_size(chunk_size, frozen=c > 1 or memory == "mlp")
     if c == 1 and gamma is not None:                # one pair per step: gamma_t^{(t)} scales the step
         g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
@@ -417,6 +417,18 @@ def check_dot_step(eta, alpha):
     elif how == "device":
         with torch.no_grad():
             torch._assert_async((eta <= one).all(), msg)
+
+
+def check_positive_alpha(alpha):
+    """DOT divides by alpha (its coefficients carry 1 / prod alpha): a gate of 0 is refused, on a GPU by a
+    device-side assert (no host sync), as ``check_dot_step`` does."""
+    msg = "dot: alpha must lie in (0, 1]; a gate of 0 is not supported"
+    how = _value_check(alpha)
+    if how == "host" and not bool((alpha > 0).all()):
+        raise ValueError(msg)
+    if how == "device":
+        with torch.no_grad():
+            torch._assert_async((alpha > 0).all(), msg)
 
 
 __all__ = ["deep_transformer", "dot", "exp_features", "exp_feature_dim", "exp_coefficients", "check_phi_star",

@@ -24,7 +24,7 @@ import torch
 
 from ..core import apply_feature_map, check_chunk_size, check_qkv, gate_or_number
 from ..core.chunking import compute_dtype
-from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits
+from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu
 from ..core.gates import alpha_from_log, check_retention
 from ..core.validation import check_one_retention
 from ..core.windows import window_gates
@@ -178,7 +178,8 @@ def run(problem: Problem, backend: str | None = None):
     B, H, T, D, V = problem.shape
     parts = problem.parts
     if backend == "triton":                   # the kernel's own contract, see KERNEL_TABLE
-        o, M_T, S_T = call_backend("triton", KERNEL_TABLE, *problem.kernel_inputs)
+        with on_the_inputs_gpu(problem.kernel_inputs[0]):
+            o, M_T, S_T = call_backend("triton", KERNEL_TABLE, *problem.kernel_inputs)
         return o, MirasState(M_T, S_T if parts.optimizer.has_state else None)
     o, Z, S = call_backend(backend, engine_table(problem.chunk_size), *problem.args)
     return o.reshape(B, H, T, V), public_state(Z, S, parts.memory, B, H)
