@@ -136,13 +136,17 @@ def test_matches_definition(gen, segments, mode, aggregate):
 def test_ssc_ties_go_to_the_earliest_state(gen, top_k):
     """Segments with the same keys (so the same pooled key and exactly tied scores) and different values:
     which of the tied states SSC keeps changes the output. Every form keeps the earliest, as the
-    definition's stable sort does."""
+    definition's stable sort does. The ties must be exact in every form: q and k are multiples of 1/8 and
+    the keys are summed (pool="sum"), so every pooled key and score is exact in fp64 whatever the order of
+    the sums (the chunk form pools by differences of a cumulative sum; a mean's division by 3, or random
+    keys, left ties a rounding apart, broken one way or the other by the machine's summation order)."""
     q, k, v, alpha, _ = inputs(gen, T=24)
+    q, k = (torch.randint(-8, 9, x.shape, generator=gen).to(x.dtype) / 8 for x in (q, k))
     k = k[:, :, :3].repeat(1, 1, 8, 1)                                     # eight segments of 3 with one key set
-    want = mc_reference(q, k, v, alpha, None, 3, "independent", "ssc", top_k)
+    want = mc_reference(q, k, v, alpha, None, 3, "independent", "ssc", top_k, pool="sum")
     for backend in ("recurrent", "chunk"):
         got, _ = memory_caching(q, k, v, base=linear_attention, segments=3, mode="independent", aggregate="ssc",
-                                top_k=top_k, base_kwargs=dict(alpha=alpha), backend=backend)
+                                top_k=top_k, pool="sum", base_kwargs=dict(alpha=alpha), backend=backend)
         assert rel_rmse(got, want) < 1e-12, backend
 
 
