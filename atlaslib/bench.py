@@ -308,6 +308,8 @@ def main(argv=None):
         p.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)      # synchronize and the peak-memory counters act on the current GPU
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.vs == "fla":
