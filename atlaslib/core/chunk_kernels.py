@@ -324,14 +324,15 @@ def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bo
     8 warps from 128 key channels on (sm_90 builds at K = 128 with per-channel gates: 128 B spilled a
     thread forward and 684 B reverse at 4 warps, 0 and 40 B at 8; K = 256: 0.6-2.3 KB at 4, 0-160 B at 8).
 
-    fp32 inputs take one stage and more warps. Their exact products run on FMA units with whole
-    operand fragments in registers, and when a thread would need more than 255 registers ptxas falls
-    back to 32 and spills kilobytes (sm_90 builds of the delta rule at K = 64: 32 registers and 13.7 KB
-    spilled a thread at two stages and 4 warps, 254 registers and none at one stage; linear attention's
-    pass with per-channel gates, 7.9 KB at three stages). The delta rule's forward pass takes 8 warps
-    from 64 key channels on (K = 128: 24 B spilled; 27 KB at 4 warps), its reverse pass, which holds
-    q, k and w tiles too, 16 (K = 64 and 128: 16-52 B; 10-23 KB at 8 warps); 1 KB rows (K = 256) hold
-    16 value channels instead of 64, at 4 warps.
+    fp32 inputs take one stage (linear attention's pass keeps its 4 warps; the delta rule's take more).
+    Their exact products run on FMA units with whole operand fragments in registers, and when a thread
+    would need more than 255 registers ptxas falls back to 32 and spills kilobytes (sm_90 builds of the
+    delta rule at K = 64: 32 registers and 13.7 KB spilled a thread at two stages and 4 warps, 254
+    registers and none at one stage; linear attention's pass with per-channel gates, 7.9 KB at three
+    stages). The delta rule's forward pass takes 8 warps from 64 key channels on (K = 128: 24 B spilled;
+    27 KB at 4 warps), its reverse pass, which holds q, k and w tiles too, 16 from 32 key channels (tiles
+    of 32) on (K = 64 and 128: 16-52 B; 10-23 KB at 8 warps); 1 KB rows (K = 256) hold 16 value channels
+    instead of 64, at 4 warps.
 
     Every state pass is launched with ``core.kernels.register_share`` as ``maxnreg``, which keeps ptxas
     out of that fallback where the rules above do not (sm_90: fp32 at K = 60, V = 100, 8-10 KB spilled a

@@ -227,9 +227,10 @@ TF32_ENV = "ATLASLIB_TF32"
 def precision(dtype: torch.dtype) -> str:
     """``input_precision`` of tl.dot for a kernel whose inputs have this dtype.
 
-    It applies only to products of fp32 operands: "ieee" (exact fp32 products), so fp32 inputs
-    and the fp32 intermediates of half-precision kernels are computed exactly (one exception: the
-    products of ``intermediate_precision``); "tf32" only when ``ATLASLIB_TF32=1``
+    It applies only to products of fp32 operands: "ieee" ("exact fp32 products" in this library: the
+    operands keep all 24 bits of their fp32 mantissa, where TF32 keeps 11, and every product and sum is
+    rounded to fp32 as on a CPU), for fp32 inputs and the fp32 intermediates of half-precision kernels
+    (one exception: the products of ``intermediate_precision``); "tf32" only when ``ATLASLIB_TF32=1``
     is set. bf16/fp16 tiles given to tl.dot as they are run on bf16/fp16 tensor cores with fp32
     accumulation whatever this says. (``dtype`` is kept so a kernel's choice reads as a function
     of its inputs.)
@@ -240,8 +241,9 @@ def precision(dtype: torch.dtype) -> str:
 def intermediate_precision(dtype: torch.dtype) -> str:
     """``input_precision`` of products between fp32 intermediates whose result is rounded to the inputs'
     dtype right after: the delta rule's triangular inverse R (and its gradient), Titans' decay product
-    D_alpha D_theta, the Omega rule's gate matrix C, the unnormalised deep kernel's fp32 weights with fp16
-    values (and, for bf16 only, Newton-Schulz: ``atlas.kernel``).
+    D_alpha D_theta, the Omega rule's gate matrix C (and, for bf16 only, Newton-Schulz: ``atlas.kernel``).
+    The deep kernel's read, whose fp32 weights are not rounded next, has its own rule
+    (``deep.kernel.weights_precision``).
 
     For fp32 inputs these products are exact like the rest ("ieee", or TF32 under ``ATLASLIB_TF32=1``:
     ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores: exact fp32 products run on the
@@ -285,17 +287,6 @@ def feature_tile(K: int, limit: int, what: str = "K") -> int:
     if K > limit:
         raise ValueError(f"the Triton kernel supports {what} <= {limit}, got {what}={K}; use backend='chunk'")
     return dot_tile(K)
-
-
-def rows_within_shared(width: int, element_size: int, most: int) -> int:
-    """Rows of a program's [rows, width] input tiles that keep it within an A100's shared memory.
-
-    AOT builds for sm_80 (163 KB a block; ``python -m atlaslib.aot --fast``) put the kernels' shared
-    memory near 16 KB per tile row of ``width * element_size`` bytes at 64 rows: chapter 1's kernel
-    needs 209 KB at 64 rows of 128 fp32 keys and 116 KB at 32. So 16384 // row bytes, as a power of
-    two between 16 and ``most``.
-    """
-    return max(16, min(most, 16384 // (width * element_size)))
 
 
 def register_share(num_warps: int) -> int:

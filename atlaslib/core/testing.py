@@ -90,7 +90,8 @@ def poisoned_outputs():
 
 def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu", seed=None,
                normalize_keys=True, generator=None):
-    """Fresh random q, k, v of shapes [B,H,T,K], [B,H,T,K], [B,H,T,V]; keys l2-normalised by default."""
+    """Fresh random q, k, v of shapes [B,H,T,K], [B,H,T,K], [B,H,T,V]; q and k l2-normalised by default
+    (``normalize_keys``)."""
     gen = generator if generator is not None else torch.Generator().manual_seed(
         int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
     q = torch.randn(B, H, T, K, generator=gen)

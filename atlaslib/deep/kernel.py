@@ -190,7 +190,8 @@ def deep_kernel_fwd_kernel(
 
 def weights_precision(q_dtype: torch.dtype, v_dtype: torch.dtype) -> str:
     """``input_precision`` of the read's product P V where the weights P stay fp32 (unused where they are
-    rounded to the inputs' dtype): TF32 for fp16 values, which TF32 holds exactly (unnormalised fp16);
+    rounded to the inputs' dtype): TF32 for fp16 values, which TF32 holds exactly (unnormalised fp16; the
+    weights keep TF32's 11-bit mantissa, fp16's length, the dtype the output is rounded to);
     "tf32x3" for fp32 values read with 16-bit queries (DOT's coefficients, whose sum cancels: see DOT
     below); ``precision`` for fp32 inputs (exact)."""
     if v_dtype == torch.float16:
