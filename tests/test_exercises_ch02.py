@@ -133,7 +133,7 @@ def test_ut_solve_passes_correct_answers():
                          ids=["diagonal_kept", "no_gates_in_Gamma", "Gamma_transposed", "no_A_on_M0", "no_beta_on_rhs"])
 def test_ut_solve_rejects_typical_mistakes(kw):
     v = ch02.ut_solve.evaluate(ut_variant(**kw))
-    assert v.status == "failed" and "U: relative RMSE" in v.message and "chunk length n=" in v.message
+    assert v.status == "failed" and "U: relative RMSE" in v.message and "chunk length b=" in v.message
 
 
 # ---- exercise 3: the chunkwise pass ----------------------------------------------------------
@@ -377,7 +377,7 @@ def test_wy_variant_with_no_mistake_passes():
 ], ids=["R_not_RT", "no_beta_in_dL", "dL_not_masked", "dL_transposed", "dbeta_sign", "dbeta_without_L"])
 def test_wy_backward_rejects_typical_mistakes(kw, where):
     v = ch02.wy_backward.evaluate(wy_variant(**kw))
-    assert v.status == "failed" and f"{where}: relative RMSE" in v.message and "chunk length n=" in v.message, v.message
+    assert v.status == "failed" and f"{where}: relative RMSE" in v.message and "chunk length b=" in v.message, v.message
 
 
 def wy_by_autograd(L, beta, Z, dX):

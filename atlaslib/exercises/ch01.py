@@ -94,15 +94,15 @@ def gated_loop(fn, gen):
                              "atlaslib.linear.linear_attention",
                              "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunk_step(fn, gen):
-    """fn(M, q, k, v, g) -> (o [B,H,n,V], M_next [B,H,V,K]); g [B,H,n] = cumsum of log alpha in the chunk."""
-    cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, n, K, V)
-    for B, H, n, K, V in cases:
-        q, k, v = random_qkv(B, H, n, K, V, generator=gen)
-        alpha = random_gate(B, H, n, low=0.5, generator=gen)
+    """fn(M, q, k, v, g) -> (o [B,H,b,V], M_next [B,H,V,K]); g [B,H,b] = cumsum of log alpha in the chunk."""
+    cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, b, K, V)
+    for B, H, b, K, V in cases:
+        q, k, v = random_qkv(B, H, b, K, V, generator=gen)
+        alpha = random_gate(B, H, b, low=0.5, generator=gen)
         M = torch.randn(B, H, V, K, generator=gen)
         g = torch.log(alpha).cumsum(dim=-1)
         o_ref, M_ref = reference(q, k, v, alpha, M)
-        with case(f"B={B}, H={H}, chunk length n={n}, K={K}, V={V}"):
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}"):
             o, M_next = unpack(call(fn, *clones(M, q, k, v, g)), ("o", "M_next"))
             compare("o", o, o_ref, TOL)
             compare("M_next", M_next, M_ref, TOL)
@@ -174,18 +174,18 @@ def triton_setup(cpu_tol: float, gpu_tol: float = 5e-3) -> tuple[str, float]:
                   functions=("state_update",),
                   forbidden=("atlaslib.linear.chunk.chunk_step",), needs_launch=True)
 def triton_state_update(fn, gen):
-    """fn(M [N,V,K], k [N,n,K], v [N,n,V], g [N,n], out [N,V,K]) -> out = e^{g_last} M + (v e^{g_last-g})^T k."""
+    """fn(M [N,V,K], k [N,b,K], v [N,b,V], g [N,b], out [N,V,K]) -> out = e^{g_last} M + (v e^{g_last-g})^T k."""
     device, tol = triton_setup(TOL)
-    cases = [(2, 5, 6, 3), (1, 16, 16, 16), (3, 11, 20, 9), (1, 1, 4, 4)]   # (N, n, K, V): odd sizes on purpose
-    for N, n, K, V in cases:
-        q, k, v = random_qkv(N, 1, n, K, V, generator=gen)
-        alpha = random_gate(N, 1, n, low=0.5, generator=gen)
+    cases = [(2, 5, 6, 3), (1, 16, 16, 16), (3, 11, 20, 9), (1, 1, 4, 4)]   # (N, b, K, V): odd sizes on purpose
+    for N, b, K, V in cases:
+        q, k, v = random_qkv(N, 1, b, K, V, generator=gen)
+        alpha = random_gate(N, 1, b, low=0.5, generator=gen)
         M = torch.randn(N, 1, V, K, generator=gen)
         _, M_ref = reference(q, k, v, alpha, M)
         g = torch.log(alpha).cumsum(dim=-1)
         ins = [guarded(x[:, 0].to(device)) for x in (M, k, v, g)]
         out = guarded_output((N, V, K), device=device)
-        with case(f"N={N}, n={n}, K={K}, V={V}"):
+        with case(f"N={N}, b={b}, K={K}, V={V}"):
             call(fn, *ins, out)
             if device == "cuda":
                 torch.cuda.synchronize()

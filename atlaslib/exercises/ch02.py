@@ -80,7 +80,7 @@ def corrected_values(M0, k, v, beta, alpha):
     q_next = torch.cat([k[:, :, 1:], k[:, :, :1]], dim=2)
     y, _ = recurrent(q_next, k, v, beta, alpha, initial_state=M0)
     first = torch.einsum("bhvk,bhk->bhv", M0, k[:, :, 0])[:, :, None]
-    previous_reads = torch.cat([first, y[:, :, :-1]], dim=2)          # M_{t-1} k_t, t = 1..n
+    previous_reads = torch.cat([first, y[:, :, :-1]], dim=2)          # M_{t-1} k_t, t = 1..b
     return beta[..., None] * (v - alpha[..., None] * previous_reads)
 
 
@@ -88,21 +88,21 @@ def corrected_values(M0, k, v, beta, alpha):
                   functions=("ut_solve",),
                   forbidden=DELTA_RULE + CHUNK_FORMS)
 def ut_solve(fn, gen):
-    """fn(M0 [B,H,V,K], k [B,H,n,K], v [B,H,n,V], beta [B,H,n], alpha [B,H,n]) -> U [B,H,n,V]."""
-    cases = [  # (B, H, n, K, V, lowest gate)
+    """fn(M0 [B,H,V,K], k [B,H,b,K], v [B,H,b,V], beta [B,H,b], alpha [B,H,b]) -> U [B,H,b,V]."""
+    cases = [  # (B, H, b, K, V, lowest gate)
         (2, 2, 1, 5, 3, 0.5),
         (1, 2, 6, 6, 4, 0.5),
         (2, 1, 9, 7, 5, 1.0),       # gates exactly 1: DeltaNet
         (1, 1, 16, 16, 8, 0.3),
-        (1, 3, 12, 4, 6, 0.8),      # n > K: the keys are linearly dependent
+        (1, 3, 12, 4, 6, 0.8),      # b > K: the keys are linearly dependent
     ]
-    for B, H, n, K, V, low in cases:
-        _, k, v = random_qkv(B, H, n, K, V, generator=gen)
-        beta = random_beta(B, H, n, gen)
-        alpha = random_gate(B, H, n, low=low, generator=gen)
+    for B, H, b, K, V, low in cases:
+        _, k, v = random_qkv(B, H, b, K, V, generator=gen)
+        beta = random_beta(B, H, b, gen)
+        alpha = random_gate(B, H, b, low=low, generator=gen)
         M0 = torch.randn(B, H, V, K, generator=gen)
         U_ref = corrected_values(M0, k, v, beta, alpha)
-        with case(f"B={B}, H={H}, chunk length n={n}, K={K}, V={V}, gates in [{low}, 1]"):
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, gates in [{low}, 1]"):
             compare("U", call(fn, *clones(M0, k, v, beta, alpha)), U_ref, TOL)
     return f"U matches the per-token corrected values on {len(cases)} random chunks"
 
@@ -174,22 +174,22 @@ def kda_beta(prox_fn, beta_fn, gen):
                   functions=("chunk_matrix",),
                   forbidden=("atlaslib.delta.chunk.decayed_products",), needs_launch=True)
 def triton_chunk_matrix(fn, gen):
-    """fn(k [N,n,K], beta [N,n], g [N,n], out [N,n,n]) -> out = tril(beta_t e^{g_t - g_j} k_t.k_j, -1)."""
+    """fn(k [N,b,K], beta [N,b], g [N,b], out [N,b,b]) -> out = tril(beta_t e^{g_t - g_j} k_t.k_j, -1)."""
     device = triton_device()
     if device == "cpu" and not interpreter_on():
         raise CheckFailed("no GPU and no Triton interpreter: set os.environ['TRITON_INTERPRET'] = '1' before "
                           "importing triton (the notebook's set-up cell does), then restart the kernel")
     tol = TOL if device == "cpu" else 5e-3      # on a GPU, tf32 matmuls are allowed
-    cases = [(2, 5, 6, 0.5), (1, 16, 16, 0.5), (3, 11, 20, 0.3), (1, 1, 4, 0.5), (2, 7, 3, 1.0)]  # (N, n, K, low)
-    for N, n, K, low in cases:
-        _, k, _ = random_qkv(N, 1, n, K, 1, generator=gen)
-        beta = random_beta(N, 1, n, gen)
-        g = torch.log(random_gate(N, 1, n, low=low, generator=gen)).cumsum(dim=-1)
+    cases = [(2, 5, 6, 0.5), (1, 16, 16, 0.5), (3, 11, 20, 0.3), (1, 1, 4, 0.5), (2, 7, 3, 1.0)]  # (N, b, K, low)
+    for N, b, K, low in cases:
+        _, k, _ = random_qkv(N, 1, b, K, 1, generator=gen)
+        beta = random_beta(N, 1, b, gen)
+        g = torch.log(random_gate(N, 1, b, low=low, generator=gen)).cumsum(dim=-1)
         _, L, *_ = decayed_products(k, k, g)             # strictly lower e^{g_t - g_j} k_t.k_j
         A_ref = (beta[..., None] * L)[:, 0]
         ins = [guarded(x[:, 0].to(device)) for x in (k, beta, g)]
-        out = guarded_output((N, n, n), device=device)
-        with case(f"N={N}, n={n}, K={K}, gates in [{low}, 1]"):
+        out = guarded_output((N, b, b), device=device)
+        with case(f"N={N}, b={b}, K={K}, gates in [{low}, 1]"):
             call(fn, *ins, out)
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -207,9 +207,9 @@ def wy_solve_reference(L, beta, Z, dX):
 
     L enters through its strictly lower part only (tril(L, -1)), so dL is zero on and above the diagonal.
     """
-    n = L.shape[-1]
+    b = L.shape[-1]
     L64, beta64, Z64 = (x.double().requires_grad_(True) for x in (L, beta, Z))
-    system = torch.eye(n, dtype=torch.float64) + beta64[..., None] * L64.tril(-1)
+    system = torch.eye(b, dtype=torch.float64) + beta64[..., None] * L64.tril(-1)
     X = torch.linalg.solve_triangular(system, Z64, upper=False, unitriangular=True)
     grads = torch.autograd.grad((X * dX.double()).sum(), (L64, beta64, Z64))
     return tuple(g.float() for g in grads)
@@ -219,23 +219,23 @@ def wy_solve_reference(L, beta, Z, dX):
                   functions=("wy_solve_backward",),
                   forbidden=("torch.autograd.grad", "torch.autograd.backward"))
 def wy_backward(fn, gen):
-    """fn(L [B,H,n,n] strictly lower, beta [B,H,n], Z [B,H,n,D], dX [B,H,n,D]) -> (dL, dbeta, dZ)."""
-    cases = [  # (B, H, n, K of the keys behind L, D columns, lowest gate)
+    """fn(L [B,H,b,b] strictly lower, beta [B,H,b], Z [B,H,b,D], dX [B,H,b,D]) -> (dL, dbeta, dZ)."""
+    cases = [  # (B, H, b, K of the keys behind L, D columns, lowest gate)
         (2, 2, 1, 4, 3, 0.5),       # one token: L is empty, X = Z
         (1, 2, 6, 8, 4, 0.5),
         (2, 1, 9, 5, 12, 1.0),      # more columns than tokens; gates exactly 1 (DeltaNet)
         (1, 1, 16, 16, 8, 0.3),
-        (1, 3, 12, 4, 6, 0.8),      # n > K: the keys are linearly dependent
+        (1, 3, 12, 4, 6, 0.8),      # b > K: the keys are linearly dependent
     ]
-    for B, H, n, K, D, low in cases:
-        _, k, _ = random_qkv(B, H, n, K, 1, generator=gen)
-        g = torch.log(random_gate(B, H, n, low=low, generator=gen)).cumsum(dim=-1)
+    for B, H, b, K, D, low in cases:
+        _, k, _ = random_qkv(B, H, b, K, 1, generator=gen)
+        g = torch.log(random_gate(B, H, b, low=low, generator=gen)).cumsum(dim=-1)
         _, L, *_ = decayed_products(k, k, g)                       # tril(Gamma * K K^T, -1), as in the chunk
-        beta = 2 * torch.rand(B, H, n, generator=gen)              # beta in [0, 2]
-        Z = torch.randn(B, H, n, D, generator=gen)
-        dX = torch.randn(B, H, n, D, generator=gen)
+        beta = 2 * torch.rand(B, H, b, generator=gen)              # beta in [0, 2]
+        Z = torch.randn(B, H, b, D, generator=gen)
+        dX = torch.randn(B, H, b, D, generator=gen)
         dL_ref, dbeta_ref, dZ_ref = wy_solve_reference(L, beta, Z, dX)
-        with case(f"B={B}, H={H}, chunk length n={n}, K={K}, D={D} columns, beta in [0, 2]"):
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, D={D} columns, beta in [0, 2]"):
             dL, dbeta, dZ = unpack(call(fn, *clones(L, beta, Z, dX)), ("dL", "dbeta", "dZ"))
             compare("dZ", dZ, dZ_ref, TOL)
             compare("dL", dL, dL_ref, TOL)

@@ -132,42 +132,42 @@ def titans_parts():
                   functions=("momentum_chunk",),
                   forbidden=("atlaslib.miras.miras", "atlaslib.miras.titans_linear_chunk"))
 def momentum_chunk(fn, gen):
-    """fn(M0 [N,V,K], S0 [N,V,K], G [N,n,V,K], alpha [N,n], theta [N,n], eta [N,n]) -> (M [N,n,V,K], S_n [N,V,K]).
+    """fn(M0 [N,V,K], S0 [N,V,K], G [N,b,V,K], alpha [N,b], theta [N,b], eta [N,b]) -> (M [N,b,V,K], S_b [N,V,K]).
 
     The chunk's gradients G are given (frozen at the chunk start); the reference runs the
     library's optimizer and retention token by token: S_t = theta_t S_{t-1} - eta_t G_t,
     M_t = alpha_t M_{t-1} + S_t.
     """
     opt, ret = titans_parts()
-    # (N, n, V, K, momentum decay range); the last chunk's cumulative products underflow fp32
+    # (N, b, V, K, momentum decay range); the last chunk's cumulative products underflow fp32
     # (theta <= 0.2 over 48 tokens), where quotients of cumulative products give 0/0
     cases = [(2, 5, 3, 4, 0.3, 1.0), (1, 16, 4, 4, 0.05, 1.0), (3, 1, 2, 5, 0.5, 1.0), (2, 9, 6, 2, 0.8, 1.0),
              (1, 48, 3, 3, 0.02, 0.2)]
-    for N, n, V, K, low, high in cases:
+    for N, b, V, K, low, high in cases:
         M0 = torch.randn(N, V, K, generator=gen)
         S0 = torch.randn(N, V, K, generator=gen)
-        G = torch.randn(N, n, V, K, generator=gen)
-        alpha = random_gate(N, 1, n, low=max(low, 0.5), generator=gen)[:, 0]
-        theta = random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]
-        eta = 0.1 + 0.9 * torch.rand(N, n, generator=gen)
+        G = torch.randn(N, b, V, K, generator=gen)
+        alpha = random_gate(N, 1, b, low=max(low, 0.5), generator=gen)[:, 0]
+        theta = random_gate(N, 1, b, low=low, high=high, generator=gen)[:, 0]
+        eta = 0.1 + 0.9 * torch.rand(N, b, generator=gen)
         M, S, states = {"M": M0}, {"M": S0}, []
-        for t in range(n):                                        # the per-token definition
+        for t in range(b):                                        # the per-token definition
             u, S = opt.step(S, {"M": G[:, t]}, eta[:, t], theta[:, t])
             M = ret.combine(M, u, alpha[:, t])
             states.append(M["M"])
         M_ref, S_ref = torch.stack(states, dim=1), S["M"]
-        with case(f"N={N}, chunk n={n}, V={V}, K={K}, momentum decay theta in [{low}, {high}]"):
-            got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_n"))
+        with case(f"N={N}, chunk b={b}, V={V}, K={K}, momentum decay theta in [{low}, {high}]"):
+            got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_b"))
             check_shape("M", got_M, M_ref.shape)
-            check_shape("S_n", got_S, S_ref.shape)
-            for name, got in (("M", got_M), ("S_n", got_S)):
+            check_shape("S_b", got_S, S_ref.shape)
+            for name, got in (("M", got_M), ("S_b", got_S)):
                 if got.is_floating_point() and got.isnan().any():
                     raise CheckFailed(f"{name} is NaN at {int(got.isnan().sum())} entries where the memories are "
                                       "finite: a division by zero (0/0). Over this chunk the cumulative products of "
                                       "the gates underflow fp32 to 0, so their quotients are 0/0: build the ratios "
                                       "as exp of differences of cumulative log-gates, masked before the exponential")
             compare("M", got_M, M_ref, TOL)
-            compare("S_n", got_S, S_ref, TOL)
+            compare("S_b", got_S, S_ref, TOL)
     return f"all the chunk's memories and its final momentum match the per-token recursion on {len(cases)} chunks"
 
 
@@ -180,19 +180,19 @@ OVERFLOW_HINT = (" With gates this strong, NaN also comes from inf * 0: exp(l_t 
 @EXERCISES.check("triton_decay_product", title="A Triton kernel for the momentum weights D_alpha D_theta", points=3,
                   functions=("decay_product",), needs_launch=True)
 def triton_decay_product(fn, gen):
-    """fn(la [N,n], lb [N,n], out [N,n,n]) -> out = D_alpha D_theta: D_alpha[t, m] = exp(la_t - la_m) for m <= t,
+    """fn(la [N,b], lb [N,b], out [N,b,b]) -> out = D_alpha D_theta: D_alpha[t, m] = exp(la_t - la_m) for m <= t,
     else 0, and D_theta likewise from lb."""
     device, tol = triton_setup(TOL)
-    # (N, n, gates in [low, high]); the last case's cumulative products underflow fp32 (A_t < 1e-45)
+    # (N, b, gates in [low, high]); the last case's cumulative products underflow fp32 (A_t < 1e-45)
     cases = [(2, 5, 0.5, 1.0), (1, 16, 0.8, 1.0), (3, 11, 0.3, 1.0), (1, 1, 0.5, 1.0), (2, 30, 0.001, 0.05)]
-    for N, n, low, high in cases:
-        la = torch.log(random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
-        lb = torch.log(random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
-        causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for N, b, low, high in cases:
+        la = torch.log(random_gate(N, 1, b, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
+        lb = torch.log(random_gate(N, 1, b, low=low, high=high, generator=gen)[:, 0]).cumsum(-1)
+        causal = torch.ones(b, b, dtype=torch.bool).tril()
         ref = causal_decay(la[None], causal)[0] @ causal_decay(lb[None], causal)[0]
         ins = [guarded(x.contiguous().to(device)) for x in (la, lb)]
-        out = guarded_output((N, n, n), device=device)
-        with case(f"N={N}, n={n}, gates in [{low}, {high}]"):
+        out = guarded_output((N, b, b), device=device)
+        with case(f"N={N}, b={b}, gates in [{low}, {high}]"):
             call(fn, *ins, out)
             if device == "cuda":
                 torch.cuda.synchronize()
