@@ -48,7 +48,7 @@ def test_polar_is_the_nearest_semi_orthogonal_matrix(gen):
 
 
 # Measured (fp64, 16 x 32, singular values log-spaced over a condition number of 100, any seed):
-# |NS_k(G) - U V^T|_max < 1e-5 from k = 16 (cubic) and k = 10 (quintic); 11 / 7 at condition
+# |NS_J(G) - U V^T|_max < 1e-5 from J = 16 (cubic) and J = 10 (quintic); 11 / 7 at condition
 # 10, 21 / 14 at 1000. The tests take a few steps of margin, and check that far fewer do not suffice.
 @pytest.mark.parametrize("coeffs, enough, too_few", [("cubic", 20, 10), ("quintic", 13, 6),
                                                      ((1.5, -0.5), 20, 10), ((15 / 8, -10 / 8, 3 / 8), 13, 6)])
@@ -146,7 +146,7 @@ def test_newton_schulz_bad_input(kwargs, error, match):
 # ---------------------------------------------------------------------------- ATLAS: the per-token rule
 
 def make_inputs(gen, B=1, H=2, T=37, K=6, V=5, *, window=1, gmode=None, h0=True, dtype=F64):
-    """Unit keys; eta in [0.05, 0.3] (NS_k(S) has norm about 1 whatever S is, so this is the step);
+    """Unit keys; eta in [0.05, 0.3] (NS_J(S) has norm about 1 whatever S is, so this is the step);
     alpha in [0.6, 1], theta in [0, 0.9]; an initial memory and momentum."""
     q, k, v = random_qkv(B, H, T, K, V, dtype=dtype, generator=gen)
     gamma = None

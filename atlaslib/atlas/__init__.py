@@ -45,7 +45,7 @@ NO_KERNEL = ("the Triton kernel (Newton-Schulz on the momenta) serves memory='li
 
 def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5,
                  ns_coeffs: Coefficients = "muon") -> MirasConfig:
-    """ATLAS as a MIRAS configuration: l2 bias, decay after the gradient, Muon with NS_k.
+    """ATLAS as a MIRAS configuration: l2 bias, decay after the gradient, Muon with NS_J.
 
     ``atlaslib.miras.miras(q, k, v, config=atlas_config(), ...)`` runs the same model as
     ``atlas(q, k, v, memory="residual", ...)``. [A] gives no window length c (it sweeps it).
@@ -104,10 +104,10 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
 
         ∇_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
         S_t = theta_t S_{t-1} + ∇_t
-        M_t = alpha_t M_{t-1} - eta_t NS_k(S_t),        y_t = M_t(phi(q_t))
+        M_t = alpha_t M_{t-1} - eta_t NS_J(S_t),        y_t = M_t(phi(q_t))
 
     l2(M; k, v) = 1/2 ||M(k) - v||^2. For a deep memory every weight matrix has its own
-    momentum and NS_k is applied to each. eta sits outside NS, which normalises its input (a
+    momentum and NS_J is applied to each. eta sits outside NS, which normalises its input (a
     step inside S would be erased). [A] Table 1 writes S = theta S - grad with M = alpha M -
     eta NS(S): gradient *ascent*; [A] App. D and MIRAS drop the outer eta (book/errata.md).
 
@@ -117,10 +117,10 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
         gamma: window gates in [0, 1], [B, H, T] per source token or [B, H, T, window] per offset,
             as in ``atlaslib.omega.omega_rule`` (None: ones).
         alpha: retention in [0, 1], [B, H, T] or a number (None: 1); or ``log_alpha`` (<= 0).
-        eta: outer step >= 0, [B, H, T] or a number (None: 1). NS_k(S) has singular values near
+        eta: outer step >= 0, [B, H, T] or a number (None: 1). NS_J(S) has singular values near
             1 whatever the size of S, so eta is the step's size in the spectral norm.
         theta: momentum decay in [0, 1], [B, H, T] or a number (None: 0, no momentum carried).
-        ns_steps: k >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
+        ns_steps: J >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
             outside the momentum, or with theta = 0 the Omega rule, book ch. 5).
         ns_coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
             "quintic" (both converge to the polar factor U V^T) or a tuple (a, b[, c]).

@@ -107,7 +107,7 @@ def timed_newton_schulz(device: str = "cpu"):
 
 def ns_share(s: BenchShape, window: int = 1, repeats: int = 3) -> float:
     """Share of the chunk form's time spent in Newton–Schulz (k = ``NS_STEPS``) at shape ``s``: the
-    median over ``repeats`` calls, after one warm-up call, of (time in NS_k) / (time of the call)."""
+    median over ``repeats`` calls, after one warm-up call, of (time in NS_J) / (time of the call)."""
     call = atlas_builder(window)(s, torch.Generator().manual_seed(0))
     shares = []
     with torch.no_grad():

@@ -9,12 +9,12 @@ chunk is four steps:
 1. **Frozen errors.** E = Phi_K,win M_{t0}^T - V_win for all b + c - 1 window rows at once.
 2. **All b momenta by one masked matmul.** The momentum recursion no longer depends on
    the memory, so it unrolls:
-       S_t = B_t S_{t0} + sum_{i <= t} (B_t / B_i) sum_r Gamma[i, r] e_r phi(k_r)^T,
-   with B_t = theta_{t0+1} ... theta_t and Gamma the chunk's b x (b + c - 1) band of window
-   gates. W = D_theta Gamma (D_theta[t, i] = B_t / B_i for i <= t) weighs row r in S_t.
-3. **Newton–Schulz on the batch.** NS_k(S_t) for the b matrices as one batched call: the
+       S_t = Theta_t S_{t0} + sum_{i <= t} (Theta_t / Theta_i) sum_r Gamma[i, r] e_r phi(k_r)^T,
+   with Theta_t = theta_{t0+1} ... theta_t and Gamma the chunk's b x (b + c - 1) band of window
+   gates. W = D_theta Gamma (D_theta[t, i] = Theta_t / Theta_i for i <= t) weighs row r in S_t.
+3. **Newton–Schulz on the batch.** NS_J(S_t) for the b matrices as one batched call: the
    step that is not linear, and the reason the b momenta are materialised.
-4. **A linear scan for M.** M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i),
+4. **A linear scan for M.** M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_J(S_i),
    with A_t = alpha_{t0+1} ... alpha_t, one more masked matmul; y_t = M_t phi(q_t).
 
 Decay ratios are exp(g_t - g_i) of log-gates accumulated from the chunk start, masked
@@ -71,20 +71,20 @@ def atlas_chunk(q, k, v, window=1, G=None, alpha=None, eta=None, theta=None, ns_
         K_win, V_win = k_win_all[:, :, s:e + c - 1], v_win_all[:, :, s:e + c - 1]    # [B, H, n + c - 1, .]
         # 1. errors of every window row at the chunk-start memory
         E = K_win @ M.transpose(-1, -2) - V_win                                # [B, H, R, V]
-        # 2. all n momenta: S_t = B_t S_{t0} + sum_r W[t, r] e_r phi(k_r)^T, W = D_theta Gamma
+        # 2. all n momenta: S_t = Theta_t S_{t0} + sum_r W[t, r] e_r phi(k_r)^T, W = D_theta Gamma
         Gamma = band_gates(G[:, :, s:e], c)                                     # [B, H, n, R]
         if h is None:                                                          # theta = 0: nothing carried
             S_all = torch.einsum("btr,brv,brd->btvd", Gamma.flatten(0, 1), E.flatten(0, 1),
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
         else:
-            D_theta, B_cum = chunk_decay(h[:, :, s:e])
+            D_theta, Theta = chunk_decay(h[:, :, s:e])
             W = D_theta @ Gamma
             S_all = torch.einsum("btr,brv,brd->btvd", W.flatten(0, 1), E.flatten(0, 1),
                                  K_win.flatten(0, 1)).view(B, H, n, V, D)
-            S_all = S_all + B_cum[..., None, None] * S[:, :, None]
+            S_all = S_all + Theta[..., None, None] * S[:, :, None]
         # 3. Newton-Schulz on the batch of n momenta (each [V, D] matrix on its own)
         U = ns(S_all, ns_steps, ns_coeffs)
-        # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_k(S_i)
+        # 4. M_t = A_t M_{t0} - sum_{i <= t} (A_t / A_i) eta_i NS_J(S_i)
         if ga is None:
             D_alpha, A = torch.ones(n, n, dtype=cd, device=q.device).tril(), None
         else:

@@ -1,15 +1,15 @@
 """The GPU kernel: Newton–Schulz on a batch of momenta, one program per matrix.
 
 The chunk form (``chunk.py``) materialises a chunk's b momenta S_t [V, D] and orthogonalises
-them as one batch; everything else in it is a handful of masked matmuls. NS_k is k rounds of
+them as one batch; everything else in it is a handful of masked matmuls. NS_J is J rounds of
 three small matrix products per matrix plus a normalisation, and as separate PyTorch calls
-that is 3k + 3 kernel launches over tensors that fit in one program's registers. Here one
-program holds one whole matrix and runs all k steps on it:
+that is 3J + 3 kernel launches over tensors that fit in one program's registers. Here one
+program holds one whole matrix and runs all J steps on it:
 
     b_x = X / (||X||_F + eps)                       (the matrix, transposed when tall: rows <= cols)
-    repeat k times:  b_A = b_x b_x^T,   b_x = p0 b_x + (p1 b_A + p2 b_A b_A) b_x
+    repeat J times:  b_A = b_x b_x^T,   b_x = p0 b_x + (p1 b_A + p2 b_A b_A) b_x
 
-with (p0, p1, p2) the polynomial's coefficients, (a, b, c) in ``core.newton_schulz``.
+with (p0, p1, p2) the polynomial's coefficients.
 
 The transpose costs nothing: the host swaps the row and column strides. Tiles are powers of
 two of at least 16 (what tl.dot takes), padded with zeros, which change neither the norm nor
@@ -19,7 +19,7 @@ momenta when q, k, v are bf16), where they are TF32, on tensor cores.
 
 Limits, from builds for sm_80 and sm_90 (``atlaslib.aot``'s ``build``, ptxas's resource report):
 the longer side <= ``MAX_SIDE`` = 128 and the shorter (the Gram matrix's) <= ``MAX_SHORT_SIDE`` = 64,
-at most three coefficients (a, b, c). A program holds the matrix, its Gram matrix and the
+at most three coefficients (p0, p1, p2). A program holds the matrix, its Gram matrix and the
 polynomial in registers: at 64 x 64 and 64 x 128 that takes 16 warps (with 4 warps 64 x 64
 spills about 1 KB a thread), while 128 x 128 spills tens of KB a thread at any warp count
 (128 KB of shared memory, too): those momenta are left to the chunk form's batched matmuls.
@@ -117,7 +117,7 @@ def newton_schulz_triton(G: torch.Tensor, ns_steps: int = 5, ns_coeffs="muon",
     ns_steps = check_ns_steps(ns_steps)
     poly = ns_coefficients(ns_coeffs)
     if len(poly) > 3:
-        raise ValueError(f"the Newton-Schulz kernel takes at most three coefficients (a, b, c), got {len(poly)}")
+        raise ValueError(f"the Newton-Schulz kernel takes at most three coefficients (p0, p1, p2), got {len(poly)}")
     p0, p1, p2 = poly + (0.0,) * (3 - len(poly))
     m, n = G.shape[-2:]
     if max(m, n) > MAX_SIDE or min(m, n) > MAX_SHORT_SIDE:

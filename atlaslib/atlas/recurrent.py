@@ -7,11 +7,11 @@ orthogonalisation:
     ∇_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
         = sum_i gamma_i^{(t)} (M_{t-1} phi(k_i) - v_i) phi(k_i)^T          (the Omega window)
     S_t = theta_t S_{t-1} + ∇_t                                          (momentum on raw gradients)
-    M_t = alpha_t M_{t-1} - eta_t NS_k(S_t)                              (eta outside NS)
+    M_t = alpha_t M_{t-1} - eta_t NS_J(S_t)                              (eta outside NS)
     y_t = M_t phi(q_t)                                                   (read out after the update)
 
 with l2(M; k, v) = 1/2 ||M k - v||^2. Newton–Schulz normalises its input, so a step size
-placed inside S (as Titans does) would be erased: eta multiplies NS_k(S_t). With k = 0
+placed inside S (as Titans does) would be erased: eta multiplies NS_J(S_t). With J = 0
 (``ns_steps=0``, NS_0 = identity) the rule is momentum with eta outside the buffer; with
 theta = 0 as well it is the Omega rule (``atlaslib.omega.omega_rule``); see book ch. 5
 for the exact reductions to Titans, the delta rule and OmegaNet.

@@ -6,10 +6,10 @@ Newton–Schulz reaches it (or comes near it) with matrix products only, which i
 runs well on a GPU where an SVD does not:
 
     X_0     = G / (||G||_F + eps)                      (all singular values now in [0, 1])
-    X_{j+1} = p(X_j X_j^T) X_j,   p(A) = a I + b A + c A^2 + ...
+    X_{j+1} = p(X_j X_j^T) X_j,   p(A) = p0 I + p1 A + p2 A^2 + ...
 
 An odd polynomial x -> x p(x^2) acts on each singular value separately and leaves the
-singular vectors alone, so k steps give U f_k(Σ) V^T with f_k the k-fold composition.
+singular vectors alone, so J steps give U f_J(Σ) V^T with f_J the J-fold composition.
 The coefficient sets (``COEFFICIENTS``):
 
     "cubic"    (3/2, -1/2)            the classical iteration; converges to 1, slowly from near 0
@@ -21,7 +21,7 @@ The coefficient sets (``COEFFICIENTS``):
                value is still about 0.37 after 5 steps and enters the band at the sixth (book ch. 5).
                Do not expect U V^T from it.
 
-A user tuple (a, b[, c, ...]) gives p's coefficients in the same order.
+A user tuple (p0, p1[, p2, ...]) gives p's coefficients in the same order.
 
 Conventions taken from Muon: eps = 1e-7 in the pre-normalisation; a matrix with more rows
 than columns is transposed first (so that X X^T is the smaller Gram matrix) and back at the
@@ -65,7 +65,7 @@ def ns_coefficients(ns_coeffs) -> tuple:
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in COEFFICIENTS:
             raise ValueError(f"ns_coeffs must be one of {sorted(COEFFICIENTS)} or a tuple (a, b[, c]) of the "
-                             f"polynomial p(A) = a I + b A + c A^2, got {ns_coeffs!r}")
+                             f"polynomial p(A) = p0 I + p1 A + p2 A^2, got {ns_coeffs!r}")
         return COEFFICIENTS[ns_coeffs]
     if not isinstance(ns_coeffs, (tuple, list)) or len(ns_coeffs) == 0:
         raise TypeError(f"ns_coeffs must be a name ({', '.join(sorted(COEFFICIENTS))}) or a non-empty tuple "
@@ -92,11 +92,11 @@ def _check_matrix(name, G):
 
 def newton_schulz(G: torch.Tensor, ns_steps: int = 5, ns_coeffs="muon",
                   dtype: torch.dtype | None = None) -> torch.Tensor:
-    """NS_k(G): ``ns_steps`` Newton–Schulz steps on every matrix [..., m, n] of G (see the module docstring).
+    """NS_J(G): ``ns_steps`` Newton–Schulz steps on every matrix [..., m, n] of G (see the module docstring).
 
     Args:
         G: [..., m, n], any leading batch dims.
-        ns_steps: k >= 0; 0 returns G itself (no normalisation either).
+        ns_steps: J >= 0; 0 returns G itself (no normalisation either).
         ns_coeffs: "muon" (default), "cubic", "quintic", or a tuple (a, b[, c, ...]).
         dtype: the arithmetic's dtype. None: fp32, or fp64 for fp64 input. torch.bfloat16 runs
             it as Muon does.

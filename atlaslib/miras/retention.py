@@ -22,8 +22,8 @@ regularisation; its closed form W_t = c Softmax(beta_t log W_{t-1} - eta_t grad)
 eq 31, book ch. 3 §5, the softmax over *all* entries of each matrix) is computed in the
 log domain: softmax is shift-invariant, so the logits Z_t = alpha_t Z_{t-1} - eta_t grad_t
 give exactly the same W_t, and the recursion on Z is linear (what the chunk form needs).
-lq is Moneta's normalisation: a linear accumulator A_t = beta_t A_{t-1} - eta_t grad, read
-as W_t = A_t / ||A_t||_q^(q-2) with the entrywise q-norm of each whole matrix ([M] eq 8;
+lq is Moneta's normalisation: a linear accumulator Z_t = alpha_t Z_{t-1} - eta_t grad ([M]'s A_t), read
+as W_t = Z_t / ||Z_t||_q^(q-2) with the entrywise q-norm of each whole matrix ([M] eq 8;
 [M] Table 1 writes ||A||_2^2; q > 2 lies outside the range where it follows from a
 retention, so it is a heuristic, book ch. 3 §5). elastic is the learning-retaining closed
 form of the elastic net, W_t = S_gamma(lambda W_{t-1} - zeta grad) ([M] eq 32) with
@@ -114,22 +114,22 @@ SUBSCRIPT, SUPERSCRIPT = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇�
 
 class Lq(Retention):
     name = "lq"
-    formula = "ℓq normalisation, q={cfg.lq:g}: W = A / ‖A‖_q^(q−2)"
+    formula = "ℓq normalisation, q={cfg.lq:g}: W = Z / ‖Z‖_q^(q−2)"
     identity_read = False
     scalar_read = True          # W = Z / nu(Z) with a scalar nu per matrix: readouts can use the dual form
 
     @classmethod
     def describe(cls, cfg) -> str:
-        """With a whole q the norm is written as the other rows write theirs: q = 4 gives W = A / ‖A‖₄²."""
+        """With a whole q the norm is written as the other rows write theirs: q = 4 gives W = Z / ‖Z‖₄²."""
         q = cfg.lq
         if not (float(q).is_integer() and q >= 2):
             return super().describe(cfg)
         q = int(q)
-        return f"ℓq normalisation, q={q}: W = A / ‖A‖{str(q).translate(SUBSCRIPT)}{str(q - 2).translate(SUPERSCRIPT)}"
+        return f"ℓq normalisation, q={q}: W = Z / ‖Z‖{str(q).translate(SUBSCRIPT)}{str(q - 2).translate(SUPERSCRIPT)}"
 
     def divisor(self, a):
-        """nu = ||A||_q^(q-2) over each matrix (last two dims), keepdim. The floor on ||A||_q keeps
-        A = 0 -> W = 0 (no 0/0); W is singular there for q > 3 anyway (it scales like ||A||^(3-q))."""
+        """nu = ||Z||_q^(q-2) over each matrix (last two dims), keepdim. The floor on ||Z||_q keeps
+        Z = 0 -> W = 0 (no 0/0); W is singular there for q > 3 anyway (it scales like ||Z||^(3-q))."""
         q = self.cfg.lq
         norm = torch.linalg.vector_norm(a, ord=q, dim=(-2, -1), keepdim=True)
         return norm.clamp_min(torch.finfo(a.dtype).tiny ** (1.0 / q)).pow(q - 2.0)
