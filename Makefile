@@ -32,7 +32,7 @@ help:
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
-	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study and the filler check (about 1 h 15 min on 2 cores; resumes)"
+	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study, the filler and the caching checks (about 1 h 20 min on 2 cores; resumes)"
 	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90 without a GPU, registers included (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: every kernel against its chunk form, then bench --vs fla (results/gpu_bench.json)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
@@ -86,11 +86,11 @@ lab: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m atlaslib.bench
 
-# Chapter 8's three sweeps, each as two shards of one thread on the two cores (results/mqar_<size>.rank{0,1}.jsonl,
+# Chapter 8's four sweeps, each as two shards of one thread on the two cores (results/mqar_<size>.rank{0,1}.jsonl,
 # merged into results/mqar_<size>.jsonl), then their reports. Cells already on file are skipped.
 EXPERIMENT = OMP_NUM_THREADS=1 $(PY) -m atlaslib.experiments
 experiments: $(STAMP)
-	for e in "mqar --size small" "inversion" "filler"; do \
+	for e in "mqar --size small" "inversion" "filler" "caching"; do \
 	  $(EXPERIMENT) $$e --shard 0/2 --no-progress & \
 	  $(EXPERIMENT) $$e --shard 1/2; s1=$$?; wait $$!; s0=$$?; \
 	  [ $$s0 = 0 ] && [ $$s1 = 0 ] && $(EXPERIMENT) $$e --merge && $(EXPERIMENT) $$e --report || exit 1; \

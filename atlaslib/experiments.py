@@ -7,6 +7,7 @@ and the study of why chapter 2's ranking came out inverted.
     python -m atlaslib.experiments mqar --size small --report        # the leaderboard
     python -m atlaslib.experiments inversion                         # chapter 2's setting, one knob at a time
     python -m atlaslib.experiments filler                            # the small grid's 8 pairs, token-0 filler
+    python -m atlaslib.experiments caching                           # Memory Caching's row with three seeds
 
 The grid is (sequence length, key-value pairs, d_model) x mixer x learning rate x seed, every
 cell one ``train_mqar`` run of a ``TinyLM``. After every run one JSON line is appended to the
@@ -24,7 +25,8 @@ Time, measured on this project's 2-core CPU machine with two shards of one threa
 shared the machine for part of it; without them, about 34 min. ATLAS++ is the slowest mixer by far
 (300-460 s a run in that sweep; 245-270 s when its six cells were rerun alone, 26 min summed, after its
 W_0 became a learned parameter), against 4-7 s for most matrix memories. ``inversion`` (42 runs of chapter 2's
-model, 500-2000 steps) took 28 min, 50 min summed. ``filler`` (42 runs) took 14 min summed.
+model, 500-2000 steps) took 28 min, 50 min summed. ``filler`` (42 runs) took 14 min summed. ``caching`` (24
+runs) took 4.6 min summed; its seed-0 runs of the board's two mixers reproduced the board's accuracies exactly.
 """
 from __future__ import annotations
 
@@ -238,6 +240,39 @@ def inversion_table(records: list[dict]) -> list[dict]:
 FILLER_SKIP = ("moneta", "memora", "atlas++", "mag", "mal")
 
 
+# The caching check (chapter 8): the small board's Memory Caching row (over Gated DeltaNet, segments of 16)
+# and its base on the hardest task, with three seeds instead of one, and with segments of 8 and of 12
+# (16-token segments end exactly after the 8 pairs of T = 32; 12-token ones do not).
+CACHING_SEEDS = (0, 1, 2)
+CACHING_SEGMENTS = (8, 12)
+
+
+def caching_specs(window: int) -> list[tuple[str, str, dict]]:
+    """Gated DeltaNet and Memory Caching as the board has them, then Memory Caching with other segments."""
+    base, cached = (spec for spec in mixer_specs(window) if spec[0] in ("gated_deltanet", "memory_caching"))
+    label, name, kw = cached
+    return [base, cached] + [(f"{label}_c{c}", name, {**kw, "segments": c}) for c in CACHING_SEGMENTS]
+
+
+def seed_table(records: list[dict]) -> list[dict]:
+    """One row per mixer: the best accuracy over learning rates for each seed, their mean, and the lr that
+    gave each (Zoology's protocol, as ``leaderboard``, with the seeds kept apart)."""
+    best = {}                                            # (mixer, seed) -> (accuracy, lr)
+    for r in records:
+        k = (r["mixer"], r["seed"])
+        if k not in best or r["accuracy"] > best[k][0]:
+            best[k] = (r["accuracy"], r["lr"])
+    rows = []
+    for mixer in dict.fromkeys(m for m, _ in best):
+        per_seed = [best[m, seed] for m, seed in sorted(best) if m == mixer]
+        accs = [a for a, _ in per_seed]
+        segments = next(r["mixer_kwargs"].get("segments", "-") for r in records if r["mixer"] == mixer)
+        rows.append({"mixer": mixer, "segments": segments, "mean": f"{sum(accs) / len(accs):.2f}",
+                     "per seed": " ".join(f"{a:.2f}" for a in accs),
+                     "best lr": " ".join(f"{lr:g}" for _, lr in per_seed)})
+    return rows
+
+
 def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -> list[dict]:
     """Every cell of the protocol as its key (a JSON-able dict), in a fixed order.
 
@@ -246,13 +281,18 @@ def grid(size: str, mixers: list[str] | None = None, steps: int | None = None) -
     """
     if size == "inversion":
         return [c for c in inversion_grid(steps) if mixers is None or c["mixer"] in mixers]
+    if size == "caching":
+        s = SIZES["small"]
+        return [make_cell("caching", s, s.tasks[-1], spec, lr, seed, steps or s.steps)
+                for spec, lr, seed in itertools.product(caching_specs(s.window), s.lrs, CACHING_SEEDS)
+                if mixers is None or spec[0] in mixers]
     if size == "filler":
         s = SIZES["small"]
         return [make_cell("filler", s, s.tasks[-1], spec, lr, seed, steps or s.steps, random_filler=False)
                 for spec, lr, seed in itertools.product(mixer_specs(s.window), s.lrs, s.seeds)
                 if spec[0] not in FILLER_SKIP and (mixers is None or spec[0] in mixers)]
     if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}, 'inversion' or 'filler'")
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}, 'inversion', 'filler' or 'caching'")
     s = SIZES[size]
     specs = mixer_specs(s.window)
     if mixers is not None:
@@ -398,6 +438,9 @@ def report(out: str) -> str:
     if records[0]["size"] == "inversion":
         return ("MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
                 + format_table(inversion_table(records)))
+    if records[0]["size"] == "caching":
+        return (f"MQAR, T=32, 8 pairs: best of lr {SIZES['small'].lrs} per seed; seeds {CACHING_SEEDS} in order\n"
+                + format_table(seed_table(records)))
     rows = leaderboard(records)
     text = format_table(rows, digits=3).replace("grows with T", "-")
     return (f"MQAR accuracy: best learning rate per mixer, task and seed, mean over seeds "
@@ -432,9 +475,10 @@ def _parse_shard(text: str | None) -> tuple[int, int]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m atlaslib.experiments", description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment", choices=["mqar", "inversion", "filler"],
+    p.add_argument("experiment", choices=["mqar", "inversion", "filler", "caching"],
                    help="mqar: the leaderboard grid (--size); inversion: the study of chapter 2's ranking; "
-                        "filler: the small grid's hardest task with token-0 filler")
+                        "filler: the small grid's hardest task with token-0 filler; caching: Memory Caching's "
+                        "row and its base with three seeds and three segment lengths")
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--mixers", help="comma-separated labels (default: every mixer of the protocol)")
     p.add_argument("--steps", type=int, help="override the size's step budget")
@@ -448,7 +492,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.experiment in ("inversion", "filler"):
+    if args.experiment in ("inversion", "filler", "caching"):
         args.size = args.experiment
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
     if args.report:

@@ -145,7 +145,7 @@ def test_the_leaderboard_shows_a_dash_where_a_mixer_has_no_run(tmp_path):
 
 
 @pytest.mark.parametrize("size, steps, warmup", [
-    ("small", 5, 5), ("small", 100, 30), ("paper", 100, 100), ("filler", 3, 3), ("inversion", 7, 7),
+    ("small", 5, 5), ("small", 100, 30), ("paper", 100, 100), ("filler", 3, 3), ("caching", 3, 3), ("inversion", 7, 7),
     ("inversion", 70, 50), ("tiny", 1, 1)])
 def test_warmup_never_exceeds_the_steps(size, steps, warmup):
     cells = ex.grid(size, steps=steps)
@@ -219,6 +219,31 @@ def test_inversion_table_averages_seeds_per_condition():
     assert "random_filler=False" in ex.report.__globals__["format_table"](ex.inversion_table(records))
 
 
+def test_caching_grid_is_the_board_row_with_three_seeds_and_other_segments():
+    cells = ex.grid("caching")
+    s = ex.SIZES["small"]
+    assert len(cells) == 4 * len(s.lrs) * len(ex.CACHING_SEEDS) and len({ex.cell_key(c) for c in cells}) == len(cells)
+    board = {(c["mixer"], c["lr"]): c for c in ex.grid("small") if c["num_kv_pairs"] == 8}
+    for c in cells:                 # the same run as the board's but for the size label, the seed and the segments
+        if (c["mixer"], c["lr"]) in board:
+            assert {**c, "size": "small", "seed": 0} == board[c["mixer"], c["lr"]]
+        else:
+            assert c["mixer_name"] == "memory_caching"
+            assert {**c["mixer_kwargs"], "segments": 16} == board["memory_caching", c["lr"]]["mixer_kwargs"]
+    assert {c["mixer_kwargs"].get("segments") for c in cells} == {None, 16, *ex.CACHING_SEGMENTS}
+    assert ex.grid("caching", mixers=["gated_deltanet"], steps=3) == [
+        dict(c, steps=3, warmup=3) for c in cells if c["mixer"] == "gated_deltanet"]
+
+
+def test_seed_table_keeps_the_best_lr_of_each_seed():
+    cells = ex.grid("caching", mixers=["memory_caching"])
+    # accuracy: seed 0 best at lr 0.03, seeds 1 and 2 best at lr 0.01
+    acc = {(0, 0.01): 0.1, (0, 0.03): 0.4, (1, 0.01): 0.3, (1, 0.03): 0.2, (2, 0.01): 0.5, (2, 0.03): 0.0}
+    rows = ex.seed_table([dict(c, accuracy=acc[c["seed"], c["lr"]]) for c in cells])
+    assert rows == [{"mixer": "memory_caching", "segments": 16, "mean": "0.40", "per seed": "0.40 0.30 0.50",
+                     "best lr": "0.03 0.01 0.01"}]
+
+
 def test_filler_knob():
     from atlaslib.train import MQARTask
     x, y, _, _ = MQARTask(vocab_size=64, seq_len=32, num_kv_pairs=4, num_train=50, num_test=5,
@@ -249,7 +274,7 @@ def test_retention_labels_match_the_built_mixers():
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-@pytest.mark.parametrize("size", ["small", "inversion", "filler"])
+@pytest.mark.parametrize("size", ["small", "inversion", "filler", "caching"])
 def test_committed_results_cover_their_grid(size):
     records = ex.read_results(str(RESULTS / f"mqar_{size}.jsonl"))
     assert sorted(map(ex.cell_key, records)) == sorted(map(ex.cell_key, ex.grid(size)))   # every cell, once
