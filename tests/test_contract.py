@@ -12,7 +12,8 @@ For every model:
   ``chunk_size=None`` (the model's own default), all keyword-only; the step is ``beta`` for the delta
   rule and ``eta`` everywhere else; Newton–Schulz options are ``ns_steps`` / ``ns_coeffs``; a ``memory``
   option defaults to "linear" (DLA, a deep memory by definition, is the one documented exception);
-* gates given as numbers equal the same gates given as tensors (and log_alpha as a number equals alpha);
+* gates given as numbers (the window gates gamma included) equal the same gates given as tensors (and
+  log_alpha as a number equals alpha);
 * the return value is a pair (o, state), state None without ``output_final_state``, and otherwise of
   one type per function whatever the memory or other options, accepted back as ``initial_state``
   (for a per-token backend and one pair per step, two calls chained through it are one call on the
@@ -119,19 +120,19 @@ TAYLOR = ("taylor", 2)
 CASES = {
     "linear_attention": (Tensor, [("plain", {}, {}), ("normalize", {"normalize": True}, {})]),
     "delta_rule": (Tensor, [("deltanet", {}, {"beta": 0.5}), ("longhorn", {"longhorn": True}, {"beta": 0.5})]),
-    "swla": (Tensor, [("c=2", {"window": 2}, {"eta": 0.5})]),
+    "swla": (Tensor, [("c=2", {"window": 2}, {"eta": 0.5, "gamma": 0.7})]),
     "miras": (MirasState, [("gated_deltanet", {"preset": "gated_deltanet"}, {"eta": 0.5}),
                            ("titans linear", {"preset": "titans", "memory": "linear"}, {"eta": 0.5, "theta": 0.5}),
-                           ("titans mlp", {"preset": "titans"}, {"eta": 0.5, "theta": 0.5})]),
-    "omega_rule": (MirasState, [("linear", {"window": 2}, {"eta": 0.5}),
-                                ("mlp", {"window": 2, "memory": "mlp"}, {"eta": 0.5})]),
-    "atlas": (MirasState, [("linear", {}, {"eta": 0.1, "theta": 0.5}),
+                           ("titans mlp", {"preset": "titans"}, {"eta": 0.5, "theta": 0.5, "gamma": 0.7})]),
+    "omega_rule": (MirasState, [("linear", {"window": 2}, {"eta": 0.5, "gamma": 0.7}),
+                                ("mlp", {"window": 2, "memory": "mlp"}, {"eta": 0.5, "gamma": 0.7})]),
+    "atlas": (MirasState, [("linear", {}, {"eta": 0.1, "theta": 0.5, "gamma": 0.7}),
                            ("mlp", {"memory": "mlp"}, {"eta": 0.1, "theta": 0.5})]),
     "dla": (MirasState, [("mlp", {}, {"eta": 0.5}), ("linear", {"memory": "linear"}, {"eta": 0.5})]),
     "deep_transformer": (MirasState, [("linear", {"phi_star": TAYLOR}, {"eta": 0.5}),
                                       ("mlp", {"phi_star": TAYLOR, "memory": "mlp"}, {"eta": 0.5})]),
     "dot": (MirasState, [("c=1", {"phi_star": TAYLOR}, {"eta": 0.2}),
-                         ("c=2", {"phi_star": TAYLOR, "window": 2}, {"eta": 0.1}),
+                         ("c=2", {"phi_star": TAYLOR, "window": 2}, {"eta": 0.1, "gamma": 0.7}),
                          ("mlp", {"phi_star": TAYLOR, "memory": "mlp"}, {"eta": 0.2})]),
 }
 # The wrappers return their base's state: (base, base_kwargs with number gates, its state type).

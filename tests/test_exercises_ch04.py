@@ -151,14 +151,14 @@ def test_band_passes_correct_answers():
 
 
 def band_chunk_only(G):
-    """An n x n mask: the window is cut at the chunk start (no look-back)."""
+    """A b x b mask: the window is cut at the chunk start (no look-back)."""
     B, H, n, c = G.shape
     return band_by_loops(G)[..., c - 1:]
 
 
 def test_band_rejects_the_chunk_sized_mask():
     v = ch04.band.evaluate(band_chunk_only)
-    assert v.status == "failed" and "n x n mask" in v.message, v.message
+    assert v.status == "failed" and "b x b mask" in v.message, v.message
 
 
 @pytest.mark.parametrize("wrong", [

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, gate_or_number
+from ..core import apply_feature_map, check_chunk_size, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, check_retention
@@ -95,7 +95,7 @@ def kernel_limits(fq, V, ns_coeffs):
             f"or more than 3 coefficients")
 
 
-def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
+def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None, alpha: Gate = None,
           eta: Gate = None, theta: Gate = None, ns_steps: int = 5, ns_coeffs: Coefficients = "muon",
           phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
           output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
@@ -115,7 +115,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
         q, k: [B, H, T, K] queries and keys (phi applied here); v: [B, H, T, V].
         window: c >= 1 pairs in each gradient (the Omega window; 1: one pair).
         gamma: window gates in [0, 1], [B, H, T] per source token or [B, H, T, window] per offset,
-            as in ``atlaslib.omega.omega_rule`` (None: ones).
+            as in ``atlaslib.omega.omega_rule``, or a number (None: ones).
         alpha: retention in [0, 1], [B, H, T] or a number (None: 1); or ``log_alpha`` (<= 0).
         eta: outer step >= 0, [B, H, T] or a number (None: 1). NS_J(S) has singular values near
             1 whatever the size of S, so eta is the step's size in the spectral norm.
@@ -181,7 +181,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | N
     check_retention(None if isinstance(alpha, numbers.Real) else alpha,
                     None if isinstance(log_alpha, numbers.Real) else log_alpha, B, H, T, ref=q)
     check_one_retention(alpha, log_alpha)
-    check_gate("gamma", gamma, B, H, T, window, ref=q)
+    gamma = gate_or_number("gamma", gamma, B, H, T, cd, q, width=window)
     alpha = gate_or_number("alpha", alpha, B, H, T, cd, q)
     if isinstance(log_alpha, numbers.Real) and not isinstance(log_alpha, bool):
         if not log_alpha <= 0:

@@ -108,11 +108,13 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
             ``linear_attention``, ``delta_rule``, ``miras`` (with a preset, e.g. Titans), ``omega_rule``,
             ``swla``, ``atlas``, ``dla``. A function without initial_state: ValueError naming it.
         segments: an int C (segments of C tokens, the last one shorter), a list of lengths summing
-            to T, or "log" (log-linear: position t sees the popcount(t) aligned dyadic blocks of its
-            binary expansion; independent mode only). Lengths that are multiples of chunk_size keep
-            the base's chunk grid of the whole sequence; each segment is chunked from its own start.
+            to T, or "log" (log-linear: token t, counted from 0, sees the popcount(t + 1) aligned dyadic
+            blocks of the binary expansion of t + 1; independent mode only). Lengths that are multiples
+            of chunk_size keep the base's chunk grid of the whole sequence; each segment is chunked from its own start.
         mode: "checkpoint" (segment s starts from segment s-1's final state: the plain RNN with
-            snapshots) or "independent" (every segment starts from ``initial_state``).
+            snapshots, for a base whose state is all it carries; a window base, omega_rule, swla or atlas
+            with c > 1, restarts its window at each segment, so a segment's first c - 1 tokens miss the
+            previous segment's last pairs) or "independent" (every segment starts from ``initial_state``).
         aggregate: "residual", "grm", "soup" or "ssc". top_k: SSC's k >= 1 (None: all).
         u: [B, H, T, K] relevance queries (None: q). pool: "mean" of the keys (the library's
             choice; None, the default, means it) or "sum" ([MC] eq. 16). u and pool score the

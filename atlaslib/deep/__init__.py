@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..core import check_chunk_size, check_flag, check_gate, check_qkv, check_state
+from ..core import check_chunk_size, check_flag, check_qkv, check_state, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log
@@ -261,7 +261,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
     return o.to(q.dtype), (MirasState(state, None) if output_final_state else None)
 
 
-def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | None = None, alpha: Gate = None,
+def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None, alpha: Gate = None,
         eta: Gate = None, phi_star: str | tuple[str, int] = "kernel", memory: str = "linear",
         initial_state: Any = None, output_final_state: bool = False, backend: str = "auto",
         chunk_size: int | None = None, log_alpha: Gate = None, activation: str | None = None) -> ModelOutput:
@@ -276,14 +276,14 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     the delta rule on phi* (alpha = 1: exactly DeltaNet with beta = eta gamma on the features). Stable
     while eta_t |sum_i gamma_i^{(t)} phi*(k_i) phi*(k_i)^T| <= 1 + alpha_t, and |phi*(k)|^2 = exp(|k|^2):
     for unit keys and gamma = 1, eta <= (1 + alpha) / (c e). With c = 1, eta_t > 1 + alpha_t is unstable
-    for every key (|phi*(k)|^2 >= 1) and raises ValueError (``check_dot_step``).
+    for every key (|phi*(k)|^2 >= 1) and, for memory="linear", raises ValueError (``check_dot_step``).
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V].
         window: c >= 1, the number of pairs in each update (c >= T: every past pair).
         gamma: window gates in [0, 1], as ``omega_rule`` takes them: [B, H, T] per source token
             (gamma_i^{(t)} = gamma_i) or [B, H, T, c] per offset (gamma_i^{(t)} = gamma[..., t, t - i];
-            entries before the sequence start are ignored). None: all ones. With c = 1 the gate is a
+            entries before the sequence start are ignored), or a number. None: all ones. With c = 1 the gate is a
             factor of the step, eta_t gamma_t.
         alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the c = 1 forms run
             chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
@@ -334,8 +334,8 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Tensor | Non
     activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
     check_flag("output_final_state", output_final_state)
     c = check_window(window)
-    check_gate("gamma", gamma, B, H, T, c, ref=q)
     cd = compute_dtype(q)
+    gamma = gate_or_number("gamma", gamma, B, H, T, cd, q, width=c)
     alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     alpha = alpha_from_log(alpha, log_alpha, cd)
     initial_state = memory_of_state(initial_state)

@@ -101,18 +101,18 @@ def omega_step(fn, gen):
                   functions=("band",),
                   forbidden=("atlaslib.omega.chunk.band_gates",))
 def band(fn, gen):
-    """fn(G [B,H,n,c]) -> Gamma [B,H,n,n+c-1] with Gamma[t, col] = G[t, t + c - 1 - col] inside the band, else 0."""
-    cases = [(2, 2, 4, 3), (1, 1, 1, 5), (1, 2, 3, 7), (2, 1, 6, 1), (1, 3, 5, 5), (1, 1, 8, 2)]  # (B, H, n, c)
-    for B, H, n, c in cases:
-        G = 0.1 + 0.9 * torch.rand(B, H, n, c, generator=gen)
-        label = f"chunk n={n}, window c={c}" + (" (c > n: the band reaches past the chunk)" if c > n else "")
+    """fn(G [B,H,b,c]) -> Gamma [B,H,b,b+c-1] with Gamma[t, col] = G[t, t + c - 1 - col] inside the band, else 0."""
+    cases = [(2, 2, 4, 3), (1, 1, 1, 5), (1, 2, 3, 7), (2, 1, 6, 1), (1, 3, 5, 5), (1, 1, 8, 2)]  # (B, H, b, c)
+    for B, H, b, c in cases:
+        G = 0.1 + 0.9 * torch.rand(B, H, b, c, generator=gen)
+        label = f"chunk b={b}, window c={c}" + (" (c > b: the band reaches past the chunk)" if c > b else "")
         with case(label):
             got = call(fn, G.clone())
-            if isinstance(got, torch.Tensor) and tuple(got.shape) != (B, H, n, n + c - 1):
-                hint = " (a chunk-sized n x n mask cuts every window at the chunk start)" \
-                    if tuple(got.shape[-2:]) == (n, n) else ""
-                raise CheckFailed(f"Gamma has shape {list(got.shape)}, expected [{B}, {H}, {n}, {n + c - 1}]: "
-                                  f"one column per window row, n + c - 1 = {n + c - 1}{hint}")
+            if isinstance(got, torch.Tensor) and tuple(got.shape) != (B, H, b, b + c - 1):
+                hint = " (a chunk-sized b x b mask cuts every window at the chunk start)" \
+                    if tuple(got.shape[-2:]) == (b, b) else ""
+                raise CheckFailed(f"Gamma has shape {list(got.shape)}, expected [{B}, {H}, {b}, {b + c - 1}]: "
+                                  f"one column per window row, b + c - 1 = {b + c - 1}{hint}")
             compare("Gamma", got, band_gates(G, c), TOL)
     return f"Gamma matches atlaslib.omega on {len(cases)} chunks, windows shorter and longer than the chunk"
 
@@ -152,18 +152,18 @@ def chunkwise(fn, gen):
                   functions=("window_weights",),
                   forbidden=("atlaslib.omega.chunk.window_weights",), needs_launch=True)
 def triton_window_weights(fn, gen):
-    """fn(G [N,n,c], eta [N,n], g [N,n], out [N,n,n+c-1]) -> out = (D diag(eta)) Gamma,
+    """fn(G [N,b,c], eta [N,b], g [N,b], out [N,b,b+c-1]) -> out = (D diag(eta)) Gamma,
     D[t,s] = e^{g_t-g_s} (s <= t)."""
     device, tol = triton_setup(TOL)
-    cases = [(2, 5, 3, 0.5), (1, 16, 8, 0.5), (3, 7, 11, 0.3), (1, 1, 4, 0.5), (2, 9, 1, 1.0)]  # (N, n, c, low)
-    for N, n, c, low in cases:
-        G = random_gate(N, 1, n, c, low=0.1, generator=gen)
-        eta = 0.1 + 0.9 * torch.rand(N, 1, n, generator=gen)
-        g = torch.log(random_gate(N, 1, n, low=low, generator=gen)).cumsum(dim=-1)
+    cases = [(2, 5, 3, 0.5), (1, 16, 8, 0.5), (3, 7, 11, 0.3), (1, 1, 4, 0.5), (2, 9, 1, 1.0)]  # (N, b, c, low)
+    for N, b, c, low in cases:
+        G = random_gate(N, 1, b, c, low=0.1, generator=gen)
+        eta = 0.1 + 0.9 * torch.rand(N, 1, b, generator=gen)
+        g = torch.log(random_gate(N, 1, b, low=low, generator=gen)).cumsum(dim=-1)
         C_ref = window_weights(G, eta, g, c)[:, 0]
         ins = [guarded(x[:, 0].contiguous().to(device)) for x in (G, eta, g)]
-        out = guarded_output((N, n, n + c - 1), device=device)
-        with case(f"N={N}, n={n}, window c={c}, gates in [{low}, 1]"):
+        out = guarded_output((N, b, b + c - 1), device=device)
+        with case(f"N={N}, b={b}, window c={c}, gates in [{low}, 1]"):
             call(fn, *ins, out)
             if device == "cuda":
                 torch.cuda.synchronize()

@@ -26,7 +26,7 @@ EXERCISES = Registry("ch05", helpers={"atlaslib.atlas": ("newton_schulz",)})   #
 # fp32 inputs unless stated; a correct answer agrees to ~1e-6, a wrong one is off by far more.
 TOL = 1e-4
 
-# (a, b, c) of p(sigma) = a sigma + b sigma^3 + c sigma^5: Muon's, the cubic (c = 0), the convergent quintic
+# (p0, p1, p2) of p(sigma) = p0 sigma + p1 sigma^3 + p2 sigma^5: Muon's, the cubic (p2 = 0), the convergent quintic
 COEFFS = {"muon": COEFFICIENTS["muon"], "cubic": (*COEFFICIENTS["cubic"], 0.0), "quintic": COEFFICIENTS["quintic"]}
 
 # Everything that computes Newton-Schulz for the learner
@@ -49,8 +49,8 @@ def _batch_of_scales(B, H, m, n, gen, dtype=torch.float32):
 @EXERCISES.check("ns_step", title="One Newton-Schulz step", points=2,
                   functions=("ns_step",), forbidden=NEWTON_SCHULZ)
 def ns_step(fn, gen):
-    """fn(G [B,H,m,n], coeffs (a, b, c)) -> NS_1(G): each matrix normalised by its own Frobenius norm, then
-    X -> a X + b (X X^T) X + c (X X^T)^2 X (tall matrices may be transposed: the result is the same)."""
+    """fn(G [B,H,m,n], coeffs (p0, p1, p2)) -> NS_1(G): each matrix normalised by its own Frobenius norm, then
+    X -> p0 X + p1 (X X^T) X + p2 (X X^T)^2 X (tall matrices may be transposed: the result is the same)."""
     cases = [(2, 3, 5, 7, "muon"), (1, 2, 9, 4, "quintic"), (2, 1, 6, 6, "random"), (1, 1, 1, 5, "muon"),
              (3, 2, 7, 3, "cubic"), (1, 3, 16, 33, "muon")]          # (B, H, m, n, coefficients)
     for B, H, m, n, name in cases:
@@ -88,7 +88,7 @@ def _epsilon_hint(got, sigma, steps, coeffs) -> str:
 @EXERCISES.check("ns_polynomial", title="The polynomial acting on the singular values", points=2,
                   functions=("ns_singular_values",), forbidden=NEWTON_SCHULZ)
 def ns_polynomial(fn, gen):
-    """fn(sigma [r] fp64, steps, coeffs (p0, p1, p2)) -> [r]: the singular values of NS_J(G), G = U diag(sigma) V^T.
+    """fn(sigma [r] fp64, steps, coeffs (p0, p1, p2)) -> [r]: the singular values of NS_J(G), G = U Diag(sigma) V^T.
 
     The reference is the library's NS_J on such a G, read on the known singular vectors
     (U^T NS_J(G) V is diagonal), so order and sign are kept.
@@ -165,32 +165,32 @@ def atlas_step(fn, gen):
                              "atlaslib.atlas.recurrent.atlas_recurrent", "atlaslib.atlas.recurrent.atlas_frozen_seq",
                              "atlaslib.core.chunking.chunk_decay", "atlaslib.core.chunking.causal_decay"))
 def momenta(fn, gen):
-    """fn(S0 [N,V,D], grad [N,n,V,D], theta [N,n]) -> S [N,n,V,D], all n momenta S_t = theta_t S_{t-1} + grad_t.
+    """fn(S0 [N,V,D], grad [N,b,V,D], theta [N,b]) -> S [N,b,V,D], all b momenta S_t = theta_t S_{t-1} + grad_t.
 
     The reference runs the Muon optimizer of the library token by token.
     """
     muon = build_optimizer(atlas_config("linear", ns_steps=0))
-    # (N, n, V, D, theta in [low, high], kind); gates of exactly 0 restart the momentum (log 0 = -inf),
+    # (N, b, V, D, theta in [low, high], kind); gates of exactly 0 restart the momentum (log 0 = -inf),
     # and the last chunk's cumulative products underflow fp32 (quotients of them give 0/0)
     cases = [(2, 5, 3, 4, 0.3, 1.0, ""), (1, 16, 4, 6, 0.05, 1.0, ""), (3, 1, 2, 5, 0.5, 1.0, ""),
              (2, 9, 5, 2, 0.5, 1.0, "zeros"), (1, 48, 3, 3, 0.02, 0.2, "")]
-    for N, n, V, D, low, high, kind in cases:
+    for N, b, V, D, low, high, kind in cases:
         S0 = torch.randn(N, V, D, generator=gen)
-        grad = torch.randn(N, n, V, D, generator=gen)
-        theta = random_gate(N, 1, n, low=low, high=high, generator=gen)[:, 0]
+        grad = torch.randn(N, b, V, D, generator=gen)
+        theta = random_gate(N, 1, b, low=low, high=high, generator=gen)[:, 0]
         if kind == "zeros":
             theta[:, torch.tensor([2, 6])] = 0.0
         S, states = {"M": S0}, []
-        for t in range(n):                                             # the per-token definition
+        for t in range(b):                                             # the per-token definition
             _, S = muon.step(S, {"M": grad[:, t]}, torch.ones(N), theta[:, t])
             states.append(S["M"])
         ref = torch.stack(states, dim=1)
         label = "two of them exactly 0" if kind else f"in [{low}, {high}]"
-        with case(f"N={N}, chunk n={n}, V={V}, D={D}, theta {label}"):
+        with case(f"N={N}, chunk b={b}, V={V}, D={D}, theta {label}"):
             got = call(fn, *clones(S0, grad, theta))
-            if isinstance(got, torch.Tensor) and tuple(got.shape) == (N, V, D) and n > 1:
-                raise CheckFailed(f"S has shape {list(got.shape)}: that is one momentum; return all n = {n} of "
-                                  f"them, [{N}, {n}, {V}, {D}] (Newton-Schulz needs every S_t)")
+            if isinstance(got, torch.Tensor) and tuple(got.shape) == (N, V, D) and b > 1:
+                raise CheckFailed(f"S has shape {list(got.shape)}: that is one momentum; return all b = {b} of "
+                                  f"them, [{N}, {b}, {V}, {D}] (Newton-Schulz needs every S_t)")
             check_shape("S", got, ref.shape)
             if isinstance(got, torch.Tensor) and got.is_floating_point() and got.isnan().any() \
                     and not ref.isnan().any():
@@ -209,7 +209,7 @@ def momenta(fn, gen):
 @EXERCISES.check("triton_ns_step", title="A Triton kernel for one Newton-Schulz step on a tile", points=3,
                   functions=("ns_step_triton",), forbidden=NEWTON_SCHULZ, needs_launch=True)
 def triton_ns_step(fn, gen):
-    """fn(X [N,R,C] (R <= C), out [N,R,C], coeffs (a, b, c)) -> out = NS_1 of each matrix, in fp32."""
+    """fn(X [N,R,C] (R <= C), out [N,R,C], coeffs (p0, p1, p2)) -> out = NS_1 of each matrix, in fp32."""
     device, tol = triton_setup(TOL)
     cases = [(2, 5, 7, "muon"), (1, 16, 16, "quintic"), (3, 3, 20, "random"), (1, 1, 4, "muon"),
              (2, 9, 33, "cubic")]            # (N, R, C, coefficients): odd sizes on purpose

@@ -166,9 +166,10 @@ def normaliser(fn, gen):
         with case(f"B={B}, H={H}, T={T}, K={K}, V={V}{label}"):
             got = call(fn, *clones(q, k, v))
             check_shape("o", got, ref.shape)
-            compare_finite("o", got, ref, TOL, ": exp of a large score overflowed; mask the future keys to -inf and "
-                                               "subtract each row's largest visible score before exp (the factor "
-                                               "cancels in the quotient)")
+            compare_finite("o", got, ref, TOL, ": exp of a large score overflowed, or a shift by a future key's "
+                                               "score underflowed every visible term to 0 (0/0); mask the future "
+                                               "keys to -inf and subtract each row's largest visible score before "
+                                               "exp (the factor cancels in the quotient)")
     return (f"y_t / (z_t^T phi*(q_t)) matches causal softmax attention on {len(cases)} random cases, "
             "large scores included")
 

@@ -14,8 +14,8 @@ import torch
 
 from ..caching import cached_readout, dyadic_blocks, make_layout, readout_weights
 from .ch01 import clones, triton_setup
-from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare_finite,
-                       compare_number, guarded, guarded_output, unpack)
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare,
+                       compare_finite, compare_number, guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch07")
 
@@ -239,8 +239,17 @@ def triton_grm_weights(fn, gen):
                 torch.cuda.synchronize()
             check_guards("w", w)
             check_guards("g", g)
-            for name, got, ref in (("w", w, w_ref), ("g", g, g_ref)):
-                compare_finite(name, got, ref, tol, KERNEL_HINT)
+            for name, got in (("w", w), ("g", g)):    # inf or NaN in either output first: the hint names the cause
+                if not torch.isfinite(got).all():
+                    raise CheckFailed(f"{name} is not finite (inf or NaN){KERNEL_HINT}")
+            compare("g", g, g_ref, tol)
+            if shift:   # cached weights of about e^-99 are subnormal in fp32 (a GPU may flush them to 0):
+                # checked on the scale of the weights, 1, not on their own
+                err = (w - w_ref).abs().max().item()
+                if not err <= tol:
+                    raise CheckFailed(f"w: largest difference {err:.3g} > {tol:g} (the weights sum to 1 with g)")
+            else:
+                compare("w", w, w_ref, tol)
     # the same text on CPU and GPU, so the stored output is valid on both
     return (f"the kernel's weights match atlaslib.caching's GRM on {len(cases)} odd-sized cases (log-linear and "
             "constant segments), with no stray loads or stores")

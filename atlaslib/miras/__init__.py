@@ -40,7 +40,7 @@ from .state import MirasState, init_state
 
 def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None = None,
           config: MirasConfig | None = None, alpha: Gate = None, eta: Gate = None, theta: Gate = None,
-          delta: Gate = None, gamma: Tensor | None = None, phi: FeatureMap = None, initial_state: Any = None,
+          delta: Gate = None, gamma: Gate = None, phi: FeatureMap = None, initial_state: Any = None,
           output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
           log_alpha: Gate = None, **overrides: Any) -> ModelOutput:
     """Run any MIRAS configuration: memory, attentional bias, retention, optimizer.
@@ -79,7 +79,7 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
         delta: Huber threshold / value-shift radius >= 0 for the biases that take one,
             [B, H, T] (data-dependent, as in Yaad) or a number (None: the config's delta).
         gamma: window gates in [0, 1]: [B, H, T] per source token or [B, H, T, window] per
-            offset, as in ``atlaslib.omega.omega_rule`` (None: all ones).
+            offset, as in ``atlaslib.omega.omega_rule``, or a number (None: all ones).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
         initial_state: None (the default start: zeros for the linear memory, seeded random
             weights for deep ones, see ``init_state``), a memory state (tensor [B, H, V, D]

@@ -11,7 +11,9 @@
 
 A final state returned with ``output_final_state=True`` can be passed back as
 ``initial_state`` to continue the sequence where it stopped: exactly on the per-token backend, and on
-the chunk forms when the split falls on a chunk boundary (b fixes where gradients freeze).
+the chunk forms when the split falls on a chunk boundary (b fixes where gradients freeze), for
+window=1. A window c > 1 also needs the last c - 1 pairs, which the state does not hold: the
+continued run's first c - 1 tokens see a shorter window.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@
 
 Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
 memory="atlas", window=16, **memory_kw)``. ``window`` is the attention's window; every other
-keyword goes to the memory mixer (its own Omega window, if any, is ``memory_window=``), and
+keyword goes to the memory mixer (its own Omega window, if any, is ``memory_window=``; ``memory`` names
+the mixer, so the memory mixer's own ``memory=`` option keeps its default), and
 ``attention_kw`` (a dict) to the SWA mixer. ``head_k_dim`` and ``head_v_dim`` go to both branches
 (the attention's own, in ``attention_kw``, take precedence).
 """

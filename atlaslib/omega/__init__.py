@@ -34,7 +34,7 @@ OMEGA_CHUNK_SIZE = MIRAS_CHUNK_SIZE
 SWLA_CHUNK_SIZE = 64
 
 
-def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
+def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = None, alpha: Gate = None,
                eta: Gate = None, phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
                output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
                log_alpha: Gate = None) -> ModelOutput:
@@ -66,7 +66,7 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             ``[B, H, T]`` per source token, gamma_i^{(t)} = gamma_i (a token keeps its
             weight in every window it belongs to); ``[B, H, T, window]`` per offset,
             gamma_i^{(t)} = gamma[..., t, t - i] (offset 0 is token t itself; entries that
-            point before the sequence start are ignored). ``None``: all ones.
+            point before the sequence start are ignored); or one number for every weight. ``None``: all ones.
         alpha: [B, H, T] retention in [0, 1] or a number (``None``: 1).
         log_alpha: the same gate as its log, [B, H, T] (values <= 0, fp32 or fp64) or a number, instead of
             alpha; never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
@@ -79,7 +79,9 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
             ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
         memory: "linear", "mlp", "residual" or "gated" (see above).
         initial_state: optional start state: the memory (linear: a tensor [B, H, V, D]; deep: a dict of
-            weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state.
+            weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state (which continues
+            the sequence exactly only for window=1: a window also needs the last c - 1 pairs, which
+            ``omega_step``'s state carries and the final state does not).
         output_final_state: also return the state after the last token, a ``MirasState(memory, None)``.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
             M_{t-1}), "frozen_seq" (per token, gradients frozen at each chunk start: the chunk
@@ -120,8 +122,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
     """
     chunk_size = OMEGA_CHUNK_SIZE if chunk_size is None else chunk_size
     check_flag("output_final_state", output_final_state)
-    fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
-                                                           initial_state, chunk_size, log_alpha)
+    fq, fk, gamma, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
+                                                                  initial_state, chunk_size, log_alpha)
     if memory in DEEP_MEMORIES:
         return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
                           backend, chunk_size, log_alpha=log_alpha)
@@ -131,7 +133,7 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | 
     return o, (MirasState(state, None) if output_final_state else None)
 
 
-def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None = None, alpha: Gate = None,
+def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = None, alpha: Gate = None,
          eta: Gate = None, phi: FeatureMap = None, initial_state: Tensor | None = None,
          output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
          log_alpha: Gate = None) -> ModelOutput:
@@ -156,8 +158,8 @@ def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Tensor | None =
     """
     chunk_size = SWLA_CHUNK_SIZE if chunk_size is None else chunk_size
     check_flag("output_final_state", output_final_state)
-    fq, fk, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear",
-                                                           initial_state, chunk_size, log_alpha)
+    fq, fk, gamma, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear",
+                                                                  initial_state, chunk_size, log_alpha)
     o, state = dispatch(backend, fq, SWLA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
                         chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
                         model="swla")

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import apply_feature_map, check_chunk_size, check_gate, check_qkv, check_state, check_window, \
-    gate_or_number
+from ..core import apply_feature_map, check_chunk_size, check_qkv, check_state, check_window, gate_or_number
 from ..core.chunking import compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, retention_gates
@@ -23,21 +22,21 @@ from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
-    """Validate every argument and apply phi to q and k. Returns (phi(q), phi(k), alpha, eta, log_alpha,
+    """Validate every argument and apply phi to q and k. Returns (phi(q), phi(k), gamma, alpha, eta, log_alpha,
     initial_state): gates given as numbers become [B, H, T] tensors in the compute dtype, and a linear
     memory's ``MirasState(M, None)`` start becomes M."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
     check_window(window)
-    check_gate("gamma", gamma, B, H, T, window, ref=q)
+    gamma = gate_or_number("gamma", gamma, B, H, T, compute_dtype(q), q, width=window)
     alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
     check_chunk_size(chunk_size)
     fq, fk = apply_feature_map(phi, q, k)
     if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
         initial_state = memory_of_state(initial_state)
         check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
-    return fq, fk, alpha, eta, log_alpha, initial_state
+    return fq, fk, gamma, alpha, eta, log_alpha, initial_state
 
 
 def step_gates(alpha, log_alpha, eta, B: int, H: int, T: int, q: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
