@@ -22,7 +22,7 @@ D, H = 12, 2
 NAMES = ("deep_transformer", "swdt", "dot", "dla")
 CONFIGS = [
     ("deep_transformer", {}),
-    ("deep_transformer", {"retention": False}),
+    ("deep_transformer", {"retention": "none"}),
     ("deep_transformer", {"normalize": False}),
     ("swdt", {"window": 3}),
     ("dot", {}),
@@ -42,7 +42,7 @@ STEP_CONFIGS = [
     ("dot", {"chunk_size": 4}),
     ("dot", {"window": 3, "chunk_size": 1}),
     ("dot", {"window": 3, "chunk_size": 1, "gamma": "source"}),
-    ("dot", {"window": 3, "chunk_size": 1, "gamma": "offset", "retention": False}),
+    ("dot", {"window": 3, "chunk_size": 1, "gamma": "offset", "retention": "none"}),
     ("dot", {"phi_star": ("taylor", 2), "chunk_size": 4}),
     ("dot", {"phi_star": ("taylor", 2), "window": 3, "chunk_size": 1, "gamma": "source"}),
     ("dla", {"chunk_size": 1}),
@@ -135,7 +135,7 @@ def test_deep_transformer_is_attention_with_a_learned_decay(gen, window, normali
 def test_without_retention_it_is_softmax_attention(gen, name, other, kw):
     """[A]'s claim, with the normaliser: alpha = eta = 1 and the exact phi* give (sliding-window) softmax attention."""
     seeded(gen)
-    deep = make_mixer(name, D, H, retention=False, backend="chunk", chunk_size=4, **kw)
+    deep = make_mixer(name, D, H, retention="none", backend="chunk", chunk_size=4, **kw)
     ref = make_mixer(other, D, H, **kw)
     ref.load_state_dict(deep.state_dict())                          # the same projections, nothing else
     x = x_of(gen)
@@ -174,7 +174,7 @@ def omega_by_autograd(fq, fk, v, c, gamma, alpha, eta, kappa=None):
 
 
 @pytest.mark.parametrize("kw", [{}, {"window": 3, "gamma": "offset"}, {"window": 3, "gamma": "source"},
-                                {"window": 2, "retention": False}])
+                                {"window": 2, "retention": "none"}])
 def test_dot_on_taylor_features_is_the_omega_rule(gen, kw):
     """phi* = phi*_P: GD on the window's l2 loss of the features, the mixer's gates put where they belong."""
     seeded(gen)

@@ -18,7 +18,7 @@ from mixer_helpers import seeded
 CONFIGS = [
     ("omeganet", {}),
     ("omeganet", {"gamma": "source"}),
-    ("omeganet", {"gamma": None, "retention": False}),
+    ("omeganet", {"gamma": None, "retention": "none"}),
     ("omeganet", {"degree": 2}),
     ("omeganet", {"degree": 2, "poly": "monomial", "window": 3}),
     ("omeganet", {"degree": 2, "constant": False}),
@@ -46,7 +46,7 @@ def test_gates_ranges_and_shapes():
     assert a.shape == (2, 4, 5) and ((a > 0) & (a < 1)).all()
     # the step bound of the Omega rule: eta_t * c < 1 < 2 for unit features
     assert e.shape == (2, 4, 5) and ((e > 0) & (e * 6 < 1)).all()
-    s = make_mixer("omeganet", 32, 4, window=6, gamma="source", retention=False)
+    s = make_mixer("omeganet", 32, 4, window=6, gamma="source", retention="none")
     assert s.gammas(x).shape == (2, 4, 5) and s.alpha(x) is None
     assert make_mixer("omeganet", 32, 4, gamma=None).gammas(x) is None
     w = make_mixer("swla", 32, 4, window=6)
@@ -192,6 +192,12 @@ def test_defaults_and_bad_arguments():
         make_mixer("swla", 16, 2, window=2.0)
     with pytest.raises(ValueError, match="gamma must be one of"):
         make_mixer("omeganet", 16, 2, gamma="per_token")
+    for name in ("omeganet", "swla", "dot", "deep_transformer", "swdt"):   # the MIRAS axis names, as chapter 3's
+        for bad in (False, True, "kl"):
+            with pytest.raises(ValueError, match="retention must be 'decay'"):
+                make_mixer(name, 16, 2, retention=bad)
+        assert make_mixer(name, 16, 2, retention="none").gate_proj is None
+        assert make_mixer(name, 16, 2).gate_proj is not None and make_mixer(name, 16, 2).retention == "decay"
     with pytest.raises(ValueError, match="poly must be one of"):
         make_mixer("omeganet", 16, 2, degree=2, poly="hermite")
     with pytest.raises(ValueError, match="degree must be >= 0"):

@@ -259,7 +259,7 @@ MIXER_CASES = [
     ("omeganet", {"backend": "chunk", "chunk_size": 1, "window": 3}),          # b = 1 is the per-token rule
     ("omeganet", {"backend": "chunk", "chunk_size": 1, "gamma": "source", "degree": 2}),
     ("swla", {"backend": "chunk", "chunk_size": 4, "window": 3}),
-    ("swla", {"backend": "chunk", "chunk_size": 4, "gamma": None, "retention": False}),
+    ("swla", {"backend": "chunk", "chunk_size": 4, "gamma": None, "retention": "none"}),
     ("ttt_linear", {"backend": "chunk", "chunk_size": 1}),
     ("ttt_linear", {"backend": "chunk", "chunk_size": 1, "window": 2}),
     ("ttt_linear", {"backend": "chunk", "chunk_size": 1, "retention": "proximal"}),   # the implicit step
@@ -281,7 +281,7 @@ MIXER_CASES = [
     ("atlas++", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": None, "momentum": False}),
     # chapter 6: the kernel forms step on cached keys (a growing state; SWDT's is bounded by its window)
     ("deep_transformer", {"backend": "chunk", "chunk_size": 4}),
-    ("deep_transformer", {"backend": "chunk", "chunk_size": 4, "retention": False, "normalize": False}),
+    ("deep_transformer", {"backend": "chunk", "chunk_size": 4, "retention": "none", "normalize": False}),
     ("swdt", {"backend": "chunk", "chunk_size": 4, "window": 3}),
     ("dot", {"backend": "chunk", "chunk_size": 4}),                             # c = 1: exact at every b
     ("dot", {"backend": "chunk", "chunk_size": 1, "window": 3, "gamma": "offset"}),

@@ -110,6 +110,14 @@ def check_positive_number(name: str, value, what: str) -> float:
     return float(value)
 
 
+def check_scalar_retention(retention) -> str:
+    """The retention of a mixer with a scalar gate, named as the MIRAS axis (chapter 3's mixers take the same
+    names): "decay", a learned gate alpha_t, or "none", alpha = 1."""
+    if not isinstance(retention, str) or retention not in ("decay", "none"):
+        raise ValueError(f"retention must be 'decay' (a learned gate alpha_t) or 'none' (alpha = 1), got {retention!r}")
+    return retention
+
+
 def check_conv_size(conv_size) -> None:
     if conv_size is not None:
         check_int("conv_size", conv_size, 0, " (0 or None: no convolution)")

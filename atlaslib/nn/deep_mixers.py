@@ -9,7 +9,7 @@
   with q scaled by 1/sqrt(K) as attention does. Without the normaliser the read is a sum of
   exponentials that grows with t and with the scores (the library refuses scores above 80), which a
   layer in a residual stream cannot be trusted with; with it, the layer is causal softmax attention
-  (``retention=False``: exactly the ``"softmax"`` mixer) or, with the retention gate
+  (``retention="none"``: exactly the ``"softmax"`` mixer) or, with the retention gate
   alpha_t = sigmoid(w^T x_t + b)^(1/16) (chapter 1's gate, the default), softmax attention whose past
   fades by a learned, data-dependent decay. The gate starts near 1, so the layer starts as attention.
 * ``"swdt"``: the same with a window of c tokens (default 64): the memory holds only the last c pairs.
@@ -49,7 +49,7 @@ from ..deep.dla import MEMORY_OPTIONS
 from ..core.validation import check_flag, check_window
 from ..omega.recurrent import omega_step
 from .miras_mixers import CONFIG_FIELDS, MirasMixer
-from .base import gate_dtype, register_mixer
+from .base import check_scalar_retention, gate_dtype, register_mixer
 from .linear_mixers import GatedLinear
 from .omega_mixers import WindowedMixer
 
@@ -97,15 +97,15 @@ class DeepTransformerMixer(GatedLinear):
     per_channel = False
     default_window = None
 
-    def __init__(self, d_model, n_heads, *, window: int | None = None, retention: bool = True,
+    def __init__(self, d_model, n_heads, *, window: int | None = None, retention: str = "decay",
                  normalize: bool = True, **kw):
         super().__init__(d_model, n_heads, **kw)
         window = self.default_window if window is None else window
         if window is not None:
             check_window(window)
-        self.window, self.retention, self.normalize = window, check_flag("retention", retention), check_flag(
+        self.window, self.retention, self.normalize = window, check_scalar_retention(retention), check_flag(
             "normalize", normalize)
-        if not retention:
+        if retention == "none":
             self.gate_proj = None
 
     def scaled(self, q):
@@ -113,14 +113,14 @@ class DeepTransformerMixer(GatedLinear):
         return q * (1.0 / math.sqrt(q.shape[-1]))
 
     def mix(self, q, k, v, x):
-        log_alpha = self.log_gate(x) if self.retention else None
+        log_alpha = self.log_gate(x) if self.gate_proj is not None else None
         return deep_transformer(self.scaled(q), k, v, phi_star="kernel", normalize=self.normalize,
                                 window=self.window, log_alpha=log_alpha, backend=self.backend,
                                 chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
         """One token against the cached pairs (``KernelCache``: all of them, or the last c with a window)."""
-        log_alpha = self.log_gate(x)[:, :, 0] if self.retention else None
+        log_alpha = self.log_gate(x)[:, :, 0] if self.gate_proj is not None else None
         y, state = kernel_attention_step(state, self.scaled(q)[:, :, 0], k[:, :, 0], v[:, :, 0], log_alpha,
                                          self.window, self.normalize)
         return y[:, :, None].to(q.dtype), state
@@ -134,7 +134,7 @@ class DeepTransformerMixer(GatedLinear):
         return self.window * self.n_heads * (self.head_k_dim + self.head_v_dim + 1)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, window={self.window}, retention={self.retention}, "
+        return (f"{super().extra_repr()}, window={self.window}, retention={self.retention!r}, "
                 f"normalize={self.normalize}")
 
 

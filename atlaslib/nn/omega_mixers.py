@@ -8,7 +8,7 @@ Both update the memory with the last ``window`` = c pairs instead of one (book c
 Every gate is a linear projection of the layer input x_t, squashed as book ch. 4 §3 says:
 
 * alpha_t (retention, one per head): chapter 1's gate, sigmoid(w^T x_t + b)^(1/16), so
-  that memories start long-lived (``retention=False`` drops it: alpha = 1);
+  that memories start long-lived (``retention="none"`` drops it: alpha = 1);
 * gamma (window gates in [0, 1]): sigmoid of a projection, in either parametrisation of
   book ch. 4 §2, ``gamma="offset"`` (c gates per token and head, gamma_i^{(t)} indexed by the
   offset t - i, chosen by the token that updates) or ``gamma="source"`` (one gate per
@@ -49,7 +49,7 @@ from ..core import TaylorFeatures, monomial_features
 from ..core.validation import check_flag, check_window
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule, swla
 from ..omega.recurrent import omega_step, start_window, swla_step
-from .base import check_positive_number, gate_dtype, register_mixer
+from .base import check_positive_number, check_scalar_retention, gate_dtype, register_mixer
 from .linear_mixers import GatedLinear, empty_memory
 
 GAMMA_MODES = ("offset", "source", None)
@@ -85,7 +85,7 @@ class WindowedMixer(GatedLinear):
     default_eta_max = 1.0
 
     def __init__(self, d_model, n_heads, *, window: int = 8, gamma: str | None = "offset",
-                 retention: bool = True, eta_max: float | None = None, degree: int | None = None,
+                 retention: str = "decay", eta_max: float | None = None, degree: int | None = None,
                  poly: str = "taylor", constant: bool = True, **kw):
         super().__init__(d_model, n_heads, **kw)
         self.window = check_window(window)
@@ -96,9 +96,9 @@ class WindowedMixer(GatedLinear):
             width = window if gamma == "offset" else 1
             self.gamma_proj = nn.Linear(d_model, n_heads * width)
             nn.init.constant_(self.gamma_proj.bias, 2.0)            # sigmoid(2) ~ 0.88: windows start open
-        if not check_flag("retention", retention):
+        self.retention = check_scalar_retention(retention)
+        if retention == "none":
             self.gate_proj = None
-        self.retention = retention
         self.eta_max = check_positive_number("eta_max", self.default_eta_max if eta_max is None else eta_max,
                                              "the bound of the inner step eta_t")
         check_flag("constant", constant)
@@ -122,11 +122,11 @@ class WindowedMixer(GatedLinear):
 
     def alpha(self, x):
         """Retention in (0, 1), [B, H, T], or None without retention."""
-        return self.gate(x) if self.retention else None
+        return self.gate(x) if self.gate_proj is not None else None
 
     def log_alpha(self, x):
         """log alpha_t <= 0, [B, H, T], computed as a log in fp32 (fp64 for fp64 x), or None without retention."""
-        return self.log_gate(x) if self.retention else None
+        return self.log_gate(x) if self.gate_proj is not None else None
 
     def features(self, q, k):
         """phi(q), phi(k): the polynomial map of the unit q, k, normalised again (identity without ``degree``)."""
@@ -188,7 +188,7 @@ class WindowedMixer(GatedLinear):
         poly = f", degree={self.degree} ({self.poly_kind}{'' if self.constant else ', no constant'})" \
             if self.degree is not None else ""
         return (f"{super().extra_repr()}, window={self.window}, gamma={self.gamma_mode!r}, "
-                f"retention={self.retention}, eta_max={self.eta_max:.3g}{poly}")
+                f"retention={self.retention!r}, eta_max={self.eta_max:.3g}{poly}")
 
 
 @register_mixer("omeganet")
