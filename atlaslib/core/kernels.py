@@ -248,7 +248,7 @@ def intermediate_precision(dtype: torch.dtype) -> str:
     For fp32 inputs these products are exact like the rest ("ieee", or TF32 under ``ATLASLIB_TF32=1``:
     ``precision``). For bf16/fp16 inputs they are TF32, on tensor cores: exact fp32 products run on the
     CUDA cores, at about 1/15 of an H100's bf16 tensor-core rate (the delta rule's inverse, 2.6 MFLOP per
-    chunk, would cost more than the forward's 12.6 MFLOP of bf16 products at K = V = 128), while the
+    chunk, would cost more than the forward's 11.5 MFLOP of bf16 products at K = V = 128), while the
     result is rounded to the inputs' dtype next (a bf16 mantissa is 3 bits shorter than TF32's, fp16's
     as long), so the TF32 error stays below the rounding that follows it. For fp16 it is about as large:
     with decays, Titans' and the Omega rule's fp16 outputs are 2.4x-2.8x their own rounding (bf16's 1.7x);

@@ -158,8 +158,9 @@ class Mamba2Style(GatedLinear):
 class GLA(GatedLinear):
     """Per-key-channel decay (Gated Linear Attention): M_t = M_{t-1} Diag(alpha_t) + v_t k_t^T.
 
-    The chunk form builds a [chunk, chunk, K] decay tile per chunk, so its cost grows with
-    the chunk size; 16 is about twice as fast as 64 on CPU.
+    The chunk form scores per-channel gates by halving the chunk (``linear.chunk.halving_scores``),
+    never with a [chunk, chunk, K] tile; the default chunk of 16 took about 0.8 of the time of 64
+    (forward and backward, B = 8, T = 256, d_model 64, 4 heads, one CPU thread).
     """
 
     per_channel = True
