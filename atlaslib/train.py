@@ -113,7 +113,9 @@ def mqar_accuracy(model, inputs, labels, batch_size: int = 256) -> float:
 def train_mqar(model, data, *, steps: int = 500, batch_size: int = 32, lr: float = 1e-2,
                weight_decay: float = 0.1, warmup: int = 50, seed: int = 0, progress: bool = True,
                name: str | None = None) -> TrainResult:
-    """Train ``model`` on MQAR with AdamW (linear warm-up, cosine decay) and evaluate it.
+    """Train ``model`` on MQAR with AdamW and evaluate it. The learning rate is ``lr`` times a cosine over all
+    ``steps`` (1 at step 0, 0 at the end) times a linear ramp over the first ``warmup`` steps, so its peak,
+    at the end of the ramp, is a little below ``lr`` (0.98 lr for 50 of 500 steps).
 
     ``data`` is ``(train_x, train_y, test_x, test_y)`` as returned by ``MQARTask.data``.
     Returns a ``TrainResult`` with the loss per step and the held-out accuracy.

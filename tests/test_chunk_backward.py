@@ -122,3 +122,34 @@ def test_bf16_inputs_within_bf16_rounding(gen, delta):
     assert_close(dh0, ref_dh0, tol=2e-2, name="dh0")
     if delta:
         assert_close(dv2[:, :, :T], ref_dv2, tol=2e-2, name="dv_new")
+
+
+def test_every_backward_entry_copies_a_view_whose_head_is_too_long(gen, monkeypatch):
+    """The kernels index inside a head with 32-bit offsets: a [B, T, H, C] view whose one head spans
+    2^31 elements or more must reach them as a contiguous copy, in the backward as in the forward. The
+    limit is lowered here so that a small view crosses it; every tensor a backward kernel reads must then
+    be contiguous."""
+    import atlaslib.core.kernels as kernels
+    from atlaslib.delta import delta_rule
+    from atlaslib.linear import linear_attention
+    monkeypatch.setattr(kernels, "MAX_HEAD_SPAN", 256)
+    seen = []
+    real = kernels._head_span
+
+    def spying_span(x):                   # every tensor within_head_span looks at, and what it returns
+        seen.append(x)
+        return real(x)
+    monkeypatch.setattr(kernels, "_head_span", spying_span)
+    B, T, H, K = 1, 20, 2, 8                                   # one head of a [B, T, H, K] view spans 312
+    for model in ("linear", "delta"):
+        x = torch.randn(B, T, 3 * H * K, generator=gen, requires_grad=True)
+        q, k, v = (t.reshape(B, T, H, K).transpose(1, 2) for t in x.split(H * K, dim=-1))
+        k = torch.nn.functional.normalize(k, dim=-1)
+        beta = torch.full((B, H, T), 0.5)
+        seen.clear()
+        o = (linear_attention(q, k, v, backend="triton")[0] if model == "linear"
+             else delta_rule(q, k, v, beta, backend="triton")[0])
+        o.transpose(1, 2).sum().backward()
+        # the forward checks q, k, v; the backward checks q, k, v and do again (and the reverse pass q, do)
+        assert len(seen) >= 7, (model, len(seen))
+        assert all(real(t) > 256 for t in seen[:3]), model

@@ -64,6 +64,64 @@ def test_gates_and_state_sizes():
     assert TinyLM(50, 32, 2, "softmax", 4).state_size is None
 
 
+# The memory reads phi(k), which a feature map may widen: every mixer with a matrix memory sizes its state,
+# per-channel gates and router to that width, and a residual memory (x + MLP(x)) refuses it.
+WIDENED = ["linear", "gla", "kda", "deltanet", "ttt_linear", "titans", "omeganet", "swla", "atlas", "dla",
+           "memory_caching"]
+
+
+@pytest.mark.parametrize("name", WIDENED)
+def test_a_widening_feature_map_sizes_the_memory(gen, name):
+    import functools
+
+    from atlaslib.core import monomial_features
+    from mixer_helpers import seeded, step_through
+    seeded(gen)
+    D, H = 16, 2                                  # K = 8 per head, phi(k) of degree <= 2: C(10, 2) = 45
+    mixer = make_mixer(name, D, H, feature_map=functools.partial(monomial_features, degree=2),
+                       backend="chunk", chunk_size=1).double()
+    assert mixer.feature_dim() == 45
+    x = torch.randn(2, 6, D, generator=gen, dtype=torch.float64)
+    y, cache = step_through(mixer, x)
+    assert torch.allclose(y, mixer(x), atol=1e-10)
+    if name == "memory_caching":
+        return                                    # a state that grows with T
+    if name in ("omeganet", "swla", "atlas"):     # the step also carries the window's last c - 1 pairs,
+        assert mixer.state_size == H * 45 * (D // H) * (2 if name == "atlas" else 1)   # not counted; atlas: + S
+        return
+    numbers = sum(t.numel() for t in tensors_of(cache.memory)) // x.shape[0]
+    assert mixer.state_size == numbers, (mixer.state_size, numbers)
+
+
+def tensors_of(state):
+    """Every tensor of a mixer's step state (tensors, and tuples or dicts of them)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in state for t in tensors_of(state[key])]
+    if isinstance(state, (tuple, list)):
+        return [t for part in state if part is not None for t in tensors_of(part)]
+    return []
+
+
+@pytest.mark.parametrize("name", ["moneta", "yaad", "memora", "atlas++"])
+def test_a_residual_memory_refuses_a_widening_feature_map(name):
+    import functools
+
+    from atlaslib.core import monomial_features
+    with pytest.raises(ValueError, match="needs the key \\(feature\\) width to equal the value width"):
+        make_mixer(name, 16, 2, feature_map=functools.partial(monomial_features, degree=2))
+
+
+def test_yaad_delta_sets_where_the_threshold_starts():
+    x = torch.zeros(1, 1, 16)                     # zero input: the gate is softplus(bias), its start
+    for delta in (1.0, 3.0):
+        mixer = make_mixer("yaad", 16, 2, delta=delta)
+        assert torch.allclose(mixer.delta_gate(x), torch.full((1, 2, 1), delta))
+    with pytest.raises(ValueError, match="delta must be a finite number > 0"):
+        make_mixer("yaad", 16, 2, delta=0.0)
+
+
 def test_normalized_linear_uses_positive_features():
     m = make_mixer("linear", 16, 2, normalize=True)
     assert m.phi(torch.tensor([-5.0])).item() > 0

@@ -43,7 +43,7 @@ from .alloc import empty
 from .chunk_kernels import CHUNK, SUB_CHUNK, chunk_warps, key_block, num_chunks, state_dtype, state_pass_start, \
     state_pass_tiles, store_chunk_state
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_program, \
-    chunk_tokens, dot_tile, load_block, load_state_tile, precision, register_share, store_tile
+    chunk_tokens, dot_tile, load_block, load_state_tile, precision, register_share, store_tile, within_head_span
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -295,6 +295,9 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         dv2: delta rule only (else None): [B, H, T, V] in ``dv2_dtype``, the whole gradient of
             v_new, dv_local + (k * e^{g_n - g}) dh[c]^T per chunk.
     """
+    q, do = within_head_span(q, do)
+    if w is not None:
+        k, w, dv_local = within_head_span(k, w, dv_local)
     B, H, T, K = q.shape
     V = do.shape[-1]
     NT = num_chunks(T)

@@ -351,13 +351,20 @@ def forward_launch(q, k, v, BV: int, name: str = "the Triton kernel") -> Forward
                         f"use backend='chunk' for fp64")
     B, H, T, K = q.shape
     V = v.shape[-1]
-    q, k, v = (x if _head_span(x) < MAX_HEAD_SPAN else x.contiguous() for x in (q, k, v))
+    q, k, v = within_head_span(q, k, v)
     if max(T * K, T * V) >= MAX_HEAD_SPAN:
         raise ValueError(f"{name} indexes a head with 32-bit offsets: T * K and T * V must be below 2^31, "
                          f"got T={T}, K={K}, V={V}")
     o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
     return ForwardLaunch(q, k, v, o, tuple(tuple(x.stride()) for x in (q, k, v, o)),
                          (B * H, triton.cdiv(V, BV)), BV, precision(q.dtype), B, H, T, K, V)
+
+
+def within_head_span(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each x [B, H, T, C] as it is, or as a contiguous copy if one head spans 2^31 elements or more in
+    memory (a [B, T, H, C] view with T * H * C >= 2^31): the kernels index inside a head with 32-bit
+    offsets. Forward and backward launchers pass every [B, H, T, C] input through it."""
+    return tuple(x if _head_span(x) < MAX_HEAD_SPAN else x.contiguous() for x in xs)
 
 
 def _head_span(x: torch.Tensor) -> int:

@@ -96,7 +96,7 @@ from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_ti
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
                             dot_tile, feature_tile, forward_launch, intermediate_precision, load_block, precision,
-                            store_tile, unwrapped)
+                            store_tile, unwrapped, within_head_span)
 from ..core.alloc import empty
 from ..core.dispatch import backward_or_fallback
 from .chunk import delta_rule_chunk
@@ -245,7 +245,7 @@ def delta_bwd_state_kernel(
         b_dk *= tl.exp(b_g_last - b_g)[:, None]
         # the last row's g_n scales h[c] and every k * e^{g_n - g} of the state update
         b_dgn = tl.sum(b_hdh) * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
-        b_dS = tl.where(m_causal, b_dS * tl.exp(b_g[:, None] - b_g[None, :]), 0.0)
+        b_dS *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))   # masked first
     elif GATE == GATE_CHANNEL:
         b_dq *= tl.exp(b_g)
         b_dk *= tl.exp(b_g_last[None, :] - b_g)
@@ -442,7 +442,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     """
     from ..core.chunk_backward import dstate_pass
 
-    do = do.to(q.dtype)
+    q, k, v, do = within_head_span(q, k, v, do.to(q.dtype))
     run = _backward_launch(q, k, v, do)
     B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
     gate, g, _ = chunk_gates(None, logs, T, CHUNK)

@@ -67,7 +67,7 @@ from ..core.chunk_backward import channel_grads, dstate_pass, state_grad_terms, 
 from ..core.chunk_kernels import CHUNK, channel_scores, chunk_value_tiles, key_block, num_chunks, state_pass
 from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, channel_block, \
     chunk_block_program, chunk_log_gates, chunk_state, load_block, load_state_tile, \
-    precision, store_tile
+    precision, store_tile, within_head_span
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,11 +197,12 @@ class LinearGrads:
 def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=None) -> LinearGrads:
     """All gradients of linear attention's chunk-parallel forward (module docstring).
 
-    q, k [B, H, T, K], v, do [B, H, T, V] (any strides; q, k, v in one dtype); ``gate``, ``g``:
+    q, k [B, H, T, K], v, do [B, H, T, V] (any strides, ``within_head_span``; q, k, v in one dtype); ``gate``, ``g``:
     the forward's gate mode and chunk-local log-gates (``core.kernels.chunk_gates(..., CHUNK)``);
     h0: the initial state (fp32 contiguous) or None; dht: the final state's gradient or None;
     h, ht: the chunk-start states and the final state kept by the forward, else recomputed.
     """
+    q, k, v, do = within_head_span(q, k, v, do.to(q.dtype))
     run = _launch(q, k, v)
     B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
     NT = num_chunks(T)
@@ -211,7 +212,6 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
         raise ValueError(f"log-gates padded to {g.shape[2]} tokens, expected {Tp}")
     if h is None:
         h, ht, _ = state_pass(run, gate, g, Tp, h0)
-    do = do.to(q.dtype)
     dh, dh0, _ = dstate_pass(q, do, gate, g, dht)
     dev = q.device
     BK = key_block(K)

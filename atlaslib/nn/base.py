@@ -308,13 +308,18 @@ class TokenMixer(nn.Module, abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} (mixer {self.mixer_name!r}) has no one-token step "
                                   "for its mix: define mix_step(q, k, v, x, state) to generate with it")
 
+    def feature_dim(self) -> int:
+        """D, the width of phi(k) that the memory reads: head_k_dim, or what the feature map makes of it."""
+        with torch.no_grad():
+            return self.phi(torch.zeros(1, 1, 1, self.head_k_dim)).shape[-1]
+
     @property
     def state_size(self) -> int | None:
-        """Numbers in this layer's recurrent state: one [V, K] matrix per head.
+        """Numbers in this layer's recurrent state: one [V, D] matrix per head (D = ``feature_dim()``).
 
         ``None`` for models whose state grows with T (softmax attention's KV cache).
         """
-        return self.n_heads * self.head_k_dim * self.head_v_dim
+        return self.n_heads * self.feature_dim() * self.head_v_dim
 
     def extra_repr(self) -> str:
         return (f"name={self.mixer_name!r}, heads={self.n_heads}, K={self.head_k_dim}, "

@@ -104,7 +104,7 @@ class MemoryCaching(TokenMixer):
         self.base, self.segments, self.mode, self.aggregate, self.top_k, self.pool = \
             base, segments, mode, aggregate, top_k, pool
         # u_t = x_t W_u; residual MC reads no scores, and an unused parameter would stall DDP's reduction
-        self.u_proj = None if aggregate == "residual" else nn.Linear(d_model, n_heads * self.head_k_dim, bias=False)
+        self.u_proj = None if aggregate == "residual" else nn.Linear(d_model, n_heads * self.feature_dim(), bias=False)
 
     @classmethod
     def base_name(cls) -> str:

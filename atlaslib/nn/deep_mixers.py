@@ -131,7 +131,7 @@ class DeepTransformerMixer(GatedLinear):
         log-weights per head."""
         if self.window is None:
             return None
-        return self.window * self.n_heads * (self.head_k_dim + self.head_v_dim + 1)
+        return self.window * self.n_heads * (self.feature_dim() + self.head_v_dim + 1)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, window={self.window}, retention={self.retention!r}, "
@@ -271,8 +271,9 @@ class DLAMixer(MirasMixer):
         super().__init__(d_model, n_heads, **kw)
 
     def memory_in_dim(self) -> int:
-        """K, or the width C(K + P, P) of phi*_P."""
-        return self.head_k_dim if self.order is None else exp_feature_dim(self.head_k_dim, self.order)
+        """D = ``feature_dim()``, or the width C(D + P, P) of phi*_P on it."""
+        d = self.feature_dim()
+        return d if self.order is None else exp_feature_dim(d, self.order)
 
     def mix(self, q, k, v, x):
         g = self.gates(x, gate_dtype(q), log_alpha=True)

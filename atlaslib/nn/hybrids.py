@@ -64,7 +64,7 @@ class SlidingWindowAttention(SoftmaxAttention):
     @property
     def state_size(self):
         """The cache: ``window`` keys and values per head (fixed, unlike full attention's)."""
-        return self.window * self.n_heads * (self.head_k_dim + self.head_v_dim)
+        return self.window * self.n_heads * (self.feature_dim() + self.head_v_dim)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window={self.window}"

@@ -74,7 +74,7 @@ class LinearAttention(TokenMixer):
 
     @property
     def state_size(self):
-        return self.n_heads * self.head_k_dim * (self.head_v_dim + (1 if self.normalize else 0))
+        return self.n_heads * self.feature_dim() * (self.head_v_dim + (1 if self.normalize else 0))
 
 
 @register_mixer("retnet")
@@ -121,7 +121,7 @@ class GatedLinear(TokenMixer):
                 or not 0 < gate_temperature < math.inf:
             raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
         self.gate_temperature = gate_temperature
-        width = self.head_k_dim if self.per_channel else 1
+        width = self.feature_dim() if self.per_channel else 1       # one gate per channel of phi(k)
         self.gate_proj = nn.Linear(d_model, n_heads * width)
 
     def log_gate(self, x):

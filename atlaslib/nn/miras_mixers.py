@@ -8,7 +8,10 @@ squashed as book/notation.md says:
   gate sigmoid(w^T x_t + b)^(1/16), so memories start long-lived;
 * eta_t (inner learning rate): softplus(w^T x_t + b), started at ``eta_init`` (0.1; a finite number > 0);
 * theta_t (Titans' momentum decay): sigmoid(w^T x_t + b), started at 0.5;
-* delta_t (Yaad's Huber threshold): softplus(w^T x_t + b), started at 1.
+* delta_t (Yaad's Huber threshold): softplus(w^T x_t + b), started at the configuration's ``delta``
+  (1 by default; ``delta=`` sets it). While |e_t| > delta_t, Yaad's switch loss sees the value only
+  through sign(e_t), so no outer gradient reaches the value projection; with unit keys the errors
+  start at a norm of about 2 to 3, above the default start (book ch. 3 §11).
 
 The memory's initial weights W_0 (one set per head, shared by the batch) are parameters
 of the layer, trained by the outer loop as in TTT and Titans; they start from the
@@ -125,13 +128,14 @@ class MirasMixer(GatedLinear):
             self.gate_proj = None
         self.eta_gate = ScalarGate(d_model, n_heads, "softplus", eta_init)
         self.theta_gate = ScalarGate(d_model, n_heads, "sigmoid", 0.5) if parts.optimizer.uses_theta else None
-        self.delta_gate = ScalarGate(d_model, n_heads, "softplus", 1.0) if parts.bias.uses_delta else None
+        self.delta_gate = (ScalarGate(d_model, n_heads, "softplus", check_positive_number(
+            "delta", self.config.delta, "the Huber threshold delta_t starts there")) if parts.bias.uses_delta else None)
         self.has_momentum = parts.optimizer.has_state
         self.initial = learned_start(self.config, n_heads, self.memory_in_dim(), self.head_v_dim)
 
     def memory_in_dim(self) -> int:
-        """The width of what the memory reads: the key width K (a feature map on q, k may change it)."""
-        return self.head_k_dim
+        """The width of what the memory reads: the width of phi(k) (``feature_dim``)."""
+        return self.feature_dim()
 
     def initial_state(self, B: int, dtype) -> MirasState:
         """W_0 broadcast over the batch: a tensor [B, H, V, K] (linear memory) or a dict of them."""

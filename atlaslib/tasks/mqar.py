@@ -1,11 +1,13 @@
 """Multi-query associative recall (MQAR), the synthetic recall task of Zoology.
 
 A sequence of length T starts with ``num_kv_pairs`` key-value pairs laid out
-``k1 v1 k2 v2 ...``; the rest of the sequence is filler in which every key comes back
-once as a query, at a distance drawn from a power law (near repeats are likelier, as
-with repeated bigrams in text). The model must emit the key's value as the *next*
-token after the query, so the label sits at the query's own position (next-token
-convention) and every other label is -100 (ignored by cross-entropy).
+``k1 v1 k2 v2 ...``; the rest of the sequence is filler in which every key is queried
+once (its one labelled position), at a slot of the query region drawn from a power law
+over the slots (the early slots are likelier, near repeats as with repeated bigrams in
+text). With random filler, key tokens can also recur unlabelled among the filler. The
+model must emit the key's value as the *next* token after the query, so the label sits at
+the query's own position (next-token convention) and every other label is -100 (ignored
+by cross-entropy).
 
     inputs: k1 v1 k2 v2 | .  .  k2 .  .  .  k1 .  ...
     labels: -  -  -  -  | -  -  v2 -  -  -  v1 -  ...
