@@ -25,13 +25,12 @@ the mixer, so the memory mixer's own ``memory=`` option keeps its default), and
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..core import softmax_attention
+from ..core.attention import cached_attention, softmax_attention
 from ..core.validation import check_int
 from .base import MIXERS, TokenMixer, make_mixer, register_mixer
 from .linear_mixers import SoftmaxAttention
@@ -57,9 +56,7 @@ class SlidingWindowAttention(SoftmaxAttention):
         the last window - 1 of them plus this one, at most ``window``."""
         keys, values = (k, v) if state is None else (torch.cat([state[0], k], 2), torch.cat([state[1], v], 2))
         keys, values = keys[:, :, -self.window:], values[:, :, -self.window:]
-        scores = torch.einsum("bhqk,bhjk->bhqj", q.float(), keys.float()) / math.sqrt(q.shape[-1])
-        o = torch.einsum("bhqj,bhjv->bhqv", scores.softmax(-1), values.float())
-        return o.to(q.dtype), (keys, values)
+        return cached_attention(q, keys, values), (keys, values)
 
     @property
     def state_size(self):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core import softmax_attention
+from ..core.attention import cached_attention, softmax_attention
 from ..core.validation import check_flag
 from ..core.chunking import compute_dtype
 from ..linear import linear_attention
@@ -40,9 +40,7 @@ class SoftmaxAttention(TokenMixer):
         """One token against a KV cache (keys [B,H,t,K], values [B,H,t,V]): softmax attention has no
         fixed-size state, so this cache grows by one key and one value per token."""
         keys, values = (k, v) if state is None else (torch.cat([state[0], k], 2), torch.cat([state[1], v], 2))
-        scores = torch.einsum("bhqk,bhjk->bhqj", q.float(), keys.float()) / math.sqrt(q.shape[-1])
-        o = torch.einsum("bhqj,bhjv->bhqv", scores.softmax(-1), values.float())   # every cached token is past
-        return o.to(q.dtype), (keys, values)
+        return cached_attention(q, keys, values), (keys, values)           # every cached token is past
 
     @property
     def state_size(self):
