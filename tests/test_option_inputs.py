@@ -145,8 +145,7 @@ def test_hybrid_step_refuses_a_cache_it_did_not_return(name):
 
 
 @pytest.mark.parametrize("name, option, value", [
-    ("linear", "normalize", "no"), ("omeganet", "retention", "no"), ("omeganet", "constant", 0),
-    ("swla", "retention", 1), ("atlas", "momentum", "no"), ("deep_transformer", "retention", "no"),
+    ("linear", "normalize", "no"), ("omeganet", "constant", 0), ("atlas", "momentum", "no"),
     ("deep_transformer", "normalize", None)])
 def test_mixer_switches_must_be_bools(name, option, value):
     """A string such as "no" is truthy: read as a switch it turned the option on."""
