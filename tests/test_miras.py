@@ -232,7 +232,7 @@ def oracle_run(name, q, k, v, gates, state, **overrides):
 
     titans:  S_t = theta_t S_{t-1} - eta_t grad,   M_t = alpha_t M_{t-1} + S_t
     ttt_mlp: W_t = W_{t-1} - eta_t grad
-    moneta:  A_t = alpha_t A_{t-1} - eta_t grad_lp(W_{t-1}),   W_t = A_t / ||A_t||_q^(q-2)
+    moneta:  Z_t = alpha_t Z_{t-1} - eta_t grad_lp(W_{t-1}),   W_t = Z_t / ||Z_t||_q^(q-2)
     yaad:    W_t = alpha_t W_{t-1} - eta_t {grad l2 if ||e|| <= delta_t else delta_t grad l1}
     memora:  W_t = c softmax(alpha_t log W_{t-1} - eta_t grad)   (naive form, on the weights)
     """
@@ -765,7 +765,7 @@ def test_mixer_shape_causality_grad_and_backends(gen, name):
     assert_causal_mixer(mixer, x, 6, gen)
     assert any(n.startswith("initial.") for n, _ in mixer.named_parameters()), "W_0 is learned"
     with torch.no_grad():                              # chunk_size 1 is the per-token engine (fp64: Moneta's
-        mixer.double()                                 # 1/||A||^2 amplifies fp32 rounding)
+        mixer.double()                                 # 1/||Z||^2 amplifies fp32 rounding)
         mixer.chunk_size = 1
         ref = mixer(x.double())
         mixer.backend = "recurrent"

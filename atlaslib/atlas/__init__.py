@@ -123,7 +123,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
         ns_steps: J >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
             outside the momentum, or with theta = 0 the Omega rule, book ch. 5).
         ns_coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
-            "quintic" (both converge to the polar factor U V^T) or a tuple (a, b[, c]).
+            "quintic" (both converge to the polar factor U V^T) or a tuple (p0, p1[, p2]).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
         memory: "linear" (M [V, D], this package's rooms), "mlp", "residual" ([A]'s ATLAS) or
             "gated" (ATLAS++), the deep ones on ``atlaslib.miras`` (D == V for the last two).

@@ -106,7 +106,7 @@ def timed_newton_schulz(device: str = "cpu"):
 
 
 def ns_share(s: BenchShape, window: int = 1, repeats: int = 3) -> float:
-    """Share of the chunk form's time spent in Newton–Schulz (k = ``NS_STEPS``) at shape ``s``: the
+    """Share of the chunk form's time spent in Newton–Schulz (J = ``NS_STEPS``) at shape ``s``: the
     median over ``repeats`` calls, after one warm-up call, of (time in NS_J) / (time of the call)."""
     call = atlas_builder(window)(s, torch.Generator().manual_seed(0))
     shares = []
@@ -125,7 +125,7 @@ def ns_share(s: BenchShape, window: int = 1, repeats: int = 3) -> float:
 
 def ns_note(c: int):
     def note(s: BenchShape) -> str:
-        return f"Newton-Schulz (k = {NS_STEPS}) takes {ns_share(s, c):.0%} of the chunk form's time"
+        return f"Newton-Schulz (J = {NS_STEPS}) takes {ns_share(s, c):.0%} of the chunk form's time"
     return note
 
 

@@ -64,15 +64,15 @@ def ns_coefficients(ns_coeffs) -> tuple:
     """
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in COEFFICIENTS:
-            raise ValueError(f"ns_coeffs must be one of {sorted(COEFFICIENTS)} or a tuple (a, b[, c]) of the "
+            raise ValueError(f"ns_coeffs must be one of {sorted(COEFFICIENTS)} or a tuple (p0, p1[, p2, ...]) of the "
                              f"polynomial p(A) = p0 I + p1 A + p2 A^2, got {ns_coeffs!r}")
         return COEFFICIENTS[ns_coeffs]
     if not isinstance(ns_coeffs, (tuple, list)) or len(ns_coeffs) == 0:
         raise TypeError(f"ns_coeffs must be a name ({', '.join(sorted(COEFFICIENTS))}) or a non-empty tuple "
-                        f"(a, b[, c]) of numbers, got {ns_coeffs!r}")
+                        f"(p0, p1[, p2, ...]) of numbers, got {ns_coeffs!r}")
     for c in ns_coeffs:
         if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(float(c)):
-            raise ValueError(f"ns_coeffs must hold finite real numbers (a, b[, c]), got {ns_coeffs!r}")
+            raise ValueError(f"ns_coeffs must hold finite real numbers (p0, p1[, p2, ...]), got {ns_coeffs!r}")
     return tuple(float(c) for c in ns_coeffs)
 
 
@@ -97,7 +97,7 @@ def newton_schulz(G: torch.Tensor, ns_steps: int = 5, ns_coeffs="muon",
     Args:
         G: [..., m, n], any leading batch dims.
         ns_steps: J >= 0; 0 returns G itself (no normalisation either).
-        ns_coeffs: "muon" (default), "cubic", "quintic", or a tuple (a, b[, c, ...]).
+        ns_coeffs: "muon" (default), "cubic", "quintic", or a tuple (p0, p1[, p2, ...]).
         dtype: the arithmetic's dtype. None: fp32, or fp64 for fp64 input. torch.bfloat16 runs
             it as Muon does.
 

@@ -10,7 +10,7 @@ import torch
 Gate = Union[torch.Tensor, float, None]
 # A feature map: None (identity), a name from ``core.FEATURE_MAPS`` or a callable on [..., K] tensors.
 FeatureMap = Union[str, Callable[[torch.Tensor], torch.Tensor], None]
-# Newton-Schulz coefficients: a name ("muon", "cubic", ...) or explicit (a, b, c) triples.
+# Newton-Schulz coefficients: a name ("muon", "cubic", ...) or explicit (p0, p1, p2) triples.
 Coefficients = Union[str, Sequence[Any]]
 # What every model returns: the output o [B, H, T, V] and the final state, None unless requested.
 # The state's type belongs to the function, never to an argument: a tensor [B, H, V, D] where the memory

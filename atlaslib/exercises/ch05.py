@@ -1,7 +1,7 @@
 """Checks for chapter 5's exercises (exercises/ch05_atlas.ipynb): Newton–Schulz, Muon and ATLAS.
 
 Each check draws fresh random inputs, runs the learner's function and compares it with
-``atlaslib`` (Newton–Schulz ``atlas.newton_schulz``, for one step, and for k steps on a
+``atlaslib`` (Newton–Schulz ``atlas.newton_schulz``, for one step, and for J steps on a
 matrix of known singular vectors; one token of ``atlas.atlas_step``; the per-token momentum
 of the Muon optimizer, ``miras.optimizer.build_optimizer`` on ``atlas.atlas_config``), then
 shows a verdict. Use in a notebook as::

@@ -85,7 +85,7 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
             weights for deep ones, see ``init_state``), a memory state (tensor [B, H, V, D]
             for the linear memory, dict {name: [B, H, out, in]} for deep ones) or a
             ``MirasState(memory, momentum)``. The memory state is the *raw* state: log-weights
-            for retention="kl", the accumulator A for "lq" (see ``state.py``).
+            for retention="kl", the accumulator Z ([M]'s A) for "lq" (see ``state.py``).
         output_final_state: also return the final ``MirasState``.
         backend: "recurrent" (the per-token definition, gradients at W_{t-1}),
             "frozen_seq" (per-token, gradients frozen at each chunk start: the chunk form's

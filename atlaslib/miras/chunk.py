@@ -19,14 +19,14 @@ W_{t0} instead of W_{t-1} ([A] §3.3, [M] App. F, book ch. 3 §8). Then:
    with A_t = alpha_{t0+1} ... alpha_t and D_alpha[t, i] = A_t / A_i (i <= t). The decay
    ratios are exp(differences of cumulative log-gates), never quotients of cumulative
    products (``atlaslib.core.chunking.causal_decay``). Memora's log-domain recursion and
-   Moneta's accumulator A are of this form: both are linear in Z; only the read
+   Moneta's accumulator Z ([M]'s A) are of this form: both are linear in Z; only the read
    W = R(Z) is not.
 3. **Readouts inside the chunk.** y_t = M_{W_t}(phi(q_t)) needs the weights after every
    token. Three ways, equal to rounding:
    * *dual form* (retentions with W = Z and linear combine: none, decay, decay_first,
      proximal): each layer's output W_t x = A_t W_{t0} x + s_t S_{t0} x +
      sum_r C[t, r] a_r (x_r . x), with C = D_alpha E, never forming W_t;
-   * *dual form over a scalar* (lq, Moneta: W_t = A_t / nu_t with nu_t = ||A_t||_q^(q-2)):
+   * *dual form over a scalar* (lq, Moneta: W_t = Z_t / nu_t with nu_t = ||Z_t||_q^(q-2)):
      the same, divided by nu_t; the b accumulators A_t are formed only for their norms;
    * *materialised* (kl, elastic, and non-linear optimizers such as chapter 5's Muon):
      the b per-token weight sets are formed (elastic net by a short elementwise scan,

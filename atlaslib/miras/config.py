@@ -49,11 +49,11 @@ class MirasConfig:
     p:          exponent of the lp bias; sign_sharpness a (sign ~ tanh(a x), None: exact
                 sign) and abs_eps (|x| ~ sqrt(x^2 + eps), 0: exact) smooth its gradient
     delta:      default Huber threshold / value-shift radius when no per-token tensor is given
-    lq:         exponent q of Moneta's normalisation W = A / ||A||_q^(q-2)
+    lq:         exponent q of Moneta's normalisation W = Z / ||Z||_q^(q-2)
     scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
     threshold:  gamma >= 0 of the elastic-net soft threshold
-    ns_steps, ns_coeffs: Muon's Newton–Schulz, k >= 0 steps (0: NS off, the identity) with
-                coefficients "muon" | "cubic" | "quintic" or a tuple (a, b[, c]), see
+    ns_steps, ns_coeffs: Muon's Newton–Schulz, J >= 0 steps (0: NS off, the identity) with
+                coefficients "muon" | "cubic" | "quintic" or a tuple (p0, p1[, p2]), see
                 ``atlaslib.core.newton_schulz``
     name:       the preset this came from (or "custom")
     """

@@ -4,7 +4,7 @@
 
 * ``memory``: the raw state Z of axis 3 (see ``retention``): the memory's weights for
   every retention except ``kl`` (Memora: Z are the log-weights, W = c softmax(Z)) and
-  ``lq`` (Moneta: Z is the accumulator A, W = A / ||A||_q^(q-2)). For the linear memory
+  ``lq`` (Moneta: Z is the accumulator, [M]'s A, W = Z / ||Z||_q^(q-2)). For the linear memory
   it is one tensor [B, H, V, K] (M maps keys to values, as in atlaslib.linear/delta);
   for deep memories a dict {name: [B, H, out, in]} (see ``memory.py`` for the names).
 * ``momentum``: the buffer S of ``optimizer="momentum"`` or ``"muon"`` with the same structure, or None.

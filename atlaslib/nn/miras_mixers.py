@@ -10,8 +10,8 @@ squashed as book/notation.md says:
 * theta_t (Titans' momentum decay): sigmoid(w^T x_t + b), started at 0.5;
 * delta_t (Yaad's Huber threshold): softplus(w^T x_t + b), started at the configuration's ``delta``
   (1 by default; ``delta=`` sets it). While |e_t| > delta_t, Yaad's switch loss sees the value only
-  through sign(e_t), so no outer gradient reaches the value projection; with unit keys the errors
-  start at a norm of about 2 to 3, above the default start (book ch. 3 §11).
+  through sign(e_t), so no outer gradient reaches the value projection; with the residual memory the
+  errors start at a norm of about sqrt(1 + head_k_dim), far above the default start (book ch. 3 §11).
 
 The memory's initial weights W_0 (one set per head, shared by the batch) are parameters
 of the layer, trained by the outer loop as in TTT and Titans; they start from the
