@@ -64,8 +64,9 @@ class AtlasMixer(WindowedMixer):
     """ATLAS: Omega window, momentum, Newton–Schulz on the momentum (linear memory by default;
     deep memories on chapter 3's engine). ``step`` runs the per-token rule for every memory.
 
-    With ``momentum=False``, ``window=1`` and ``ns_steps >= 1`` the window gate gamma_t has no effect: S_t = gamma_t grad_t,
-    and Newton–Schulz divides S_t by its norm first (pass ``gamma=None`` to build no gate)."""
+    With ``momentum=False``, ``window=1`` and ``ns_steps >= 1`` the window gate gamma_t has no effect:
+    S_t = gamma_t grad_t, and Newton–Schulz divides S_t by its norm first (pass ``gamma=None`` to build
+    no gate)."""
 
     default_memory = "linear"
     default_eta_max = 0.1
