@@ -517,3 +517,24 @@ def test_deep_memory_matches_autograd_oracle(gen, gmode, window, chunk_size):
         o_rec, _ = omega_rule(q, k, v, window=window, gamma=gamma, alpha=alpha, eta=eta, memory="mlp",
                               initial_state=W0, backend="recurrent")
         assert rel_rmse(o_rec, ref_o) > 1e-4
+
+
+def test_a_deep_memory_takes_the_engines_memory_options(gen):
+    """expansion, activation and layer_norm reach chapter 3's engine (as miras and dla take them); the
+    linear memory has none, and an unknown option is a TypeError."""
+    from atlaslib.atlas import atlas, atlas_config
+    from atlaslib.miras import miras
+    q, k, v = random_qkv(1, 2, 9, 8, 8, generator=gen, dtype=torch.float64)
+    kw = dict(backend="chunk", chunk_size=1, output_final_state=True)
+    o, s = omega_rule(q, k, v, window=2, eta=0.1, memory="mlp", expansion=2, activation="silu", **kw)
+    ref, _ = miras(q, k, v, memory="mlp", bias="l2", optimizer="gd", retention="none", window=2, eta=0.1,
+                   expansion=2, activation="silu", **kw)
+    assert torch.equal(o, ref) and s.memory["W1"].shape == (1, 2, 16, 8)
+    o, s = atlas(q, k, v, eta=0.1, theta=0.5, memory="residual", expansion=3, layer_norm=True, **kw)
+    ref, _ = miras(q, k, v, config=atlas_config("residual", expansion=3, layer_norm=True), eta=0.1, theta=0.5, **kw)
+    assert torch.equal(o, ref) and s.memory["W1"].shape == (1, 2, 8, 24)
+    for call in (lambda: omega_rule(q, k, v, window=2, expansion=2), lambda: atlas(q, k, v, activation="silu")):
+        with pytest.raises(ValueError, match="memory='linear' has none"):
+            call()
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['width'\]"):
+        atlas(q, k, v, memory="mlp", width=3)

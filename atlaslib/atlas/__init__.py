@@ -27,6 +27,7 @@ from ..core.types import Coefficients, FeatureMap, Gate, ModelOutput
 from ..core.validation import check_flag, check_one_retention, check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE, MEMORIES, MirasConfig, MirasState, make_config, miras
+from ..miras.config import check_memory_options
 from ..miras.memory import DEEP_MEMORIES
 from .chunk import atlas_chunk
 from .recurrent import AtlasState, atlas_frozen_seq, atlas_recurrent, atlas_step, start_state
@@ -44,15 +45,16 @@ NO_KERNEL = ("the Triton kernel (Newton-Schulz on the momenta) serves memory='li
 
 
 def atlas_config(memory: str = "residual", window: int = 1, ns_steps: int = 5,
-                 ns_coeffs: Coefficients = "muon") -> MirasConfig:
+                 ns_coeffs: Coefficients = "muon", **memory_options: Any) -> MirasConfig:
     """ATLAS as a MIRAS configuration: l2 bias, decay after the gradient, Muon with NS_J.
 
     ``atlaslib.miras.miras(q, k, v, config=atlas_config(), ...)`` runs the same model as
     ``atlas(q, k, v, memory="residual", ...)``. [A] gives no window length c (it sweeps it).
+    ``memory_options``: ``expansion``, ``activation``, ``layer_norm`` of a deep memory.
     """
     return make_config(memory=memory, bias="l2", retention="decay", optimizer="muon", window=window,
                        ns_steps=ns_steps, ns_coeffs=tuple(ns_coeffs) if isinstance(ns_coeffs, list) else ns_coeffs,
-                       name="atlas")
+                       name="atlas", **check_memory_options("atlas_config", memory, memory_options))
 
 
 def _linear_state(initial_state, B, H, V, D, q):
@@ -99,7 +101,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
           eta: Gate = None, theta: Gate = None, ns_steps: int = 5, ns_coeffs: Coefficients = "muon",
           phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
           output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
-          log_alpha: Gate = None) -> ModelOutput:
+          log_alpha: Gate = None, **memory_options: Any) -> ModelOutput:
     """ATLAS: the Omega window, momentum, and Newton–Schulz on the momentum ([A] eqs 32-33).
 
         ∇_t = sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
@@ -126,7 +128,8 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
             "quintic" (both converge to the polar factor U V^T) or a tuple (p0, p1[, p2]).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
         memory: "linear" (M [V, D], this package's rooms), "mlp", "residual" ([A]'s ATLAS) or
-            "gated" (ATLAS++), the deep ones on ``atlaslib.miras`` (D == V for the last two).
+            "gated" (ATLAS++), the deep ones on ``atlaslib.miras`` (D == V for the last two). A deep memory
+            also takes ``**memory_options``: ``expansion``, ``activation``, ``layer_norm`` (as ``miras``).
         initial_state: None (zeros for the linear memory; ``miras.init_state`` for deep ones),
             the memory (a tensor [B, H, V, D] or, deep, a dict of weights) with zero momentum,
             or a ``MirasState(memory, momentum)``, e.g. a previous call's final state (which
@@ -190,9 +193,10 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
     eta = gate_or_number("eta", eta, B, H, T, cd, q, high=None)
     theta = gate_or_number("theta", theta, B, H, T, cd, q)
     ns_coeffs = tuple(ns_coeffs) if isinstance(ns_coeffs, list) else ns_coeffs
+    check_memory_options("atlas", memory, memory_options)
     if memory in DEEP_MEMORIES:
         return _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, ns_coeffs, phi, memory, initial_state,
-                           output_final_state, backend, chunk_size, log_alpha)
+                           output_final_state, backend, chunk_size, log_alpha, memory_options)
     fq, fk = apply_feature_map(phi, q, k)
     D = fk.shape[-1]
     M0, S0 = _linear_state(initial_state, B, H, V, D, q)
@@ -204,9 +208,9 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
 
 
 def _atlas_deep(q, k, v, window, gamma, alpha, eta, theta, ns_steps, ns_coeffs, phi, memory, initial_state,
-                output_final_state, backend, chunk_size, log_alpha):
+                output_final_state, backend, chunk_size, log_alpha, memory_options):
     """ATLAS with a deep memory: chapter 3's engine with optimizer "muon" and the Omega window."""
-    cfg = atlas_config(memory, window, ns_steps, ns_coeffs)
+    cfg = atlas_config(memory, window, ns_steps, ns_coeffs, **memory_options)
 
     def engine(name):
         def run(q, k, v):

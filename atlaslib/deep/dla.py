@@ -24,13 +24,11 @@ from ..core.chunking import compute_dtype
 from ..core.dispatch import choose_backend
 from ..core.types import FeatureMap, Gate, ModelOutput
 from ..miras import MEMORIES, miras
-from ..miras.config import DEFAULT_CHUNK_SIZE
+from ..miras.config import DEFAULT_CHUNK_SIZE, MEMORY_OPTIONS
 from .features import exp_features
 from .validation import check_phi_star
 
 DLA_MEMORIES = MEMORIES          # every memory of chapter 3's engine
-# Options of the memory axis that dla passes on to the engine; the other three axes are DLA's.
-MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
 # The backends of chapter 3's engine for what runs on it here: its kernel is Titans/TTT's (l2, linear).
 ENGINE_BACKENDS = ("recurrent", "frozen_seq", "chunk")
 

@@ -23,6 +23,21 @@ from .memory import ACTIVATIONS, MEMORIES, MEMORY_CLASSES
 from .optimizer import OPTIMIZERS
 from .retention import RETENTIONS
 
+# The options of the memory axis that the other chapters' model functions pass on to this engine for a
+# deep memory (dla, omega_rule, atlas): the hidden width, the nonlinearity, the residual branch's LayerNorm.
+MEMORY_OPTIONS = ("expansion", "activation", "layer_norm")
+
+
+def check_memory_options(model: str, memory: str, options: dict) -> dict:
+    """``options`` if they are deep-memory options (``MEMORY_OPTIONS``) and ``memory`` is deep; the engine then
+    checks their values. An unknown name is a TypeError, an option for the linear memory a ValueError."""
+    unknown = sorted(set(options) - set(MEMORY_OPTIONS))
+    if unknown:
+        raise TypeError(f"{model}: unknown option(s) {unknown}; it takes {list(MEMORY_OPTIONS)} for a deep memory")
+    if options and memory == "linear":
+        raise ValueError(f"{model}: {sorted(options)} shape a deep memory; memory='linear' has none")
+    return options
+
 AXES = ("memory", "bias", "retention", "optimizer")
 
 # The chunk length b of "chunk", "frozen_seq" and "triton" for every MIRAS model, and for every

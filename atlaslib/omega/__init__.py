@@ -19,6 +19,7 @@ from ..core.types import FeatureMap, Gate, ModelOutput
 from ..core.validation import check_flag, check_window
 from ..core.windows import window_gates
 from ..miras import DEFAULT_CHUNK_SIZE as MIRAS_CHUNK_SIZE
+from ..miras.config import check_memory_options
 from ..miras.memory import DEEP_MEMORIES, MEMORIES
 from ..miras import MirasState
 from .chunk import omega_chunk, swla_chunk
@@ -37,7 +38,7 @@ SWLA_CHUNK_SIZE = 64
 def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = None, alpha: Gate = None,
                eta: Gate = None, phi: FeatureMap = None, memory: str = "linear", initial_state: Any = None,
                output_final_state: bool = False, backend: str = "auto", chunk_size: int | None = None,
-               log_alpha: Gate = None) -> ModelOutput:
+               log_alpha: Gate = None, **memory_options: Any) -> ModelOutput:
     """The Omega rule: gradient descent on the l2 loss of the last ``window`` pairs ([A] eq. 10).
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi(k_i), v_i)
@@ -77,7 +78,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = No
         phi: feature map for q and k: ``None`` (identity), a name from
             ``core.FEATURE_MAPS`` or a callable [B, H, T, K] -> [B, H, T, D], e.g.
             ``TaylorFeatures(2)`` (its coefficients then train through ``backend``).
-        memory: "linear", "mlp", "residual" or "gated" (see above).
+        memory: "linear", "mlp", "residual" or "gated" (see above). A deep memory also takes
+            ``**memory_options``: ``expansion``, ``activation``, ``layer_norm`` (as ``miras``).
         initial_state: optional start state: the memory (linear: a tensor [B, H, V, D]; deep: a dict of
             weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state (which continues
             the sequence exactly only for window=1: a window also needs the last c - 1 pairs, which
@@ -124,9 +126,10 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = No
     check_flag("output_final_state", output_final_state)
     fq, fk, gamma, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
                                                                   initial_state, chunk_size, log_alpha)
+    check_memory_options("omega_rule", memory, memory_options)
     if memory in DEEP_MEMORIES:
         return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
-                          backend, chunk_size, log_alpha=log_alpha)
+                          backend, chunk_size, log_alpha=log_alpha, **memory_options)
     o, state = dispatch(backend, fq, OMEGA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
                         chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
                         model="omega_rule")

@@ -85,7 +85,7 @@ SWLA_BACKENDS = window_table(swla_recurrent, swla_chunk, "swla_triton")
 
 
 def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state, backend,
-               chunk_size, log_alpha=None):
+               chunk_size, log_alpha=None, **memory_options):
     """OmegaNet with a deep memory: chapter 3's engine with the Omega window on the l2 bias.
 
     ``atlaslib.miras`` takes all c gradients at the same state (W_{t-1}, or the chunk-start
@@ -93,14 +93,16 @@ def omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, outp
     after the update, so this is the same rule as the linear case with M(x) = M x replaced
     by the MLP. Its backends are "recurrent", "frozen_seq", "chunk" and "auto" (= chunk; there is no
     kernel for deep memories, so "triton" is a ValueError). The state is a
-    ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``).
+    ``miras.MirasState`` whose memory is a dict of weights (see ``miras.init_state``). ``memory_options``
+    (``expansion``, ``activation``, ``layer_norm``) go to the engine.
     """
     def engine(backend_name):
         def run(fq, fk, v):
             return miras(fq, fk, v, memory=memory, bias="l2", optimizer="gd",
                          retention="none" if alpha is None and log_alpha is None else "decay", window=window,
                          gamma=gamma, alpha=alpha, log_alpha=log_alpha, eta=eta, initial_state=initial_state,
-                         output_final_state=output_final_state, backend=backend_name, chunk_size=chunk_size)
+                         output_final_state=output_final_state, backend=backend_name, chunk_size=chunk_size,
+                         **memory_options)
         return run
     table = {name: engine(name) for name in ("recurrent", "frozen_seq", "chunk")}
     return dispatch(backend, fq, table, fq, fk, v, model=f"omega_rule(memory={memory!r})",
