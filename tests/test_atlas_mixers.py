@@ -116,6 +116,7 @@ def test_mag_is_the_documented_mix(gen):
     ("atlas", {"chunk_size": 1, "memory": "residual", "window": 2, "gamma": "source"}),
     ("atlas++", {"chunk_size": 1, "window": 2}),
     ("mag", {"memory": "atlas++", "window": 3, "memory_window": 2, "chunk_size": 1}),
+    ("atlas", {"chunk_size": 1, "memory": "mlp", "window": 2, "expansion": 2, "activation": "tanh"}),
 ])
 def test_step_is_the_forward(gen, dtype, name, kw):
     seeded(gen)
@@ -157,6 +158,23 @@ def test_deep_step_state_is_bounded(gen, name, kw):
     assert gammas is None or gammas.shape == (B, H, c - 1)
 
 
+@pytest.mark.parametrize("expansion", [1, 2])
+def test_deep_memory_options_shape_the_memory(gen, expansion):
+    """expansion e: the MLP memory W2 act(W1 x) has h = e D hidden units; memory and momentum count twice
+    H (h D + V h); the activation reaches the forward (another output)."""
+    seeded(gen)
+    mixer = make_mixer("atlas", D, H, memory="mlp", expansion=expansion, backend="chunk")
+    Dk = Dv = D // H
+    h = expansion * Dk
+    assert mixer.state_size == 2 * H * (h * Dk + Dv * h)
+    assert {n: tuple(w.shape) for n, w in mixer.initial.items()} == {"W1": (H, h, Dk), "W2": (H, Dv, h)}
+    x = x_of(gen)
+    other = make_mixer("atlas", D, H, memory="mlp", expansion=expansion, activation="tanh", backend="chunk")
+    other.load_state_dict(mixer.state_dict())
+    with torch.no_grad():
+        assert (other(x) - mixer(x)).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize("name, kw", [("mag", {"memory": "atlas"}), ("mal", {"memory": "atlas"}), ("atlas", {}),
                                       ("atlas", {"memory": "mlp"}), ("atlas++", {})])
 def test_gradients_flow(gen, name, kw):
@@ -184,6 +202,9 @@ def test_tiny_lm_with_a_hybrid(gen):
     ("mag", {"memory": "mal"}, ValueError, "hybrid"),
     ("atlas", {"memory": "deep"}, ValueError, "memory"),
     ("atlas", {"window": 0}, ValueError, "window"),
+    ("atlas", {"expansion": 2}, ValueError, "memory='linear' has none"),
+    ("atlas", {"memory": "mlp", "expansion": 0}, ValueError, "expansion"),
+    ("atlas", {"memory": "mlp", "activation": "softmax"}, ValueError, "activation"),
     ("atlas++", {"head_k_dim": 4, "head_v_dim": 6}, ValueError, "head_k_dim == head_v_dim"),
     ("mamba2", {"gate_temperature": 0.0}, ValueError, "gate_temperature must be a finite number > 0"),
     ("kda", {"gate_temperature": -1.0}, ValueError, "gate_temperature must be a finite number > 0"),

@@ -190,6 +190,22 @@ def test_defaults_share_W2(gen):
     assert (taylor - got).abs().max() < 1e-5 * got.abs().max()
 
 
+@pytest.mark.parametrize("model", ["deep_transformer", "dot"])
+def test_expansion_sets_the_default_width(gen, model):
+    """expansion=e: the default W2 is second_layer_init's draw of width h = e K (the final state shows h)."""
+    q, k, v, alpha, eta, _, _ = inputs(gen, K=2, V=2)
+    B, H, T, K = q.shape
+    f = {"deep_transformer": deep_transformer, "dot": dot}[model]
+    for phi_star in ("kernel", ("taylor", 2)):
+        run = {"alpha": alpha, "eta": eta / math.e, "memory": "mlp", "phi_star": phi_star, "backend": "recurrent"}
+        got, _ = f(q, k, v, expansion=2, **run)
+        want, _ = f(q, k, v, initial_state={"W2": second_layer_init(B, H, 2, 2 * K, F64, "cpu")}, **run)
+        assert_close(got, want, tol=1e-13, name=f"{model} {phi_star} expansion=2")
+        assert (got - f(q, k, v, **run)[0]).abs().max() > 1e-4      # the default (4) is another memory
+    _, state = f(q, k, v, expansion=3, output_final_state=True, memory="mlp", phi_star=("taylor", 2))
+    assert state.memory["W2"].shape[-1] == 3 * K and state.memory["W1"].shape[-2] == 3 * K
+
+
 @pytest.mark.parametrize("phi_star", ["kernel", ("taylor", 2)])
 def test_window_at_least_T_is_the_global_window(gen, phi_star):
     T = 6
@@ -282,5 +298,12 @@ def test_bad_input(gen):
         deep_transformer(q, k, v, memory="mlp", activation="softmax")
     with pytest.raises(ValueError, match="activation"):
         deep_transformer(q, k, v, activation="tanh")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="expansion must be an int"):
+            dot(q, k, v, memory="mlp", expansion=bad)
+    with pytest.raises(ValueError, match="linear memory has none"):
+        deep_transformer(q, k, v, expansion=2)
+    with pytest.raises(ValueError, match="sets h"):              # W2's width is h = 5, not 2 K
+        dot(q, k, v, memory="mlp", expansion=2, initial_state=st)
     with pytest.raises(ValueError, match="initial_state"):
         dot(q, k, v, initial_state=st)

@@ -59,7 +59,7 @@ from ..omega.backends import memory_of_state, step_gates
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
-from .mlp import DEFAULT_EXPANSION, check_activation, mlp_deep_transformer, mlp_dot, second_layer_init
+from .mlp import DEFAULT_EXPANSION, check_activation, check_expansion, mlp_deep_transformer, mlp_dot, second_layer_init
 from .validation import MAX_EXPONENT, check_exponents, check_phi_star, check_read_write_exponents
 from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
                         hebbian_recurrent)
@@ -72,22 +72,23 @@ MAX_FEATURES = 256               # chapter 1's kernel (phi*_P without a window) 
 MEMORIES = ("linear", "mlp")     # the matrix memory, and chapter 3's MLP W2 act(W1 phi*(x)) with W1_0 = 0 (mlp.py)
 
 
-def check_memory(memory, activation=None):
+def check_memory(memory, activation=None, expansion=None):
     """The memories deep_transformer and dot take (DLA has the residual and gated ones too), and the
-    options only the deep memory has. Returns the activation (None for the linear memory)."""
+    options only the deep memory has. Returns (activation, expansion) ((None, None) for the linear memory)."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES} (the residual and gated memories run on "
                          f"atlaslib.deep.dla), got {memory!r}")
     if memory == "linear":
-        if activation is not None:
-            raise ValueError(f"activation={activation!r} is an option of memory='mlp'; the linear memory has none")
-        return None
-    return check_activation("gelu" if activation is None else activation)
+        for name, value in (("activation", activation), ("expansion", expansion)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} is an option of memory='mlp'; the linear memory has none")
+        return None, None
+    return check_activation("gelu" if activation is None else activation), check_expansion(expansion)
 
 
-def check_inputs(q, k, v, memory, activation, phi_star):
-    """The checks deep_transformer and dot start with: (activation, (B, H, T, K, V), (form, order))."""
-    return check_memory(memory, activation), check_qkv(q, k, v), check_phi_star(phi_star)
+def check_inputs(q, k, v, memory, activation, expansion, phi_star):
+    """The checks deep_transformer and dot start with: ((activation, expansion), (B, H, T, K, V), (form, order))."""
+    return check_memory(memory, activation, expansion), check_qkv(q, k, v), check_phi_star(phi_star)
 
 
 def default_chunk_size(chunk_size: int | None, frozen: bool) -> int:
@@ -146,7 +147,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
                      phi_star: str | tuple[str, int] = "kernel", normalize: bool = False, window: int | None = None,
                      memory: str = "linear", initial_state: Any = None, output_final_state: bool = False,
                      backend: str = "auto", chunk_size: int | None = None, log_alpha: Gate = None,
-                     activation: str | None = None) -> ModelOutput:
+                     activation: str | None = None, expansion: int | None = None) -> ModelOutput:
     """DeepTransformer ([A] eq. 25) with a linear or deep memory; ``window=c`` gives SWDT (linear memory).
 
         M_t = alpha_t M_{t-1} + eta_t v_t phi*(k_t)^T,        y_t = M_t phi*(q_t)
@@ -199,11 +200,14 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
             DEFAULT_CHUNK_SIZE (64), or FROZEN_CHUNK_SIZE (chapter 3's b) for "mlp", where b is part of the model.
         activation: "mlp" only: act of chapter 3's ``ACTIVATIONS`` (None: "gelu"). With W1 = 0 the first
             step moves W1 by act'(0): "relu" (act'(0) = 0 in torch) leaves the memory at its start forever.
+        expansion: "mlp" only: the default W2's hidden width h = expansion * K (None: DEFAULT_EXPANSION, 4).
+            An ``initial_state`` sets h by its W2; an expansion given with it must agree (h = expansion * K).
 
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
-    activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
+    (activation, expansion), (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, expansion,
+                                                                           phi_star)
     check_flag("normalize", normalize)
     check_flag("output_final_state", output_final_state)
     cd = compute_dtype(q)
@@ -222,7 +226,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
                              "with the dot-product loss the library has a window only on a linear memory, "
                              "atlaslib.omega.swla)")
         o, state = mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state,
-                                        backend, chunk_size, activation)
+                                        backend, chunk_size, activation, expansion)
         return o, (MirasState(state, None) if output_final_state else None)
     matrix = form == "taylor" and window is None                     # the forms that have a matrix state
     if (initial_state is not None or output_final_state) and not matrix:
@@ -264,7 +268,8 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
 def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None, alpha: Gate = None,
         eta: Gate = None, phi_star: str | tuple[str, int] = "kernel", memory: str = "linear",
         initial_state: Any = None, output_final_state: bool = False, backend: str = "auto",
-        chunk_size: int | None = None, log_alpha: Gate = None, activation: str | None = None) -> ModelOutput:
+        chunk_size: int | None = None, log_alpha: Gate = None, activation: str | None = None,
+        expansion: int | None = None) -> ModelOutput:
     """The Deep Omega Transformer ([A] eq. 27): the Omega rule on phi*, with a linear or deep memory.
 
         M_t = alpha_t M_{t-1} - eta_t sum_{i=t-c+1}^{t} gamma_i^{(t)} grad l2(M_{t-1}; phi*(k_i), v_i)
@@ -326,12 +331,13 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
             DEFAULT_CHUNK_SIZE (64) for c = 1 with the linear memory, else FROZEN_CHUNK_SIZE, chapter 4's b
             (``OMEGA_CHUNK_SIZE``), so that by default dot(window=c, phi_star=("taylor", P)) is ``omega_rule``
             on the features.
-        activation: "mlp" only, as ``deep_transformer`` takes it (None: "gelu").
+        activation, expansion: "mlp" only, as ``deep_transformer`` takes them (None: "gelu", 4).
 
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, None)`` or None).
     """
-    activation, (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, phi_star)
+    (activation, expansion), (B, H, T, K, V), (form, order) = check_inputs(q, k, v, memory, activation, expansion,
+                                                                           phi_star)
     check_flag("output_final_state", output_final_state)
     c = check_window(window)
     cd = compute_dtype(q)
@@ -353,7 +359,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
         check_dot_step(eta, alpha)
     if memory == "mlp":                             # the deep Omega rule on phi* (mlp.py)
         o, state = mlp_dot(q, k, v, c, gamma, alpha, eta, order, initial_state, output_final_state, backend,
-                           chunk_size, activation)
+                           chunk_size, activation, expansion)
         return o, (MirasState(state, None) if output_final_state else None)
     if form == "kernel":
         check_read_write_exponents(q, k, "dot with phi_star='kernel'")

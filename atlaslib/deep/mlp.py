@@ -18,8 +18,9 @@ only exp(k_j^T x), and the Taylor form and the kernel form start from the same m
 
 The start state is given as ``initial_state={"W2": [B, H, V, h]}`` (W1 = 0; h is W2's width), or, for
 the Taylor form only, ``{"W1": [B, H, h, D], "W2": [B, H, V, h]}`` (any first layer: it lives in the
-finite feature space). None: W2 drawn N(0, 1/h) per head from a generator seeded with 0, h = 4 K (the
-engine's expansion 4 on the raw key width, so the Taylor forms of every P and the kernel form share it).
+finite feature space). None: W2 drawn N(0, 1/h) per head from a generator seeded with 0, h = expansion * K
+with expansion 4 unless given (the engine's default, on the raw key width, so the Taylor forms of every P
+and the kernel form share it).
 """
 from __future__ import annotations
 
@@ -49,6 +50,13 @@ def check_activation(activation):
     return activation
 
 
+def check_expansion(expansion):
+    """The hidden width's multiple of K: an int >= 1, or None (the default W2's DEFAULT_EXPANSION)."""
+    if expansion is not None and (isinstance(expansion, bool) or not isinstance(expansion, int) or expansion < 1):
+        raise ValueError(f"expansion must be an int >= 1 (the hidden width h = expansion * K), got {expansion!r}")
+    return expansion
+
+
 def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):
     """The default W2: N(0, 1/h) per head (fp64 draw, as ``Memory.init``), shared by the batch."""
     gen = torch.Generator().manual_seed(seed)
@@ -56,15 +64,16 @@ def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):
     return w.to(dtype=dtype, device=device)[None].expand(B, H, V, hidden).contiguous()
 
 
-def mlp_start(initial_state, q, v, order):
-    """(W1 or None for zero, W2, D) from ``initial_state`` (None: W2 drawn in fp32, fp64 for fp64 q); D is the width
-    C(K + P, P) of the features of order P (None: the exact phi*)."""
+def mlp_start(initial_state, q, v, order, expansion=None):
+    """(W1 or None for zero, W2, D) from ``initial_state`` (None: W2 drawn in fp32, fp64 for fp64 q, of width
+    h = expansion * K, expansion None: DEFAULT_EXPANSION); D is the width C(K + P, P) of the features of
+    order P (None: the exact phi*)."""
     B, H, _, K = q.shape
     V = v.shape[-1]
     D = None if order is None else exp_feature_dim(K, order)
     if initial_state is None:
         dtype = q.dtype if q.dtype == torch.float64 else torch.float32
-        return None, second_layer_init(B, H, V, DEFAULT_EXPANSION * K, dtype, q.device), D
+        return None, second_layer_init(B, H, V, (expansion or DEFAULT_EXPANSION) * K, dtype, q.device), D
     allowed = {"W2"} if D is None else {"W1", "W2"}
     if not isinstance(initial_state, dict) or "W2" not in initial_state or set(initial_state) - allowed:
         got = sorted(initial_state) if isinstance(initial_state, dict) else type(initial_state).__name__
@@ -78,6 +87,10 @@ def mlp_start(initial_state, q, v, order):
                          f"{tuple(W2.shape) if isinstance(W2, torch.Tensor) else type(W2).__name__}")
     hidden = W2.shape[-1]
     check_state("initial_state['W2']", W2, (B, H, V, hidden), q)
+    if expansion is not None and hidden != expansion * K:
+        raise ValueError(f"expansion={expansion} asks for h = {expansion * K} hidden units, but initial_state's "
+                         f"W2 has h = {hidden}: its width sets h (leave expansion out, or give a W2 of width "
+                         f"{expansion * K})")
     W1 = initial_state.get("W1")
     check_state("initial_state['W1']", W1, (B, H, hidden, D), q)
     return W1, W2, D
@@ -118,9 +131,9 @@ EXACT_PHI_MISSING = ("phi_star='kernel' with memory='mlp' is per token only (the
 
 
 def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, output_final_state, backend,
-                         chunk_size, activation):
+                         chunk_size, activation, expansion=None):
     """DeepTransformer with the deep memory (DLA on phi*). order: P of ("taylor", P), None for the kernel."""
-    W1, W2, D = mlp_start(initial_state, q, v, order)
+    W1, W2, D = mlp_start(initial_state, q, v, order, expansion)
     if order is not None:
         check_engine_backend(backend, q, "deep_transformer(memory='mlp')", DEEP_MEMORY_NO_KERNEL)
         start, expansion = engine_state(W1, W2, D)
@@ -137,9 +150,9 @@ def mlp_deep_transformer(q, k, v, alpha, eta, log_alpha, order, initial_state, o
 
 
 def mlp_dot(q, k, v, window, gamma, alpha, eta, order, initial_state, output_final_state, backend, chunk_size,
-            activation):
+            activation, expansion=None):
     """DOT with the deep memory (the deep Omega rule on phi*). order: P of ("taylor", P), None for the kernel."""
-    W1, W2, D = mlp_start(initial_state, q, v, order)
+    W1, W2, D = mlp_start(initial_state, q, v, order, expansion)
     if order is not None:                     # chapter 3's engine as omega_rule(memory="mlp") runs it
         check_engine_backend(backend, q, "dot(memory='mlp')", DEEP_MEMORY_NO_KERNEL)
         start, expansion = engine_state(W1, W2, D)

@@ -13,7 +13,7 @@ the default eta_max is 0.1.
 
 * ``"atlas"``: ``memory="linear"`` by default (fast; M [V, D] per head); ``memory="mlp"`` or
   ``"residual"`` ([A]'s ATLAS) run on chapter 3's engine (``atlas_config``: optimizer "muon"
-  and the Omega window).
+  and the Omega window), shaped by the deep memory's ``expansion``, ``activation``, ``layer_norm``.
 * ``"atlas++"``: ``memory="gated"`` (ATLAS++, needs head_k_dim == head_v_dim), on that engine too.
 
 Every memory and gamma mode has a one-token ``step`` (generation): the linear memory through
@@ -44,6 +44,7 @@ from ..core.chunking import compute_dtype
 from ..core.newton_schulz import check_ns_steps
 from ..core.validation import check_flag
 from ..miras import build_parts
+from ..miras.config import MEMORY_OPTIONS, check_memory_options
 from ..miras.recurrent import TokenState
 from .miras_mixers import batch_start, engine_step, learned_start, start_token_state
 from .base import gate_dtype, register_mixer
@@ -76,6 +77,9 @@ class AtlasMixer(WindowedMixer):
         memory = self.default_memory if memory is None else memory
         if memory not in MEMORIES:
             raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
+        # a deep memory's expansion, activation, layer_norm (atlas_config checks their values)
+        self.memory_options = check_memory_options(
+            self.mixer_name, memory, {name: kw.pop(name) for name in MEMORY_OPTIONS if name in kw})
         kw.setdefault("qk_norm", True)
         kw.setdefault("chunk_size", ATLAS_CHUNK_SIZE)
         super().__init__(d_model, n_heads, window=window, **kw)
@@ -86,7 +90,11 @@ class AtlasMixer(WindowedMixer):
         self.theta_proj = nn.Linear(d_model, n_heads) if check_flag("momentum", momentum) else None
         # A deep memory's W_0 is learned, as chapter 3's mixers learn theirs; the linear memory starts at zero
         self.initial = None if memory == "linear" else learned_start(
-            atlas_config(memory, self.window, self.ns_steps, ns_coeffs), n_heads, self.feature_dim(), self.head_v_dim)
+            self.config(), n_heads, self.feature_dim(), self.head_v_dim)
+
+    def config(self):
+        """The deep memory's chapter 3 configuration (``atlas_config``), options included."""
+        return atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs, **self.memory_options)
 
     def theta(self, x):
         """Momentum decay in (0, 1), [B, H, T], or None (no momentum)."""
@@ -107,7 +115,7 @@ class AtlasMixer(WindowedMixer):
         return atlas(q, k, v, window=self.window, gamma=gamma, log_alpha=self.log_alpha(x), eta=eta,
                      theta=None if theta is None else theta.to(dtype), ns_steps=self.ns_steps, ns_coeffs=self.ns_coeffs,
                      memory=self.memory, initial_state=self.deep_start(q), backend=self.backend,
-                     chunk_size=self.chunk_size)[0]
+                     chunk_size=self.chunk_size, **self.memory_options)[0]
 
     def mix_step(self, q, k, v, x, state):
         """One token of the per-token rule (the model of ``chunk_size=1``).
@@ -132,8 +140,7 @@ class AtlasMixer(WindowedMixer):
         """One token of a deep memory on chapter 3's engine (``engine_step``: Muon and the Omega window),
         the engine ``atlas(memory=...)`` runs; it starts, as that forward does, from the learned W_0."""
         B, H, _, D = q.shape
-        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
-        parts = build_parts(cfg, D, v.shape[-1])
+        parts = build_parts(self.config(), D, v.shape[-1])
         if state is None:
             W0 = self.deep_start(q)
             sources = gamma.new_zeros(B, H, 0) if self.gamma_mode == "source" else None
@@ -148,12 +155,13 @@ class AtlasMixer(WindowedMixer):
         Not counted, as for every windowed mixer: the last c - 1 pairs (and per-source gates)."""
         if self.memory == "linear":
             return 2 * super().state_size
-        cfg = atlas_config(self.memory, self.window, self.ns_steps, self.ns_coeffs)
-        shapes = build_parts(cfg, self.feature_dim(), self.head_v_dim).memory.shapes
+        shapes = build_parts(self.config(), self.feature_dim(), self.head_v_dim).memory.shapes
         return 2 * self.n_heads * sum(o * i for o, i in shapes.values())
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, memory={self.memory!r}, ns_steps={self.ns_steps}, ns_coeffs={self.ns_coeffs!r}"
+        options = "".join(f", {name}={value!r}" for name, value in self.memory_options.items())
+        return (f"{super().extra_repr()}, memory={self.memory!r}{options}, ns_steps={self.ns_steps}, "
+                f"ns_coeffs={self.ns_coeffs!r}")
 
 
 @register_mixer("atlas++")
