@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from atlaslib.core.testing import TOLERANCE, assert_close
+from atlaslib.atlas import atlas
+from atlaslib.core.testing import assert_close
 from atlaslib.nn import TinyLM, make_mixer
-from mixer_helpers import seeded, step_through
+from mixer_helpers import projections, seeded, step_through
 
 D, H = 12, 2
 
@@ -37,7 +38,7 @@ def test_swa_is_the_masked_softmax(gen):
     mask = (t[None] <= t[:, None]) & (t[None] > t[:, None] - c)
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
     o = (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, -1)
-    assert_close(swa(x), swa.o_proj(o), tol=TOLERANCE[torch.float32])
+    assert_close(swa(x), swa.o_proj(o))                           # fp64: the default fp64 tolerance
 
 
 def test_swa_with_a_long_window_is_softmax_attention(gen):
@@ -156,6 +157,25 @@ def test_deep_step_state_is_bounded(gen, name, kw):
     assert sum(w.numel() for part in (engine.Z, engine.S) for w in part.values()) == B * mixer.state_size
     assert (gammas is None) == (kw.get("gamma") != "source")
     assert gammas is None or gammas.shape == (B, H, c - 1)
+
+
+@pytest.mark.parametrize("kw", [{"window": 3}, {"window": 2, "gamma": "source", "memory": "mlp"},
+                                {"window": 1, "memory": "residual"}])
+def test_mixer_is_atlas_on_its_own_projections(gen, kw):
+    """Without the convolution the layer is o_proj of chapter 5's per-token rule, with every gate computed
+    here from the raw weights: theta = sigmoid(.), eta = eta_max sigmoid(.), gamma, alpha as chapter 4's."""
+    seeded(gen)
+    m = make_mixer("atlas", D, H, conv_size=0, backend="chunk", chunk_size=1, **kw).double()
+    x = torch.randn(2, 7, D, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        q, k, v, gam, alpha, eta = projections(m, x)
+        gamma = gam if m.gamma_mode == "offset" else gam[..., 0]
+        theta = torch.sigmoid(m.theta_proj(x)).transpose(1, 2)
+        start = None if m.initial is None else {n: w[None].expand(2, *w.shape) for n, w in m.initial.items()}
+        y, _ = atlas(q, k, v, window=m.window, gamma=gamma, alpha=alpha, eta=eta, theta=theta, memory=m.memory,
+                     initial_state=start, backend="recurrent")
+        B, _, T, V = y.shape
+        assert_close(m(x), m.o_proj(y.transpose(1, 2).reshape(B, T, H * V)), name=f"atlas {kw}")
 
 
 @pytest.mark.parametrize("expansion", [1, 2])

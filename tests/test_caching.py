@@ -329,6 +329,9 @@ def test_log_linear_has_about_2L_blocks():
         layout = log_layout(T)
         assert len(layout.cached) + len(set(layout.online)) <= 2 * T
         assert len(set(layout.cached)) == len(layout.cached)
+        # the cached blocks are exactly the dyadic blocks some position reads before its own (0-based, end excl.)
+        read = {(a - 1, e) for t in range(1, T + 1) for a, e in binary_blocks(t)[:-1]}
+        assert set(layout.cached) == read, T
 
 
 @pytest.mark.parametrize("segments,aggregate,top_k", [(3, "grm", None), ([1, 2, 6], "residual", None),
@@ -572,9 +575,13 @@ def test_gradients_deep(gen, aggregate):
 
 def test_log_linear_pp_is_grm_over_log_segments(gen):
     from atlaslib.caching import log_linear_pp
-    q, k, v, alpha, _ = inputs(gen, T=13)
+    q, k, v, alpha, M0 = inputs(gen, T=13, h0=True)
     want = mc_reference(q, k, v, alpha, None, "log", "independent", "grm")
     got, _ = log_linear_pp(q, k, v, base=linear_attention, base_kwargs=dict(alpha=alpha), chunk_size=2)
+    assert rel_rmse(got, want) < 1e-12
+    want = mc_reference(q, k, v, alpha, M0, "log", "independent", "grm")     # every segment starts at M0
+    got, _ = log_linear_pp(q, k, v, base=linear_attention, base_kwargs=dict(alpha=alpha), initial_state=M0,
+                           chunk_size=2)
     assert rel_rmse(got, want) < 1e-12
     with pytest.raises(TypeError, match="segments"):          # it fixes the segmentation: no such argument
         log_linear_pp(q, k, v, base=linear_attention, segments=4)

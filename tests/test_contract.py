@@ -23,10 +23,12 @@ For every model:
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import pkgutil
+import sys
 
 import pytest
 import torch
@@ -234,10 +236,10 @@ def test_wrappers(gen, wrapper, base_name, base, base_kwargs, state_type):
     o_t, s_t = fn(q, k, v, base=base, base_kwargs=_tensor_gates(dict(base_kwargs, alpha=0.9), T),
                   output_final_state=True, backend="chunk", **extra)
     assert rel_rmse(o, o_t) < 1e-12 and type(s) is state_type and type(s_t) is state_type and _close(s, s_t)
-    _, none = fn(q, k, v, base=base, base_kwargs=base_kwargs, backend="chunk", **extra)
+    o_zero, none = fn(q, k, v, base=base, base_kwargs=base_kwargs, backend="chunk", **extra)
     assert none is None
     o2, _ = fn(q, k, v, base=base, base_kwargs=base_kwargs, initial_state=s, backend="chunk", **extra)
-    assert o2.shape == o.shape
+    assert o2.shape == o.shape and rel_rmse(o2, o_zero) > 1e-3      # the state is read, not dropped
 
 
 # ---- chunk_size=None is the documented default ------------------------------------------------------
@@ -271,20 +273,42 @@ def test_defaults_cover_every_model():
 
 
 @pytest.mark.parametrize("name, fixed, default, frozen", DEFAULTS, ids=[f"{d[0]}-{i}" for i, d in enumerate(DEFAULTS)])
-def test_chunk_size_none_is_the_default(gen, name, fixed, default, frozen):
+def test_chunk_size_none_is_the_default(gen, monkeypatch, name, fixed, default, frozen):
     T = 36                                          # more than 2 chunks of 16, less than one of 64
     q, k, v = _inputs(gen, T)
     fixed = dict(fixed)
-    if name == "delta_rule":
-        fn = lambda **kw: MODELS[name](q, k, v, fixed["beta"], backend="chunk", **kw)  # noqa: E731
-    else:
-        fn = lambda **kw: MODELS[name](q, k, v, backend="chunk", **fixed, **kw)  # noqa: E731
+
+    def fn(q=q, k=k, v=v, **kw):
+        if name == "delta_rule":
+            return MODELS[name](q, k, v, fixed["beta"], backend="chunk", **kw)
+        return MODELS[name](q, k, v, backend="chunk", **fixed, **kw)
     o_none, _ = fn()
     o_default, _ = fn(chunk_size=default)
     assert rel_rmse(o_none, o_default) < 1e-12
     if frozen:                                      # b is part of the model: another b is another output
         other, _ = fn(chunk_size=max(1, default // 4))
         assert rel_rmse(other, o_default) > 1e-8
+    else:                       # every b gives the same output: watch the chunking, on T > b (b is cut to T)
+        with chunk_lengths_seen(monkeypatch) as seen:
+            fn(*_inputs(gen, 2 * default + 5))
+        assert seen == {default}, (name, seen)
+
+
+@contextlib.contextmanager
+def chunk_lengths_seen(monkeypatch):
+    """The chunk lengths b that the chunk forms cut T into (``to_chunks``, ``chunk_spans``) during the block."""
+    from atlaslib.core import chunking
+    seen = set()
+    for helper in (chunking.to_chunks, chunking.chunk_spans):
+        def spy(x, b, *args, _real=helper, **kwargs):
+            seen.add(b)
+            return _real(x, b, *args, **kwargs)
+        for module in [m for n, m in sys.modules.items() if n.startswith("atlaslib")]:
+            for attr, value in list(vars(module).items()):
+                if value is helper:
+                    monkeypatch.setattr(module, attr, spy)
+    yield seen
+    monkeypatch.undo()
 
 
 # ---- frozen gradients: the per-token oracle is a backend ---------------------------------------------

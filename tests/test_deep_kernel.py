@@ -53,7 +53,8 @@ def test_triton_matches_chunk_on_odd_shapes(gen, normalize, window, gates):
 
 @pytest.mark.parametrize("normalize, window", [(True, None), (False, None), (True, 70), (False, 5), (True, 64)])
 def test_many_query_and_key_blocks(gen, normalize, window):
-    """T = 150: three query blocks of 64, windows reaching back across block edges, decays over long spans."""
+    """T = 150: five query blocks of 32 (fp32 inputs; 64 for bf16/fp16), windows reaching back across block
+    edges, decays over long spans."""
     q, k, v, _, eta = inputs(gen, B=1, H=2, T=150, K=16, V=8)
     alpha = random_gate(1, 2, 150, low=0.95, generator=gen)
     want = reference(q, k, v, alpha, eta, normalize=normalize, window=window)
@@ -125,7 +126,7 @@ def test_16_bit_products_cost_about_the_outputs_rounding(gen, dtype, times):
 
 def test_views_are_read_in_place(gen):
     """[B, T, H, K] tensors transposed to [B, H, T, K], as the mixers pass them."""
-    g = torch.Generator().manual_seed(1)
+    g = gen
     q, k = (0.4 * torch.randn(2, 37, 3, 20, generator=g).transpose(1, 2) for _ in range(2))
     v = torch.randn(2, 37, 3, 12, generator=g).transpose(1, 2)
     got, _ = deep_transformer(q, k, v, normalize=True, window=5, backend="triton")
@@ -298,8 +299,9 @@ def test_dot_triton_many_blocks_and_wide_values(gen, K):
 def test_dot_triton_recursive_solve(gen, K, T, leaf, gates):
     """The solve split in halves down to leaves of ``leaf`` tokens (rounded up to the block: 32 at K = 5,
     16 at K = 100), the later halves' right-hand sides corrected by the recall kernel: three leaves
-    of 32 (75 = 32 + 32 + 11), four of 64 and a partial one (140), five of 16, three of 16 (leaf = 1
-    rounds up): every split equals the definition (and one leaf, the default at these T)."""
+    of 32 (75 = 32 + 32 + 11), two of 64 and a partial one (140 = 64 + 64 + 12: leaf 40 rounds up to 64),
+    five of 16, three of 16 (leaf = 1 rounds up): every split equals the definition (and one leaf, the
+    default at these T)."""
     from atlaslib.deep.kernel import dot_kernel_triton
     q, k, v, alpha, eta = dot_inputs(gen, B=2, H=1, T=T, K=K, V=70, gates=gates)
     with poisoned_outputs():

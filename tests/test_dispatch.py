@@ -296,7 +296,7 @@ def test_the_kernels_fallback_warning_points_at_the_users_call():
 
 
 @pytest.mark.parametrize("model", ["linear", "delta"])
-def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradients(monkeypatch, model):
+def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradients(gen, monkeypatch, model):
     """Chapters 1-2's Functions: a forward that fits the card and a backward that does not (it holds more
     tiles at once) give the gradients of autograd through the chunk form, with a warning, not a crash."""
     errors = pytest.importorskip("triton.runtime.errors")
@@ -308,7 +308,6 @@ def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradient
         raise errors.OutOfResources(150_000, 101_376, "shared memory")
     monkeypatch.setattr(*((delta_kernel, "delta_rule_backward") if model == "delta"
                           else (linear_backward, "linear_attention_backward")), too_big)
-    gen = torch.Generator().manual_seed(7)
     B, H, T, K, V = 1, 2, 70, 8, 6                               # two chunks, the second one short
     q, k, v = random_qkv(B, H, T, K, V, generator=gen)
     alpha = random_gate(B, H, T, low=0.8, generator=gen)

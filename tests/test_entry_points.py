@@ -59,7 +59,7 @@ def test_the_defaults_are_declared_once():
 
 LIBRARY_CALLS = ("linear_attention", "delta_rule", "miras", "omega_rule", "swla", "atlas", "deep_transformer", "dot",
                  "dla", "memory_caching")
-GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "yaad", "memora",
+GATED = ("retnet", "mamba2", "gla", "gated_deltanet", "kda", "omeganet", "swla", "titans", "moneta", "yaad", "memora",
          "atlas", "atlas++", "mag", "mal", "deep_transformer", "swdt", "dla", "memory_caching", "dot")
 ATTENTION = ("softmax", "swa")                       # no chunk form, no retention gate
 HYBRIDS = ("mag", "mal")                             # their memory branch (atlas by default) makes the call
@@ -91,6 +91,8 @@ def test_every_mixer_passes_its_chunk_size_and_a_log_gate(monkeypatch, gen, name
         mixer(torch.randn(1, 11, 16, generator=gen).to(torch.bfloat16))
     assert len(seen) == 1 and seen[0]["chunk_size"] == 5
     assert seen[0].get("alpha") is None, "retention must travel as log_alpha"
+    if any(m.__dict__.get("_modules", {}).get("gate_proj") is not None for m in mixer.modules()):
+        assert name in GATED, f"{name} projects a retention gate: list it in GATED"
     if name in GATED:
         assert seen[0]["log_alpha"].dtype == torch.float32
         assert (seen[0]["log_alpha"] < 0).all()

@@ -27,9 +27,11 @@ class Case:
     """One public function with its non-gate inputs drawn once: ``run(q, k, v, backend, **gate)``
     returns the tensors to compare (output and final state)."""
 
-    def __init__(self, name, backends, call, per_channel=False, extras=None):
+    def __init__(self, name, backends, call, per_channel=False, extras=None, oracle="recurrent"):
         self.name, self.backends, self.call, self.per_channel = name, backends, call, per_channel
         self.extras = extras or (lambda g, dtype: {})
+        # the per-token form that the chunk forms equal: (backend, call); "frozen_seq" where b freezes gradients
+        self.oracle = oracle if isinstance(oracle, tuple) else (oracle, call)
 
     def __repr__(self):
         return self.name
@@ -105,14 +107,16 @@ CASES = [
     Case("linear_attention (GLA)", ("recurrent", "chunk", "triton"), _linear, per_channel=True),
     Case("delta_rule", ("recurrent", "chunk", "triton"), _delta, extras=_beta),
     Case("delta_rule (KDA)", ("recurrent", "chunk", "triton"), _delta, per_channel=True, extras=_beta),
-    Case("omega_rule", ("recurrent", "chunk", "triton"), _omega, extras=_omega_extras),
-    Case("omega_rule (mlp)", ("recurrent", "chunk"), _omega_mlp, extras=_omega_extras),
+    Case("omega_rule", ("recurrent", "chunk", "triton"), _omega, extras=_omega_extras, oracle="frozen_seq"),
+    Case("omega_rule (mlp)", ("recurrent", "chunk"), _omega_mlp, extras=_omega_extras, oracle="frozen_seq"),
     Case("swla", ("recurrent", "chunk", "triton"), _swla, extras=_omega_extras),
     Case("miras (titans, linear)", ("recurrent", "frozen_seq", "chunk", "triton"), _titans_linear,
-         extras=_miras_extras),
-    Case("miras (titans)", ("recurrent", "frozen_seq", "chunk"), _titans, extras=_miras_extras),
-    Case("miras (memora)", ("recurrent", "chunk"), _memora, extras=_miras_extras),
-    Case("titans_linear_chunk", ("chunk",), _titans_chunk, extras=_miras_extras),
+         extras=_miras_extras, oracle="frozen_seq"),
+    Case("miras (titans)", ("recurrent", "frozen_seq", "chunk"), _titans, extras=_miras_extras,
+         oracle="frozen_seq"),
+    Case("miras (memora)", ("recurrent", "chunk"), _memora, extras=_miras_extras, oracle="frozen_seq"),
+    Case("titans_linear_chunk", ("chunk",), _titans_chunk, extras=_miras_extras,
+         oracle=("frozen_seq", _titans_linear)),
 ]
 BACKEND_CASES = [(c, b) for c in CASES for b in c.backends]
 
@@ -154,7 +158,8 @@ def test_log_alpha_gives_what_alpha_gives(gen, case, backend):
 @pytest.mark.parametrize("case, backend", BACKEND_CASES, ids=[f"{c.name}-{b}" for c, b in BACKEND_CASES])
 def test_a_log_gate_of_minus_inf_is_the_full_reset_of_alpha_zero(gen, case, backend):
     """log_alpha = -inf (allowed: alpha = 0) resets the memory as alpha = 0 does, finite on every backend: the
-    chunk forms and kernels clamp it, as they clamp alpha = 0 (an unclamped -inf makes -inf - (-inf) = NaN)."""
+    chunk forms and kernels clamp it, as they clamp alpha = 0 (an unclamped -inf makes -inf - (-inf) = NaN).
+    The reference is the per-token form (``Case.oracle``) in fp64, given alpha = 0: a multiplication by 0."""
     dtype = torch.float32 if backend == "triton" else F64
     q, k, v, extras, log_alpha = draw(gen, case, dtype)
     q, k, v = (x.to(dtype) for x in (q, k, v))
@@ -162,11 +167,14 @@ def test_a_log_gate_of_minus_inf_is_the_full_reset_of_alpha_zero(gen, case, back
     log_alpha = log_alpha.to(dtype)
     log_alpha[:, :, T // 2] = -math.inf                      # a reset mid-sequence, inside a chunk
     got = outputs(case, q, k, v, backend, extras, log_alpha=log_alpha)
-    ref = outputs(case, q, k, v, backend, extras, alpha=log_alpha.exp())
+    oracle_backend, oracle_call = case.oracle if backend != "recurrent" else ("recurrent", case.call)
+    o, s = oracle_call(*(x.double() for x in (q, k, v)), oracle_backend, **{n: x.double() for n, x in extras.items()},
+                       alpha=log_alpha.double().exp())
+    ref = ([o] + _state(s))[:len(got)]               # titans_linear_chunk returns no momentum: o and M
     for i, (a, b) in enumerate(zip(got, ref)):
         name = f"{case.name} {backend} {'output' if i == 0 else f'state {i}'}"
         assert torch.isfinite(a).all(), f"{name} is not finite"
-        assert_close(a, b, tol=1e-5 if backend == "triton" else 1e-12, name=name)
+        assert_close(a.to(b.dtype), b, tol=1e-5 if backend == "triton" else 1e-12, name=name)
 
 
 @pytest.mark.parametrize("case, backend", [(c, b) for c, b in BACKEND_CASES if c.name in

@@ -73,6 +73,13 @@ def gates_for(cfg, gen, B, H, T, dtype=F64, eta_high=0.3):
     return kw
 
 
+def switch_ratios(gen, B, H, T, dtype=F64):
+    """delta_t / ||e_t|| for a test of a threshold: 0.3-0.9 at even t, 1.1-2 at odd t, so both sides of every
+    switch run (a delta drawn alone sits below ||e|| ~ sqrt(V) almost always and tests one branch)."""
+    u = torch.rand(B, H, T, generator=gen, dtype=dtype)
+    return torch.where(torch.arange(T) % 2 == 0, 0.3 + 0.6 * u, 1.1 + 0.9 * u)
+
+
 def random_state(cfg, gen, B, H, D, V, dtype=F64, scale=0.3):
     """A random MirasState (memory and, for momentum, a momentum buffer)."""
     st = init_state(cfg, B, H, D, V, dtype=dtype)
@@ -227,7 +234,7 @@ def oracle_psi(bias, e, delta, cfg):
     raise AssertionError(bias)
 
 
-def oracle_run(name, q, k, v, gates, state, **overrides):
+def oracle_run(name, q, k, v, gates, state, delta_ratio=None, **overrides):
     """The per-token recursion of each named model, written from book ch. 3 §4-§6 with hand-derived gradients.
 
     titans:  S_t = theta_t S_{t-1} - eta_t grad,   M_t = alpha_t M_{t-1} + S_t
@@ -235,6 +242,9 @@ def oracle_run(name, q, k, v, gates, state, **overrides):
     moneta:  Z_t = alpha_t Z_{t-1} - eta_t grad_lp(W_{t-1}),   W_t = Z_t / ||Z_t||_q^(q-2)
     yaad:    W_t = alpha_t W_{t-1} - eta_t {grad l2 if ||e|| <= delta_t else delta_t grad l1}
     memora:  W_t = c softmax(alpha_t log W_{t-1} - eta_t grad)   (naive form, on the weights)
+
+    ``delta_ratio`` [B, H, T]: yaad's delta_t is set here to delta_ratio_t ||e_t|| (``switch_ratios``), and
+    written into ``gates["delta"]`` for the run under test.
     """
     cfg = make_config(name, **overrides)
     B, H, T, K = q.shape
@@ -256,11 +266,14 @@ def oracle_run(name, q, k, v, gates, state, **overrides):
             return {n: a / (a.abs() ** qn).sum((-2, -1), keepdim=True) ** ((qn - 2) / qn) for n, a in Z.items()}
         return Z
 
-    outs = []
+    outs, deltas = [], []
     for t in range(T):
         W = weights(Z)
         e = oracle_memory(kind, W, k[:, t], ln) - v[:, t]
         delta = g["delta"][:, t] if g.get("delta") is not None else None
+        if delta_ratio is not None:
+            delta = fl(delta_ratio)[:, t] * e.norm(dim=-1)
+            deltas.append(delta)
         grad = oracle_grad(kind, W, k[:, t], oracle_psi(cfg.bias, e, delta, cfg), ln)
         eta = g["eta"][:, t, None, None]
         alpha = g["alpha"][:, t, None, None] if g.get("alpha") is not None else 1.0
@@ -276,6 +289,8 @@ def oracle_run(name, q, k, v, gates, state, **overrides):
         else:
             Z = {n: alpha * Z[n] - eta * grad[n] for n in Z}
         outs.append(oracle_memory(kind, weights(Z), q[:, t], ln))
+    if delta_ratio is not None:
+        gates["delta"] = torch.stack(deltas, 1).reshape(B, H, T)
     return torch.stack(outs, 1).reshape(B, H, T, -1), Z
 
 
@@ -294,7 +309,8 @@ def test_per_token_engine_matches_oracle(gen, name, overrides):
         oracle_state = MirasState(W0 if isinstance(state.memory, dict) else W0["M"], state.momentum)
     else:
         oracle_state = state
-    ref, ref_Z = oracle_run(name, q, k, v, dict(gates), oracle_state, **overrides)
+    ratio = switch_ratios(gen, B, H, T) if "delta" in gates else None      # yaad: both sides of its switch
+    ref, ref_Z = oracle_run(name, q, k, v, gates, oracle_state, delta_ratio=ratio, **overrides)
     o, s = miras(q, k, v, preset=name, initial_state=state, output_final_state=True, backend="recurrent",
                  **gates, **overrides)
     assert_close(o, ref, tol=1e-10, name=f"{name}: output")
@@ -311,7 +327,7 @@ def test_linear_memory_axes_against_formulas(gen):
     (book ch. 3 §4 and §5)."""
     B, H, T, K, V = 1, 2, 9, 5, 4
     q, k, v = random_qkv(B, H, T, K, V, dtype=F64, generator=gen)
-    delta = random_gate(B, H, T, low=0.05, high=1.5, dtype=F64, generator=gen)
+    ratio = switch_ratios(gen, B, H, T)              # delta_t / ||e_t||: both sides of every threshold
     eta = random_gate(B, H, T, low=0.1, high=0.8, dtype=F64, generator=gen)
     alpha = random_gate(B, H, T, low=0.7, dtype=F64, generator=gen)
     h0 = 0.5 * torch.randn(B, H, V, K, generator=gen, dtype=F64)
@@ -328,12 +344,13 @@ def test_linear_memory_axes_against_formulas(gen):
     for bias in ("dot", "l2", "huber", "huber_norm", "huber_switch", "value_shift"):
         for retention, extra in (("elastic", {"threshold": 0.03}), ("lq", {"lq": 3.0})):
             M = h0.clone()
-            outs = []
+            outs, deltas = [], []
             for t in range(T):
                 A = M
                 W = A if retention == "elastic" else A / (A.abs() ** 3).sum((-2, -1), keepdim=True) ** (1 / 3)
                 e = torch.einsum("bhvk,bhk->bhv", W, k[:, :, t]) - v[:, :, t]
-                g = (-v[:, :, t] if bias == "dot" else psi(bias, e, delta[:, :, t]))[..., None] * k[:, :, t, None, :]
+                deltas.append(ratio[:, :, t] * e.norm(dim=-1))
+                g = (-v[:, :, t] if bias == "dot" else psi(bias, e, deltas[-1]))[..., None] * k[:, :, t, None, :]
                 A = alpha[:, :, t, None, None] * A - eta[:, :, t, None, None] * g
                 if retention == "elastic":
                     A = torch.sign(A) * (A.abs() - 0.03).clamp_min(0)
@@ -342,7 +359,7 @@ def test_linear_memory_axes_against_formulas(gen):
                     W = A / (A.abs() ** 3).sum((-2, -1), keepdim=True) ** (1 / 3)
                 M = A
                 outs.append(torch.einsum("bhvk,bhk->bhv", W, q[:, :, t]))
-            kw = {"delta": delta} if BIASES[bias].uses_delta else {}
+            kw = {"delta": torch.stack(deltas, 2)} if BIASES[bias].uses_delta else {}
             o, s = miras(q, k, v, memory="linear", bias=bias, retention=retention, eta=eta, alpha=alpha,
                          initial_state=h0, output_final_state=True, backend="recurrent", **extra, **kw)
             assert_close(o, torch.stack(outs, 2), tol=1e-10, name=f"{bias} + {retention}")

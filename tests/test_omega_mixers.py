@@ -13,7 +13,7 @@ from atlaslib import bench
 from atlaslib.core.testing import assert_causal_mixer
 from atlaslib.nn import TinyLM, available_mixers, make_mixer
 from atlaslib.nn.omega_mixers import OmegaNet, SWLA
-from mixer_helpers import seeded
+from mixer_helpers import projections, seeded
 
 CONFIGS = [
     ("omeganet", {}),
@@ -90,24 +90,6 @@ def test_each_layer_has_its_own_taylor_coefficients():
 
 
 # ---- against an independent per-token loop ----------------------------------------------------
-
-def projections(m, x):
-    """q, k (unit, then through phi), v [B, H, T, .] and the gates, computed from the mixer's weights."""
-    def heads(t):
-        B, T, _ = t.shape
-        return t.view(B, T, m.n_heads, -1).transpose(1, 2)
-    q, k, v = heads(m.q_proj(x)), heads(m.k_proj(x)), heads(m.v_proj(x))
-    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    if m.poly is not None:
-        q, k = F.normalize(m.poly(q), dim=-1), F.normalize(m.poly(k), dim=-1)
-    B, T, _ = x.shape
-    c = m.window
-    gam = torch.sigmoid(m.gamma_proj(x)).view(B, T, m.n_heads, -1).transpose(1, 2)      # [B,H,T,c or 1]
-    alpha = torch.sigmoid(m.gate_proj(x)).pow(1 / m.gate_temperature).transpose(1, 2)   # [B,H,T]
-    eta = torch.sigmoid(m.eta_proj(x)).transpose(1, 2) / c if isinstance(m, OmegaNet) else \
-        torch.sigmoid(m.eta_proj(x)).transpose(1, 2)
-    return q, k, v, gam, alpha, eta
-
 
 def window_loop(q, k, v, gam, alpha, eta, c, hebbian, per_offset):
     """M_t = alpha_t M_{t-1} - eta_t grad_M sum_{i in window} gamma_i^(t) loss_i(M) at M_{t-1}, y_t = M_t q_t.
@@ -226,11 +208,13 @@ def test_bench_rows():
 
 
 def test_bench_case_runs_the_rule_it_names(gen):
-    """The row's call is omega_rule / swla on its inputs: chunk(1) == recurrent for omega."""
+    """The row's call is omega_rule / swla on its inputs: chunk(1) == recurrent for omega, and chunk(4) is
+    not (frozen gradients), while SWLA's chunk form is exact for every chunk length."""
     bench.load_chapter_cases()
-    s = bench.BenchShape(1, 2, 10, 4, 3, chunk_size=1)
-    call = bench.BENCH_CASES["omega"].builder(s, torch.Generator().manual_seed(0))
-    assert torch.allclose(call("chunk")[0], call("recurrent")[0], atol=1e-5)
-    call = bench.BENCH_CASES["swla"].builder(bench.BenchShape(1, 2, 10, 4, 3, chunk_size=4),
-                                             torch.Generator().manual_seed(0))
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=gen))
+    omega = {b: bench.BENCH_CASES["omega"].builder(bench.BenchShape(1, 2, 10, 4, 3, chunk_size=b),
+                                                   torch.Generator().manual_seed(seed)) for b in (1, 4)}
+    assert torch.allclose(omega[1]("chunk")[0], omega[1]("recurrent")[0], atol=1e-5)
+    assert not torch.allclose(omega[4]("chunk")[0], omega[4]("recurrent")[0], atol=1e-3)
+    call = bench.BENCH_CASES["swla"].builder(bench.BenchShape(1, 2, 10, 4, 3, chunk_size=4), gen)
     assert torch.allclose(call("chunk")[0], call("recurrent")[0], atol=1e-5)

@@ -100,11 +100,17 @@ def test_least_squares_matches_lstsq(gen):
         K, V = random_pairs(m, 16, 7, generator=gen)
         M = least_squares_memory(K, V)
         assert M.shape == (7, 16)
-        if m <= 16:                                             # interpolates: K M^T = V
+        if m <= 16:           # interpolates, K M^T = V, with the least norm: M = V^T (K K^T)^-1 K (rows of K)
             assert torch.allclose(K @ M.T, V, atol=1e-9)
+            assert torch.allclose(M, V.T @ torch.linalg.solve(K @ K.T, K), atol=1e-9)
         else:                                                   # the least-squares fit
             ref = torch.linalg.lstsq(K, V).solution.T
             assert torch.allclose(M, ref, atol=1e-9)
+    # rank-deficient keys (8 pairs in a 3-dimensional subspace): the min-norm fit, from SVD-based lstsq
+    K = torch.randn(8, 3, generator=gen, dtype=torch.float64) @ torch.randn(3, 16, generator=gen, dtype=torch.float64)
+    V = torch.randn(8, 7, generator=gen, dtype=torch.float64)
+    ref = torch.linalg.lstsq(K, V, driver="gelsd").solution.T
+    assert torch.allclose(least_squares_memory(K, V), ref, atol=1e-9)
 
 
 def test_ls_residual_jumps_at_dk(gen):
