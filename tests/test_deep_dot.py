@@ -52,6 +52,19 @@ def inputs(gen, T=14, K=3, V=2, c=3, layout="offset", unit_norm=True):
     return q, k, v, alpha, eta, gamma
 
 
+@pytest.mark.parametrize("log_alpha", [-1.0, -59.0, -70.0, -300.0])
+def test_one_pair_taylor_with_tiny_gates_is_the_definition(gen, log_alpha):
+    """c = 1 on the features runs chapter 2's rule with beta = eta / alpha on alpha v; every form floors the
+    gate at e^-60 alike, so a gate far below it still gives the definition (to e^-60) on every backend."""
+    q, k, v, _, eta, _ = inputs(gen, T=20, c=1, layout=None)
+    la = torch.full(q.shape[:3], log_alpha, dtype=F64)
+    fq, fk = exp_features(q, 2), exp_features(k, 2)
+    want = window_reference(fq, fk, v, 1, None, la.exp(), eta)
+    for backend in ("recurrent", "chunk"):
+        got, _ = dot(q, k, v, log_alpha=la, eta=eta, phi_star=("taylor", 2), backend=backend, chunk_size=8)
+        assert_close(got, want, tol=1e-10, name=f"log_alpha={log_alpha} {backend}")
+
+
 @pytest.mark.parametrize("layout", [None, "source", "offset"])
 @pytest.mark.parametrize("c", [2, 4])
 def test_window_matches_the_matrix_definition(gen, layout, c):

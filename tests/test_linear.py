@@ -386,3 +386,16 @@ def test_chunk_decay_is_the_ratio_of_cumulative_gates(gen):
             want_D[:, t, i] = alpha[:, i + 1:t + 1].prod(-1)
     assert_close(D, want_D, tol=1e-12)
     assert_close(A, alpha.cumprod(-1), tol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_normalized_fp64_is_divided_in_fp64(gen, backend):
+    """fp64 inputs: y_t = (sum_i A_t/A_i v_i k_i^T q_t) / (sum_i A_t/A_i k_i^T q_t) written out densely, to fp64
+    round-off (a quotient taken in fp32 is off by ~1e-8). The layer's one-token step divides the same way."""
+    q, k, v = (torch.rand(1, 2, 11, 4, generator=gen, dtype=torch.float64) + 0.1 for _ in range(3))
+    log_a = torch.log(random_gate(1, 2, 11, low=0.6, dtype=torch.float64, generator=gen)).cumsum(-1)
+    w = (q @ k.mT) * torch.exp(log_a[..., :, None] - log_a[..., None, :]).tril()
+    o, _ = linear_attention(q, k, v, log_alpha=torch.diff(log_a, dim=-1, prepend=torch.zeros_like(log_a[..., :1])),
+                            normalize=True, backend=backend)
+    assert o.dtype == torch.float64
+    assert_close(o, (w @ v) / w.sum(-1, keepdim=True), tol=1e-13, name=f"normalized {backend}")

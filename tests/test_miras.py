@@ -910,3 +910,31 @@ def test_log_alpha_reaches_the_chunk_decays_without_a_round_trip(monkeypatch, ge
     ga = seen[-1].reshape(B * H, -1)[:, :T].double()
     want = torch.cat([log_alpha.double().reshape(B * H, T)[:, s:s + b].cumsum(-1) for s in range(0, T, b)], -1)
     assert_close(ga, want, tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["titans", "yaad", "memora", "moneta"])
+def test_gates_of_exactly_zero_have_finite_gradients_in_the_chunk_form(gen, name):
+    """alpha_t = 0 (a full reset) and theta_t = 0 (momentum dropped): the chunk form takes their logs clamped
+    first, so every gradient is finite; at b = 1 it equals the definition's everywhere but at the zero gates
+    themselves (whose clamped log passes no gradient)."""
+    B, H, T, K = 1, 2, 9, 4
+    q, k, v = random_qkv(B, H, T, K, K, dtype=F64, generator=gen)
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    gates = gates_for(make_config(name), gen, B, H, T)
+    zero = {"alpha": 3, "theta": 5}                                     # the token whose gate is exactly 0
+    for n, t in zero.items():
+        if n in gates:
+            gates[n][..., t] = 0.0
+    grads = {}
+    for backend in ("recurrent", "chunk"):
+        xs = {n: x.clone().requires_grad_() for n, x in dict(q=q, k=k, v=v, **gates).items()}
+        o, _ = miras(xs["q"], xs["k"], xs["v"], preset=name, backend=backend, chunk_size=1,
+                     **{n: xs[n] for n in gates})
+        grads[backend] = dict(zip(xs, torch.autograd.grad((o * v).sum(), list(xs.values()))))
+    for n, g in grads["chunk"].items():
+        assert torch.isfinite(g).all(), f"{name}: d/d{n} is not finite"
+        want = grads["recurrent"][n]
+        if n in zero:
+            g, want = g.clone(), want.clone()
+            g[..., zero[n]] = want[..., zero[n]] = 0.0
+        assert_close(g, want, tol=1e-10, name=f"{name}: d/d{n}")

@@ -100,7 +100,9 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
         soup: the memory whose parameters are sum gamma_i theta^(i) + gamma_s theta^(s)_t reads q_t
               ([MC] eq. 14-15); for a matrix memory exactly GRM;
         ssc: GRM over the top_k most relevant cached segments and s ([MC] eq. 16-17; top_k at least
-             the number visible is GRM).
+             the number visible is GRM). Of exactly tied scores the earliest segment is kept; scores that
+             tie in the definition (segments with equal keys) may come out a rounding apart from the
+             chunk form's products and the kernel, which can then keep another of the tied states.
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V]. Passed to the base as they are.

@@ -43,7 +43,7 @@ def token_weights(u_t, pooled_i: list, pooled_s, aggregate, top_k):
         return [1.0] * len(r), 1.0
     chosen = list(range(len(r)))
     if aggregate == "ssc" and top_k is not None:
-        chosen = sorted(chosen, key=lambda i: -float(r[i]))[:top_k]
+        chosen = sorted(chosen, key=lambda i: -float(r[i].detach()))[:top_k]
     p = torch.softmax(torch.stack([r[i] for i in chosen] + [r_s]), dim=0)
     weight = dict(zip(chosen, p[:-1]))
     return [weight.get(i, 0.0) for i in range(len(r))], p[-1]

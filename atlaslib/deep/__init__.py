@@ -40,13 +40,14 @@ gradients per chunk, as chapter 4's).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from ..core import check_chunk_size, check_flag, check_qkv, check_state, gate_or_number
-from ..core.chunking import compute_dtype
+from ..core.chunking import LOG_FLOOR, compute_dtype
 from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log
 from ..core.types import Gate, ModelOutput
@@ -391,7 +392,10 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
     beta = torch.ones(B, H, T, dtype=cd, device=q.device) if eta is None else eta.to(cd)
     vv = v.to(cd)
     if alpha is not None:                           # Gated DeltaNet decays before its step: undo it
-        beta, vv = beta / alpha.to(cd), alpha[..., None].to(cd) * vv
+        # with the gate every form of chapter 2 uses (its logs are floored at LOG_FLOOR), so that beta * alpha
+        # stays eta where alpha < e^LOG_FLOOR too (a change of at most e^-60 relative to the definition)
+        alpha = alpha.to(cd).clamp_min(math.exp(LOG_FLOOR))
+        beta, vv = beta / alpha, alpha[..., None] * vv
     # chapter 2's delta rule on the features, with its backends (its kernel takes D up to its own limit).
     # Its forms are called directly: delta_rule's cap beta <= 2 is DeltaNet's unit-key condition, not
     # DOT's (check_dot_step), and beta = eta / alpha exceeds it for stable DOT inputs.

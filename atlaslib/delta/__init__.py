@@ -73,7 +73,9 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
             scalar decay per token. ``[B, H, T, K]``: KDA, a per-key-channel decay
             M Diag(alpha_t) applied before the update (diagonal-plus-rank-1 transition).
         log_alpha: the same gate as its log (values <= 0, fp32 or fp64, or a number), instead of alpha;
-            never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0).
+            never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0). Train a gate
+            through it: a gradient with respect to a small alpha (< 1e-3) can lose its digits in fp32, as
+            ``linear_attention`` says.
         longhorn: interpret ``beta`` as Longhorn's implicit step and use
             ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
             the update is then the exact minimiser of

@@ -46,7 +46,9 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
             (e.g. elu+1), otherwise the division is undefined.
         log_alpha: the same gate as its log (values <= 0, fp32 or fp64, same shapes as alpha, or a number),
             instead of alpha. It is never rounded to the activation dtype: in a bf16 model a gate
-            1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha.
+            1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha. Train a gate through
+            log_alpha: the chunk forms and kernel work with log-gates, so a gradient with respect to alpha
+            itself is d/dlog(alpha) / alpha and, in fp32, can lose its digits for small gates (alpha < 1e-3).
         initial_state: optional [B, H, V, K] (or [B, H, V+1, K] when normalize) start state.
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch, exact
@@ -72,7 +74,8 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
     o, state = dispatch(backend, q, linear_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,
                         unsupported=lambda: matrix_kernel_limits(q), model="linear_attention")
     if normalize:
-        o = (o[..., :V].float() / o[..., V:].float()).to(o.dtype)
+        cd = compute_dtype(o)                      # fp32 (fp64 for fp64): a bf16 quotient would round twice
+        o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)
     return o, (state if output_final_state else None)
 
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
-from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype
+from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype, log_gate
 from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
 from .config import DEFAULT_CHUNK_SIZE, make_config
@@ -115,7 +115,8 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     def log_cumsum(x, log=None):                                      # from the log-gate itself when given
         if log is not None:
             return blocks(log, 0.0).clamp_min(LOG_FLOOR).cumsum(-1)
-        return None if x is None else torch.log(blocks(x, 1.0)).clamp_min(LOG_FLOOR).cumsum(-1)
+        # clamped before the log (log_gate): a gate of exactly 0 then has a gradient of 0, not 0 * inf = NaN
+        return None if x is None else log_gate(blocks(x, 1.0), x.dtype).cumsum(-1)
 
     ga = log_cumsum(gates.alpha, gates.log_alpha) if ret.uses_alpha else None
     h = log_cumsum(gates.theta if opt.uses_theta else None)

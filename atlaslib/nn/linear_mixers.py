@@ -67,7 +67,8 @@ class LinearAttention(TokenMixer):
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o, M = hebbian_step(state, q, k, v, None)
         if self.normalize:
-            o = (o[..., :V].float() / o[..., V:].float()).to(o.dtype)          # M_t q_t / z_t^T q_t
+            cd = compute_dtype(o)
+            o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)              # M_t q_t / z_t^T q_t
         return o, M
 
     @property
