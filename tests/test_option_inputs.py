@@ -120,7 +120,7 @@ def test_step_refuses_convolution_buffers_of_another_layer():
     _, cache = make_mixer("linear", D, H).step(x)
     with pytest.raises(ValueError, match=r"cache.conv must hold .*\[2, 3, 16\]"):
         make_mixer("linear", D, H, conv_size=2).step(x, cache)           # buffers of size - 1 = 3, not 1
-    with pytest.raises(ValueError, match=r"cache.conv must hold"):
+    with pytest.raises(ValueError, match=r"made for a batch of 2 sequences, x_t has 3 rows"):
         make_mixer("linear", D, H).step(torch.randn(3, D), cache)         # another batch
     with pytest.raises(ValueError, match=r"cache.conv must hold"):
         make_mixer("linear", D, H).step(x, MixerCache((1, 2), cache.memory))
@@ -129,6 +129,19 @@ def test_step_refuses_convolution_buffers_of_another_layer():
     _, plain = make_mixer("linear", D, H, conv_size=0).step(x)
     with pytest.raises(ValueError, match="cache.conv must be None"):
         make_mixer("linear", D, H, conv_size=0).step(x, cache)
+
+
+@pytest.mark.parametrize("name", ["linear", "deltanet", "titans", "softmax", "atlas", "memory_caching", "mag"])
+def test_step_refuses_the_cache_of_another_batch_or_layer(name):
+    """Without a convolution nothing else would notice: a matrix memory of batch 2 broadcast against one
+    row returned two rows; engine states failed deep in torch."""
+    x = torch.randn(2, D)
+    _, cache = make_mixer(name, D, H, conv_size=0).step(x)
+    with pytest.raises(ValueError, match="made for a batch of 2 sequences, x_t has 1 rows"):
+        make_mixer(name, D, H, conv_size=0).step(x[:1], cache)
+    with pytest.raises(ValueError, match="comes from another layer"):
+        make_mixer(name, D, 2 * H, conv_size=0).step(x, cache)
+    make_mixer(name, D, H, conv_size=0).step(x, cache)         # another layer of the same kind and size takes it
 
 
 @pytest.mark.parametrize("name", ["mag", "mal"])

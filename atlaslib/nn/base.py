@@ -160,9 +160,12 @@ class ShortConv(nn.Module):
 
 class MixerCache(NamedTuple):
     """What a mixer keeps between generated tokens: the short convolutions' buffers (q, k, v;
-    None without convolution) and the memory's own state (the mixer's ``mix_step`` decides)."""
+    None without convolution) and the memory's own state (the mixer's ``mix_step`` decides), with
+    the batch size and the layer (``TokenMixer.layout``) it was made for, which the next step checks."""
     conv: tuple | None
     memory: object
+    batch: int | None = None
+    layer: tuple | None = None
 
 
 class TokenMixer(nn.Module, abc.ABC):
@@ -254,7 +257,7 @@ class TokenMixer(nn.Module, abc.ABC):
             raise ValueError(f"x_t must have shape [B, {self.d_model}] (one token), got {list(x_t.shape)}")
         if not self.steps_like_mix():
             self.no_step()
-        conv, memory = (None, None) if cache is None else self.check_cache(cache, x_t.shape[0])
+        conv, memory = (None, None) if cache is None else self.check_cache(cache, x_t.shape[0])[:2]
         q, k, v = self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)
         if self.q_conv is not None:
             convs = (self.q_conv, self.k_conv, self.v_conv)
@@ -268,15 +271,25 @@ class TokenMixer(nn.Module, abc.ABC):
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         o, memory = self.mix_step(q, k, v, x, memory)              # [B, H, 1, V]
         B, H, _, V = o.shape
-        return self.o_proj(o.reshape(B, H * V)), MixerCache(conv, memory)
+        return self.o_proj(o.reshape(B, H * V)), MixerCache(conv, memory, B, self.layout())
+
+    def layout(self) -> tuple:
+        """What a cache must have been made by: the mixer and its sizes (name, d_model, H, K, V)."""
+        return (self.mixer_name, self.d_model, self.n_heads, self.head_k_dim, self.head_v_dim)
 
     def check_cache(self, cache, B: int) -> MixerCache:
-        """The cache after the previous token must be what that ``step`` returned: a ``MixerCache`` whose
-        convolution buffers fit this layer and batch (anything else failed deep inside with an unpacking
-        or shape error that did not say what was wrong). The memory part is the mixer's own."""
+        """The cache after the previous token must be what that ``step`` returned: a ``MixerCache`` made
+        for this batch size by a layer of this kind and size, whose convolution buffers fit (anything else
+        failed deep inside with an unpacking or shape error, or silently returned the old batch's rows)."""
         if not isinstance(cache, MixerCache):
             raise TypeError(f"cache must be None (the first token) or the MixerCache that the previous step "
                             f"returned, got {type(cache).__name__}")
+        if cache.batch is not None and cache.batch != B:
+            raise ValueError(f"the cache was made for a batch of {cache.batch} sequences, x_t has {B} rows: "
+                             "pass the cache of this batch (or None to start)")
+        if cache.layer is not None and cache.layer != self.layout():
+            raise ValueError(f"the cache comes from another layer (name, d_model, heads, K, V) = {cache.layer}, "
+                             f"this layer is {self.layout()}")
         if self.q_conv is None:
             if cache.conv is not None:
                 raise ValueError("cache.conv must be None: this mixer has no convolution (conv_size 0 or None), "
