@@ -95,6 +95,7 @@ def mqar_accuracy(model, inputs, labels, batch_size: int = 256) -> float:
     ranks, so every rank returns the same number, the one a single process would. Call it
     on every rank then (a call on rank 0 alone would wait for the others forever).
     """
+    check_int("batch_size", batch_size, 1)
     rank, world = _world()
     inputs, labels = inputs[rank::world], labels[rank::world]
     was_training = model.training

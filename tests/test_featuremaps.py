@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from atlaslib.core import (TaylorFeatures, assert_close, check_degree, elu_plus_one, get_feature_map,
-                           identity, monomial_dim, monomial_features, tensor_power)
+                           identity, monomial_dim, monomial_features, taylor_features, tensor_power)
 
 
 def brute_force_monomials(x, p):
@@ -158,6 +158,11 @@ def test_bad_degrees_and_inputs():
                 fn(empty, 2)
     with pytest.raises(ValueError, match="degree must be >= 0"):
         TaylorFeatures(-2)
+    with pytest.raises(ValueError, match="coefficients must be >= 0"):
+        taylor_features(x, torch.tensor([-1.0, 1.0]))
+    for bad in (torch.ones(2, 2), [1.0, 1.0], torch.ones(2, dtype=torch.long)):
+        with pytest.raises(ValueError, match="coefficients must be a 1-D floating tensor"):
+            taylor_features(x, bad)
     with pytest.raises(ValueError, match="degree must be >= 0"):
         monomial_dim(4, -1)
     with pytest.raises(TypeError, match="degree must be a non-negative int"):

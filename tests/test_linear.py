@@ -251,6 +251,11 @@ def test_softmax_attention_matches_loop(gen):
             assert_close(o[:, :, t], expect, name=f"t={t}, window={window}")
     with pytest.raises(ValueError, match="window"):
         softmax_attention(q, k, v, window=0)
+    for scale in (math.nan, "0.5", True):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            softmax_attention(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match="one shape"):          # rel_rmse does not broadcast
+        rel_rmse(o[..., :1], o)
 
 
 def test_feature_maps(gen):

@@ -172,6 +172,40 @@ def test_registry_errors():
         TokenMixer(8, 2)
     with pytest.raises(ValueError, match="ids must be"):
         TinyLM(10, 8, 1, "linear", 2)(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="T >= 1"):
+        make_mixer("linear", 8, 2)(torch.randn(2, 0, 8))
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(n_layers=0), ValueError, "n_layers must be >= 1"), (dict(mlp_ratio=0), ValueError, "mlp_ratio"),
+    (dict(vocab_size=0), ValueError, "vocab_size"), (dict(max_len=0), ValueError, "max_len"),
+    (dict(n_layers=1.5), TypeError, "n_layers")])
+def test_tiny_lm_sizes_are_checked(kw, error, match):
+    args = dict(vocab_size=10, d_model=8, n_layers=1, mixer="linear", n_heads=2) | kw
+    with pytest.raises(error, match=match):
+        TinyLM(**args)
+
+
+def test_tiny_lm_token_ids_are_checked(gen):
+    lm = TinyLM(10, 8, 1, "linear", 2)
+    ids = torch.randint(0, 10, (2, 4), generator=gen)
+    for bad in (ids + 10, ids - 11):
+        with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\)"):
+            lm(bad)
+        with pytest.raises(ValueError, match=r"ids_t must lie in \[0, 10\)"):
+            lm.step(bad[:, 0])
+        with pytest.raises(ValueError, match=r"prompt_ids must lie in \[0, 10\)"):
+            lm.generate(bad, 1)
+    for bad in (ids.float(), ids.bool(), ids.tolist()):
+        with pytest.raises(ValueError, match="integer tensor"):
+            lm(bad)
+    with pytest.raises(ValueError, match="T >= 1"):
+        lm(ids[:, :0])
+    with pytest.raises(TypeError, match="greedy must be True or False"):
+        lm.generate(ids, 1, greedy="no")
+    for t in (0.0, float("inf"), "a"):
+        with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+            lm.generate(ids, 1, greedy=False, temperature=t)
 
 
 class _Oracle(nn.Module):
@@ -196,6 +230,9 @@ def test_mqar_accuracy_counts_labelled_positions_only(gen):
     half = y.clone()
     half[:20][y[:20] != -100] -= 1                          # first 20 rows wrong
     assert mqar_accuracy(_Oracle(x, half, 64), x, y) == pytest.approx(0.5)
+    for bad in (0, -1):                                     # -1 used to score nothing and return 0.0
+        with pytest.raises(ValueError, match="batch_size must be >= 1"):
+            mqar_accuracy(_Oracle(x, y, 64), x, y, batch_size=bad)
 
 
 def _tiny_run(seed, steps=15):

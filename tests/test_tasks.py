@@ -71,12 +71,23 @@ def test_mqar_power_law_gaps(gen):
     (dict(seq_len=30, num_kv_pairs=8), "too small"),         # 3 P <= T < 4 P: the pairs fit, their queries not
     (dict(vocab_size=64), "exceed seq_len"),
     (dict(power_a=0.0), "power_a"),
+    (dict(power_a=math.inf), "power_a must be a finite number"),
+    (dict(power_a="a"), "power_a must be a finite number"),
+    (dict(power_a=500.0), "overflows the gap law"),
     (dict(num_examples=0), "num_examples"),
+    (dict(seed=-1), "seed must be >= 0"),
 ])
 def test_mqar_bad_input(kw, match):
     args = dict(num_examples=4, seq_len=64, num_kv_pairs=8, vocab_size=128) | kw
     with pytest.raises(ValueError, match=match):
         mqar(args.pop("num_examples"), args.pop("seq_len"), args.pop("num_kv_pairs"), args.pop("vocab_size"), **args)
+
+
+def test_mqar_switch_and_seed_types():
+    with pytest.raises(TypeError, match="random_non_queries must be True or False"):
+        mqar(4, 64, 8, 128, random_non_queries="no")
+    with pytest.raises(TypeError, match="seed must be an int"):
+        mqar(4, 64, 8, 128, seed=1.5)
 
 
 def test_mqar_type_error():
@@ -167,3 +178,21 @@ def test_capacity_bad_input():
         recall_error(torch.zeros(8, 3, dtype=torch.float64), K, torch.randn(4, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="every m must be >= 1"):
         capacity_sweep(8, 8, [0])
+    V = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one dtype on one device"):
+        least_squares_memory(K.float(), V)
+    with pytest.raises(ValueError, match="floating tensors"):
+        hebbian_memory(K.long(), V.long())
+    with pytest.raises(ValueError, match="K is zero"):
+        gd_memory(torch.zeros_like(K), V)
+    for lr in (-1.0, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match="lr must be a finite number > 0"):
+            gd_memory(K, V, lr=lr)
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        gd_memory(K, V, steps=-1)
+    assert gd_memory(K.to("meta"), V.to("meta"), steps=1, lr=0.1).device.type == "meta"   # M on K's device
+    for kw, match in ((dict(trials=0), "trials"), (dict(trials=-1), "trials"), (dict(d_k=0), "d_k"),
+                      (dict(d_v=2.5), "d_v")):
+        args = dict(d_k=8, d_v=8, ms=[2]) | kw
+        with pytest.raises((ValueError, TypeError), match=match):
+            capacity_sweep(**args)

@@ -19,7 +19,10 @@ def softmax_attention(q, k, v, *, window: int | None = None, scale: float | None
     B, H, T, K, V = check_qkv(q, k, v)
     if window is not None:
         check_int("window", window, 1, " (or None: every past key)")
-    scale = 1.0 / math.sqrt(K) if scale is None else scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(K)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (None: 1/sqrt(K)), got {scale!r}")
     cd = compute_dtype(q)
     s = torch.einsum("bhtk,bhjk->bhtj", q.to(cd), k.to(cd)) * scale
     t = torch.arange(T, device=q.device)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .validation import check_int
+from .validation import _value_check, check_int
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -160,6 +160,13 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
     a_i) and chapter 6's ``exp_features`` (a_i = 1/i! exactly, in the input's precision).
     """
     d = _check_input(x)
+    if not isinstance(coefficients, torch.Tensor) or coefficients.dim() != 1 or not coefficients.is_floating_point():
+        got = f"{coefficients.dtype} {list(coefficients.shape)}" if isinstance(coefficients, torch.Tensor) \
+            else type(coefficients).__name__
+        raise ValueError(f"coefficients must be a 1-D floating tensor a_0..a_p, got {got}")
+    if _value_check(coefficients) == "host" and not bool((coefficients >= 0).all()):
+        raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got "
+                         f"{coefficients.tolist()}")
     scale = coefficients.to(device=x.device, dtype=x.dtype).sqrt()
     blocks = []
     for i in range(scale.shape[0]):

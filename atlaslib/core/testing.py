@@ -14,7 +14,9 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, tor
 
 
 def rel_rmse(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    """||a - b|| / ||b|| in float64 (0 when both are zero); a and b of one shape (no broadcasting)."""
+    if a.shape != b.shape:
+        raise ValueError(f"rel_rmse compares tensors of one shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     a, b = a.detach().double(), b.detach().double()
     den = b.norm().item()
     num = (a - b).norm().item()

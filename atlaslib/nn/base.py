@@ -229,8 +229,8 @@ class TokenMixer(nn.Module, abc.ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [B, T, {self.d_model}], got {list(x.shape)}")
+        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
+            raise ValueError(f"x must have shape [B, T, {self.d_model}] with T >= 1, got {list(x.shape)}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
             q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)

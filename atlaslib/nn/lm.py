@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..core.validation import check_int
-from .base import make_mixer
+from ..core.validation import _value_check, check_flag, check_int
+from .base import check_positive_number, make_mixer
 
 
 class DecodeState(NamedTuple):
@@ -66,6 +66,11 @@ class TinyLM(nn.Module):
     def __init__(self, vocab_size: int, d_model: int = 64, n_layers: int = 2, mixer: str = "softmax",
                  n_heads: int = 1, *, mlp_ratio: int = 4, max_len: int | None = None, **mixer_kw):
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
+                            ("mlp_ratio", mlp_ratio)):
+            check_int(name, value, 1)
+        if max_len is not None:
+            check_int("max_len", max_len, 1, " (or None: no position embeddings)")
         self.vocab_size, self.mixer_name = vocab_size, mixer
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_len, d_model) if max_len else None
@@ -73,9 +78,23 @@ class TinyLM(nn.Module):
         self.norm = nn.RMSNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
+    def check_ids(self, name: str, ids, ndim: int, layout: str):
+        """Token ids: an integer tensor of ``layout`` with values in [0, vocab_size) (on a GPU a device-side
+        assert, so the host does not wait)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != ndim or ids.is_floating_point() or ids.is_complex() \
+                or ids.dtype == torch.bool:
+            got = f"{ids.dtype} of shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            raise ValueError(f"{name} must be an integer tensor {layout} of token ids, got {got}")
+        how, msg = _value_check(ids), f"{name} must lie in [0, {self.vocab_size}) (vocab_size)"
+        if how == "host" and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+            raise ValueError(f"{msg}, got values in [{int(ids.min())}, {int(ids.max())}]")
+        if how == "device":
+            torch._assert_async(((ids >= 0) & (ids < self.vocab_size)).all(), msg)
+
     def forward(self, ids):
-        if ids.dim() != 2:
-            raise ValueError(f"ids must be [B, T] token ids, got shape {list(ids.shape)}")
+        self.check_ids("ids", ids, 2, "[B, T]")
+        if ids.shape[1] < 1:
+            raise ValueError("ids must hold at least one token per sequence (T >= 1)")
         x = self.embed(ids)
         if self.pos is not None:
             if ids.shape[1] > self.pos.num_embeddings:
@@ -88,8 +107,7 @@ class TinyLM(nn.Module):
     def step(self, ids_t: torch.Tensor, state: DecodeState | None = None):
         """One token of ``forward``: ids_t [B] and the state after the tokens before (None at the
         start) -> (logits [B, vocab] for the next token, the state after ids_t)."""
-        if ids_t.dim() != 1:
-            raise ValueError(f"ids_t must be [B] token ids (one per sequence), got shape {list(ids_t.shape)}")
+        self.check_ids("ids_t", ids_t, 1, "[B] (one per sequence)")
         position, caches = (0, (None,) * len(self.blocks)) if state is None else self.check_state(state)
         x = self.embed(ids_t)
         if self.pos is not None:
@@ -130,11 +148,12 @@ class TinyLM(nn.Module):
         form freezes the gradients at each chunk start), that rule is the model of ``chunk_size=1``, so
         generation continues what ``forward`` computes only for layers built with ``chunk_size=1``.
         """
-        if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
+        self.check_ids("prompt_ids", prompt_ids, 2, "[B, T0]")
+        if prompt_ids.shape[1] < 1:
             raise ValueError(f"prompt_ids must be [B, T0] with T0 >= 1, got shape {list(prompt_ids.shape)}")
         check_int("max_new_tokens", max_new_tokens, 0)
-        if not greedy and not temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature!r}")
+        if not check_flag("greedy", greedy):
+            check_positive_number("temperature", temperature, "the softmax's temperature when sampling")
         if top_k is not None:
             check_int("top_k", top_k, 1, " (or None: every token)")
         state, ids = None, prompt_ids

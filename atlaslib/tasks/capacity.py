@@ -33,6 +33,9 @@ def _check_pairs(K, V):
         raise ValueError(f"K must be [m, d_k] and V [m, d_v], got {list(K.shape)} and {list(V.shape)}")
     if K.shape[0] != V.shape[0]:
         raise ValueError(f"K and V must hold the same number of pairs m, got {K.shape[0]} and {V.shape[0]}")
+    if not K.is_floating_point() or K.dtype != V.dtype or K.device != V.device:
+        raise ValueError(f"K and V must be floating tensors of one dtype on one device, got {K.dtype} on {K.device} "
+                         f"and {V.dtype} on {V.device}")
 
 
 def random_pairs(m: int, d_k: int, d_v: int, *, unit_keys: bool = False, generator=None,
@@ -64,9 +67,15 @@ def gd_memory(K: torch.Tensor, V: torch.Tensor, *, steps: int = 2000, lr: float 
     step that overshoots in no direction of this quadratic (GD converges for any step below 2 / sigma_max^2).
     """
     _check_pairs(K, V)
+    check_int("steps", steps, 0)
     if lr is None:
-        lr = 1.0 / torch.linalg.matrix_norm(K, ord=2).item() ** 2
-    M = torch.zeros(V.shape[1], K.shape[1], dtype=K.dtype)
+        sigma = torch.linalg.matrix_norm(K, ord=2).item()
+        if sigma == 0:
+            raise ValueError("K is zero: no step size 1 / sigma_max(K)^2 (pass lr, or keys that are not all zero)")
+        lr = 1.0 / sigma ** 2
+    elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ValueError(f"lr must be a finite number > 0 (or None: 1 / sigma_max(K)^2), got {lr!r}")
+    M = K.new_zeros(V.shape[1], K.shape[1])
     for _ in range(steps):
         M = M - lr * (M @ K.T - V.T) @ K
     return M
@@ -90,6 +99,8 @@ def capacity_sweep(d_k: int, d_v: int, ms, trials: int = 20, seed: int = 0, *, p
       ``hebbian_error`` Hebbian recall error with unit-norm keys: about sqrt((m-1)/d_k);
       ``hebbian_theory`` sqrt((m - 1) / d_k), for comparison.
     """
+    for name, value, low in (("d_k", d_k, 1), ("d_v", d_v, 1), ("trials", trials, 1), ("seed", seed, 0)):
+        check_int(name, value, low)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for m in tqdm(list(ms), desc="capacity sweep", disable=None if progress else True):     # None: not into a log file

@@ -18,6 +18,8 @@ within one example keys are distinct and values are distinct.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -32,6 +34,9 @@ def power_law_gap_probs(space: int, power_a: float) -> torch.Tensor:
     """P(gap = i) proportional to a * (i+1)^(a-1) for i = 0..space-1 (a=1: uniform)."""
     i = torch.arange(1, space + 1, dtype=torch.float64)
     p = power_a * i ** (power_a - 1)
+    if not bool(torch.isfinite(p).all()):
+        raise ValueError(f"power_a={power_a} overflows the gap law over {space} slots (i^(a-1) > 1e308); "
+                         "a = 1 is already uniform, larger a favours the last slots")
     return p / p.sum()
 
 
@@ -73,8 +78,11 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
     if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
         raise ValueError(f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys in "
                          f"[1, {half}) and distinct values in [{half}, {vocab_size})")
-    if not power_a > 0:
-        raise ValueError(f"power_a must be > 0, got {power_a}")
+    if isinstance(power_a, bool) or not isinstance(power_a, (int, float)) or not 0 < power_a < math.inf:
+        raise ValueError(f"power_a must be a finite number > 0, got {power_a!r}")
+    if not isinstance(random_non_queries, bool):
+        raise TypeError(f"random_non_queries must be True or False, got {random_non_queries!r}")
+    _check_int("seed", seed, 0)
 
     gen = torch.Generator().manual_seed(seed)
     N, P = num_examples, num_kv_pairs
