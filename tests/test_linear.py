@@ -223,7 +223,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="must be non-empty"):                 # an empty batch, for every backend
         linear_attention(q[:0], k[:0], v[:0], backend="chunk")
     from atlaslib.linear.chunk import linear_attention_chunk            # the exported form, which reshapes it
-    with pytest.raises(ValueError, match=r"initial_state must have shape \[B, H, V, K\] = \[1, 2, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"initial_state \[B, H, V, K\] must have shape \[1, 2, 3, 4\]"):
         linear_attention_chunk(q, k, v, initial_state=torch.zeros(1, 2, 4, 3))
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         linear_attention(q, k, v, chunk_size=0)

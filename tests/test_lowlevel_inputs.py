@@ -5,6 +5,7 @@ They check what costs nothing: the shapes and ranks of q, k, v and of every gate
 window (ints >= 1, not bool). Values are the caller's (the entry points check them before they call a
 form), so a gate out of its range passes here: reading it would wait for the device on every call.
 Each form is first run on the good inputs, so that a refusal below is the bad argument's alone.
+A start memory (``initial_state``) is checked as the entry points check it (type, dtype, shape, device).
 """
 from __future__ import annotations
 
@@ -244,3 +245,31 @@ def test_alpha_and_log_alpha_not_both(name):
     """Given both, the forms used log_alpha and dropped alpha without a word."""
     with pytest.raises(ValueError, match="either as alpha or as log_alpha, not both"):
         FORMS[name].call({**GOOD, "log_alpha": torch.log(GOOD["alpha"])})
+
+
+STATE_FORMS = {   # forms that take initial_state [B, H, V, K], called with it
+    "linear_attention_recurrent": lambda a, s: linear_attention_recurrent(a["q"], a["k"], a["v"], a["alpha"], s),
+    "linear_attention_chunk": lambda a, s: linear_attention_chunk(a["q"], a["k"], a["v"], a["alpha"], s, CHUNK),
+    "delta_rule_recurrent": lambda a, s: delta_rule_recurrent(a["q"], a["k"], a["v"], a["beta"], a["alpha"], s),
+    "delta_rule_chunk": lambda a, s: delta_rule_chunk(a["q"], a["k"], a["v"], a["beta"], a["alpha"], s, CHUNK),
+    "omega_recurrent": lambda a, s: omega_recurrent(a["q"], a["k"], a["v"], C, a["gamma"], a["alpha"], a["eta"], s),
+    "omega_chunk": lambda a, s: omega_chunk(a["q"], a["k"], a["v"], C, a["gamma"], a["alpha"], a["eta"], s, CHUNK),
+    "swla_chunk": lambda a, s: swla_chunk(a["q"], a["k"], a["v"], C, a["gamma"], a["alpha"], a["eta"], s, CHUNK),
+    "atlas_chunk": lambda a, s: atlas_chunk(a["q"], a["k"], a["v"], C, a["G"], a["alpha"], a["eta"], a["theta"],
+                                            initial_state=s, chunk_size=CHUNK),
+    "hebbian_chunk": lambda a, s: hebbian_chunk(a["q"], a["k"], a["v"], a["alpha"], a["eta"], s, CHUNK),
+}
+BAD_STATES = [("a list", [[0.0]], TypeError, "must be a torch.Tensor"),
+              ("int32", torch.zeros(B, H, V, K, dtype=torch.int32), TypeError, "must be a floating tensor"),
+              ("[B, H, K, V]", torch.zeros(B, H, K, V), ValueError, r"must have shape \[1, 2, 3, 4\]"),
+              ("on meta", torch.zeros(B, H, V, K, device="meta"), ValueError, "must be on cpu like q")]
+
+
+@pytest.mark.parametrize("name", sorted(STATE_FORMS))
+@pytest.mark.parametrize("label, state, error, pattern", BAD_STATES, ids=[b[0] for b in BAD_STATES])
+def test_initial_state_is_checked(name, label, state, error, pattern):
+    """The start memory's type, dtype, shape and device, as the entry points check it (a state on another
+    device used to give uninitialised outputs, an integer one an error naming another tensor)."""
+    STATE_FORMS[name](GOOD, torch.zeros(B, H, V, K))
+    with pytest.raises(error, match=r"^initial_state \[B, H, V, K\] " + pattern):
+        STATE_FORMS[name](GOOD, state)

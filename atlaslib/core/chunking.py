@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .validation import check_state
+
 # alpha is clamped to e^LOG_FLOOR before the log so that a gate of exactly 0 (a full reset)
 # gives a finite log-gate and a zero, not NaN, gradient (clamping after the log would give 0 * inf).
 LOG_FLOOR = -60.0
@@ -29,15 +31,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def start_memory(q: torch.Tensor, v: torch.Tensor, initial_state) -> torch.Tensor:
     """The memory before the first token, [B, H, V, D] in ``compute_dtype(q)``: zeros, or ``initial_state``
-    (its shape checked here too: the forms reshape it, and a transposed [B, H, D, V] would pass silently)."""
+    (checked here too, as the entry points check it: the forms are exported, they reshape it, and a transposed
+    [B, H, D, V] would pass silently, an integer state or one on another device fail deep inside)."""
     cd = compute_dtype(q)
     B, H, _, D = q.shape
     shape = (B, H, v.shape[-1], D)
     if initial_state is not None:
-        if tuple(initial_state.shape) != shape:
-            raise ValueError(f"initial_state must have shape [B, H, V, K] = {list(shape)}, "
-                             f"got {list(initial_state.shape)}")
-        return initial_state.to(cd)
+        return check_state("initial_state [B, H, V, K]", initial_state, shape, q).to(cd)
     return torch.zeros(shape, dtype=cd, device=q.device)
 
 

@@ -66,6 +66,9 @@ class WindowState(NamedTuple):
 
 def start_window(M: torch.Tensor) -> WindowState:
     """The state before the first token: memory M [B, H, V, D] and an empty window."""
+    if not isinstance(M, torch.Tensor) or M.dim() != 4 or not M.is_floating_point():
+        got = f"{M.dtype} {list(M.shape)}" if isinstance(M, torch.Tensor) else type(M).__name__
+        raise TypeError(f"the start memory M must be a floating tensor [B, H, V, D], got {got}")
     B, H, V, D = M.shape
     return WindowState(M, M.new_zeros(B, H, 0, D), M.new_zeros(B, H, 0, V), M.new_zeros(B, H, 0))
 
