@@ -225,6 +225,8 @@ def test_tiny_lm_with_a_hybrid(gen):
     ("atlas", {"expansion": 2}, ValueError, "memory='linear' has none"),
     ("atlas", {"memory": "mlp", "expansion": 0}, ValueError, "expansion"),
     ("atlas", {"memory": "mlp", "activation": "softmax"}, ValueError, "activation"),
+    ("atlas", {"ns_coeffs": "foo"}, ValueError, "ns_coeffs must be one of"),
+    ("omeganet", {"poly": "foo"}, ValueError, "poly must be one of"),
     ("atlas++", {"head_k_dim": 4, "head_v_dim": 6}, ValueError, "head_k_dim == head_v_dim"),
     ("mamba2", {"gate_temperature": 0.0}, ValueError, "gate_temperature must be a finite number > 0"),
     ("kda", {"gate_temperature": -1.0}, ValueError, "gate_temperature must be a finite number > 0"),

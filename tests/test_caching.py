@@ -475,6 +475,10 @@ def test_bad_input(gen):
         memory_caching(q, k, v, aggregate="residual", u=torch.zeros_like(q), **call)
     with pytest.raises(TypeError, match="u must have q's dtype"):
         memory_caching(q, k, v, u=torch.zeros_like(q).double(), **call)
+    with pytest.raises(ValueError, match="u must be on cpu like q"):
+        memory_caching(q, k, v, u=torch.zeros_like(q, device="meta"), **call)
+    with pytest.raises(TypeError, match="base_kwargs must be a dict"):
+        memory_caching(q, k, v, base=linear_attention, base_kwargs=[1])
     with pytest.raises(TypeError, match="stats must be a dict"):
         memory_caching(q, k, v, stats=[], **call)
     with pytest.raises(ValueError, match=r"base_kwargs\['alpha'\] must have shape \[B, H, T, ...\]"):

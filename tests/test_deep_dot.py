@@ -277,3 +277,12 @@ def test_default_chunk_size_is_chapter_4s_where_it_is_part_of_the_model(gen):
     assert_close(default, deep_transformer(q, k, v, chunk_size=OMEGA_CHUNK_SIZE, **kw)[0], tol=0,
                  name="deep_transformer(memory='mlp') default b")
     assert (default - deep_transformer(q, k, v, chunk_size=DEFAULT_CHUNK_SIZE, **kw)[0]).abs().max() > 1e-8
+
+
+def test_a_log_gate_that_underflows_is_named(gen):
+    """log_alpha = -120 is alpha = 0 in fp32 (exp underflows) but a fine gate in fp64: the refusal names
+    log_alpha and the bound, not alpha."""
+    q, k, v, _, eta, _ = inputs(gen, c=1, layout=None)
+    with pytest.raises(ValueError, match="log_alpha must be > -inf and its exp must not underflow"):
+        dot(q.float(), k.float(), v.float(), log_alpha=-120.0, eta=eta.float())
+    assert torch.isfinite(dot(q, k, v, log_alpha=-120.0, eta=eta)[0]).all()

@@ -280,3 +280,24 @@ def test_pool_default_is_the_mean(gen):
     for t in range(5):
         y_t, cache = mixer.step(x[:, t], cache)
     assert torch.allclose(y_t, y[:, -1], atol=1e-5)
+
+
+def test_numpy_integers_are_ints_everywhere(gen):
+    """check_int takes numbers.Integral (a numpy int from a sweep's grid): so do the MIRAS configuration, the
+    segment lengths, the deep memory's expansion and MQAR's sizes, with the same results as Python ints."""
+    np = pytest.importorskip("numpy")
+    from atlaslib.atlas import atlas
+    from atlaslib.deep import deep_transformer
+    from atlaslib.miras import miras
+    from atlaslib.omega import omega_rule
+    from atlaslib.tasks import mqar
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    k = torch.nn.functional.normalize(k, dim=-1)
+    calls = [lambda w: omega_rule(q, k, v, window=w, memory="mlp", eta=0.1),
+             lambda w: atlas(q, k, v, window=w, memory="residual", eta=0.1),
+             lambda w: miras(q, k, v, preset="titans", window=w, eta=0.1),
+             lambda w: memory_caching(q, k, v, base=linear_attention, segments=w),
+             lambda w: deep_transformer(q, k, v, memory="mlp", expansion=w, backend="recurrent")]
+    for call in calls:
+        assert torch.equal(call(np.int64(2))[0], call(2)[0])
+    assert all(torch.equal(a, b) for a, b in zip(mqar(np.int64(4), np.int64(64), 8, 128), mqar(4, 64, 8, 128)))

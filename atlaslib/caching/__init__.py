@@ -157,6 +157,8 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
                          f"got {list(getattr(u, 'shape', [])) or type(u).__name__}")
     if u is not None and u.dtype != q.dtype:
         raise TypeError(f"u must have q's dtype {q.dtype}, got {u.dtype}")
+    if u is not None and u.device != q.device:
+        raise ValueError(f"u must be on {q.device} like q, got {u.device}")
     if u is not None and aggregate == "residual":
         raise ValueError("u scores the cached states for grm, soup and ssc; aggregate='residual' adds them "
                          "all with weight 1 and would ignore it")

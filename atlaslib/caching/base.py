@@ -49,6 +49,9 @@ def check_base(base, base_kwargs) -> dict:
         raise ValueError(f"base {base_name(base)!r} does not take {' and '.join(missing)}: memory caching starts "
                          "each segment from a state and caches the state it ends in, so the base must accept "
                          "initial_state and return its final state (output_final_state=True)")
+    if base_kwargs is not None and not isinstance(base_kwargs, dict):
+        raise TypeError(f"base_kwargs must be a dict of the base's keyword arguments (or None), got "
+                        f"{type(base_kwargs).__name__}")
     kw = dict(base_kwargs or {})
     bad = [n for n in ("q", "k", "v", "initial_state", "output_final_state", "backend", "chunk_size") if n in kw]
     if bad:

@@ -15,6 +15,7 @@ Positions here are 0-based token indices: token index i is the 1-based position 
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -92,9 +93,10 @@ def segment_lengths(T: int, segments) -> list:
     """The lengths of consecutive segments: an int C (the last segment takes the remainder) or a list
     that must sum to T (T >= 1)."""
     check_length(T)
-    if isinstance(segments, bool) or not isinstance(segments, (int, list, tuple)):
+    if isinstance(segments, bool) or not isinstance(segments, (numbers.Integral, list, tuple)):
         raise ValueError(f"segments must be an int >= 1, a list of lengths summing to T, or 'log'; got {segments!r}")
-    if isinstance(segments, int):
+    if isinstance(segments, numbers.Integral):
+        segments = int(segments)
         if segments < 1:
             raise ValueError(f"segments (the segment length) must be >= 1, got {segments}")
         return [segments] * (T // segments) + ([T % segments] if T % segments else [])

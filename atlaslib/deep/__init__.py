@@ -294,7 +294,8 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
         alpha: retention in (0, 1] (a number or [B, H, T]; None: 1). It must be > 0: the c = 1 forms run
             chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
             alpha > 0) and the kernel chunk form works with log alpha. Or ``log_alpha`` (> -inf and <= 0,
-            a number or [B, H, T]), turned into alpha in fp32 (fp64 for fp64 inputs).
+            a number or [B, H, T]), turned into alpha in fp32 (fp64 for fp64 inputs), where it must not
+            underflow to 0 (log_alpha above about -87 in fp32, -708 in fp64).
         eta: step >= 0 (a number or [B, H, T]; None: 1).
         phi_star: "kernel" (exact phi*: coefficients u_j of phi*(k_j), O(T^2); c = 1 has a chunk form that
             solves a triangular system, exact for every chunk_size; c > 1 a frozen-gradient one) or
@@ -350,7 +351,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
         raise ValueError("dot: initial_state and output_final_state need phi_star=('taylor', P) (or memory='mlp'): "
                          "the kernel form keeps one coefficient per past token, not a fixed-size matrix state")
     if alpha is not None:
-        check_positive_alpha(alpha)
+        check_positive_alpha(alpha, from_log=log_alpha is not None)
     chunk_size = default_chunk_size(chunk_size, frozen=c > 1 or memory == "mlp")
     if c == 1 and gamma is not None:                # one pair per step: gamma_t^{(t)} scales the step
         g = (gamma if gamma.dim() == 3 else gamma[..., 0]).to(cd)
@@ -429,10 +430,14 @@ def check_dot_step(eta, alpha):
             torch._assert_async((eta <= one).all(), msg)
 
 
-def check_positive_alpha(alpha):
+def check_positive_alpha(alpha, from_log=False):
     """DOT divides by alpha (its coefficients carry 1 / prod alpha): a gate of 0 is refused, on a GPU by a
-    device-side assert (no host sync), as ``check_dot_step`` does."""
+    device-side assert (no host sync), as ``check_dot_step`` does. ``from_log``: alpha = exp(log_alpha),
+    which underflows to 0 below about -87 in fp32 (-745 in fp64)."""
     msg = "dot: alpha must lie in (0, 1]; a gate of 0 is not supported"
+    if from_log:
+        msg = (f"dot: log_alpha must be > -inf and its exp must not underflow to 0 in {alpha.dtype} (log_alpha "
+               f"above about {math.log(torch.finfo(alpha.dtype).tiny):.0f}); a gate of 0 is not supported")
     how = _value_check(alpha)
     if how == "host" and not bool((alpha > 0).all()):
         raise ValueError(msg)

@@ -25,6 +25,7 @@ and the kernel form share it).
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +53,10 @@ def check_activation(activation):
 
 def check_expansion(expansion):
     """The hidden width's multiple of K: an int >= 1, or None (the default W2's DEFAULT_EXPANSION)."""
-    if expansion is not None and (isinstance(expansion, bool) or not isinstance(expansion, int) or expansion < 1):
+    if expansion is not None and (isinstance(expansion, bool) or not isinstance(expansion, numbers.Integral)
+                                  or expansion < 1):
         raise ValueError(f"expansion must be an int >= 1 (the hidden width h = expansion * K), got {expansion!r}")
-    return expansion
+    return None if expansion is None else int(expansion)
 
 
 def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 from ..core.newton_schulz import check_ns_steps, ns_coefficients
@@ -147,7 +148,7 @@ def _check_choice(axis, value, table):
 def _check_number(name, x, low, *, strict=False, integer=False, allow_none=False):
     if x is None and allow_none:
         return
-    kind = int if integer else (int, float)
+    kind = numbers.Integral if integer else numbers.Real                # numpy scalars too, as check_int takes
     if isinstance(x, bool) or not isinstance(x, kind):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {x!r}")
     if not math.isfinite(x):

@@ -41,7 +41,7 @@ from torch import nn
 from ..atlas import ATLAS_CHUNK_SIZE, MEMORIES, atlas, atlas_config
 from ..atlas.recurrent import atlas_step, start_state
 from ..core.chunking import compute_dtype
-from ..core.newton_schulz import check_ns_steps
+from ..core.newton_schulz import check_ns_steps, ns_coefficients
 from ..core.validation import check_flag
 from ..miras import build_parts
 from ..miras.config import MEMORY_OPTIONS, check_memory_options
@@ -86,6 +86,7 @@ class AtlasMixer(WindowedMixer):
         if memory in ("residual", "gated") and self.head_k_dim != self.head_v_dim:
             raise ValueError(f"memory={memory!r} needs head_k_dim == head_v_dim, "
                              f"got {self.head_k_dim} and {self.head_v_dim}")
+        ns_coefficients(ns_coeffs)                    # a misspelt name fails here, not at the first forward
         self.memory, self.ns_steps, self.ns_coeffs = memory, check_ns_steps(ns_steps), ns_coeffs
         self.theta_proj = nn.Linear(d_model, n_heads) if check_flag("momentum", momentum) else None
         # A deep memory's W_0 is learned, as chapter 3's mixers learn theirs; the linear memory starts at zero

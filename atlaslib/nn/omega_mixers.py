@@ -104,6 +104,8 @@ class WindowedMixer(GatedLinear):
         check_flag("constant", constant)
         self.eta_proj = nn.Linear(d_model, n_heads)
         self.degree, self.poly_kind, self.constant = degree, poly, constant
+        if poly not in POLY_MAPS:                      # checked with or without a degree: a misspelling fails now
+            raise ValueError(f"poly must be one of {POLY_MAPS}, got {poly!r}")
         self.poly = None if degree is None else polynomial_map(poly, degree, constant)
 
     # ---- gates, all [B, H, T] or [B, H, T, c], projected from x [B, T, D]

@@ -19,12 +19,13 @@ within one example keys are distinct and values are distinct.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 
 def _check_int(name, x, low):
-    if isinstance(x, bool) or not isinstance(x, int):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {x!r}")
     if x < low:
         raise ValueError(f"{name} must be >= {low}, got {x}")
