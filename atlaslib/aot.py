@@ -700,6 +700,8 @@ def main(argv=None):
                         "(no LLVM, no ptxas): shared memory, 64-bit offsets and grids in about a second per "
                         "build; registers and spills unmeasured")
     args = parser.parse_args(argv)
+    if args.oversized and args.family:
+        parser.error("--oversized builds one deliberately oversized tile (chapter 1's kernel); it takes no --family")
     from .core.dispatch import interpreter_on
     if interpreter_on():
         proc = in_subprocess(argv if argv is not None else sys.argv[1:])

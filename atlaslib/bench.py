@@ -61,6 +61,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .core.benchcases import BENCH_CASES, BenchCase, BenchShape, register_bench_case  # noqa: F401
+from .core.dispatch import interpreter_on
 from .tables import format_table
 
 
@@ -280,12 +281,15 @@ def main(argv=None):
     p.add_argument("--backends", nargs="+", default=None,
                    help="default: each case's own (recurrent chunk, + triton on CUDA; deep_vs_sdpa: sdpa and "
                         "the kernel-trick forms)")
-    p.add_argument("--chunk-size", type=int, default=64, help="chunk length of the chunk backend")
+    p.add_argument("--chunk-size", type=int, default=64,
+                   help="chunk length of the chunk backend (default 64: for the models whose chunk form freezes "
+                        "gradients, Titans, TTT-MLP, Omega, ATLAS, whose own default is 16, that times b = 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls (default 3; --vs fla: 10 on CUDA)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
-    p.add_argument("--scaling", action="store_true", help="chunk-form time and memory for T=1024..8192")
+    p.add_argument("--scaling", action="store_true",
+                   help="time and memory for T=1024..8192 of one backend (--backends X; default chunk)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--vs", choices=["fla"], default=None,
                    help="chapters 1-2 against fla-core (CUDA: its Triton kernels at two fixed shapes; CPU: its "
@@ -310,6 +314,12 @@ def main(argv=None):
         p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)      # synchronize and the peak-memory counters act on the current GPU
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: no folder {os.path.dirname(os.path.abspath(args.json))}")
+    if "triton" in (args.backends or ()) and device.type == "cpu" and not interpreter_on():
+        p.error("--backends triton on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 (or use a GPU)")
+    if args.scaling and len(args.backends or ()) > 1:
+        p.error(f"--scaling times one backend, got --backends {' '.join(args.backends)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.vs == "fla":

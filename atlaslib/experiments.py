@@ -479,10 +479,11 @@ def main(argv=None):
                    help="mqar: the leaderboard grid (--size); inversion: the study of chapter 2's ranking; "
                         "filler: the small grid's hardest task with token-0 filler; caching: Memory Caching's "
                         "row and its base with three seeds and three segment lengths")
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--size", choices=sorted(SIZES), default=None, help="mqar only: the grid (default small)")
     p.add_argument("--mixers", help="comma-separated labels (default: every mixer of the protocol)")
     p.add_argument("--steps", type=int, help="override the size's step budget")
-    p.add_argument("--out", help="results file (default results/mqar_<size>.jsonl)")
+    p.add_argument("--out", help="results file (default results/mqar_<size>.jsonl for mqar, "
+                                 "results/mqar_<experiment>.jsonl otherwise)")
     p.add_argument("--shard", help="i/N: run the cells i, i+N, ... (default: torchrun's RANK/WORLD_SIZE)")
     p.add_argument("--device", help="default: cuda:LOCAL_RANK when CUDA is available, else cpu")
     p.add_argument("--report", action="store_true", help="print the leaderboard of the results and exit")
@@ -492,9 +493,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.experiment in ("inversion", "filler", "caching"):
-        args.size = args.experiment
+    if args.device is not None:
+        try:
+            torch.device(args.device)
+        except RuntimeError:
+            p.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if args.experiment != "mqar" and args.size is not None:
+        p.error(f"--size chooses the mqar grid; {args.experiment} has its own fixed grid")
+    args.size = args.experiment if args.experiment != "mqar" else args.size or "small"
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        p.error(f"--out {out}: no folder {os.path.dirname(os.path.abspath(out))}")
     if args.report:
         print(report(out))
         return

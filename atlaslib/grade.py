@@ -759,8 +759,9 @@ def main(argv=None) -> int:
         parser.error(f"--csv is for a folder of notebooks; {args.notebook} is not a folder")
     if args.save and target.is_dir():
         parser.error(f"--save is for a single notebook; {args.notebook} is a folder")
-    if args.save and not Path(args.save).parent.is_dir():       # before the notebook runs, not after
-        parser.error(f"--save {args.save}: no folder {Path(args.save).parent}")
+    for option, path in (("--save", args.save), ("--csv", args.csv)):     # before the notebooks run, not after
+        if path and not Path(path).parent.is_dir():
+            parser.error(f"{option} {path}: no folder {Path(path).parent}")
     if args.worker:      # the child process of grade_in_child: the report goes to the file it names
         try:
             report = grade(target, timeout=args.timeout, save=args.save, progress=not args.json, everything=True)

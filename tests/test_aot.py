@@ -299,6 +299,12 @@ def test_caching_grid_is_one_program_per_block_of_tokens(builds):
     assert all(not b["grid_fixed_in_T"] and b["launches"] == [1, 1] for b in per_block)
 
 
+def test_oversized_takes_no_family(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        aot.main(["--oversized", "--family", "caching"])
+    assert exit_.value.code == 2 and "it takes no --family" in capsys.readouterr().err
+
+
 def test_an_oversized_tile_is_caught():
     (over,) = run_aot("--oversized", "--target", "sm_80", *([] if FULL else ["--fast"]), status=1)
     assert not over["fits"], over

@@ -52,10 +52,18 @@ def usage_error(main, argv, capsys) -> str:
     (["--chunk-size", "0"], "error: --chunk-size must be >= 1, got 0"),
     (["--backends", "nosuch"], "error: no case run has --backends nosuch; they have recurrent, chunk, triton"),
     (["--device", "nosuch"], "error: --device 'nosuch' is not a torch device"),
+    (["--json", "/nonexistent/x.json"], "error: --json /nonexistent/x.json: no folder /nonexistent"),
+    (["--scaling", "--backends", "recurrent", "chunk"], "error: --scaling times one backend"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
     line = usage_error(bench.main, SMALL[:2] + argv if "--models" not in argv else argv + SMALL[2:], capsys)
     assert message in line, line
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "interpreter_on", lambda: False)
+    line = usage_error(bench.main, SMALL[:2] + ["--backends", "triton", "--device", "cpu"], capsys)
+    assert "error: --backends triton on the CPU needs Triton's interpreter" in line, line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

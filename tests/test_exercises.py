@@ -85,6 +85,16 @@ def test_generator_help_names_the_module(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m atlaslib.exercises.generate ")
 
 
+def test_generator_without_the_solutions_says_so(capsys, monkeypatch, tmp_path):
+    """Away from the checkout (an installed atlaslib) there is nothing to render: an error, not a silent 0."""
+    from atlaslib.exercises import generate
+    monkeypatch.setattr(generate, "SOLUTIONS", tmp_path / "exercises" / "solutions")
+    for argv in ([], ["--check"]):
+        with pytest.raises(SystemExit) as exit_:
+            generate.main(argv)
+        assert exit_.value.code == 2 and "no exercises/solutions/ch*.ipynb" in capsys.readouterr().err
+
+
 # ---- verdicts ----------------------------------------------------------------------------
 
 def hebbian_step_ok(M, q, k, v, alpha):

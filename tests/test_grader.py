@@ -257,6 +257,10 @@ def test_a_folder_needs_notebooks_and_takes_no_save(grade_cli, capsys, tmp_path)
         grade_cli([str(tmp_path), "--save", str(tmp_path / "x.ipynb")])
     assert exit_.value.code == 2
     assert f"error: --save is for a single notebook; {tmp_path} is a folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:                    # checked before the folder is graded
+        grade_cli([str(tmp_path), "--csv", str(tmp_path / "missing" / "x.csv")])
+    assert exit_.value.code == 2
+    assert f"error: --csv {tmp_path}/missing/x.csv: no folder {tmp_path}/missing" in capsys.readouterr().err
 
 
 def test_fail_under_sets_the_exit_status():

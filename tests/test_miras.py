@@ -21,8 +21,8 @@ from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 from atlaslib.atlas import atlas_config
 from atlaslib.miras import (BIASES, EXACT_CHUNK, PRESETS, MirasConfig, MirasState, axes_markdown, axes_table,
-                            build_parts, has_kernel, init_state, make_config, memory_gradient, miras, miras_chunk,
-                            prepare)
+                            build_parts, describe, has_kernel, init_state, make_config, memory_gradient, miras,
+                            miras_chunk, prepare)
 from atlaslib.omega import omega_rule
 
 F64 = torch.float64
@@ -938,3 +938,20 @@ def test_gates_of_exactly_zero_have_finite_gradients_in_the_chunk_form(gen, name
             g, want = g.clone(), want.clone()
             g[..., zero[n]] = want[..., zero[n]] = 0.0
         assert_close(g, want, tol=1e-10, name=f"{name}: d/d{n}")
+
+
+def test_helpers_check_their_arguments():
+    """init_state's sizes and dtype, memory_gradient's weights, presets by name for describe/axes_table."""
+    for bad, error in ((-1, ValueError), (0, ValueError), (1.5, TypeError)):
+        with pytest.raises(error, match="B must be"):
+            init_state("titans", bad, 2, 4, 3)
+    with pytest.raises(TypeError, match="dtype must be a floating"):
+        init_state("titans", 1, 2, 4, 3, dtype=torch.int64)
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 3)
+    with pytest.raises(ValueError, match=r"W must be a dict with the weights \['W1', 'W2'\]"):
+        memory_gradient("titans", {"M": torch.zeros(3, 3, 4)}, k, v)
+    with pytest.raises(ValueError, match=r"W\['W1'\] must be \[N, 16, 4\]"):
+        memory_gradient("titans", {"W1": torch.zeros(3, 3, 16), "W2": torch.zeros(3, 16, 4)}, k, v)
+    assert describe("titans") == describe(make_config("titans"))
+    with pytest.raises(ValueError, match="unknown preset 'foo'"):
+        axes_table(["foo"])

@@ -106,8 +106,11 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if a student notebook is stale; write nothing")
     args = parser.parse_args(argv)
+    sources = sorted(SOLUTIONS.glob("ch*.ipynb"))
+    if not sources:                  # e.g. an installed atlaslib, away from the repository's exercises/
+        parser.error(f"no exercises/solutions/ch*.ipynb under {ROOT}: run it from the repository's checkout")
     stale = 0
-    for path in sorted(SOLUTIONS.glob("ch*.ipynb")):
+    for path in sources:
         text, target = render(path), target_of(path)
         current = target.read_text() if target.exists() else None
         rel = target.relative_to(ROOT)

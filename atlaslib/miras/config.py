@@ -238,7 +238,9 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
 # ---------------------------------------------------------------------------- the four-axis table
 
 def describe(cfg: MirasConfig) -> dict:
-    """One row of the four-axis table: model, memory, bias, retention, optimizer (in words)."""
+    """One row of the four-axis table: model, memory, bias, retention, optimizer (in words). ``cfg``: a
+    MirasConfig or a preset's name."""
+    cfg = make_config(cfg) if isinstance(cfg, str) else cfg
     row = {"model": cfg.name,
            "memory": MEMORY_CLASSES[cfg.memory].describe(cfg),
            "bias": BIASES[cfg.bias].describe(cfg),
@@ -252,7 +254,7 @@ def describe(cfg: MirasConfig) -> dict:
 def axes_table(presets=None) -> list[dict]:
     """The blog's four-axis table, one row per preset, generated from ``PRESETS``."""
     names = list(PRESETS) if presets is None else list(presets)
-    return [describe(PRESETS[n] if isinstance(n, str) else n) for n in names]
+    return [describe(make_config(n) if isinstance(n, str) else n) for n in names]
 
 
 def axes_markdown(presets=None) -> str:

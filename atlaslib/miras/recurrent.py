@@ -121,6 +121,14 @@ def memory_gradient(cfg, W: dict, k, v, delta=None):
     """
     cfg = make_config(cfg) if not isinstance(cfg, MirasConfig) else cfg
     parts = build_parts(cfg, k.shape[-1], v.shape[-1])
+    shapes = parts.memory.shapes
+    if not isinstance(W, dict) or set(W) != set(shapes):
+        raise ValueError(f"W must be a dict with the weights {sorted(shapes)} of the {cfg.memory} memory, got "
+                         f"{sorted(W) if isinstance(W, dict) else type(W).__name__}")
+    for name, (o, i) in shapes.items():
+        if not isinstance(W[name], torch.Tensor) or tuple(W[name].shape[-2:]) != (o, i):
+            raise ValueError(f"W[{name!r}] must be [N, {o}, {i}] for K = {k.shape[-1]}, V = {v.shape[-1]}, got "
+                             f"{list(W[name].shape) if isinstance(W[name], torch.Tensor) else type(W[name]).__name__}")
     if parts.bias.uses_delta and delta is None:
         delta = torch.full(k.shape[:-1], float(cfg.delta), dtype=k.dtype, device=k.device)
     return loss_gradient(parts, W, k, v, delta, torch.ones(k.shape[:-1], dtype=k.dtype, device=k.device))

@@ -39,9 +39,14 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     linear memory starts at zero (Memora: uniform weights c / (V K)). Momentum starts at 0.
     K is the width of the memory's input (the feature width when phi is used).
     """
+    from ..core.validation import check_int
     from .config import make_config
     from .memory import build_memory
     cfg = make_config(cfg) if not hasattr(cfg, "memory") else cfg
+    for name, value in (("B", B), ("H", H), ("K", K), ("V", V)):
+        check_int(name, value, 1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     memory = build_memory(cfg, K, V)
     # The linear memory draws nothing, so no generator is made for it: one made inside a function that
     # torch.compile traces stops a fullgraph compilation (miras(..., initial_state=None) on a linear memory)
