@@ -36,6 +36,9 @@ help:
 	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90 without a GPU, registers included (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: every kernel against its chunk form, then bench --vs fla (results/gpu_bench.json)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
+	@echo "make venv       only create .venv with the pinned requirements and atlaslib (every target does this first)"
+	@echo "make mathjax    unpack MathJax into book/_static/mathjax (needs npm; make book and make test do it)"
+	@echo "make clean      remove _build (the built book, the kernels' build cache)"
 
 venv: $(STAMP)
 

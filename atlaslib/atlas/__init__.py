@@ -125,7 +125,7 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
         ns_steps: J >= 0 Newton–Schulz steps; 0 is the identity (NS off: Titans with eta moved
             outside the momentum, or with theta = 0 the Omega rule, book ch. 5).
         ns_coeffs: "muon" (3.4445, -4.7750, 2.0315; fast, settles in a band around 1), "cubic",
-            "quintic" (both converge to the polar factor U V^T) or a tuple (p0, p1[, p2]).
+            "quintic" (both converge to the polar factor U V^T) or a tuple or list (p0, p1[, p2, ...]).
         phi: feature map for q and k (None, a name from ``core.FEATURE_MAPS`` or a callable).
         memory: "linear" (M [V, D], this package's rooms), "mlp", "residual" ([A]'s ATLAS) or
             "gated" (ATLAS++), the deep ones on ``atlaslib.miras`` (D == V for the last two). A deep memory
@@ -166,7 +166,8 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
     (*) With NS off, S_t accumulates raw gradients and eta_t scales the step; Titans keeps
     S'_t = -eta_t S_t. The two agree exactly when Titans gets eta'_t = eta_t and the momentum
     decay theta'_t = theta_t eta_t / eta_{t-1} (with S'_0 = -eta_0 S_0 for any eta_0 > 0): with a
-    constant eta the decays are equal, otherwise they must be rescaled.
+    constant eta the decays are equal, otherwise they must be rescaled, and Titans can follow only while
+    theta'_t <= 1, i.e. eta_t <= eta_{t-1} / theta_t (a step that grows faster has no Titans twin).
 
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState(memory, momentum)`` in fp32 (fp64 for fp64 inputs) or

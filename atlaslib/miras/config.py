@@ -69,7 +69,7 @@ class MirasConfig:
     scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
     threshold:  gamma >= 0 of the elastic-net soft threshold
     ns_steps, ns_coeffs: Muon's Newton–Schulz, J >= 0 steps (0: NS off, the identity) with
-                coefficients "muon" | "cubic" | "quintic" or a tuple (p0, p1[, p2]), see
+                coefficients "muon" | "cubic" | "quintic" or a tuple or list (p0, p1[, p2, ...]), see
                 ``atlaslib.core.newton_schulz``
     name:       the preset this came from (or "custom")
     """

@@ -90,9 +90,9 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = No
             form's oracle), "chunk" (chunkwise PyTorch with gradients frozen at the chunk start,
             book ch. 4 §8), "triton" (the same chunk form as a GPU kernel; CPU under
             TRITON_INTERPRET=1; backward by autograd through the chunk form; needs
-            chunk_size <= 64 and a window tile next_pow2(chunk_size + window - 1) x
-            next_pow2(D) of at most 128 x 128) or "auto" (triton on CUDA where the tiles
-            fit, chunk otherwise).
+            chunk_size <= 64, D <= 256 and a window tile of at most 128 * 128 entries,
+            tile(chunk_size + window - 1) * tile(D) with tile(n) = max(16, next_pow2(n)))
+            or "auto" (triton on CUDA where the tiles fit, chunk otherwise).
         chunk_size: b, the chunk length of "chunk", "frozen_seq" and "triton". **It changes the model**
             (see below); b = 1 is the exact per-token rule. None: 16 (``OMEGA_CHUNK_SIZE``),
             for every memory: the same as ``miras``, which runs the deep memories and is the
