@@ -196,7 +196,7 @@ def test_tiny_lm_token_ids_are_checked(gen):
             lm.step(bad[:, 0])
         with pytest.raises(ValueError, match=r"prompt_ids must lie in \[0, 10\)"):
             lm.generate(bad, 1)
-    for bad in (ids.float(), ids.bool(), ids.tolist()):
+    for bad in (ids.float(), ids.bool(), ids.to(torch.uint8), ids.to(torch.int16), ids.tolist()):
         with pytest.raises(ValueError, match="integer tensor"):
             lm(bad)
     with pytest.raises(ValueError, match="T >= 1"):

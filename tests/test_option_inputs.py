@@ -301,3 +301,6 @@ def test_numpy_integers_are_ints_everywhere(gen):
     for call in calls:
         assert torch.equal(call(np.int64(2))[0], call(2)[0])
     assert all(torch.equal(a, b) for a, b in zip(mqar(np.int64(4), np.int64(64), 8, 128), mqar(4, 64, 8, 128)))
+    from atlaslib.miras import make_config
+    config = make_config("titans", window=np.int64(2), expansion=np.int64(2))
+    assert config == make_config("titans", window=2, expansion=2) and type(config.window) is int

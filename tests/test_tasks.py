@@ -74,6 +74,7 @@ def test_mqar_power_law_gaps(gen):
     (dict(power_a=math.inf), "power_a must be a finite number"),
     (dict(power_a="a"), "power_a must be a finite number"),
     (dict(power_a=500.0), "overflows the gap law"),
+    (dict(seq_len=2048, vocab_size=8192, power_a=102.6), "overflows the gap law"),     # finite terms, inf sum
     (dict(num_examples=0), "num_examples"),
     (dict(seed=-1), "seed must be >= 0"),
 ])

@@ -295,7 +295,7 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
             chapter 2's Gated DeltaNet with beta = eta / alpha on the values alpha v (the same update for
             alpha > 0) and the kernel chunk form works with log alpha. Or ``log_alpha`` (> -inf and <= 0,
             a number or [B, H, T]), turned into alpha in fp32 (fp64 for fp64 inputs), where it must not
-            underflow to 0 (log_alpha above about -87 in fp32, -708 in fp64).
+            underflow to 0 (log_alpha above about -103 in fp32, -744 in fp64).
         eta: step >= 0 (a number or [B, H, T]; None: 1).
         phi_star: "kernel" (exact phi*: coefficients u_j of phi*(k_j), O(T^2); c = 1 has a chunk form that
             solves a triangular system, exact for every chunk_size; c > 1 a frozen-gradient one) or
@@ -433,11 +433,12 @@ def check_dot_step(eta, alpha):
 def check_positive_alpha(alpha, from_log=False):
     """DOT divides by alpha (its coefficients carry 1 / prod alpha): a gate of 0 is refused, on a GPU by a
     device-side assert (no host sync), as ``check_dot_step`` does. ``from_log``: alpha = exp(log_alpha),
-    which underflows to 0 below about -87 in fp32 (-745 in fp64)."""
+    which underflows to 0 below about -103 in fp32 (-744 in fp64: the smallest subnormal's log)."""
     msg = "dot: alpha must lie in (0, 1]; a gate of 0 is not supported"
     if from_log:
         msg = (f"dot: log_alpha must be > -inf and its exp must not underflow to 0 in {alpha.dtype} (log_alpha "
-               f"above about {math.log(torch.finfo(alpha.dtype).tiny):.0f}); a gate of 0 is not supported")
+               f"above about {math.log(torch.finfo(alpha.dtype).tiny * torch.finfo(alpha.dtype).eps):.0f}); "
+               "a gate of 0 is not supported")
     how = _value_check(alpha)
     if how == "host" and not bool((alpha > 0).all()):
         raise ValueError(msg)

@@ -69,7 +69,8 @@ class MirasConfig:
     scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
     threshold:  gamma >= 0 of the elastic-net soft threshold
     ns_steps, ns_coeffs: Muon's Newton–Schulz, J >= 0 steps (0: NS off, the identity) with
-                coefficients "muon" | "cubic" | "quintic" or a tuple or list (p0, p1[, p2, ...]), see
+                coefficients "muon" | "cubic" | "quintic" or a tuple (p0, p1[, p2, ...]; make_config and atlas
+                take a list too), see
                 ``atlaslib.core.newton_schulz``
     name:       the preset this came from (or "custom")
     """
@@ -222,6 +223,10 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
         overrides = {**overrides, "layer_norm": False}        # a preset's LN belongs to its residual memory
     if isinstance(overrides.get("ns_coeffs"), list):
         overrides = {**overrides, "ns_coeffs": tuple(overrides["ns_coeffs"])}
+    # numpy scalars (a sweep's grid) as Python numbers, so that equal configs compare and print equal
+    overrides = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                 else float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)) else v
+                 for k, v in overrides.items()}
     changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
     name = overrides.get("name", base.name if not changed else
                          f"{base.name}({', '.join(f'{k}={v!r}' for k, v in changed.items())})")

@@ -79,12 +79,11 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def check_ids(self, name: str, ids, ndim: int, layout: str):
-        """Token ids: an integer tensor of ``layout`` with values in [0, vocab_size) (on a GPU a device-side
-        assert, so the host does not wait)."""
-        if not isinstance(ids, torch.Tensor) or ids.dim() != ndim or ids.is_floating_point() or ids.is_complex() \
-                or ids.dtype == torch.bool:
+        """Token ids: an int64 or int32 tensor (what the embedding takes) of ``layout`` with values in
+        [0, vocab_size) (on a GPU a device-side assert, so the host does not wait)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != ndim or ids.dtype not in (torch.int64, torch.int32):
             got = f"{ids.dtype} of shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise ValueError(f"{name} must be an integer tensor {layout} of token ids, got {got}")
+            raise ValueError(f"{name} must be an integer tensor {layout} of token ids (int64 or int32), got {got}")
         how, msg = _value_check(ids), f"{name} must lie in [0, {self.vocab_size}) (vocab_size)"
         if how == "host" and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
             raise ValueError(f"{msg}, got values in [{int(ids.min())}, {int(ids.max())}]")
