@@ -354,8 +354,10 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
         if backward:
             do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
             xg, fg = with_grads(x), with_grads(f)
+            # fla's output is a [B, H, T, V] view of its [B, T, H, V] tensor: its gradient is given as the same
+            # kind of view of a contiguous tensor, so that fla's backward gets it contiguous, as ours does
             both = {"ours": forward_backward(lambda z: ours(model, z, backend), xg, do),
-                    "fla": forward_backward(fla_fn, fg, do)}
+                    "fla": forward_backward(fla_fn, fg, from_fla(to_fla(do)) if impl == "chunk" else do)}
             try:
                 fla_grads = both["fla"]()
             except RuntimeError as e:     # fla refuses some backward passes on some cards and Triton versions

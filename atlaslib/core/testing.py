@@ -93,7 +93,8 @@ def poisoned_outputs():
 def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu", seed=None,
                normalize_keys=True, generator=None):
     """Fresh random q, k, v of shapes [B,H,T,K], [B,H,T,K], [B,H,T,V]; q and k l2-normalised by default
-    (``normalize_keys``)."""
+    (``normalize_keys``). Drawn on the CPU (``generator``: a CPU generator) and moved to ``device``, so a
+    draw is the same on every device."""
     gen = generator if generator is not None else torch.Generator().manual_seed(
         int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
     q = torch.randn(B, H, T, K, generator=gen)
@@ -105,7 +106,8 @@ def random_qkv(B=2, H=2, T=37, K=12, V=10, *, dtype=torch.float32, device="cpu",
 
 
 def random_gate(B, H, T, K=None, *, low=0.8, high=1.0, dtype=torch.float32, device="cpu", generator=None):
-    """Retention gates uniform in [low, high]: [B,H,T] if K is None, else [B,H,T,K]."""
+    """Retention gates uniform in [low, high]: [B,H,T] if K is None, else [B,H,T,K]; drawn on the CPU (a CPU
+    ``generator``) and moved to ``device``, as ``random_qkv``."""
     shape = (B, H, T) if K is None else (B, H, T, K)
     u = torch.rand(*shape, generator=generator)
     return (low + (high - low) * u).to(device=device, dtype=dtype)
@@ -126,7 +128,7 @@ def assert_causal_mixer(mixer, x, t: int, generator=None):
     y = mixer(x)
     assert y.shape == x.shape and torch.isfinite(y).all()
     x2 = x.detach().clone()
-    x2[:, t] += torch.randn(x.shape[0], x.shape[-1], generator=generator)
+    x2[:, t] += torch.randn(x.shape[0], x.shape[-1], generator=generator).to(x.device, x.dtype)   # CPU draw
     y2 = mixer(x2)
     assert torch.allclose(y[:, :t], y2[:, :t], atol=1e-5), f"token {t} changed an earlier output"
     assert not torch.allclose(y[:, t:], y2[:, t:], atol=1e-5), f"token {t} changed no output"
