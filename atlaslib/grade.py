@@ -326,8 +326,10 @@ def __atlaslib_grader_call():
     def plain(x):
         if isinstance(x, torch.Tensor):
             return x.detach()
-        if isinstance(x, (tuple, list)):
-            return type(x)(plain(y) for y in x)
+        if isinstance(x, tuple):            # a namedtuple too: sent back as a plain tuple
+            return tuple(plain(y) for y in x)
+        if isinstance(x, list):
+            return [plain(y) for y in x]
         if type(x).__module__ == "numpy":
             return torch.from_numpy(x) if hasattr(x, "shape") and x.shape else x.item()
         return x

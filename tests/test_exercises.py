@@ -285,6 +285,42 @@ def test_triton_check_passes_a_correct_kernel():
     assert v.status == "passed", v.message
 
 
+@triton.jit
+def decay_state_kernel(M_ptr, g_ptr, out_ptr, n, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    i = tl.program_id(0)
+    c, r = tl.arange(0, BK), tl.arange(0, BV)
+    at, inside = i * V * K + r[:, None] * K + c[None, :], (r < V)[:, None] & (c < K)[None, :]
+    g_last = tl.load(g_ptr + i * n + n - 1)
+    tl.store(out_ptr + at, tl.load(M_ptr + at, mask=inside, other=0.0) * tl.exp(g_last), mask=inside)
+
+
+@triton.jit
+def add_token_kernel(k_ptr, v_ptr, g_ptr, out_ptr, t, n, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    i = tl.program_id(0)
+    c, r = tl.arange(0, BK), tl.arange(0, BV)
+    at, inside = i * V * K + r[:, None] * K + c[None, :], (r < V)[:, None] & (c < K)[None, :]
+    k_t = tl.load(k_ptr + i * n * K + t * K + c, mask=c < K, other=0.0)
+    v_t = tl.load(v_ptr + i * n * V + t * V + r, mask=r < V, other=0.0)
+    w = tl.exp(tl.load(g_ptr + i * n + n - 1) - tl.load(g_ptr + i * n + t))
+    old = tl.load(out_ptr + at, mask=inside, other=0.0)              # what the launches before stored
+    tl.store(out_ptr + at, old + w * v_t[:, None] * k_t[None, :], mask=inside)
+
+
+def test_triton_check_passes_launches_that_accumulate_into_the_output():
+    """A correct answer in n + 1 launches, each after the first reading what the one before stored:
+    the outputs are filled with NaN before the first launch only."""
+    def state_update(M, k, v, g, out):
+        N, n, K = k.shape
+        V = v.shape[-1]
+        BK, BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+        decay_state_kernel[(N,)](M, g, out, n, K, V, BK=BK, BV=BV)          # out = e^{g_n} M
+        for t in range(n):                                                   # out += e^{g_n - g_t} v_t k_t^T
+            add_token_kernel[(N,)](k, v, g, out, t, n, K, V, BK=BK, BV=BV)
+        return out
+    v = ch01.triton_state_update.evaluate(state_update)
+    assert v.status == "passed", v.message
+
+
 def test_triton_check_requires_a_kernel_launch():
     def plain_torch(M, k, v, g, out):     # the right numbers, without a kernel
         g_last = g[:, -1:]

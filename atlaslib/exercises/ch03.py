@@ -31,7 +31,8 @@ TOL = 1e-4
 
 @EXERCISES.check("ttt_mlp_grads", title="TTT-MLP's inner gradients by hand", points=2,
                   functions=("ttt_mlp_grads",),
-                  forbidden=("atlaslib.miras.miras", "atlaslib.miras.memory_gradient"))
+                  forbidden=("atlaslib.miras.miras", "atlaslib.miras.memory_gradient", "torch.autograd.grad",
+                             "torch.autograd.backward"))
 def ttt_mlp_grads(fn, gen):
     """fn(W1 [N,h,K], W2 [N,V,h], k [N,K], v [N,V]) -> (grad_W1, grad_W2) of 1/2 ||W2 gelu(W1 k) - v||^2.
 
@@ -163,9 +164,12 @@ def momentum_chunk(fn, gen):
             for name, got in (("M", got_M), ("S_b", got_S)):
                 if got.is_floating_point() and got.isnan().any():
                     raise CheckFailed(f"{name} is NaN at {int(got.isnan().sum())} entries where the memories are "
-                                      "finite: a division by zero (0/0). Over this chunk the cumulative products of "
-                                      "the gates underflow fp32 to 0, so their quotients are 0/0: build the ratios "
-                                      "as exp of differences of cumulative log-gates, masked before the exponential")
+                                      "finite: a division by zero (0/0), or inf * 0. Over this chunk the cumulative "
+                                      "products of the gates underflow fp32 to 0, so their quotients are 0/0: build "
+                                      "the ratios as exp of differences of cumulative log-gates, masked before the "
+                                      "exponential (exp of an unmasked difference above the diagonal overflows to "
+                                      "inf, and a 0/1 mask multiplied after it gives inf * 0 = NaN: use "
+                                      "torch.where(mask, diff, -inf) before exp)")
             compare("M", got_M, M_ref, TOL)
             compare("S_b", got_S, S_ref, TOL)
     return f"all the chunk's memories and its final momentum match the per-token recursion on {len(cases)} chunks"

@@ -197,10 +197,12 @@ def momenta(fn, gen):
                 zeros = " (log 0 = -inf, and -inf - (-inf) is NaN: clamp theta at a tiny floor before the log)" \
                     if kind == "zeros" else ""
                 raise CheckFailed(f"S is NaN at {int(got.isnan().sum())} entries where the momenta are finite: "
-                                  "a division by zero (0/0) or inf - inf. Over a long chunk the cumulative "
+                                  "a division by zero (0/0), inf - inf, or inf * 0. Over a long chunk the cumulative "
                                   "products of theta underflow to 0, and a gate of exactly 0 makes them 0, so their "
                                   "quotients are 0/0: build the decay matrix from products over each range (or "
-                                  f"differences of cumulative log-gates, masked) instead{zeros}")
+                                  "differences of cumulative log-gates) instead; and mask before the exponential "
+                                  "(exp of an unmasked difference above the diagonal overflows to inf, and a 0/1 mask "
+                                  f"applied after it makes inf * 0 = NaN: select -inf there with torch.where){zeros}")
             compare("S", got, ref, TOL)
     return (f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks "
             "(resets and underflow included)")

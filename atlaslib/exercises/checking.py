@@ -119,11 +119,12 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     holding one calls the stub too; the names bound to them in atlaslib's modules and ``namespaces``
     are swapped as well); returns ``(result, number of launches of the notebook's own @triton.jit kernels)``.
 
-    ``outputs``: positions of the output buffers of a Triton exercise. Before each launch of the
+    ``outputs``: positions of the output buffers of a Triton exercise. Before the first launch of the
     notebook's own kernel they are filled with a NaN pattern and afterwards the entries the kernel did
-    not store get their old values back: when ``fn`` returns, every entry must have been stored by
-    one of its kernels, and nothing may have changed them since. The kernels may only be given
-    the function's own tensors (views of them included); a library kernel may not be launched.
+    not store get their old values back; a later launch stores what changes (it may read what an earlier
+    one stored, e.g. to accumulate). When ``fn`` returns, every entry must have been stored by one of
+    its kernels, and nothing may have changed them since. The kernels may only be given the function's
+    own tensors (views of them included: no scratch buffers); a library kernel may not be launched.
 
     Self-contained on purpose: the grader sends this function's source into the learner's
     kernel and runs it there.
@@ -211,15 +212,19 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
                 if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in own_storages:
                     raise ForbiddenCall(f"your kernel {name} was given a tensor that is not one of your function's "
                                         "arguments: it must read the inputs and store into the outputs it was given")
-            saved = []
-            for _, t in outs:
-                saved.append(t.clone())
-                bits(t).fill_(poison[t.element_size()])
+            first = launches[0] == 1
+            saved = [t.clone() for _, t in outs]
+            if first:                   # what the first launch stores: whatever is not the pattern after it
+                for _, t in outs:
+                    bits(t).fill_(poison[t.element_size()])
             result = _original(self, *a, **k)
             for j, ((_, t), before) in enumerate(zip(outs, saved)):
-                stored = bits(t) != poison[t.element_size()]
+                if first:
+                    stored = bits(t) != poison[t.element_size()]
+                    bits(t).copy_(torch.where(stored, bits(t), bits(before)))
+                else:                   # later launches may read what earlier ones stored: what changed
+                    stored = bits(t) != bits(before)
                 written[j] |= stored
-                bits(t).copy_(torch.where(stored, bits(t), bits(before)))
                 after[j] = t.clone()
             return result
         klass.run = counting
