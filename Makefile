@@ -119,7 +119,9 @@ GPU_PY ?= $(PY)
 GPU_RUN := PYTHONPATH=$(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH)) TRITON_INTERPRET=0 $(GPU_PY)
 gpu-test: $(if $(filter $(PY),$(GPU_PY)),$(STAMP))
 	@$(GPU_RUN) -c "import importlib.util as u, sys; m = [n for n in ('torch', 'triton', 'numpy', 'tqdm', 'pytest') \
-	    if u.find_spec(n) is None]; sys.exit('make gpu-test: $(GPU_PY) lacks ' + ', '.join(m) if m else 0)"
+	    if u.find_spec(n) is None]; cuda = not m and __import__('torch').cuda.is_available(); \
+	    m += [n for n in ('fla', 'einops') if cuda and u.find_spec(n) is None]; \
+	    sys.exit('make gpu-test: $(GPU_PY) lacks ' + ', '.join(m) if m else 0)"
 	@$(GPU_RUN) -c "from atlaslib.bench_fla import environment as e; d = e(); \
 	    print('card:', d['card'], '| torch', d['torch'], '(CUDA', str(d['cuda']) + ')', '| triton', d['triton'], '| fla-core', d['fla-core'])"
 	@if $(GPU_RUN) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \

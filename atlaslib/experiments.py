@@ -96,7 +96,9 @@ def mixer_specs(window: int) -> list[tuple[str, str, dict]]:
 # alpha_t that their mixers learn by default), DOT is the delta rule on phi* (window c = 1 here, with
 # the same gate). "window" as a retention means eviction (a pair older than the window is dropped);
 # the Omega window of OmegaNet, SWLA and ATLAS is a window of the *loss*, listed under the bias, and
-# evicts nothing. "gate" is a learned, data-dependent alpha_t.
+# evicts nothing. "gate" is a learned, data-dependent alpha_t. The algorithm is chapter 3's optimizer
+# axis, as MIRAS's Table 1 names it: the chunked mixers (TTT, the MIRAS presets, OmegaNet, ATLAS) all take
+# mini-batch gradients of their chunk (b = 16), and Memora's KL geometry is its retention, so all are "GD".
 MIXER_AXES = {
     "softmax": (1, "grows: every pair", "attention", "none", "exact"),
     "linear": (1, "matrix", "dot product", "none", "GD"),
@@ -106,12 +108,12 @@ MIXER_AXES = {
     "deltanet": (2, "matrix", "l2", "none", "GD"),
     "gated_deltanet": (2, "matrix", "l2", "scalar gate", "GD"),
     "kda": (2, "matrix", "l2", "channel gate", "GD"),
-    "ttt_linear": (3, "matrix", "l2", "none", "GD (mini-batch)"),
-    "ttt_mlp": (3, "MLP", "l2", "none", "GD (mini-batch)"),
+    "ttt_linear": (3, "matrix", "l2", "none", "GD"),
+    "ttt_mlp": (3, "MLP", "l2", "none", "GD"),
     "titans": (3, "MLP", "l2", "scalar gate", "GD + momentum"),
     "moneta": (3, "MLP", "lp (p=3)", "lq normalisation", "GD"),
     "yaad": (3, "MLP", "Huber", "scalar gate", "GD"),
-    "memora": (3, "MLP", "l2", "KL (simplex)", "mirror descent"),
+    "memora": (3, "MLP", "l2", "KL (simplex)", "GD"),
     "omeganet": (4, "matrix", "l2 over a window", "scalar gate", "GD"),
     "swla": (4, "matrix", "dot product over a window", "scalar gate", "GD"),
     "atlas": (5, "matrix", "l2 over a window", "scalar gate", "Muon"),
@@ -506,6 +508,8 @@ def main(argv=None):
         print(report(out))
         return
     if args.merge:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            p.error(f"--merge: no folder {os.path.dirname(os.path.abspath(out))} for {out}")
         records = read_results(out)
         with open(out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)

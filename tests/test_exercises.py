@@ -321,6 +321,70 @@ def test_triton_check_passes_launches_that_accumulate_into_the_output():
     assert v.status == "passed", v.message
 
 
+@triton.jit
+def negate_kernel(o_ptr, n, BL: tl.constexpr):
+    i = tl.arange(0, BL)
+    tl.store(o_ptr + i, -tl.load(o_ptr + i, mask=i < n), mask=i < n)
+
+
+@triton.jit
+def zero_kernel(o_ptr, n, BL: tl.constexpr):
+    i = tl.arange(0, BL)
+    tl.store(o_ptr + i, tl.zeros([BL], tl.float32), mask=i < n)
+
+
+@triton.jit
+def idle_kernel(o_ptr, n, BL: tl.constexpr):
+    pass
+
+
+@triton.jit
+def copy_kernel(src_ptr, o_ptr, n, BL: tl.constexpr):
+    i = tl.arange(0, BL)
+    tl.store(o_ptr + i, tl.load(src_ptr + i, mask=i < n), mask=i < n)
+
+
+def torch_answer(M, k, v, g):
+    g_last = g[:, -1:]
+    return torch.exp(g_last)[:, :, None] * M + torch.einsum("nt,ntv,ntk->nvk", torch.exp(g_last - g), v, k)
+
+
+def smuggled(how):
+    """Answers whose numbers come from torch, carried into the output through the kernels' launches."""
+    def state_update(M, k, v, g, out):
+        n, BL = out.numel(), triton.next_power_of_2(out.numel())
+        if how == "torch before a negating launch":
+            idle_kernel[(1,)](out, n, BL=BL)
+            out.copy_(-torch_answer(M, k, v, g))
+            negate_kernel[(1,)](out, n, BL=BL)
+        elif how == "torch before the first launch":
+            out.copy_(-torch_answer(M, k, v, g))
+            idle_kernel[(1,)](out, n, BL=BL)
+            negate_kernel[(1,)](out, n, BL=BL)
+        elif how == "torch between launches":
+            zero_kernel[(1,)](out, n, BL=BL)
+            out.copy_(torch_answer(M, k, v, g))
+            idle_kernel[(1,)](out, n, BL=BL)
+        else:                                            # through an input, undone after the launch
+            M0 = M.clone()
+            M.copy_(torch_answer(M0, k, v, g))
+            copy_kernel[(1,)](M, out, n, BL=BL)
+            M.copy_(M0)
+        return out
+    return state_update
+
+
+@pytest.mark.parametrize("how, where", [
+    ("torch before a negating launch", "changed between two launches"),
+    ("torch before the first launch", "written with torch before it"),
+    ("torch between launches", "changed between two launches"),
+    ("torch through an input", "(an input) was changed before a launch"),
+])
+def test_triton_check_refuses_values_written_with_torch(how, where):
+    v = ch01.triton_state_update.evaluate(smuggled(how))
+    assert v.status == "failed" and where in v.message, v.message
+
+
 def test_triton_check_requires_a_kernel_launch():
     def plain_torch(M, k, v, g, out):     # the right numbers, without a kernel
         g_last = g[:, -1:]

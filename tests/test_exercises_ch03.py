@@ -72,6 +72,20 @@ def test_ttt_mlp_grads_refuses_autograd():
     """The statement asks for the gradients without autograd: the right numbers from autograd score 0."""
     fails(ch03.ttt_mlp_grads, grads_by_autograd, where="torch.autograd.grad")
 
+    def forward_mode(W1, W2, k, v):             # forward-mode AD (torch.func.jacfwd) is autograd too
+        def loss(W1, W2):
+            pred = torch.einsum("nvh,nh->nv", W2, F.gelu(torch.einsum("nhk,nk->nh", W1, k)))
+            return 0.5 * (pred - v).square().sum()
+        return torch.func.jacfwd(loss, argnums=(0, 1))(W1, W2)
+    fails(ch03.ttt_mlp_grads, forward_mode, where="make_dual")
+
+    def graph_walk(W1, W2, k, v):               # .backward() is torch.autograd.backward
+        W1, W2 = W1.clone().requires_grad_(True), W2.clone().requires_grad_(True)
+        pred = torch.einsum("nvh,nh->nv", W2, F.gelu(torch.einsum("nhk,nk->nh", W1, k)))
+        (0.5 * (pred - v).square().sum()).backward()
+        return W1.grad, W2.grad
+    fails(ch03.ttt_mlp_grads, graph_walk, where="torch.autograd.backward")
+
 
 @pytest.mark.parametrize("kw, where", [
     (dict(act_prime=False), "grad_W1: relative RMSE"),          # the activation's derivative forgotten

@@ -59,6 +59,7 @@ def test_shard_from_torchrun_environment(monkeypatch):
     (["mqar", "--steps", "0"], "error: --steps must be >= 1, got 0"),
     (["mqar", "--device", "foo"], "error: --device 'foo' is not a torch device"),
     (["filler", "--size", "paper"], "error: --size chooses the mqar grid; filler has its own fixed grid"),
+    (["mqar", "--merge", "--out", "/nonexistent/x.jsonl"], "error: --merge: no folder /nonexistent"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
     size = ["--size", "tiny"] if argv[0] == "mqar" else []

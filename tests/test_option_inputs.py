@@ -304,3 +304,5 @@ def test_numpy_integers_are_ints_everywhere(gen):
     from atlaslib.miras import make_config
     config = make_config("titans", window=np.int64(2), expansion=np.int64(2))
     assert config == make_config("titans", window=2, expansion=2) and type(config.window) is int
+    config = make_config("yaad", delta=np.float64(0.5))
+    assert config == make_config("yaad", delta=0.5) and type(config.delta) is float and "np." not in config.name

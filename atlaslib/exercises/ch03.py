@@ -32,7 +32,7 @@ TOL = 1e-4
 @EXERCISES.check("ttt_mlp_grads", title="TTT-MLP's inner gradients by hand", points=2,
                   functions=("ttt_mlp_grads",),
                   forbidden=("atlaslib.miras.miras", "atlaslib.miras.memory_gradient", "torch.autograd.grad",
-                             "torch.autograd.backward"))
+                             "torch.autograd.backward", "torch.autograd.forward_ad.make_dual"))
 def ttt_mlp_grads(fn, gen):
     """fn(W1 [N,h,K], W2 [N,V,h], k [N,K], v [N,V]) -> (grad_W1, grad_W2) of 1/2 ||W2 gelu(W1 k) - v||^2.
 
@@ -48,7 +48,8 @@ def ttt_mlp_grads(fn, gen):
         v = torch.randn(N, V, generator=gen, dtype=torch.float64)
         ref = memory_gradient(make_config("ttt_mlp", expansion=e), {"W1": W1, "W2": W2}, k[:, None], v[:, None])
         with case(f"N={N}, K={K}, hidden h={h}, V={V}"):
-            g1, g2 = unpack(call(fn, *clones(W1, W2, k, v)), ("grad_W1", "grad_W2"))
+            with torch.no_grad():                # by hand: no graph to walk back through either
+                g1, g2 = unpack(call(fn, *clones(W1, W2, k, v)), ("grad_W1", "grad_W2"))
             check_shape("grad_W1", g1, W1.shape)
             check_shape("grad_W2", g2, W2.shape)
             compare("grad_W2", g2, ref["W2"], 1e-8)

@@ -170,6 +170,11 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
     own_storages = {t.untyped_storage().data_ptr() for t in tensors}
     outs = [(i, args[i]) for i in outputs]
+    # the inputs as they came: a kernel must read them so (an answer computed with torch into an input,
+    # read by the kernel and then undone, would otherwise pass)
+    ins = [(f"argument {i + 1}", a, a.clone()) for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+           and i not in outputs] + [(f"argument {k}", a, a.clone()) for k, a in kwargs.items()
+                                    if isinstance(a, torch.Tensor)]
     int_of = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     poison = {1: 0x7F, 2: 0x7FA5, 4: 0x7FA5A5A5, 8: 0x7FF4A5A5A5A5A5A5}
 
@@ -213,15 +218,29 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
                     raise ForbiddenCall(f"your kernel {name} was given a tensor that is not one of your function's "
                                         "arguments: it must read the inputs and store into the outputs it was given")
             first = launches[0] == 1
+            for label, t, came in ins:
+                if not (torch.equal(bits(t), bits(came)) if t.is_floating_point() else torch.equal(t, came)):
+                    raise ForbiddenCall(f"{label} (an input) was changed before a launch of your kernel: "
+                                        "your kernels must read the inputs as they were given")
+            for j, (i, t) in enumerate(outs):
+                if not first and not torch.equal(bits(t), bits(after[j])):
+                    raise ForbiddenCall(f"argument {i + 1} (an output) was changed between two launches of your "
+                                        "kernel: only your kernels may write the outputs")
             saved = [t.clone() for _, t in outs]
             if first:                   # what the first launch stores: whatever is not the pattern after it
                 for _, t in outs:
                     bits(t).fill_(poison[t.element_size()])
             result = _original(self, *a, **k)
-            for j, ((_, t), before) in enumerate(zip(outs, saved)):
-                if first:
+            for j, ((i, t), before) in enumerate(zip(outs, saved)):
+                if first:               # what it did not store must be as it came: torch's writes do not count
                     stored = bits(t) != poison[t.element_size()]
-                    bits(t).copy_(torch.where(stored, bits(t), bits(before)))
+                    by_torch = int((~stored & (bits(before) != bits(initial[j]))).sum())
+                    if by_torch:
+                        raise ForbiddenCall(f"{by_torch} of the {t.numel()} entries of argument {i + 1} (an output) "
+                                            "were not stored by your @triton.jit kernel but written with torch "
+                                            "before it: the kernel must compute the whole output (values "
+                                            "written with torch do not count)")
+                    bits(t).copy_(torch.where(stored, bits(t), bits(initial[j])))
                 else:                   # later launches may read what earlier ones stored: what changed
                     stored = bits(t) != bits(before)
                 written[j] |= stored

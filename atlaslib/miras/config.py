@@ -224,8 +224,8 @@ def make_config(preset: str | MirasConfig | None = None, **overrides) -> MirasCo
     if isinstance(overrides.get("ns_coeffs"), list):
         overrides = {**overrides, "ns_coeffs": tuple(overrides["ns_coeffs"])}
     # numpy scalars (a sweep's grid) as Python numbers, so that equal configs compare and print equal
-    overrides = {k: int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                 else float(v) if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)) else v
+    overrides = {k: (int(v) if isinstance(v, numbers.Integral) else float(v))
+                 if type(v).__module__ == "numpy" and isinstance(v, numbers.Real) else v
                  for k, v in overrides.items()}
     changed = {k: v for k, v in overrides.items() if getattr(base, k) != v}
     name = overrides.get("name", base.name if not changed else
