@@ -169,6 +169,13 @@ def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
     return s
 
 
+def check_positive_number(name: str, value, what: str) -> float:
+    """A step size or a bound: a finite number > 0 (``what`` says what it sets). ``True`` is refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0 ({what}), got {value!r}")
+    return float(value)
+
+
 def check_flag(name: str, x) -> bool:
     """A switch must be a bool: a string such as "no" would otherwise count as True."""
     if not isinstance(x, bool):

@@ -36,7 +36,6 @@ chapters 3-5, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size
 from __future__ import annotations
 
 import abc
-import math
 from typing import NamedTuple
 
 import torch
@@ -45,7 +44,7 @@ from torch import nn
 
 from ..core import get_feature_map
 from ..core.dispatch import KNOWN_BACKENDS
-from ..core.validation import check_flag, check_int
+from ..core.validation import check_flag, check_int, check_positive_number  # noqa: F401 (the mixers import it here)
 
 MIXERS: dict[str, type] = {}
 
@@ -101,13 +100,6 @@ def check_size(name: str, value, default: str = "") -> int:
     """A width, a head count or a chunk length: an int >= 1 (TypeError for ``True`` and ``2.0``, ValueError
     below 1: 0 is not read as "the default"; ``default`` says how to ask for it, if there is one)."""
     return check_int(name, value, 1, default)
-
-
-def check_positive_number(name: str, value, what: str) -> float:
-    """A step size or a bound: a finite number > 0 (``what`` says what it sets). ``True`` is refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a finite number > 0 ({what}), got {value!r}")
-    return float(value)
 
 
 def check_scalar_retention(retention) -> str:

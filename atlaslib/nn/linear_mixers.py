@@ -1,14 +1,13 @@
 """Chapter 1 mixers: softmax attention, linear attention and its gated (Hebbian) family."""
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..core.attention import cached_attention, softmax_attention
-from ..core.validation import check_flag
+from ..core.validation import check_flag, check_positive_number
 from ..core.chunking import compute_dtype
 from ..linear import linear_attention
 from ..linear.recurrent import linear_attention_step
@@ -116,9 +115,7 @@ class GatedLinear(TokenMixer):
 
     def __init__(self, d_model, n_heads, *, gate_temperature: float = 16.0, **kw):
         super().__init__(d_model, n_heads, **kw)
-        if isinstance(gate_temperature, bool) or not isinstance(gate_temperature, (int, float)) \
-                or not 0 < gate_temperature < math.inf:
-            raise ValueError(f"gate_temperature must be a finite number > 0, got {gate_temperature!r}")
+        check_positive_number("gate_temperature", gate_temperature, "the gate's sharpness")
         self.gate_temperature = gate_temperature
         width = self.feature_dim() if self.per_channel else 1       # one gate per channel of phi(k)
         self.gate_proj = nn.Linear(d_model, n_heads * width)

@@ -23,7 +23,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from ..core.validation import check_int
+from ..core.validation import check_int, check_positive_number
 
 
 def _check_pairs(K, V):
@@ -73,8 +73,8 @@ def gd_memory(K: torch.Tensor, V: torch.Tensor, *, steps: int = 2000, lr: float 
         if sigma == 0:
             raise ValueError("K is zero: no step size 1 / sigma_max(K)^2 (pass lr, or keys that are not all zero)")
         lr = 1.0 / sigma ** 2
-    elif isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-        raise ValueError(f"lr must be a finite number > 0 (or None: 1 / sigma_max(K)^2), got {lr!r}")
+    else:
+        check_positive_number("lr", lr, "the GD step; None: 1 / sigma_max(K)^2")
     M = K.new_zeros(V.shape[1], K.shape[1])
     for _ in range(steps):
         M = M - lr * (M @ K.T - V.T) @ K

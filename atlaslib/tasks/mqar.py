@@ -18,10 +18,11 @@ within one example keys are distinct and values are distinct.
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
+
+from ..core.validation import check_positive_number
 
 
 def _check_int(name, x, low):
@@ -80,8 +81,7 @@ def mqar(num_examples: int, seq_len: int, num_kv_pairs: int, vocab_size: int, *,
     if half - 1 < num_kv_pairs or vocab_size - half < num_kv_pairs:
         raise ValueError(f"vocab_size={vocab_size} is too small for {num_kv_pairs} distinct keys in "
                          f"[1, {half}) and distinct values in [{half}, {vocab_size})")
-    if isinstance(power_a, bool) or not isinstance(power_a, (int, float)) or not 0 < power_a < math.inf:
-        raise ValueError(f"power_a must be a finite number > 0, got {power_a!r}")
+    check_positive_number("power_a", power_a, "the gap law's exponent a")
     if not isinstance(random_non_queries, bool):
         raise TypeError(f"random_non_queries must be True or False, got {random_non_queries!r}")
     _check_int("seed", seed, 0)
