@@ -120,10 +120,11 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     are swapped as well); returns ``(result, number of launches of the notebook's own @triton.jit kernels)``.
 
     ``outputs``: positions of the output buffers of a Triton exercise. Before the first launch of the
-    notebook's own kernel they are filled with a NaN pattern and afterwards the entries the kernel did
-    not store get their old values back; a later launch stores what changes (it may read what an earlier
-    one stored, e.g. to accumulate). When ``fn`` returns, every entry must have been stored by one of
-    its kernels, and nothing may have changed them since. The kernels may only be given the function's
+    notebook's own kernel they are filled with a NaN pattern; afterwards the entries it did not store get
+    the values they came with (torch's writes before it are refused). A later launch stores what changes
+    (it may read what an earlier one stored, e.g. to accumulate); nothing else may change the outputs,
+    or the inputs, before or between launches. When ``fn`` returns, every entry must have been stored by
+    one of its kernels, and nothing may have changed them since. The kernels may only be given the function's
     own tensors (views of them included: no scratch buffers); a library kernel may not be launched.
 
     Self-contained on purpose: the grader sends this function's source into the learner's
