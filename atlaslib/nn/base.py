@@ -44,7 +44,7 @@ from torch import nn
 
 from ..core import get_feature_map
 from ..core.dispatch import KNOWN_BACKENDS
-from ..core.validation import check_flag, check_int, check_positive_number  # noqa: F401 (the mixers import it here)
+from ..core.validation import check_flag, check_int
 
 MIXERS: dict[str, type] = {}
 

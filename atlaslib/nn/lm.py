@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..core.validation import _value_check, check_flag, check_int
-from .base import check_positive_number, make_mixer
+from ..core.validation import _value_check, check_flag, check_int, check_positive_number
+from .base import make_mixer
 
 
 class DecodeState(NamedTuple):

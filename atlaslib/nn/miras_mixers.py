@@ -39,7 +39,8 @@ from ..core.chunking import compute_dtype
 from ..miras import DEFAULT_CHUNK_SIZE, Gates, MirasConfig, MirasState, build_parts, init_state, make_config, miras
 from ..miras.recurrent import TokenState, miras_step
 from ..miras.state import flatten_bh
-from .base import check_positive_number, gate_dtype, register_mixer
+from ..core.validation import check_positive_number
+from .base import gate_dtype, register_mixer
 from .linear_mixers import GatedLinear
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}

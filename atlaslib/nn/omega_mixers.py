@@ -49,7 +49,8 @@ from ..core import TaylorFeatures, monomial_features
 from ..core.validation import check_flag, check_window
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule, swla
 from ..omega.recurrent import omega_step, start_window, swla_step
-from .base import check_positive_number, check_scalar_retention, gate_dtype, register_mixer
+from ..core.validation import check_positive_number
+from .base import check_scalar_retention, gate_dtype, register_mixer
 from .linear_mixers import GatedLinear, empty_memory
 
 GAMMA_MODES = ("offset", "source", None)
