@@ -26,7 +26,6 @@ import torch
 
 import atlaslib
 from atlaslib import aot
-from atlaslib.core.kernels import TF32_ENV
 from atlaslib.core.dispatch import forward_or_fallback, with_chunk_backward
 
 FAMILIES = {"linear", "linear_bwd", "delta", "delta_bwd", "titans", "omega", "swla", "atlas", "deep", "caching"}
@@ -155,8 +154,6 @@ def test_16_bit_inputs_multiply_on_tensor_cores_and_fp32_inputs_exactly(builds):
                      for b in half if not b["tensor_core_dots"]
                      or (b["cuda_core_dots"] and b["kernel"] not in DOT_SOLVE_KERNELS)]
     assert not on_cuda_cores, "16-bit products left on the CUDA cores:\n" + "\n".join(on_cuda_cores)
-    if os.environ.get(TF32_ENV) == "1":     # asked for: fp32 products rounded to TF32 on the tensor cores
-        return
     on_tensor_cores = [f"{b['config']} on {b['target']}: {b['kernel']}" for b in fp32 if b["tensor_core_dots"]]
     assert not on_tensor_cores, "fp32 products rounded on tensor cores:\n" + "\n".join(on_tensor_cores)
     assert all(b["cuda_core_dots"] > 0 for b in fp32)

@@ -12,6 +12,7 @@ Also: the gate-mode names work on the host as ints, and the host-side checks of
 """
 import pytest
 import torch
+import triton
 
 from atlaslib import aot
 from atlaslib.core import assert_close, poisoned_outputs
@@ -187,6 +188,12 @@ def test_forward_launch_checks():
     huge = torch.empty(1, 1, 2**25, 64, device="meta")
     with pytest.raises(ValueError, match="32-bit offsets"):
         forward_launch(huge, huge, huge, 64)
+    # T * K below 2^31, but not once T is padded to whole chunks of 64 (K not a power of two)
+    T, K = 21474836, 100
+    assert T * K < MAX_HEAD_SPAN <= triton.cdiv(T, 64) * 64 * K
+    padded = torch.empty(1, 1, T, K, device="meta")
+    with pytest.raises(ValueError, match="padded to a multiple of 64"):
+        forward_launch(padded, padded, padded, 64)
 
 
 def test_omega_kernel_refuses_window_gates_past_32_bit_offsets():

@@ -344,7 +344,8 @@ def forward_launch(q, k, v, BV: int, name: str = "the Triton kernel") -> Forward
     Refuses fp64 (the kernels accumulate in fp32), allocates o, and takes the strides of q, k,
     v, o: any layout is read in place. Only a view whose one head spans 2^31 elements or more
     (e.g. a [B, T, H, K] tensor with T * H * K >= 2^31) is copied to a contiguous one first,
-    since offsets inside a head are 32-bit.
+    since offsets inside a head are 32-bit; for the same reason T, padded to whole chunks of 64,
+    times K and times V must stay below 2^31.
     """
     if q.dtype == torch.float64:
         raise TypeError(f"{name} takes fp32/fp16/bf16 inputs (it accumulates in fp32), got float64: "
@@ -352,9 +353,11 @@ def forward_launch(q, k, v, BV: int, name: str = "the Triton kernel") -> Forward
     B, H, T, K = q.shape
     V = v.shape[-1]
     q, k, v = within_head_span(q, k, v)
-    if max(T * K, T * V) >= MAX_HEAD_SPAN:
-        raise ValueError(f"{name} indexes a head with 32-bit offsets: T * K and T * V must be below 2^31, "
-                         f"got T={T}, K={K}, V={V}")
+    # the kernels pad T to whole chunks (at most 64 tokens) in their per-head buffers (gates, w, u, ...)
+    Tp = triton.cdiv(T, 64) * 64
+    if max(Tp * K, Tp * V) >= MAX_HEAD_SPAN:
+        raise ValueError(f"{name} indexes a head with 32-bit offsets: T (padded to a multiple of 64) * K "
+                         f"and * V must be below 2^31, got T={T}, K={K}, V={V}")
     o = empty(B, H, T, V, dtype=q.dtype, device=q.device)
     return ForwardLaunch(q, k, v, o, tuple(tuple(x.stride()) for x in (q, k, v, o)),
                          (B * H, triton.cdiv(V, BV)), BV, precision(q.dtype), B, H, T, K, V)
