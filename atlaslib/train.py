@@ -49,6 +49,7 @@ class MQARTask:
     num_test: int = 1_000
     power_a: float = 0.01
     random_filler: bool = True            # filler = random tokens (Zoology); False: token 0 throughout
+    #                                       (``mqar``'s random_non_queries)
 
     def data(self, seed: int = 0):
         """(train_x, train_y, test_x, test_y); test data use a different seed than training data."""

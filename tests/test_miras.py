@@ -729,8 +729,10 @@ def test_triton_dispatch_follows_the_kernel_contract(gen, monkeypatch, preset, o
     import types
     calls = []
 
-    def fake_kernel(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size):
-        calls.append(dict(alpha=alpha, eta=eta, theta=theta, M0=initial_state, S0=initial_momentum, b=chunk_size))
+    def fake_kernel(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size, log_alpha):
+        calls.append(dict(alpha=alpha, eta=eta, theta=theta, M0=initial_state, S0=initial_momentum, b=chunk_size,
+                          log_alpha=log_alpha))
+        alpha = alpha if log_alpha is None else log_alpha.exp()
         return contract_oracle(q, k, v, alpha, eta, theta, initial_state, initial_momentum, chunk_size)
 
     fake = types.ModuleType("atlaslib.miras.kernel")
@@ -748,7 +750,7 @@ def test_triton_dispatch_follows_the_kernel_contract(gen, monkeypatch, preset, o
     assert len(calls) == 1
     call = calls[0]
     assert call["b"] == 4 and call["eta"].shape == (B, H, T)
-    assert (call["alpha"] is None) == (cfg.retention == "none")
+    assert (call["alpha"] is None) == (cfg.retention == "none") and call["log_alpha"] is None
     assert (call["theta"] is None) == (cfg.optimizer == "gd") and (call["S0"] is None) == (cfg.optimizer == "gd")
     assert_close(call["M0"], state.memory, tol=0, name="initial state passed through")
     ref, ref_s = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend="chunk",
@@ -765,6 +767,13 @@ def test_triton_dispatch_follows_the_kernel_contract(gen, monkeypatch, preset, o
     calls.clear()
     miras(q, k, v, config=cfg, initial_state=state, backend="auto", **gates)        # CPU tensors: auto is chunk
     assert not calls
+    if "alpha" in gates:          # a retention given as a log reaches the kernel as that log, not exp'd
+        log_alpha = gates["alpha"].log()
+        logged = {**gates, "alpha": None, "log_alpha": log_alpha}
+        o_log = miras(q, k, v, config=cfg, initial_state=state, backend="triton", chunk_size=4, **logged)[0]
+        assert calls[-1]["alpha"] is None and calls[-1]["log_alpha"] is not None
+        assert_close(calls[-1]["log_alpha"], log_alpha, tol=0, name="log_alpha passed through")
+        assert_close(o_log, ref, name="o from log_alpha")
 
 
 # ---------------------------------------------------------------------------- token mixers (atlaslib.nn)

@@ -146,6 +146,31 @@ def test_full_reset_forgets_the_past(gen):
     assert rel_rmse(o1[..., : r - 1, :], o2[..., : r - 1, :]) > 1e-2      # before the reset they differ
 
 
+def test_log_alpha_is_used_as_given(gen):
+    """A retention given as a log reaches the kernel as that log: decays closer to 1 than fp32 resolves
+    still count (alpha = exp(log_alpha) in fp32 would be exactly 1), and log_alpha = -inf is a reset."""
+    B, H, T, K, V = 1, 2, 1024, 12, 10
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    M0 = torch.randn(B, H, V, K, generator=gen)
+    log_alpha = -torch.empty(B, H, T).uniform_(1e-8, 2.9e-8, generator=gen)
+    assert (log_alpha.exp() == 1).all()
+    zero = torch.zeros(B, H, T)                   # eta = 0: no writes, the memory only decays
+    _, M_T, _ = titans_linear_triton(q, k, v, eta=zero, initial_state=M0, chunk_size=64, log_alpha=log_alpha)
+    expected = M0.double() * log_alpha.double().sum(-1).exp()[..., None, None]
+    assert rel_rmse(M0, expected) > 1e-5                     # the decay, about 2e-5 ...
+    assert_close(M_T, expected, tol=2e-6, name="M_T after T decays")    # ... against fp32 rounding per chunk
+    # the full contract from a log, against the reference fed the same gates as alpha in fp64
+    q, k, v, alpha, eta, theta, M0, S0 = make_inputs(gen, B, H, 37, K, V, "aetms")
+    alpha[..., 20] = 0.0
+    log_a = alpha.log()                                            # -inf at token 20: a reset
+    o, M_T, S_T = titans_linear_triton(q, k, v, None, eta, theta, M0, S0, chunk_size=16, log_alpha=log_a)
+    ref = titans_reference(q, k, v, alpha, eta, theta, M0, S0, chunk_size=16)
+    for got, want, name in zip((o, M_T, S_T), ref, ("o", "M_T", "S_T")):
+        assert_close(got, want, tol=1e-5, name=name)
+    with pytest.raises(ValueError, match="not both"):
+        titans_linear_triton(q, k, v, alpha, log_alpha=log_a)
+
+
 # ------------------------------------------------------------------ reductions and what must differ
 def test_chunk1_without_momentum_is_the_delta_rule(gen):
     """b = 1, theta = None, alpha = None: M_t = M_{t-1} + eta_t (v_t - M_{t-1} k_t) k_t^T = DeltaNet, beta = eta."""

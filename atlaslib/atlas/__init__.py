@@ -155,7 +155,8 @@ def atlas(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = Non
     chunk(b > 1) vs recurrent                                          differ (frozen
                                                                        gradients)
     triton(b) vs chunk(b), linear memory                               exact (fp32 rounding)
-    linear memory vs ``miras(config=atlas_config("linear"))``           exact, every backend
+    linear memory vs ``miras(config=atlas_config("linear"))``           exact (recurrent,
+                                                                       frozen_seq, chunk)
     ns_steps=0, window=1 vs Titans (``miras(preset="titans")``) (*)     exact
     ns_steps=0, theta=0, window=1, alpha=1 vs ``delta_rule`` (beta=eta) exact (DeltaNet)
     ns_steps=0, theta=0, window=1 vs ``delta_rule(q, k, alpha v,        exact (Gated DeltaNet

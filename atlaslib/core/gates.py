@@ -1,6 +1,7 @@
 """Retention gates given either as ``alpha`` in [0, 1] or as ``log_alpha`` <= 0.
 
-Every public function that takes ``alpha`` also takes ``log_alpha``. The log is the form that
+Every model function (``linear_attention`` ... ``memory_caching``, and the mixers) that takes ``alpha``
+also takes ``log_alpha``; the per-token loops and DOT's coefficient forms take ``alpha`` only. The log is the form that
 survives low precision: the largest bf16 number below 1 is 1 - 2^-8, so every gate above
 1 - 2^-9 (1 - 2^-12, say) is exactly 1.0 in bf16 and a memory meant to forget over thousands
 of tokens never forgets, while its log, -2.4e-4, is an ordinary number in any float format.

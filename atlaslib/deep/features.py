@@ -5,7 +5,9 @@
 phi* is infinite-dimensional; ``exp_features(x, P)`` keeps the blocks n <= P, so that
 phi*_P(x)^T phi*_P(y) = sum_{n<=P} (x^T y)^n / n!, the degree-P Taylor polynomial of exp(x^T y).
 It is chapter 4's Taylor-weighted map with its weights fixed at a_n = 1/n!
-(``core.featuremaps.taylor_features``), here in the input's own precision.
+(``core.featuremaps.taylor_features``), here in the input's own precision. Its truncation P is
+called ``order`` here, after the Taylor series of exp (``phi_star=("taylor", P)``); chapter 4's maps
+call the same number ``degree``.
 """
 from __future__ import annotations
 

@@ -59,6 +59,9 @@ def hebbian_recurrent(fq, fk, v, alpha=None, eta=None, initial_state=None):
 def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift=False):
     """Per-token loop in coefficient space. q, k: [B,H,T,D] (raw for "exp", features for "dot").
 
+    alpha, eta: None or [B,H,T] (retention and step). ``window``: None, or c: the memory holds only
+    the last c pairs (SWDT's sliding window; not the Omega window of ``dot_coefficient_recurrent``).
+
     ``shift`` (exp kernel only): divide each read by e^{max_j k_j^T q_t}. The read is then off by
     that factor, which cancels in y / (z^T phi*(q)) when the last value column is the normaliser's
     constant 1; it keeps exp from overflowing. Returns (o [B,H,T,V] in q's dtype, None).

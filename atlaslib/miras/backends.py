@@ -159,7 +159,9 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     kernel_inputs = ()
     if backend == "triton":
         S0 = state.momentum["M"] if opt.has_state else None
-        kernel_inputs = (fq, fk, v, alpha, eta, theta if opt.has_state else None, state.memory["M"], S0, chunk_size)
+        # the retention as given: a log goes to the kernel as a log (alpha = exp(log_alpha) would round)
+        kernel_inputs = (fq, fk, v, alpha if log_alpha is None else None, eta, theta if opt.has_state else None,
+                         state.memory["M"], S0, chunk_size, log_alpha)
     N = B * H
     flat = lambda x: None if x is None else x.to(cd).reshape(N, T)        # noqa: E731
     G = window_gates(gamma, B, H, T, cfg.window, cd, q.device).reshape(N, T, cfg.window)

@@ -66,7 +66,8 @@ class MirasConfig:
                 sign) and abs_eps (|x| ~ sqrt(x^2 + eps), 0: exact) smooth its gradient
     delta:      default Huber threshold / value-shift radius when no per-token tensor is given
     lq:         exponent q of Moneta's normalisation W = Z / ||Z||_q^(q-2)
-    scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix)
+    scale:      c, the mass of Memora's simplex {W >= 0, sum W = c} (per weight matrix; not the score
+                scale of ``softmax_attention``)
     threshold:  gamma >= 0 of the elastic-net soft threshold
     ns_steps, ns_coeffs: Muon's Newton–Schulz, J >= 0 steps (0: NS off, the identity) with
                 coefficients "muon" | "cubic" | "quintic" or a tuple (p0, p1[, p2, ...]; make_config and atlas

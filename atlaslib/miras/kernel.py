@@ -92,16 +92,21 @@ Forward only: ``miras(..., backend="triton")`` gets gradients by
 ``core.memory_kernels.per_head_launch`` says: num_stages=1 (software pipelining of the chunk loop
 would multiply the shared memory: 330 KB instead of 176 KB at BT = 64, BK = 256, BV = 32 with fp32
 inputs), and 16 warps at BT = 64 (8 below), each thread allowed its share of the registers.
+The retention reaches the kernel as log alpha (-inf for a gate of 0): a ``log_alpha`` is used as
+given, so decays closer to 1 than fp32 resolves (|log alpha| < 6e-8) still count.
 """
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
 
 from ..core.kernels import (as_fp32, dot_tile, feature_tile, forward_launch, intermediate_precision, load_block,
                             load_state, load_tile, state_slice, store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
-from ..core.validation import check_chunk_size, check_qkv, check_state
+from ..core.validation import check_chunk_size, check_gate, check_one_retention, check_qkv, check_state
 from .config import DEFAULT_CHUNK_SIZE
 
 # Tile limits, measured by compiling for sm_90 (H100) on a machine without a GPU
@@ -118,14 +123,22 @@ MAX_KEY = 256
 
 
 @triton.jit
-def chunk_log_cumsum(b_x, m_causal):
-    """For gates x [BT] (padding rows hold 1): l_t = sum_{j<=t, x_j>0} log x_j and z_t = #{j <= t: x_j = 0}."""
-    m_zero = b_x <= 0.0
-    b_log = tl.where(m_zero, 0.0, tl.log(tl.where(m_zero, 1.0, b_x)))
+def chunk_cumsum_of_logs(b_lx, m_causal):
+    """For log-gates log x [BT] (padding rows hold 0; -inf is a gate of exactly 0):
+    l_t = sum_{j<=t, x_j>0} log x_j and z_t = #{j <= t: x_j = 0}."""
+    m_zero = b_lx == float("-inf")
+    b_log = tl.where(m_zero, 0.0, b_lx)
     b_flag = tl.where(m_zero, 1.0, 0.0)
     b_l = tl.sum(tl.where(m_causal, b_log[None, :], 0.0), axis=1)
     b_z = tl.sum(tl.where(m_causal, b_flag[None, :], 0.0), axis=1)
     return b_l, b_z, tl.sum(b_log, axis=0), tl.sum(b_flag, axis=0)
+
+
+@triton.jit
+def chunk_log_cumsum(b_x, m_causal):
+    """``chunk_cumsum_of_logs`` for gates x [BT] (padding rows hold 1)."""
+    m_zero = b_x <= 0.0
+    return chunk_cumsum_of_logs(tl.where(m_zero, float("-inf"), tl.log(tl.where(m_zero, 1.0, b_x))), m_causal)
 
 
 @triton.jit
@@ -137,7 +150,7 @@ def decay_ratios(b_l, b_z, m_causal):
 
 @triton.jit
 def titans_linear_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, alpha_ptr, eta_ptr, theta_ptr, m0_ptr, s0_ptr, o_ptr, mt_ptr, st_ptr,
+    q_ptr, k_ptr, v_ptr, log_alpha_ptr, eta_ptr, theta_ptr, m0_ptr, s0_ptr, o_ptr, mt_ptr, st_ptr,
     s_q, s_k, s_v, s_o,
     T, H, K, V, b,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
@@ -167,9 +180,10 @@ def titans_linear_fwd_kernel(
             b_eta = tl.where(m_t, 1.0, 0.0)
 
         # retention: D_alpha[t, n] = A_t / A_n, A_t (from the chunk start), to_end[n] = A_last / A_n
-        if alpha_ptr is not None:
-            b_alpha = tl.load(alpha_ptr + i_bh * T + o_t, mask=m_t, other=1.0)
-            b_lA, b_zA, b_lA_end, b_zA_end = chunk_log_cumsum(b_alpha, m_causal)
+        if log_alpha_ptr is not None:
+            # the retention as a log (-inf: a gate of 0), never rounded through exp in fp32
+            b_log_alpha = tl.load(log_alpha_ptr + i_bh * T + o_t, mask=m_t, other=0.0)
+            b_lA, b_zA, b_lA_end, b_zA_end = chunk_cumsum_of_logs(b_log_alpha, m_causal)
             b_DA = decay_ratios(b_lA, b_zA, m_causal)
             b_A = tl.where(b_zA == 0.0, tl.exp(b_lA), 0.0)
             b_A_end = tl.where(b_zA_end == 0.0, tl.exp(b_lA_end), 0.0)
@@ -240,7 +254,7 @@ def kernel_supports(K: int, V: int, chunk_size: int) -> bool:
 
 
 def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_state=None, initial_momentum=None,
-                         chunk_size=DEFAULT_CHUNK_SIZE):
+                         chunk_size=DEFAULT_CHUNK_SIZE, log_alpha=None):
     """Triton forward of the chunkwise Titans step with a linear memory (gradients frozen per chunk).
 
     Args:
@@ -252,6 +266,9 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
         initial_momentum: S_0 [B, H, V, K] or None (zeros).
         chunk_size: b, 1 <= b <= 64; every gradient of a chunk is taken at the chunk-start state
             (default: the chapter's ``DEFAULT_CHUNK_SIZE``, as ``titans_linear_chunk`` and ``miras``).
+        log_alpha: [B, H, T] fp32/fp64 log of the retention (<= 0; -inf: a gate of 0) in place of
+            alpha: the kernel takes the retention as a log, so a log given is used as it is (an alpha
+            is turned into its log first; decays within fp32's resolution of 1 survive only as logs).
 
     Returns:
         (o [B, H, T, V] in q's dtype, M_T [B, H, V, K] fp32, S_T [B, H, V, K] fp32).
@@ -267,13 +284,18 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
                          f"tile), got {chunk_size}; use a smaller chunk_size or backend='chunk'")
     feature_tile(K, MAX_KEY)                  # refuses K > MAX_KEY
     # shapes, devices and NaN here; value ranges are the entry point's job
+    check_one_retention(alpha, log_alpha)
     alpha, eta, theta = (as_fp32(check_state(name, x, (B, H, T), q))
                          for name, x in (("alpha", alpha), ("eta", eta), ("theta", theta)))
+    # -inf (a gate of 0) is a valid log
+    log_alpha = as_fp32(check_gate("log_alpha", log_alpha, B, H, T, low=-math.inf, high=0.0, ref=q))
+    if alpha is not None:
+        log_alpha = torch.log(alpha)                      # a gate of 0 becomes -inf: a reset
     m0 = as_fp32(check_state("initial_state", initial_state, (B, H, V, K), q))
     s0 = as_fp32(check_state("initial_momentum", initial_momentum, (B, H, V, K), q))
     M_T, S_T = run.state(), run.state()
     titans_linear_fwd_kernel[run.grid](
-        run.q, run.k, run.v, alpha, eta, theta, m0, s0, run.o, M_T, S_T, *run.strides,
+        run.q, run.k, run.v, log_alpha, eta, theta, m0, s0, run.o, M_T, S_T, *run.strides,
         T, H, K, V, chunk_size,
         BT=BT, BK=BK, BV=BV, PRECISION=run.precision, DECAY_PRECISION=intermediate_precision(q.dtype),
         **per_head_launch(BT),

@@ -2,7 +2,8 @@
 
 Chapter 1's mixers (softmax, linear, retnet, mamba2, gla) and chapter 2's (deltanet,
 gated_deltanet, kda) are registered on import; later
-chapters register theirs with ``register_mixer`` in their own modules (chapter 5: atlas,
+chapters register theirs with ``register_mixer`` in their own modules (chapter 3: ttt_linear,
+ttt_mlp, titans, moneta, yaad, memora; chapter 4: omeganet, swla; chapter 5: atlas,
 atlas++; chapter 6: deep_transformer, swdt, dot, dla;
 chapter 7: memory_caching over a chapter 1 or 2 base; ``hybrids``: swa and the MAG / MAL backbones over any
 memory mixer).

@@ -187,7 +187,10 @@ def feature_norm2(order: int | None) -> float:
 
 @register_mixer("dot")
 class DOTMixer(WindowedMixer):
-    """The Deep Omega Transformer with a linear memory: GD on the gated l2 loss of the last c pairs in phi*."""
+    """The Deep Omega Transformer with a linear memory: GD on the l2 loss of the last c pairs in phi*.
+
+    ``gamma`` (the per-pair window gates) is None by default, as in ``dot``: the window's pairs count
+    alike; "offset" or "source" learn them as the Omega mixers do by default."""
 
     def __init__(self, d_model, n_heads, *, window: int = 1, phi_star="kernel", gamma: str | None = None,
                  eta_max: float | None = None, **kw):

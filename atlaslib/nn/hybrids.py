@@ -13,7 +13,7 @@
 
   The papers ([Titans] §4.2, [ATLAS] §5) combine the branches "with a gating mechanism"
   and normalisation but leave the exact form open; this is one simple choice (no extra
-  normalisation; b_g = 0, so the gate starts at 1/2). g = 1 gives the SWA branch alone,
+  normalisation; b_g = 0, so the gate starts centred at 1/2). g = 1 gives the SWA branch alone,
   g = 0 the memory branch alone.
 
 Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
@@ -74,7 +74,8 @@ class HybridCache(NamedTuple):
 
 
 class Hybrid(TokenMixer):
-    """A memory mixer and a sliding-window attention mixer, combined by ``combine`` (MAG / MAL).
+    """A memory mixer and a sliding-window attention mixer, gated by ``MAG.combine`` or stacked by
+    ``MAL.forward``.
 
     Not a projection-based mixer itself: each branch has its own projections (and convolution).
     """

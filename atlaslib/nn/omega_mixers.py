@@ -22,8 +22,8 @@ Every gate is a linear projection of the layer input x_t, squashed as book ch. 4
   and the step lies in (0, 1), like DeltaNet's beta at c = 1. SWLA has no such limit
   (its write does not read the state); its default eta_max is 1.
 
-Polynomial features ([A] §3, book ch. 4 §6): ``degree=p`` applies, per head, a fresh
-``TaylorFeatures(p, compressed=True)`` (``poly="taylor"``: learnable a_i, kernel
+Polynomial features ([A] §3, book ch. 4 §6): ``degree=p`` applies to every head one fresh
+``TaylorFeatures(p, compressed=True)`` per layer (its a_i shared by the heads) (``poly="taylor"``: learnable a_i, kernel
 sum_i a_i (q^T k)^i) or the unweighted monomials of degree <= p (``poly="monomial"``, the
 map of Proposition 2) to the *normalised* q and k, then normalises the result again. The
 memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` reports
@@ -65,10 +65,10 @@ def without_constant(x, degree):
 def polynomial_map(kind: str, degree: int, constant: bool = True):
     """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p.
 
-    ``constant=False`` drops the degree-0 term (the Taylor map's a_0 starts at 0, and its channel is
-    dropped, so it stays there): after normalisation a constant feature pulls all keys together (for
-    unit inputs with q^T k >= 0 their cosine is at least a_0 / sum_i a_i), which a memory that must tell
-    keys apart does not want.
+    ``constant=False`` drops the degree-0 term: the monomials come without it, while the Taylor map keeps
+    a channel for a_0 (started at 1e-12) that ``WindowedMixer.features`` drops, so it never counts.
+    After normalisation a constant feature pulls all keys together (for unit inputs with q^T k >= 0
+    their cosine is at least a_0 / sum_i a_i), which a memory that must tell keys apart does not want.
     """
     if kind == "taylor":
         coefficients = None if constant else [0.0] + [1.0 / math.factorial(i) for i in range(1, degree + 1)]
@@ -138,7 +138,7 @@ class WindowedMixer(GatedLinear):
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         fq, fk = self.poly(q), self.poly(k)
         if not self.constant and self.poly_kind == "taylor":
-            fq, fk = fq[..., 1:], fk[..., 1:]                    # the a_0 channel (first, degree 0) is 0
+            fq, fk = fq[..., 1:], fk[..., 1:]                    # the a_0 channel (first, degree 0): dropped
         return F.normalize(fq, dim=-1), F.normalize(fk, dim=-1)
 
     def feature_dim(self) -> int:

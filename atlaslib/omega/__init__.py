@@ -155,9 +155,10 @@ def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = None, al
     window shapes the update, not the memory's contents. ([A] eq. 20 drops alpha_t and
     [A] eq. 55 flips the sign of the write.)
 
-    Arguments as ``omega_rule`` (no ``memory``: the memory is one matrix), except the default
-    chunk_size (None: 64, ``SWLA_CHUNK_SIZE``): exact for every b, it only sets the speed. The state is
-    that matrix, a tensor [B, H, V, D] (as ``linear_attention``'s), in fp32 (fp64 for fp64 inputs).
+    Arguments as ``omega_rule`` (no ``memory``: the memory is one matrix; no backend "frozen_seq":
+    the chunk form is exact), except the default chunk_size (None: 64, ``SWLA_CHUNK_SIZE``): exact
+    for every b, it only sets the speed. The state is that matrix, a tensor [B, H, V, D] (as
+    ``linear_attention``'s), in fp32 (fp64 for fp64 inputs).
     """
     chunk_size = SWLA_CHUNK_SIZE if chunk_size is None else chunk_size
     check_flag("output_final_state", output_final_state)
