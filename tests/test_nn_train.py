@@ -433,3 +433,72 @@ def test_a_bf16_mixer_squashes_every_gate_in_fp32(monkeypatch, name, module, fun
     want = got[torch.float32]
     torch.testing.assert_close(got[torch.bfloat16], want, rtol=1e-6, atol=0)
     torch.testing.assert_close(1 - got[torch.bfloat16], 1 - want, rtol=1e-4, atol=0)
+
+
+def test_every_mixer_pickles_and_builds_on_the_meta_device(gen):
+    """torch.save(model) pickles the classes by name (chapter 3's presets and chapter 7's cached mixers are
+    made by a function, so they must still be module attributes), and a model built on the meta device
+    (large-model initialisation) gets meta parameters that load a real state dict."""
+    import pickle
+    x = torch.randn(1, 6, 16, generator=gen)
+    for name in available_mixers():
+        if name.startswith("_"):                        # other tests' probes
+            continue
+        mixer = make_mixer(name, 16, 2)
+        again = pickle.loads(pickle.dumps(mixer))
+        with torch.no_grad():
+            assert torch.equal(mixer(x), again(x)), name
+        with torch.device("meta"):
+            empty = make_mixer(name, 16, 2)
+        assert all(p.is_meta for p in empty.parameters()), name
+        empty = empty.to_empty(device="cpu")
+        empty.load_state_dict(mixer.state_dict())
+        with torch.no_grad():
+            assert torch.equal(mixer(x), empty(x)), name
+    cached = make_mixer("memory_caching", 16, 2, base="kda")
+    assert type(pickle.loads(pickle.dumps(cached))) is type(cached)
+
+
+def test_every_mixer_trains_under_autocast(gen):
+    """torch.autocast (bf16 on the CPU) around forward and backward: the library's forms run with autocast
+    off on the bf16 q, k, v they are given (autocast's per-op casts used to mix bf16 and fp32 in the delta
+    rule's in-place products, to round ATLAS's fp32 states, and to return the polynomial features in fp32),
+    so every mixer runs, about as far from its fp32 self as the same mixer cast to bf16 (a margin of 4x:
+    Yaad's Huber switch flips with rounding; the rounded ATLAS states were 6x)."""
+    import copy
+    x = torch.randn(2, 20, 16, generator=gen)
+    cases = [(name, {}) for name in available_mixers() if not name.startswith("_")]
+    for name, kw in cases + [("omeganet", {"degree": 2}), ("swla", {"degree": 2, "poly": "monomial"})]:
+        torch.manual_seed(0)
+        mixer = make_mixer(name, 16, 2, **kw)
+        with torch.no_grad():
+            ref = mixer(x)
+            cast = copy.deepcopy(mixer).to(torch.bfloat16)(x.bfloat16())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mixer(x)
+        y.float().square().sum().backward()
+        assert torch.isfinite(y).all(), name
+        assert all(torch.isfinite(p.grad).all() for p in mixer.parameters() if p.grad is not None), name
+        err, err_cast = (((o.float() - ref).norm() / ref.norm()).item() for o in (y, cast))
+        assert err <= 4 * err_cast + 5e-3, (name, err, err_cast)
+
+
+@pytest.mark.parametrize("name", ["titans", "deltanet"])
+def test_gradient_checkpointing_gives_the_same_gradients(gen, name):
+    """torch.utils.checkpoint around a mixer (the reentrant form for chapter 3's engine, whose torch.func.vjp
+    refuses saved-tensor hooks, as nn.base says) recomputes the forward and gives the same gradients."""
+    from torch.utils.checkpoint import checkpoint
+    x = torch.randn(2, 12, 16, generator=gen)
+    torch.manual_seed(0)
+    mixer = make_mixer(name, 16, 2)
+    modes = [True] if name == "titans" else [True, False]
+    mixer(x).square().sum().backward()
+    ref = {n: p.grad.clone() for n, p in mixer.named_parameters()}
+    for reentrant in modes:
+        mixer.zero_grad()
+        checkpoint(mixer, x.requires_grad_(), use_reentrant=reentrant).square().sum().backward()
+        for n, p in mixer.named_parameters():
+            torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-7, msg=f"{name} {n}")
+    if name == "titans":
+        with pytest.raises(RuntimeError, match="saved tensor hooks"):
+            checkpoint(mixer, x, use_reentrant=False).square().sum().backward()

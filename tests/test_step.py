@@ -440,3 +440,15 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(gen):
         lm.generate(prompt, 3, greedy=False, temperature=0.0)
     with pytest.raises(ValueError, match="prompt_ids"):
         lm.generate(prompt[0], 3)
+
+
+def test_retnet_step_keeps_the_decay_of_every_head(gen):
+    """RetNet's decays 1 - 2^(-5-h) round to 1 in fp32 from head 19 on: the fp64 step must use the fp64 decay
+    that ``mix`` uses, or its memory never forgets there while the forward's does."""
+    mixer = make_mixer("retnet", 48, 24, backend="chunk").double()
+    assert (mixer.log_alpha(torch.float32).exp() == 1).any()
+    x = torch.randn(1, 40, 48, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        y, _ = step_through(mixer, x)
+        ref = mixer(x)
+    assert_close(y, ref, tol=1e-12, name="retnet, 24 heads, fp64: step by step vs forward")

@@ -136,10 +136,22 @@ def dispatch(backend, x: torch.Tensor, table: dict, *inputs, unsupported=None, m
     stream, not on the device of the tensors it is given (a model on cuda:1 while cuda:0 is current).
     """
     name = choose_backend(backend, x, table, unsupported=unsupported, model=model, missing=missing)
-    if name == "triton":
-        with on_the_inputs_gpu(x):
-            return call_backend(name, table, *inputs)
-    return call_backend(name, table, *inputs)
+    with without_autocast(x):
+        if name == "triton":
+            with on_the_inputs_gpu(x):
+                return call_backend(name, table, *inputs)
+        return call_backend(name, table, *inputs)
+
+
+def without_autocast(x: torch.Tensor):
+    """Autocast off for the library's forms: they choose their own precision (``compute_dtype``: fp32 sums
+    and states for 16-bit inputs), and autocast's per-op casts would round the fp32 state to bf16 or mix
+    dtypes inside one in-place product. A model run under ``torch.autocast`` hands its bf16 q, k, v over
+    as a ``.to(torch.bfloat16)`` model would."""
+    kind = x.device.type
+    if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.autocast(kind, enabled=False)
+    return contextlib.nullcontext()
 
 
 def on_the_inputs_gpu(x: torch.Tensor):

@@ -114,7 +114,8 @@ def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:
     """[..., d] -> [..., C(d+i-1, i)]: every product x_{c_1} ... x_{c_i} with c_1 <= ... <= c_i."""
     index, _ = _multisets(x.shape[-1], i)
-    return x[..., index.to(x.device)].prod(dim=-1)               # degree 0: an empty product, 1
+    # degree 0: an empty product, 1; the cast back: autocast runs prod in fp32 for bf16 x
+    return x[..., index.to(x.device)].prod(dim=-1).to(x.dtype)
 
 
 def monomial_features(x: torch.Tensor, degree: int) -> torch.Tensor:

@@ -32,6 +32,13 @@ that grow with T (``state_size`` None: softmax attention, the DeepTransformer wi
 exact form, Memory Caching), whose state is itself the past they keep. The step is
 the per-token rule: for the mixers whose chunk length is part of the model (frozen gradients per chunk:
 chapters 3-5, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size=1``.
+
+In another training loop: every mixer pickles (``torch.save(model)``), builds under
+``torch.device("meta")``, and runs under ``torch.autocast`` (the library's forms switch it off and keep
+their own precision: fp32 sums and states for bf16 q, k, v). Gradient checkpointing works with
+``use_reentrant=True`` everywhere; the mixers on chapter 3's engine (ttt_linear, ttt_mlp, titans,
+moneta, yaad, memora, dla, atlas++, and atlas with a deep memory) take their per-row gradients with
+``torch.func.vjp``, which saved-tensor hooks (``use_reentrant=False``, ``save_on_cpu``) do not support.
 """
 from __future__ import annotations
 

@@ -191,3 +191,5 @@ CACHED = {name: cached_class(base, library, gates) for name, base, library, gate
     ("gated_deltanet", GatedDeltaNet, delta_rule, delta_gates), ("deltanet", DeltaNet, delta_rule, delta_gates),
     ("kda", KDA, delta_rule, delta_gates), ("linear", LinearAttention, linear_attention, hebbian_gates),
     ("mamba2", Mamba2Style, linear_attention, hebbian_gates), ("gla", GLA, linear_attention, hebbian_gates))}
+# module globals under their own names, so that pickle (torch.save of a model) finds the classes
+globals().update({cls.__name__: cls for cls in CACHED.values()})

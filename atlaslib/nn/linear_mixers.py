@@ -99,7 +99,8 @@ class RetNet(TokenMixer):
                                  chunk_size=self.chunk_size)[0]
 
     def mix_step(self, q, k, v, x, state):
-        alpha_t = self.alpha.to(device=q.device, dtype=gate_dtype(q))[None, :].expand(q.shape[0], -1)
+        # exp of the log in the gate dtype (fp64 for fp64 inputs), as ``mix`` hands it over
+        alpha_t = self.log_alpha(gate_dtype(q), q.device).exp()[None, :].expand(q.shape[0], -1)
         return hebbian_step(state, q, k, v, alpha_t)
 
 

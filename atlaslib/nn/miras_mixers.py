@@ -81,11 +81,14 @@ def engine_step(parts, state: TokenState, q, k, v, G, eta, alpha=None, theta=Non
 def learned_start(config: MirasConfig, n_heads: int, in_dim: int, v_dim: int) -> nn.ParameterDict:
     """W_0 as parameters of the layer, one set per head ({name: [H, out, in]}; "M" for the linear memory):
     the engine's default initialisation (``init_state``) drawn from a seed taken from torch's global
-    generator, so that ``torch.manual_seed`` fixes it and two layers differ."""
-    seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    start = init_state(config, 1, n_heads, in_dim, v_dim, generator=torch.Generator().manual_seed(seed)).memory
+    generator, so that ``torch.manual_seed`` fixes it and two layers differ. Drawn on the CPU, then moved
+    to the default device (a model built under ``torch.device("meta")`` gets meta parameters)."""
+    device = torch.empty(0).device                       # the ambient default device
+    with torch.device("cpu"):
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        start = init_state(config, 1, n_heads, in_dim, v_dim, generator=torch.Generator().manual_seed(seed)).memory
     start = start if isinstance(start, dict) else {"M": start}
-    return nn.ParameterDict({name: nn.Parameter(w[0].clone()) for name, w in start.items()})
+    return nn.ParameterDict({name: nn.Parameter(w[0].clone().to(device)) for name, w in start.items()})
 
 
 def batch_start(initial: nn.ParameterDict, B: int, dtype) -> dict:
@@ -206,3 +209,5 @@ PRESET_MIXERS = {preset: preset_mixer(preset, name, doc) for preset, name, doc i
     ("moneta", "Moneta", "Moneta: residual-MLP memory, l3 loss, l4 normalisation of a linear accumulator."),
     ("yaad", "Yaad", "Yaad: residual-MLP memory, Huber switch loss with threshold delta_t, retention alpha_t."),
     ("memora", "Memora", "Memora: residual-MLP memory on the scaled simplex (softmax in the log domain), l2 loss."))}
+# module globals under their own names, so that pickle (torch.save of a model) finds the classes
+globals().update({cls.__name__: cls for cls in PRESET_MIXERS.values()})
