@@ -635,3 +635,19 @@ def test_a_diverged_segment_is_named_in_checkpoint_mode(gen, backend):
     with pytest.raises(ValueError, match=r"segment \[4, 8\) starts from the final state of the segment before"):
         memory_caching(q, k, v, base=linear_attention, segments=4, mode="checkpoint", base_kwargs=dict(alpha=alpha),
                        backend=backend)
+
+
+def test_pooled_keys_keep_their_digits_at_long_lengths(gen):
+    """The pooled keys of the chunk form (one prefix sum over the sequence) against each segment's own mean,
+    for fp32 keys of mean 1 at T = 16384: a difference of fp32 prefix sums lost about 5e-4 there."""
+    from atlaslib.caching.chunk import pooled_keys
+    T = 16384
+    k = 1 + 0.1 * torch.randn(1, 1, T, 4, generator=gen)
+    layout = make_layout(T, 64)
+    cached, online = pooled_keys(k, layout, "mean")
+    kd = k.double()
+    ref_cached = torch.stack([kd[0, 0, a:b].mean(0) for a, b in layout.cached])
+    ref_online = torch.stack([kd[0, 0, layout.online[t][0]:t + 1].mean(0) for t in range(T - 64, T)])
+    assert cached.dtype == online.dtype == torch.float32
+    assert (cached[0, 0].double() - ref_cached).abs().max() < 1e-6
+    assert (online[0, 0, T - 64:].double() - ref_online).abs().max() < 1e-6

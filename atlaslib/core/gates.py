@@ -7,7 +7,8 @@ survives low precision: the largest bf16 number below 1 is 1 - 2^-8, so every ga
 of tokens never forgets, while its log, -2.4e-4, is an ordinary number in any float format.
 ``log_alpha`` must therefore come in fp32 or fp64 and is never rounded to the activation dtype; the chunk
 forms and kernels use it as it is (``core.chunking.gate_logs``), the per-token loops get exp(log_alpha) in their compute
-dtype (fp32/fp64, which does hold 1 - 2^-12).
+dtype (fp32/fp64, which does hold 1 - 2^-12; fp32's spacing below 1 is 6e-8, so there a gate within 3e-8
+of 1 is exactly 1 and the ones near it step by 6e-8: use fp64 or a chunk form for such gates).
 """
 from __future__ import annotations
 
