@@ -110,8 +110,9 @@ def kernel_table(chunk_size: int) -> dict:
                                     normalize)
             if normalize:
                 v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)      # the last column carries z
-            o, _ = coefficient_recurrent(q, k, v, alpha_from_log(alpha, log_alpha, cd), eta, window, "exp",
-                                         normalize)
+            # in the compute dtype: numerator and denominator are rounded once, in the quotient
+            o, _ = coefficient_recurrent(q.to(cd), k.to(cd), v.to(cd), alpha_from_log(alpha, log_alpha, cd), eta,
+                                         window, "exp", normalize)
             if normalize:
                 o = o[..., :-1].to(cd) / o[..., -1:].to(cd)
             return o.to(q.dtype), None

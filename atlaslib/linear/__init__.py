@@ -6,7 +6,7 @@ from torch import Tensor
 
 from ..core import check_chunk_size, check_flag, check_qkv, check_state
 from ..core.chunking import compute_dtype
-from ..core.dispatch import dispatch, lazy, matrix_kernel_limits
+from ..core.dispatch import choose_backend, dispatch, lazy, matrix_kernel_limits
 from ..core.gates import alpha_from_log, retention_gates
 from ..core.types import Gate, ModelOutput
 from .chunk import linear_attention_chunk
@@ -69,14 +69,21 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
     Vs = V + 1 if normalize else V
     check_state("initial_state", initial_state, (B, H, Vs, K), q)
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else check_chunk_size(chunk_size)
+    table, out_dtype = linear_table(chunk_size), q.dtype
+    unsupported = lambda: matrix_kernel_limits(q)                                 # noqa: E731
+    backend = choose_backend(backend, q, table, unsupported=unsupported, model="linear_attention")
     if normalize:
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    o, state = dispatch(backend, q, linear_table(chunk_size), q, k, v, alpha, initial_state, log_alpha,
-                        unsupported=lambda: matrix_kernel_limits(q), model="linear_attention")
+        if backend != "triton":
+            # the PyTorch forms compute in fp32 anyway: numerator and denominator stay fp32 until the
+            # quotient is rounded once (the kernel returns them in its input dtype)
+            q, k, v = (x.to(compute_dtype(q)) for x in (q, k, v))
+    o, state = dispatch(backend, q, table, q, k, v, alpha, initial_state, log_alpha, unsupported=unsupported,
+                        model="linear_attention")
     if normalize:
-        cd = compute_dtype(o)                      # fp32 (fp64 for fp64): a bf16 quotient would round twice
-        o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)
-    return o, (state if output_final_state else None)
+        cd = compute_dtype(o)
+        o = o[..., :V].to(cd) / o[..., V:].to(cd)
+    return o.to(out_dtype), (state if output_final_state else None)
 
 
 __all__ = ["linear_attention", "linear_attention_recurrent", "linear_attention_chunk", "DEFAULT_CHUNK_SIZE"]
