@@ -129,7 +129,10 @@ class Lq(Retention):
 
     def divisor(self, a):
         """nu = ||Z||_q^(q-2) over each matrix (last two dims), keepdim. The floor on ||Z||_q keeps
-        Z = 0 -> W = 0 (no 0/0); W is singular there for q > 3 anyway (it scales like ||Z||^(3-q))."""
+        Z = 0 -> W = 0 (no 0/0); W is singular there for q > 3 anyway (it scales like ||Z||^(3-q)).
+        In fp32 the floor (3e-10 for q = 4) is reached by a memory that decays faster than it is
+        written (alpha ~ U(0.5, 1), eta <= 0.01 on unit keys: after about 80 tokens), and W is then
+        wrong by O(1) while fp64 still follows it: run such settings in fp64."""
         q = self.cfg.lq
         norm = torch.linalg.vector_norm(a, ord=q, dim=(-2, -1), keepdim=True)
         return norm.clamp_min(torch.finfo(a.dtype).tiny ** (1.0 / q)).pow(q - 2.0)
