@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from atlaslib.core import assert_close, random_gate, random_qkv, softmax_attention
+from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse, softmax_attention
 from atlaslib.delta import delta_rule
 from atlaslib.deep import (MAX_EXPONENT, deep_transformer, dot, dot_coefficient_recurrent, exp_feature_dim,
                            exp_features)
@@ -607,3 +607,18 @@ def test_dot_bad_input(gen, kwargs, error, match):
         dot(q, k, v, **kwargs)
     with pytest.raises(ValueError, match="overflow"):
         dot(20 * q, 20 * k, v)
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_normalized_bf16_kernel_form_is_rounded_once(gen, backend):
+    """deep_transformer(normalize=True) divides in fp32 and rounds the bf16 quotient once, as
+    linear_attention does (the recurrent form used to round numerator and denominator first)."""
+    B, H, T, K = 1, 2, 128, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=gen), dim=-1).bfloat16()
+            for _ in range(2))
+    v = torch.randn(B, H, T, K, generator=gen).bfloat16()
+    exact = deep_transformer(q.double(), k.double(), v.double(), normalize=True, backend="chunk")[0]
+    o = deep_transformer(q, k, v, normalize=True, backend=backend)[0]
+    assert o.dtype == torch.bfloat16
+    once = rel_rmse(exact.bfloat16().double(), exact)
+    assert rel_rmse(o.double(), exact) <= 1.05 * once

@@ -452,3 +452,34 @@ def test_retnet_step_keeps_the_decay_of_every_head(gen):
         y, _ = step_through(mixer, x)
         ref = mixer(x)
     assert_close(y, ref, tol=1e-12, name="retnet, 24 heads, fp64: step by step vs forward")
+
+
+@pytest.mark.parametrize("name, kw", [("atlas", {}), ("mag", {}), ("mal", {}), ("deltanet", {}),
+                                      ("linear", {"normalize": True})])
+def test_mixer_step_under_autocast_keeps_its_precision(gen, name, kw):
+    """Generation under torch.autocast: the step runs with autocast off, as the forward's library call does,
+    so its error against the fp32 step is about the forward's against the fp32 forward (ATLAS's Newton-Schulz
+    products under autocast's bf16 were 4x that, 15x inside MAL)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer(name, 16, 2, **kw)
+    x = torch.randn(2, 24, 16, generator=gen)
+    with torch.no_grad():
+        ref, _ = step_through(mixer, x)
+        ref_forward = mixer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, _ = step_through(mixer, x)
+            y_forward = mixer(x)
+    err, err_forward = rel_rmse(y.float(), ref), rel_rmse(y_forward.float(), ref_forward)
+    assert err <= 1.5 * err_forward + 2e-3, (err, err_forward)
+
+
+def test_normalized_linear_step_divides_before_rounding(gen):
+    """A bf16 normalised linear-attention mixer: the step divides its fp32 read before rounding, as the
+    forward does, so the two agree to fp32 summation order (they differed by two bf16 roundings, 4e-3)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer("linear", 16, 2, normalize=True).to(torch.bfloat16)
+    x = torch.randn(2, 64, 16, generator=gen).bfloat16()
+    with torch.no_grad():
+        y, _ = step_through(mixer, x)
+        ref = mixer(x)
+    assert rel_rmse(y.double(), ref.double()) < 5e-4

@@ -216,7 +216,8 @@ def pooled_keys(k, layout: Layout, pool: str):
     """pool(S^(n)) [B, H, N, K] of the cached segments and the causal pool of each token's online
     segment (tokens of the segment up to t) [B, H, T, K], from one prefix sum. The sum runs in fp64: a
     difference of two fp32 prefix sums over the whole sequence loses digits as T grows (keys of mean 1:
-    relative error 1e-3 at T = 32768, against 1e-7 for each segment's own mean)."""
+    relative error 1e-3 at T = 32768, against 1e-7 for each segment's own mean). It holds an fp64 copy
+    of the keys for the moment (a segmented sum in fp32 would not; not needed at the book's sizes)."""
     P = torch.cat([torch.zeros_like(k[:, :, :1], dtype=torch.float64), k.to(torch.float64).cumsum(2)], dim=2)
     T = k.shape[2]
 

@@ -43,7 +43,9 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
         normalize: divide by z_t^T q_t with z_t = z_{t-1} alpha_t + k_t. Implemented by
             storing z as one extra value row (a value of constant 1), so the state then has
             shape [B, H, V+1, K] with z^T in its last row. Needs features with z^T q > 0
-            (e.g. elu+1), otherwise the division is undefined.
+            (e.g. elu+1), otherwise the division is undefined. For 16-bit inputs the PyTorch forms
+            divide in fp32 and round the quotient once; the Triton kernel returns numerator and
+            denominator in its input dtype, so its quotient is rounded twice (about 2x the error).
         log_alpha: the same gate as its log (values <= 0, fp32 or fp64, same shapes as alpha, or a number),
             instead of alpha. It is never rounded to the activation dtype: in a bf16 model a gate
             1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha. Train a gate through

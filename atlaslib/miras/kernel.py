@@ -283,7 +283,8 @@ def titans_linear_triton(q, k, v, alpha=None, eta=None, theta=None, initial_stat
         raise ValueError(f"titans_linear_triton supports chunk_size <= {MAX_CHUNK} (a chunk is one [BT, BT] "
                          f"tile), got {chunk_size}; use a smaller chunk_size or backend='chunk'")
     feature_tile(K, MAX_KEY)                  # refuses K > MAX_KEY
-    # shapes, devices and NaN here; value ranges are the entry point's job
+    # shapes, devices and NaN here (and log_alpha's range, since -inf is valid there); other value
+    # ranges are the entry point's job
     check_one_retention(alpha, log_alpha)
     alpha, eta, theta = (as_fp32(check_state(name, x, (B, H, T), q))
                          for name, x in (("alpha", alpha), ("eta", eta), ("theta", theta)))

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import get_feature_map
-from ..core.dispatch import KNOWN_BACKENDS
+from ..core.dispatch import KNOWN_BACKENDS, without_autocast
 from ..core.validation import check_flag, check_int
 
 MIXERS: dict[str, type] = {}
@@ -268,7 +268,8 @@ class TokenMixer(nn.Module, abc.ABC):
         q, k = self.phi(q), self.phi(k)
         if self.qk_norm:
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        o, memory = self.mix_step(q, k, v, x, memory)              # [B, H, 1, V]
+        with without_autocast(q):                  # as ``dispatch``: the steps keep their own precision
+            o, memory = self.mix_step(q, k, v, x, memory)          # [B, H, 1, V]
         B, H, _, V = o.shape
         return self.o_proj(o.reshape(B, H * V)), MixerCache(conv, memory, B, self.layout())
 

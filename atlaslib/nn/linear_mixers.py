@@ -64,11 +64,12 @@ class LinearAttention(TokenMixer):
         V = v.shape[-1]
         if self.normalize:                      # z_t rides along as one more value row (constant value 1)
             v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-        o, M = hebbian_step(state, q, k, v, None)
-        if self.normalize:
-            cd = compute_dtype(o)
-            o = (o[..., :V].to(cd) / o[..., V:].to(cd)).to(o.dtype)              # M_t q_t / z_t^T q_t
-        return o, M
+        if not self.normalize:
+            return hebbian_step(state, q, k, v, None)
+        # the step's read in fp32 (fp64), divided before rounding to q's dtype once, as ``mix`` does
+        M = empty_memory(q, v) if state is None else state
+        M, y_t = linear_attention_step(M, q[:, :, 0], k[:, :, 0], v[:, :, 0], None)
+        return (y_t[..., :V] / y_t[..., V:])[:, :, None].to(q.dtype), M              # M_t q_t / z_t^T q_t
 
     @property
     def state_size(self):
