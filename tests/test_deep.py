@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse, softmax_attention
 from atlaslib.delta import delta_rule
 from atlaslib.deep import (MAX_EXPONENT, deep_transformer, dot, dot_coefficient_recurrent, exp_feature_dim,
                            exp_features)
+from atlaslib.linear import linear_attention
 
 F64 = torch.float64
 
@@ -610,15 +612,20 @@ def test_dot_bad_input(gen, kwargs, error, match):
 
 
 @pytest.mark.parametrize("backend", ["recurrent", "chunk"])
-def test_normalized_bf16_kernel_form_is_rounded_once(gen, backend):
-    """deep_transformer(normalize=True) divides in fp32 and rounds the bf16 quotient once, as
-    linear_attention does (the recurrent form used to round numerator and denominator first)."""
+@pytest.mark.parametrize("model", ["linear_attention", "deep_transformer"])
+def test_normalized_bf16_output_is_rounded_once(gen, model, backend):
+    """With normalize=True the PyTorch forms keep numerator and denominator in fp32 and round the bf16 quotient
+    once: within rounding of the exact quotient of the same bf16 inputs (linear attention's forms and the
+    DeepTransformer's recurrent form rounded numerator and denominator first, about twice the error)."""
     B, H, T, K = 1, 2, 128, 8
-    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, K, generator=gen), dim=-1).bfloat16()
-            for _ in range(2))
-    v = torch.randn(B, H, T, K, generator=gen).bfloat16()
-    exact = deep_transformer(q.double(), k.double(), v.double(), normalize=True, backend="chunk")[0]
-    o = deep_transformer(q, k, v, normalize=True, backend=backend)[0]
+    x = [torch.randn(B, H, T, K, generator=gen) for _ in range(3)]
+    if model == "linear_attention":        # positive features for the normaliser
+        fn, q, k = linear_attention, F.elu(x[0]) + 1, F.elu(x[1]) + 1
+    else:
+        fn, q, k = deep_transformer, F.normalize(x[0], dim=-1), F.normalize(x[1], dim=-1)
+    q, k, v = q.bfloat16(), k.bfloat16(), x[2].bfloat16()
+    exact = fn(q.double(), k.double(), v.double(), normalize=True, backend="chunk")[0]
+    o = fn(q, k, v, normalize=True, backend=backend)[0]
     assert o.dtype == torch.bfloat16
     once = rel_rmse(exact.bfloat16().double(), exact)
     assert rel_rmse(o.double(), exact) <= 1.05 * once
