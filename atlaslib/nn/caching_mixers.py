@@ -26,11 +26,11 @@ Options:
         Checkpoint: segment s starts from segment s-1's final state (the plain RNN with snapshots).
     aggregate: "grm" (default), "residual", "soup" (== GRM for these matrix memories) or "ssc"
         (with top_k: GRM over the top_k most relevant cached segments).
-    The defaults differ from ``memory_caching``'s (64, "checkpoint", "residual"), which start from the
-    plain RNN with snapshots: the layer's start from the setting chapter 7 trains (segments of 16,
-    independent, GRM with a learned u_t).
     pool: "mean" (None, the default: the library's choice) or "sum" of a segment's keys; not with
         aggregate="residual", which scores no segment.
+    The defaults differ from ``memory_caching``'s (64, "checkpoint", "residual": the plain RNN with
+    snapshots): the layer's are the setting chapter 7 trains (segments of 16, independent, GRM with a
+    learned u_t).
 
 One-token step (generation), constant segments only: the cache holds the cached states [B, H, N, V, K],
 their pooled keys [B, H, N, K], the online memory (the base's own step state, advanced by the base

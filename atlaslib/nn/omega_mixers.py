@@ -23,7 +23,7 @@ Every gate is a linear projection of the layer input x_t, squashed as book ch. 4
   (its write does not read the state); its default eta_max is 1.
 
 Polynomial features ([A] §3, book ch. 4 §6): ``degree=p`` applies to every head one fresh
-``TaylorFeatures(p, compressed=True)`` per layer (its a_i shared by the heads) (``poly="taylor"``: learnable a_i, kernel
+``TaylorFeatures(p, compressed=True)`` per layer, its a_i shared by the heads (``poly="taylor"``: learnable a_i, kernel
 sum_i a_i (q^T k)^i) or the unweighted monomials of degree <= p (``poly="monomial"``, the
 map of Proposition 2) to the *normalised* q and k, then normalises the result again. The
 memory grows to [V, D] per head with D = C(d_k + p, p), which ``state_size`` reports
