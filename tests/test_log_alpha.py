@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from atlaslib.atlas import atlas
 from atlaslib.core import assert_close, random_qkv, rel_rmse
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
@@ -343,3 +344,94 @@ def test_fp64_loop_takes_exp_of_an_fp32_log_alpha_in_fp64(gen, model):
                                       backend=backend, chunk_size=8)
     assert_close(out["recurrent"][0], out["chunk"][0], tol=1e-12, name="o")
     assert_close(out["recurrent"][1], out["chunk"][1], tol=1e-12, name="final state")
+
+
+# ---- fp32 chunk forms after resets ------------------------------------------------------------
+
+def _kw(q, **g):
+    return dict(eta=torch.full(q.shape[:3], 0.2, dtype=q.dtype), theta=torch.full(q.shape[:3], 0.5, dtype=q.dtype),
+                **g)
+
+
+# (call, per-channel gates, the per-token oracle the chunk form equals)
+RESET_CASES = {
+    "linear_attention": (lambda q, k, v, backend, b, **g: linear_attention(q, k, v, backend=backend, chunk_size=b,
+                                                                           **g), False, "recurrent"),
+    "linear_attention (GLA)": (lambda q, k, v, backend, b, **g: linear_attention(q, k, v, backend=backend,
+                                                                                 chunk_size=b, **g),
+                               True, "recurrent"),
+    "delta_rule (KDA)": (lambda q, k, v, backend, b, **g: delta_rule(q, k, v, torch.full(q.shape[:3], 0.5,
+                                                                                         dtype=q.dtype),
+                                                                     backend=backend, chunk_size=b, **g),
+                         True, "recurrent"),
+    "omega_rule": (lambda q, k, v, backend, b, **g: omega_rule(q, k, v, window=3, eta=_kw(q)["eta"], backend=backend,
+                                                               chunk_size=b, **g), False, "frozen_seq"),
+    "swla": (lambda q, k, v, backend, b, **g: swla(q, k, v, window=3, backend=backend, chunk_size=b, **g),
+             False, "recurrent"),
+    "miras (titans)": (lambda q, k, v, backend, b, **g: miras(q, k, v, preset="titans", backend=backend,
+                                                              chunk_size=b, **_kw(q, **g)), False, "frozen_seq"),
+}
+
+
+@pytest.mark.parametrize("name", list(RESET_CASES))
+def test_fp32_chunk_forms_keep_their_digits_after_resets(gen, name):
+    """A quarter of the gates 0 (resets, log-gate -60 once clamped), the rest within 1e-3 of 1: every later
+    cumulative log-gate of the chunk lies far below 0, and fp32 differences of such sums lose digits (the
+    chunk forms were 50x-100x further from the fp64 definition than the fp32 loop). The cumulative logs
+    are fp64 (``core.chunking.cumulative_logs``): the fp32 chunk form is as close as the fp32 loop."""
+    call, per_channel, oracle = RESET_CASES[name]
+    B_, H_, T_, b = 1, 2, 96, 32
+    q, k, v = random_qkv(B_, H_, T_, 8, 8, generator=gen)
+    shape = (B_, H_, T_, 8) if per_channel else (B_, H_, T_)
+    alpha = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=F64)
+    alpha[torch.rand(shape, generator=gen) < 0.25] = 0.0
+    ref = call(q.double(), k.double(), v.double(), oracle, b, alpha=alpha)[0]
+    loop = rel_rmse(call(q, k, v, oracle, b, alpha=alpha.float())[0].double(), ref)
+    chunk = rel_rmse(call(q, k, v, "chunk", b, alpha=alpha.float())[0].double(), ref)
+    assert chunk < 2.5 * loop, f"fp32 chunk form {chunk:.2e} from the fp64 definition, the fp32 loop {loop:.2e}"
+
+
+def test_atlas_chunk_form_keeps_its_digits_after_resets(gen):
+    """The same for ATLAS (momentum and retention decays through ``core.chunking.chunk_decay``), zero gates
+    in both; Newton-Schulz off (ns_steps=0), whose steps amplify the loop's own rounding 10x (1.3e-6)."""
+    B_, H_, T_, b = 1, 2, 96, 32
+    q, k, v = random_qkv(B_, H_, T_, 8, 8, generator=gen)
+
+    def gate():
+        g = 1 - 1e-3 * torch.rand(B_, H_, T_, generator=gen, dtype=F64)
+        g[torch.rand(B_, H_, T_, generator=gen) < 0.25] = 0.0
+        return g
+    alpha, theta = gate(), gate()
+
+    def run(dtype, backend):
+        x = lambda t: t.to(dtype)                                    # noqa: E731
+        return atlas(x(q), x(k), x(v), window=2, alpha=x(alpha), theta=x(theta), eta=torch.full((B_, H_, T_), 0.2,
+                     dtype=dtype), backend=backend, chunk_size=b, ns_steps=0)[0].double()
+    ref = run(F64, "frozen_seq")
+    loop, chunk = rel_rmse(run(torch.float32, "frozen_seq"), ref), rel_rmse(run(torch.float32, "chunk"), ref)
+    assert chunk < 2.5 * loop, f"fp32 chunk form {chunk:.2e} from the fp64 definition, the fp32 loop {loop:.2e}"
+
+
+PRODUCTS = ("mm", "bmm", "baddbmm", "addmm", "linalg_solve_triangular", "einsum")
+
+
+@pytest.mark.parametrize("name", list(RESET_CASES))
+def test_fp64_cumulative_logs_never_reach_the_products(gen, name):
+    """The fp64 log-gates are differenced and rounded before anything else sees them: with fp32 inputs
+    every matrix product of the chunk form multiplies fp32 tensors (an fp64 decay matrix would promote
+    the whole chunk to fp64, correct and several times slower)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    seen = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in PRODUCTS:
+                seen.append((func.overloadpacket.__name__, {a.dtype for a in args if isinstance(a, torch.Tensor)}))
+            return func(*args, **(kwargs or {}))
+    call, per_channel, _ = RESET_CASES[name]
+    q, k, v = random_qkv(1, 2, 20, 8, 8, generator=gen)
+    alpha = torch.rand((1, 2, 20, 8) if per_channel else (1, 2, 20), generator=gen)
+    with Products():
+        call(q, k, v, "chunk", 8, alpha=alpha)
+    assert seen, "no matrix product was seen"
+    assert all(dt == {torch.float32} for _, dt in seen), [s for s in seen if s[1] != {torch.float32}]

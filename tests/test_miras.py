@@ -910,7 +910,8 @@ def test_log_alpha_reaches_the_chunk_decays_without_a_round_trip(monkeypatch, ge
     import atlaslib.miras.chunk as chunk
     seen = []
     real = chunk.causal_decay
-    monkeypatch.setattr(chunk, "causal_decay", lambda ga, causal=None: seen.append(ga) or real(ga, causal))
+    monkeypatch.setattr(chunk, "causal_decay",
+                        lambda ga, causal=None, dtype=None: seen.append(ga) or real(ga, causal, dtype))
     B, H, T, K, b = 1, 2, 20, 4, 8
     q, k, v = random_qkv(B, H, T, K, K, generator=gen)
     log_alpha = -3e-9 * (1 + torch.rand(B, H, T, generator=gen))

@@ -5,7 +5,8 @@ Book ch. 1 §7 derives it for linear attention; chapters 2-4 reuse it unchanged:
 * ``compute_dtype``: states accumulate in fp32 (fp64 for fp64 inputs), whatever the activations;
   ``start_memory``: the memory before the first token, in that dtype;
 * ``log_gate`` / ``gate_logs``: retention gates enter every chunk form as log-gates, accumulated
-  from each chunk's start, so only differences g_t - g_i <= 0 are ever exponentiated;
+  from each chunk's start (``cumulative_logs``, in fp64), so only differences g_t - g_i <= 0 are ever
+  exponentiated, and they keep their digits;
 * ``causal_decay``: D[t, i] = e^{g_t - g_i} for i <= t, masked *before* the exponential, and
   ``chunk_decay``: the same from per-token log-gates, with the cumulative gate e^{g_t};
 * ``to_chunks`` / ``chunk_run`` / ``from_chunks``: [B, H, T, ...] <-> chunk-major blocks, and
@@ -58,29 +59,45 @@ def gate_logs(alpha, log_alpha, cd: torch.dtype):
     return None if alpha is None else log_gate(alpha, cd)
 
 
-def causal_decay(g: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
+def cumulative_logs(log_gates: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """g_t = log alpha_1 + ... + log alpha_t along ``dim``, in fp64 whatever the gates' dtype.
+
+    The chunk forms exponentiate differences g_t - g_i. After a reset (a log-gate at the floor, -60)
+    or a run of strong decays every later g_t sits far below 0, and an fp32 difference of two such
+    sums keeps only the digits their size leaves (spacing 4e-6 near -60, 6e-5 near -1000): about
+    100x the error of the per-token loop with 20% resets. In fp64 the differences are exact to
+    fp32's precision; they are rounded to the compute dtype only then (``causal_decay``'s dtype).
+    """
+    return log_gates.to(torch.float64).cumsum(dim)
+
+
+def causal_decay(g: torch.Tensor, causal: torch.Tensor | None = None, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
     """D[t, i] = exp(g_t - g_i) for i <= t, else 0, for scalar log-gates g [..., n] (any leading dims).
 
     ``causal``: the [n, n] lower-triangular boolean mask (built when None). The entries above
     the diagonal are masked to -inf *before* the exponential, so they become exact zeros
     instead of overflowing, and only differences g_t - g_i <= 0 are exponentiated, never
     quotients of cumulative products. (Per-channel gates: ``linear.chunk.decayed_scores``.)
+    ``dtype``: that of D (default g's); the differences are taken in g's dtype first, so an fp64 g
+    (``cumulative_logs``) gives an fp32 D without the digits fp32 sums would lose.
     """
     if causal is None:
         n = g.shape[-1]
         causal = torch.ones(n, n, dtype=torch.bool, device=g.device).tril()
-    return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")))
+    diff = (g[..., :, None] - g[..., None, :]).to(dtype or g.dtype)
+    return torch.exp(diff.masked_fill(~causal, float("-inf")))
 
 
 def chunk_decay(log_gates: torch.Tensor, causal: torch.Tensor | None = None):
-    """(D [..., n, n], A [..., n]) of one chunk from its per-token log-gates [..., n].
+    """(D [..., n, n], A [..., n]) of one chunk from its per-token log-gates [..., n], in their dtype.
 
-    With g_t the log-gates accumulated from the chunk's start, D = ``causal_decay(g)`` (the
-    ratio A_t / A_i of cumulative gates for i <= t) and A_t = e^{g_t}, what is left at token t
-    of the chunk-start state.
+    With g_t the log-gates accumulated from the chunk's start (``cumulative_logs``), D =
+    ``causal_decay(g)`` (the ratio A_t / A_i of cumulative gates for i <= t) and A_t = e^{g_t},
+    what is left at token t of the chunk-start state.
     """
-    g = log_gates.cumsum(-1)
-    return causal_decay(g, causal), torch.exp(g)
+    g, dtype = cumulative_logs(log_gates), log_gates.dtype
+    return causal_decay(g, causal, dtype), torch.exp(g).to(dtype)
 
 
 def chunk_spans(T: int, b: int):

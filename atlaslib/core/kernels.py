@@ -196,6 +196,12 @@ def chunk_local_log_gate(logs: torch.Tensor, BT: int):
 
     Returns (g [B, H, Tp(, K)], Tp) with T padded to Tp, a multiple of BT, by log-gate 0: row
     start + BT - 1 of every chunk then exists and holds the chunk's total decay.
+
+    fp32, as fla's kernels take them, where the PyTorch chunk forms sum in fp64
+    (``chunking.cumulative_logs``): after resets (log-gates at the floor, -60) or strong decays the
+    kernels' differences g_t - g_i keep only the digits the sums' size leaves (a quarter of the gates
+    at 0, T = 96: outputs about 1e-5 relative from the fp64 definition, 100x the fp32 loop's error).
+    Loading fp64 sums in every kernel that exponentiates differences is the fix, not yet made.
     """
     logs = logs.to(torch.float32)
     T = logs.shape[2]

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import chunk_run, compute_dtype, start_memory, gate_logs, to_chunks
+from ..core.chunking import chunk_run, compute_dtype, cumulative_logs, start_memory, gate_logs, to_chunks
 from ..core.validation import check_chunk_size, check_form_shapes
 from ..linear.chunk import decayed_scores
 
@@ -140,7 +140,7 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
         # Each run is copied chunk-major just before it is used: the copies are small, still in
         # cache when read, and recycled by the allocator from run to run.
         qg, kg, vg, betag = (chunk_run(x, s, GROUP) for x in rows)
-        g = None if gates is None else chunk_run(gates, s, GROUP).cumsum(dim=2)
+        g = None if gates is None else cumulative_logs(chunk_run(gates, s, GROUP), dim=2)   # fp64
         M = chunk_group(M, qg, kg, vg, betag, g, outputs)
     o = torch.stack(outputs, dim=1).reshape(B, H, -1, V)[:, :, :T]                # stacked straight into [B*H, N, b, V]
     return o.to(out_dtype), M.reshape(B, H, V, K)

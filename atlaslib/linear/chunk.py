@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.chunking import (causal_decay, chunk_run, compute_dtype, from_chunks, gate_logs, log_gate,  # noqa: F401
-                             start_memory, to_chunks)
+from ..core.chunking import (causal_decay, chunk_run, compute_dtype, cumulative_logs, from_chunks,  # noqa: F401
+                             gate_logs, log_gate, start_memory, to_chunks)
 from ..core.validation import check_chunk_size, check_form_shapes
 
 
@@ -66,7 +66,8 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
     outs = tuple(torch.zeros(*x.shape[:-2], m, m, dtype=x.dtype, device=x.device) for x in xs)
     for x, out in zip(xs, outs):
         out.diagonal(0, -2, -1).copy_((x * k).sum(-1))            # a token against itself: e^0
-    w = torch.exp(torch.diff(g, dim=-2, prepend=torch.zeros_like(g[..., :1, :])))   # alpha_t
+    logs = torch.diff(g, dim=-2, prepend=torch.zeros_like(g[..., :1, :]))   # from an fp64 g: fp32-exact
+    w = torch.exp(logs.to(k.dtype))                               # alpha_t
     v = torch.ones_like(w)
     b = 1
     while b < m:                                                 # log2(m) levels, fixed by m alone
@@ -86,12 +87,13 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
 def scalar_gate_terms(xs, k, g):
     """``decayed_scores`` for scalar log-gates g [..., n]: the scores are (x k^T) * D with
     D = ``causal_decay(g)``, e^{g_t - g_i} masked to i <= t before the exponential, so every
-    exponent is <= 0 and the [n, n] matrix costs one exponential per entry and one product."""
-    n = g.shape[-1]
-    D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=g.device).tril())
-    e = torch.exp(g)[..., None]                                   # [..., n, 1]
+    exponent is <= 0 and the [n, n] matrix costs one exponential per entry and one product.
+    The exponents are differences taken in g's dtype; D and the factors come out in k's."""
+    n, cd = g.shape[-1], k.dtype
+    D = causal_decay(g, torch.ones(n, n, dtype=torch.bool, device=g.device).tril(), cd)
+    e = torch.exp(g).to(cd)[..., None]                            # [..., n, 1]
     return (tuple((x @ k.mT) * D for x in xs), tuple(x * e for x in xs),
-            k * torch.exp(g[..., -1:] - g)[..., None], e[..., -1:, :])
+            k * torch.exp(g[..., -1:] - g).to(cd)[..., None], e[..., -1:, :])
 
 
 def decayed_scores(xs, k, g):
@@ -99,7 +101,8 @@ def decayed_scores(xs, k, g):
 
     xs: a tuple of row sets [..., n, K] scored against the keys (the queries; chapter 2 adds
     the keys themselves); k: [..., n, K]; g: None, [..., n] (scalar) or [..., n, K] (per
-    channel), log-gates accumulated from the chunk start. Returns (Ps, x_decs, k_end, m_dec):
+    channel), log-gates accumulated from the chunk start (fp64 from ``cumulative_logs``: the factors
+    are differences of g, rounded to k's dtype after they are taken). Returns (Ps, x_decs, k_end, m_dec):
     for each x the causal decayed scores P[t, i] = x_t . k_i e^{g_t - g_i} [..., n, n] and
     x * e^g; then k * e^{g_n - g}, and the factor e^{g_n} (None, [..., 1, 1] or [..., 1, K])
     that multiplies the start memory.
@@ -151,7 +154,7 @@ def linear_attention_chunk(q, k, v, alpha=None, initial_state=None, chunk_size=6
     N = -(-T // b)
     q, k, v = (chunk_run(to_chunks(x, b), 0, N) for x in (q, k, v))
     logs = gate_logs(alpha, log_alpha, cd)                       # padding: log-gate 0 keeps everything
-    g = None if logs is None else chunk_run(to_chunks(logs, b), 0, N).cumsum(dim=2)
+    g = None if logs is None else cumulative_logs(chunk_run(to_chunks(logs, b), 0, N), dim=2)   # fp64
     (P,), (q_dec,), k_end, m_dec = decayed_scores((q,), k, g)
     M = M.reshape(B * H, V, K)
     starts = []

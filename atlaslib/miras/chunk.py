@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
-from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype, log_gate
+from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype, cumulative_logs, log_gate
 from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
 from .config import DEFAULT_CHUNK_SIZE, make_config
@@ -101,8 +101,8 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     Tokens are grouped into nc = ceil(T / b) blocks [N, nc, b] (the last one padded at its
     end with neutral gates, which leaves the top-left blocks of every matrix unchanged):
     Gamma [.., b, b + c - 1] (window gates), eta, the log-retention ga (cumulative from
-    each chunk's start), D_alpha, A, the log-momentum h, and for linear optimizers
-    b, E (``optimizer.affine``), C = D_alpha E and s = D_alpha b.
+    each chunk's start, fp64: ``cumulative_logs``), D_alpha, A, the log-momentum h (fp64), and for
+    linear optimizers b, E (``optimizer.affine``), C = D_alpha E and s = D_alpha b.
     """
     ret, opt, c = parts.retention, parts.optimizer, parts.cfg.window
     N = gates.eta.shape[0]
@@ -114,17 +114,18 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
 
     def log_cumsum(x, log=None):                                      # from the log-gate itself when given
         if log is not None:
-            return blocks(log, 0.0).clamp_min(LOG_FLOOR).cumsum(-1)
+            return cumulative_logs(blocks(log, 0.0).clamp_min(LOG_FLOOR))
         # clamped before the log (log_gate): a gate of exactly 0 then has a gradient of 0, not 0 * inf = NaN
-        return None if x is None else log_gate(blocks(x, 1.0), x.dtype).cumsum(-1)
+        return None if x is None else cumulative_logs(log_gate(blocks(x, 1.0), x.dtype))
 
     ga = log_cumsum(gates.alpha, gates.log_alpha) if ret.uses_alpha else None
     h = log_cumsum(gates.theta if opt.uses_theta else None)
     Gamma = band_gates(F.pad(gates.G, (0, 0, 0, extra)).view(N, nc, chunk_size, c), c)
     eta = blocks(gates.eta, 0.0)
     causal = torch.ones(chunk_size, chunk_size, dtype=eta.dtype, device=eta.device).tril()
-    coef = dict(Gamma=Gamma, eta=eta, h=h, A=None if ga is None else torch.exp(ga),
-                D=causal.expand(N, nc, -1, -1) if ga is None else causal_decay(ga))
+    cd = eta.dtype                                                    # ga, h: fp64 sums, rounded after differencing
+    coef = dict(Gamma=Gamma, eta=eta, h=h, A=None if ga is None else torch.exp(ga).to(cd),
+                D=causal.expand(N, nc, -1, -1) if ga is None else causal_decay(ga, dtype=cd))
     if opt.linear:
         b, E = opt.affine(Gamma, eta, h)
         coef.update(b=b, E=E, C=coef["D"] @ E, s=None if b is None else (coef["D"] @ b[..., None])[..., 0])

@@ -108,11 +108,11 @@ class Momentum(Optimizer):
         return new, new
 
     def affine(self, Gamma, eta, h):
-        """h: [..., n] chunk-local cumulative log theta (None: theta = 0, no carried momentum)."""
+        """h: [..., n] chunk-local cumulative log theta, fp64 (None: theta = 0, no carried momentum)."""
         step = -eta[..., None] * Gamma
         if h is None:
             return None, step
-        return torch.exp(h), causal_decay(h) @ step
+        return torch.exp(h).to(step.dtype), causal_decay(h, dtype=step.dtype) @ step
 
 
 class Muon(Optimizer):
@@ -149,7 +149,7 @@ class Muon(Optimizer):
         step = Gamma
         if h is None:
             return None, step
-        return torch.exp(h), causal_decay(h) @ step
+        return torch.exp(h).to(step.dtype), causal_decay(h, dtype=step.dtype) @ step
 
     def updates(self, S0, G, Gamma, eta, h):
         """All b momenta of the chunk by one masked matmul, NS_J on the batch, then -eta_t."""

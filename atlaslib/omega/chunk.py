@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, chunk_spans, compute_dtype, gate_logs, start_memory
+from ..core.chunking import causal_decay, chunk_spans, compute_dtype, cumulative_logs, gate_logs, start_memory
 from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
@@ -51,11 +51,11 @@ def window_weights(G, eta, g, window):
     """C = D diag(eta) Gamma [B, H, n, n + c - 1]: the weight of each window row's gradient in each M_t.
 
     G: [B, H, n, c] per-offset gates of the chunk; eta: [B, H, n]; g: None or [B, H, n]
-    log-retention accumulated from the chunk start.
+    log-retention accumulated from the chunk start (fp64 from ``cumulative_logs``).
     """
     n = G.shape[2]
     causal = torch.ones(n, n, dtype=torch.bool, device=G.device).tril()
-    D = causal.to(G.dtype) if g is None else causal_decay(g, causal)
+    D = causal.to(G.dtype) if g is None else causal_decay(g, causal, G.dtype)
     return (D * eta[..., None, :]) @ band_gates(G, window)
 
 
@@ -70,8 +70,9 @@ def window_chunk_step(M, q, k_win, v_win, C, g, hebbian=False):
     if g is None:
         o, M_decayed = qM - scores @ E, M
     else:
-        o = torch.exp(g)[..., None] * qM - scores @ E
-        M_decayed = torch.exp(g[..., -1:, None]) * M                # A_b M_{t0}
+        A = torch.exp(g).to(M.dtype)                                 # A_t = e^{g_t}
+        o = A[..., None] * qM - scores @ E
+        M_decayed = A[..., -1:, None] * M                            # A_b M_{t0}
     c_end = C[..., -1, :, None]                                      # C[b, :]
     return o, M_decayed - (E * c_end).transpose(-1, -2) @ k_win
 
@@ -94,7 +95,7 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     outputs = []
     b = check_chunk_size(chunk_size)
     for s, e in chunk_spans(T, b):
-        g = None if logs is None else logs[:, :, s:e].cumsum(dim=2)
+        g = None if logs is None else cumulative_logs(logs[:, :, s:e], dim=2)   # fp64
         C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
         # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
         o, M = window_chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g,
