@@ -163,6 +163,22 @@ def test_answers_that_call_the_library_answer_fail():
     assert v.status == "failed" and "your answer calls atlaslib.linear." in v.message, v.message
 
 
+@pytest.mark.library_rules
+def test_the_loop_exercises_refuse_the_librarys_chunk_step():
+    """chunk_step is the notebook's helper for the chunkwise exercise; over one chunk of one token, or of
+    all T tokens, it is the answer to exercises 1 and 2, which must refuse it."""
+    def hebbian_step(M, q, k, v, alpha):
+        o, M_t = library_chunk_step(M, q[:, :, None], k[:, :, None], v[:, :, None], torch.log(alpha)[:, :, None])
+        return M_t, o[:, :, 0]
+
+    def gated_loop(q, k, v, alpha):
+        M = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
+        return library_chunk_step(M, q, k, v, torch.log(alpha).cumsum(2))
+    for exercise, answer in ((ch01.hebbian_step, hebbian_step), (ch01.gated_loop, gated_loop)):
+        v = exercise.evaluate(answer)
+        assert v.status == "failed" and "atlaslib.linear.chunk.chunk_step" in v.message, v.message
+
+
 # ---- chapter 1: each check passes a correct answer and rejects typical mistakes ----------
 
 def test_hebbian_step_rejects_read_before_write():
@@ -220,6 +236,25 @@ def test_chunkwise_passes_and_rejects_a_gate_that_is_not_restarted():
         return torch.cat(outs, 2), M
     v = ch01.chunkwise.evaluate(global_cumsum)
     assert v.status == "failed" and "chunk_size=" in v.message
+
+
+def test_a_float32_step_inside_a_float64_answer_is_named():
+    """The answer's dtype is right (float64), its digits are float32's: the message says so."""
+    def pinv_in_float32(K, V):
+        return (V.float() @ torch.linalg.pinv(K.float())).double()
+    v = ch01.capacity.evaluate(pinv_in_float32, lambda d_k, d_v: d_k)
+    assert v.status == "failed" and "float32's rounding" in v.message and "dtype=x.dtype" in v.message, v.message
+    v = ch01.capacity.evaluate(lambda K, V: V @ torch.linalg.pinv(K) * (1 + 1e-3), lambda d_k, d_v: d_k)
+    assert v.status == "failed" and "float32" not in v.message, v.message        # a real error: no such hint
+
+
+def test_a_nan_in_a_torch_answer_points_at_the_computation():
+    """A NaN from torch code is an undefined operation, not an entry a kernel never stored."""
+    def log_of_zero(q, k, v, alpha):
+        o, M = gated_loop_ok(q, k, v, alpha)
+        return o * (torch.log(torch.zeros(())) - torch.log(torch.zeros(()))), M
+    v = ch01.gated_loop.evaluate(log_of_zero)
+    assert v.status == "failed" and "inf - inf" in v.message and "never wrote" not in v.message, v.message
 
 
 def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
@@ -396,7 +431,7 @@ def test_triton_check_requires_a_kernel_launch():
 
 def test_triton_check_catches_unmasked_loads():
     v = ch01.triton_state_update.evaluate(launcher(mask_loads=False))
-    assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
+    assert v.status == "failed" and "loaded" in v.message and "mask every load" in v.message
 
 
 def test_triton_check_catches_masked_loads_without_other():

@@ -290,7 +290,7 @@ def test_triton_check_passes_a_correct_kernel():
 
 def test_triton_check_catches_unmasked_loads():
     v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(mask_loads=False))
-    assert v.status == "failed" and "NaN" in v.message and "mask loads" in v.message
+    assert v.status == "failed" and "loaded" in v.message and "mask every load" in v.message
 
 
 def test_triton_check_catches_stores_past_the_end():
@@ -404,6 +404,31 @@ def test_wy_backward_refuses_autograd():
     (g,) = torch.autograd.grad((x * x).sum(), x)
     assert torch.equal(g, 2 * torch.ones(2))
     assert ch02.wy_backward.evaluate(wy_by_inverse).status == "passed"
+
+
+def wy_by_forward_mode(L, beta, Z, dX):
+    """The vector-Jacobian product through forward-mode Jacobians (torch.func.jacfwd: make_dual inside)."""
+    def loss(L, beta, Z):
+        X = torch.linalg.solve_triangular(torch.eye(L.shape[-1]) + beta[..., None] * L.tril(-1), Z, upper=False,
+                                          unitriangular=True)
+        return (X * dX).sum()
+    return torch.func.jacfwd(loss, argnums=(0, 1, 2))(L, beta, Z)
+
+
+def gradient_by_autograd(M, k, v):
+    M = M.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(0.5 * (mv(M, k) - v).square().sum(), M)
+    return g
+
+
+@pytest.mark.library_rules
+def test_the_gradient_exercises_refuse_autograd_in_every_mode():
+    """Forward mode (jacfwd) is autograd too, and the delta rule's gradient is derived by hand as well."""
+    v = ch02.wy_backward.evaluate(wy_by_forward_mode)
+    assert v.status == "failed" and "your answer calls torch.autograd.forward_ad.make_dual" in v.message, v.message
+    v = ch02.delta_step.evaluate(gradient_by_autograd, step_explicit)
+    assert v.status == "failed" and "your answer calls torch.autograd.grad" in v.message, v.message
+    assert ch02.delta_step.evaluate(gradient_ok, step_explicit).status == "passed"
 
 
 # ---- the grader on chapter 2 ------------------------------------------------------------------

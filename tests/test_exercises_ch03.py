@@ -307,14 +307,17 @@ def test_triton_check_passes_a_correct_kernel():
     passes(ch03.triton_decay_product, product_launcher())
 
 
-def test_triton_check_catches_unmasked_loads():
-    """Loads past the end read the NaN guard band; it reaches the output unless every pair with a
-    padding row is masked away before tl.exp (then the stray load is harmless, and not detectable)."""
-    fails(ch03.triton_decay_product, product_launcher(mask_loads=False, valid_pairs=False), where="NaN")
+@pytest.mark.parametrize("valid_pairs", [False, True])
+def test_triton_check_catches_unmasked_loads(valid_pairs):
+    """Loads past the end read the NaN guard band. With every pair of a padding row masked away before
+    tl.exp (valid_pairs) the NaN never reaches the output, and the load is caught by its address."""
+    v = fails(ch03.triton_decay_product, product_launcher(mask_loads=False, valid_pairs=valid_pairs),
+              where="past the end of argument")
+    assert "your kernel product_variants loaded" in v.message and "mask every load" in v.message, v.message
 
 
 def test_triton_check_catches_stores_past_the_end():
-    fails(ch03.triton_decay_product, product_launcher(mask_store=False), where="wrote")
+    fails(ch03.triton_decay_product, product_launcher(mask_store=False), where="compute their addresses")
 
 
 @pytest.mark.parametrize("kw, where", [
@@ -328,9 +331,9 @@ def test_triton_check_catches_wrong_entries(kw, where):
         assert "tl.where(keep, diff, -inf) before tl.exp" in v.message, v.message
 
 
-def test_triton_check_keeps_the_overflow_hint_for_strong_gates():
-    """An unmasked load on mild gates is a NaN of the guard band, not of an overflow."""
-    v = fails(ch03.triton_decay_product, product_launcher(mask_loads=False, valid_pairs=False), where="NaN")
+def test_triton_check_names_the_load_not_an_overflow():
+    """An unmasked load is reported as the load (on the first case, mild gates), not as the NaN of an overflow."""
+    v = fails(ch03.triton_decay_product, product_launcher(mask_loads=False, valid_pairs=False), where="loaded")
     assert "gates in [0.5, 1.0]" in v.message and "inf * 0" not in v.message, v.message
 
 

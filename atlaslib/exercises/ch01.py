@@ -46,7 +46,7 @@ LIBRARY_FORMS = ("atlaslib.linear.linear_attention", "atlaslib.linear.recurrent.
 
 @EXERCISES.check("hebbian_step", title="One gated Hebbian write and read", points=2,
                   functions=("hebbian_step",),
-                  forbidden=("atlaslib.linear.recurrent.linear_attention_step",))
+                  forbidden=("atlaslib.linear.recurrent.linear_attention_step", "atlaslib.linear.chunk.chunk_step"))
 def hebbian_step(fn, gen):
     """fn(M, q, k, v, alpha) -> (M_t, y_t) with M [B,H,V,K], q,k [B,H,K], v [B,H,V], alpha [B,H]."""
     shapes = [(2, 3, 5, 7), (1, 1, 4, 4), (2, 1, 16, 3)]   # K != V first: a transposed answer fails on shape
@@ -65,7 +65,7 @@ def hebbian_step(fn, gen):
 
 @EXERCISES.check("gated_loop", title="The gated per-token loop", points=2,
                   functions=("gated_loop",),
-                  forbidden=LIBRARY_FORMS)
+                  forbidden=LIBRARY_FORMS + ("atlaslib.linear.chunk.chunk_step",))   # a chunk of T tokens is the loop
 def gated_loop(fn, gen):
     """fn(q, k, v, alpha) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha [B,H,T] or [B,H,T,K]."""
     cases = [  # (B, H, T, K, V, per_channel, lowest gate)

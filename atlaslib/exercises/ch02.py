@@ -41,11 +41,13 @@ def random_beta(B, H, T, gen, low=0.1, high=1.5):
 DELTA_RULE = ("atlaslib.delta.delta_rule",)
 CHUNK_FORMS = ("atlaslib.delta.chunk.chunk_step", "atlaslib.delta.chunk.delta_rule_chunk")
 PER_TOKEN = ("atlaslib.delta.recurrent.delta_rule_recurrent", "atlaslib.delta.recurrent.delta_rule_step")
+# autograd in each of its forms (torch.func and .backward() end in these): for the exercises that derive a gradient
+AUTOGRAD = ("torch.autograd.grad", "torch.autograd.backward", "torch.autograd.forward_ad.make_dual")
 
 
 @EXERCISES.check("delta_step", title="The delta rule as one gradient step", points=2,
                   functions=("loss_gradient", "delta_step"),
-                  forbidden=DELTA_RULE + PER_TOKEN)
+                  forbidden=DELTA_RULE + PER_TOKEN + AUTOGRAD)
 def delta_step(grad_fn, step_fn, gen):
     """grad_fn(M, k, v) -> dL/dM of 1/2||M k - v||^2;  step_fn(M, k, v, beta, alpha) -> M_t.
 
@@ -217,7 +219,7 @@ def wy_solve_reference(L, beta, Z, dX):
 
 @EXERCISES.check("wy_backward", title="The backward of the WY solve", points=3,
                   functions=("wy_solve_backward",),
-                  forbidden=("torch.autograd.grad", "torch.autograd.backward"))
+                  forbidden=AUTOGRAD)
 def wy_backward(fn, gen):
     """fn(L [B,H,b,b] strictly lower, beta [B,H,b], Z [B,H,b,D], dX [B,H,b,D]) -> (dL, dbeta, dZ)."""
     cases = [  # (B, H, b, K of the keys behind L, D columns, lowest gate)

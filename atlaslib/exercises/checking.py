@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..core.testing import assert_close
+from ..core.testing import assert_close, rel_rmse
 
 # A text mime type (not "+json"): nbformat keeps the payload as a plain string, which
 # nbval's sanitizer can read; the payload is JSON.
@@ -194,6 +194,40 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             return x.new_empty(0).set_(x.untyped_storage(), x.storage_offset(), (1,), (1,))
         return x
 
+    # The storage around each tensor argument that is not the argument itself: a guarded input's NaN
+    # bands, an output's sentinel bands. Under TRITON_INTERPRET every load is seen with its addresses,
+    # so a load there fails the check even when the value it reads never reaches an output (on a GPU
+    # such a load reads another tensor's memory, or faults).
+    bands, strays = [], []
+    for label, t in [(f"argument {i + 1}", a) for i, a in enumerate(args)] + \
+            [(f"argument {key}", a) for key, a in kwargs.items()]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            continue
+        base, size = t.untyped_storage().data_ptr(), t.element_size()
+        start = base + t.storage_offset() * size
+        stop = start + (0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
+        if base < start:
+            bands.append((base, start, f"before the start of {label}"))
+        if stop < base + t.untyped_storage().nbytes():
+            bands.append((stop, base + t.untyped_storage().nbytes(), f"past the end of {label}"))
+    try:
+        builder = importlib.import_module("triton.runtime.interpreter").InterpreterBuilder
+        plain_load = builder.create_masked_load
+    except (ImportError, AttributeError):
+        builder = None
+
+    def watched_load(self, ptrs, mask, *a, **k):
+        import numpy as np
+        addresses = np.asarray(ptrs.data)
+        addresses = addresses[np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)]
+        for lo, hi, where in bands:
+            n = int(((addresses >= lo) & (addresses < hi)).sum())
+            if n:
+                strays.append(f"loaded {n} value(s) {where}")
+        return plain_load(self, ptrs, mask, *a, **k)
+    if builder is not None and bands:
+        builder.create_masked_load = watched_load
+
     launches = [0]
     counted = []
     for module, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
@@ -232,6 +266,10 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
                 for _, t in outs:
                     bits(t).fill_(poison[t.element_size()])
             result = _original(self, *a, **k)
+            if strays:
+                negative = " (a negative index, such as a padding slot of -1, too)" if "before" in strays[0] else ""
+                raise ForbiddenCall(f"your kernel {name} {strays[0]}: mask every load with the true sizes{negative} "
+                                    "(on a GPU such a load reads memory that is not the tensor's, or faults)")
             for j, ((i, t), before) in enumerate(zip(outs, saved)):
                 if first:               # what it did not store must be as it came: torch's writes do not count
                     stored = bits(t) != poison[t.element_size()]
@@ -264,6 +302,8 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
                                     "the values must be the ones your kernel computed")
         return result, launches[0]
     finally:
+        if builder is not None:
+            builder.create_masked_load = plain_load
         for klass, original in counted:
             klass.run = original
         for space, key, value in reversed(swaps):
@@ -354,8 +394,17 @@ def unpack(result, names: tuple[str, ...]):
     return tuple(result)
 
 
-def compare(name: str, got, expected: torch.Tensor, tol: float | None = None) -> None:
-    """Compare a learner tensor with the library's, through ``core.testing.assert_close``."""
+# assert_close's guess for a NaN (written for kernels' outputs), and the likelier one in torch code
+NEVER_WROTE = "(an output the code never wrote?)"
+NAN_IN_TORCH = "(a 0/0, inf - inf, inf * 0 or log 0 in your computation?)"
+
+
+def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, kernel_output: bool = False) -> None:
+    """Compare a learner tensor with the library's, through ``core.testing.assert_close``.
+
+    A failure says what a NaN most likely is (a never-stored entry of a ``kernel_output``, else an
+    undefined operation) and, when a float64 result is off by about float32's rounding, that a float32
+    tensor was made on the way."""
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{name} should be a torch.Tensor, got {type(got).__name__}")
     if got.device != expected.device:
@@ -365,7 +414,20 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None) ->
     try:
         assert_close(got.detach(), expected.detach(), tol=tol, name=name)
     except AssertionError as e:
-        raise CheckFailed(f"{e}{dtype_hint(got.dtype, expected.dtype)}") from None
+        message = str(e) if kernel_output else str(e).replace(NEVER_WROTE, NAN_IN_TORCH)
+        raise CheckFailed(f"{message}{dtype_hint(got.dtype, expected.dtype) or float32_hint(got, expected)}") from None
+
+
+def float32_hint(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Added when a float64 answer is off by what float32 rounding costs (1e-8 to 1e-5 relative): its
+    dtype is right, so ``dtype_hint`` is silent, and the numbers shown look equal to six digits."""
+    if got.dtype != torch.float64 or want.dtype != torch.float64 or got.shape != want.shape:
+        return ""
+    err = rel_rmse(got.detach(), want.detach())
+    if not 1e-8 < err < 1e-5:
+        return ""
+    return (". The error is about float32's rounding: a float32 tensor was made on the way (torch.tensor of a "
+            "list, torch.zeros/ones/eye/arange without dtype=, a .float()); make it with dtype=x.dtype")
 
 
 def dtype_hint(got, want) -> str:
@@ -539,8 +601,9 @@ def check_guards(name: str, out: torch.Tensor) -> None:
     for side, band in (("before the start", before), ("past the end", after)):
         changed = (band != SENTINEL).sum().item()
         if changed:
-            raise CheckFailed(f"your kernel wrote {changed} value(s) {side} of {name}: "
-                              "mask the stores with the true sizes")
+            raise CheckFailed(f"your kernel wrote {changed} value(s) {side} of {name}: mask the stores with the "
+                              "true sizes, and compute their addresses from the output's own sizes (a row of "
+                              "the output is its true length long, not the block size)")
 
 
 NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, from a load past the end of an input "
@@ -552,7 +615,7 @@ NAN_HINT = (" Hint: NaN comes from an output the kernel never stored, from a loa
 def compare_kernel_output(name: str, got, want, tol: float, hint: str = NAN_HINT, on: tuple = ("NaN",)) -> None:
     """``compare`` for a kernel's output buffer, with ``hint`` added to a failure whose message has a word of ``on``."""
     try:
-        compare(name, got, want, tol)
+        compare(name, got, want, tol, kernel_output=True)
     except CheckFailed as e:
         raise CheckFailed(f"{e}{hint if any(w in str(e) for w in on) else ''}") from None
 
