@@ -18,7 +18,11 @@ For every registered model (a *bench case*) and every backend it prints
   what grows with T.)
 * ``speedup``: recurrent-loop time / this backend's time, for the same model and shape (or,
   for a case that registers another ``reference`` backend, that one's time: ``deep_vs_sdpa``
-  divides PyTorch's ``scaled_dot_product_attention`` by chapter 6's kernel-trick forms).
+  divides PyTorch's ``scaled_dot_product_attention`` by chapter 6's kernel-trick forms, chapter 7's
+  ``mc_gdn_*`` the chunk form by the kernel, the loop being compared under the table); the
+  reference's own row reads 1.0x. Ratios below 0.1 keep two significant digits.
+* A first line, starting with "#", names the machine (card, or CPU model and threads), the
+  versions, whether Triton's interpreter ran the triton rows, the chunk size and the repeats.
 * On CUDA also ``TFLOP/s`` (the case's FLOP count for its chunkwise algorithm, divided
   by the time) and ``GB/s`` (bytes of inputs read plus outputs written, divided by the
   time); the footer prints the card's measured matmul and copy peaks to compare with.
@@ -231,6 +235,16 @@ def measured_peaks(device) -> dict:
     return {"matmul_TFLOP/s": 2 * n**3 / (ms * 1e-3) / 1e12, "copy_GB/s": 2 * x.numel() / (copy_ms * 1e-3) / 1e9}
 
 
+def setting_line(kw: dict) -> str:
+    """What the times depend on besides the sizes in the rows: the machine, threads, interpreter, repeats."""
+    from .bench_fla import environment
+    env = environment()
+    where = env["card"] if str(kw["device"]).startswith("cuda") else f"CPU {env['cpu']}, {env['threads']} threads"
+    return (f"# {where}; torch {env['torch']}, triton {env['triton']}"
+            f"{' (TRITON_INTERPRET=1: triton rows are interpreter times)' if env['interpreter'] else ''}; "
+            f"chunk_size {kw['chunk_size']}; median of {kw['repeats']} after {kw['warmup']} warm-up")
+
+
 def _table(rows):
     fmt = []
     for r in rows:
@@ -239,7 +253,7 @@ def _table(rows):
             if isinstance(r.get(key), float):
                 r[key] = round(r[key], 2)
         if isinstance(r.get("speedup"), float):
-            r["speedup"] = f"{r['speedup']:.1f}x"
+            r["speedup"] = f"{r['speedup']:.1f}x" if r["speedup"] >= 0.1 else f"{r['speedup']:.2g}x"
         elif "speedup" in r:
             r["speedup"] = "-"
         if isinstance(r.get("TFLOP/s"), float):
@@ -281,13 +295,13 @@ def main(argv=None):
     p.add_argument("--backends", nargs="+", default=None,
                    help="default: each case's own (recurrent chunk, + triton on CUDA; deep_vs_sdpa: sdpa and "
                         "the kernel-trick forms)")
-    p.add_argument("--chunk-size", type=int, default=64,
+    p.add_argument("--chunk-size", type=int, default=None,
                    help="chunk length of the chunk backend (default 64: for the models whose chunk form freezes "
                         "gradients, Titans, TTT-MLP, Omega, ATLAS, whose own default is 16, that times b = 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls (default 3; --vs fla: 10 on CUDA)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 1)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
-    p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call")
+    p.add_argument("--quick", action="store_true", help="small and fast: T=256, one timed call (unless --repeats)")
     p.add_argument("--scaling", action="store_true",
                    help="time and memory for T=1024..8192 of one backend (--backends X; default chunk)")
     p.add_argument("--no-progress", action="store_true")
@@ -304,18 +318,22 @@ def main(argv=None):
         bad = [v for v in (value if isinstance(value, list) else [value]) if v is not None and v < 1]
         if bad:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {bad[0]}")
-    if args.warmup < 0:
+    if args.warmup is not None and args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
         p.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: the benchmarks run on cpu or cuda[:N]")
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)      # synchronize and the peak-memory counters act on the current GPU
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: no folder {os.path.dirname(os.path.abspath(args.json))}")
+    if args.json and os.path.isdir(args.json):
+        p.error(f"--json {args.json} is a folder; give a file name")
     if "triton" in (args.backends or ()) and device.type == "cpu" and not interpreter_on():
         p.error("--backends triton on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 (or use a GPU)")
     if args.scaling and len(args.backends or ()) > 1:
@@ -324,6 +342,16 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     if args.vs == "fla":
         from . import bench_fla
+        ignored = [flag for flag, on in (("--quick", args.quick), ("--scaling", args.scaling),
+                                         ("--chunk-size", args.chunk_size is not None),
+                                         ("--backends", args.backends is not None)) if on]
+        if ignored:
+            p.error(f"--vs fla times its own fixed forms: {', '.join(ignored)} do not apply")
+        if not args.T and (args.dtype != "float32" or any(getattr(args, n) != d for n, d in
+                                                          (("B", 1), ("H", 4), ("K", 64), ("V", 64)))):
+            p.error("--vs fla: --dtype, --B, --H, --K and --V choose a shape only together with --T")
+        if device.type == "cpu" and args.T and (args.dtype != "float32" or any(T % 64 for T in args.T)):
+            p.error("--vs fla on the CPU: fla's PyTorch references take float32 and T a multiple of 64")
         shapes = None
         if args.T:
             shapes = [bench_fla.Shape(args.B, args.H, T, args.K, args.V, args.dtype) for T in args.T]
@@ -331,8 +359,8 @@ def main(argv=None):
         if unknown:
             p.error(f"--vs fla compares {', '.join(bench_fla.MODELS)}; not {', '.join(unknown)}")
         try:
-            bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS, warmup=args.warmup,
-                          repeats=args.repeats,
+            bench_fla.run(args.device, shapes=shapes, models=args.models or bench_fla.MODELS,
+                          warmup=1 if args.warmup is None else args.warmup, repeats=args.repeats,
                           json_path=args.json, profile=args.profile)
         except bench_fla.FlaMissing as e:
             p.exit(2, f"{p.prog}: {e}\n")
@@ -346,11 +374,11 @@ def main(argv=None):
         p.error(f"no case run has --backends {', '.join(unknown)}; they have {', '.join(known)}")
     dtype = getattr(torch, args.dtype)
     # the bar redraws itself with carriage returns: on a terminal only, not in a log file
-    kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V, chunk_size=args.chunk_size,
-              warmup=args.warmup, repeats=3 if args.repeats is None else args.repeats,
+    repeats = (1 if args.quick else 3) if args.repeats is None else args.repeats
+    kw = dict(device=args.device, dtype=dtype, B=args.B, H=args.H, K=args.K, V=args.V,
+              chunk_size=args.chunk_size or 64, warmup=1 if args.warmup is None else args.warmup, repeats=repeats,
               progress=not args.no_progress and sys.stderr.isatty())
-    if args.quick:
-        kw.update(warmup=1, repeats=1)
+    print(setting_line(kw))
     if args.scaling:
         Ts = args.T or ([256, 512, 1024] if args.quick else [1024, 2048, 4096, 8192])
         backend = (args.backends or ["chunk"])[0]

@@ -408,11 +408,25 @@ def environment() -> dict:
         fla_version = fla.__version__
     except ImportError:
         fla_version = None
-    cuda = torch.cuda.is_available()
-    return {"card": torch.cuda.get_device_name() if cuda else f"no CUDA device (CPU: {platform.processor() or 'cpu'})",
+    from .core import interpreter_on
+    cuda, cpu = torch.cuda.is_available(), cpu_model()
+    return {"card": torch.cuda.get_device_name() if cuda else f"no CUDA device (CPU: {cpu})", "cpu": cpu,
+            "threads": torch.get_num_threads(), "interpreter": interpreter_on(),
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
             "fla-core": fla_version, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere what platform knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def write_json(path, rows: list[dict], shapes, env: dict | None = None, **meta) -> dict:

@@ -12,7 +12,9 @@ COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time
 
 def test_table_prints_all_columns(capsys):
     bench.main(["--quick", "--T", "20", "--B", "1", "--H", "2", "--K", "6", "--V", "5", "--no-progress"])
-    table, notes = capsys.readouterr().out.strip().split("\n\n")
+    setting, _, out = capsys.readouterr().out.strip().partition("\n")
+    assert setting.startswith("# CPU ") and " threads; torch " in setting and "median of 1 after 1 warm-up" in setting
+    table, notes = out.split("\n\n")
     lines = table.splitlines()
     assert lines[0].split() == COLUMNS
     rows = [line.split() for line in lines[2:]]
@@ -28,7 +30,7 @@ def test_table_prints_all_columns(capsys):
 def test_scaling_mode(capsys):
     bench.main(["--scaling", "--quick", "--T", "16", "32", "--models", "linear", "--H", "1", "--K", "4",
                 "--V", "4", "--no-progress"])
-    lines = capsys.readouterr().out.strip().splitlines()
+    lines = capsys.readouterr().out.strip().splitlines()[1:]                 # after the "# ..." setting line
     assert "MiB_per_1k_tokens" in lines[0].split()
     assert len(lines) == 4 and all(line.split()[1] == "chunk" for line in lines[2:])
 
@@ -54,6 +56,12 @@ def usage_error(main, argv, capsys) -> str:
     (["--device", "nosuch"], "error: --device 'nosuch' is not a torch device"),
     (["--json", "/nonexistent/x.json"], "error: --json /nonexistent/x.json: no folder /nonexistent"),
     (["--scaling", "--backends", "recurrent", "chunk"], "error: --scaling times one backend"),
+    (["--device", "meta"], "error: --device meta: the benchmarks run on cpu or cuda[:N]"),
+    (["--json", "/tmp"], "error: --json /tmp is a folder; give a file name"),
+    (["--vs", "fla", "--quick"], "error: --vs fla times its own fixed forms: --quick do not apply"),
+    (["--vs", "fla", "--chunk-size", "32"], "error: --vs fla times its own fixed forms: --chunk-size do not apply"),
+    (["--vs", "fla", "--device", "cpu", "--T", "96"], "fla's PyTorch references take float32 and T a multiple of 64"),
+    (["--vs", "fla", "--device", "cpu", "--T", "64", "--dtype", "bfloat16"], "take float32 and T a multiple of 64"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
     line = usage_error(bench.main, SMALL[:2] + argv if "--models" not in argv else argv + SMALL[2:], capsys)
@@ -238,12 +246,12 @@ def test_finite_rows_turn_nan_and_both_infinities_into_none():
 
 @pytest.mark.parametrize("argv, Ts, warmup, repeats", [
     (["--quick"], [256], 1, 1),
-    (["--quick", "--warmup", "4", "--repeats", "7"], [256], 1, 1),
+    (["--quick", "--warmup", "4", "--repeats", "7"], [256], 4, 7),
     ([], [1024, 4096], 1, 3),
     (["--warmup", "2", "--repeats", "5", "--T", "32"], [32], 2, 5),
 ])
 def test_quick_is_one_short_timed_call(monkeypatch, capsys, argv, Ts, warmup, repeats):
-    """``--quick``: T=256, one warm-up and one timed call, whatever else was asked; without it the options."""
+    """``--quick``: T=256, one warm-up and one timed call unless --warmup/--repeats say otherwise."""
     seen = {}
 
     def run_benchmarks(models, Ts, **kw):
@@ -790,3 +798,12 @@ def test_the_memory_profiler_prints_nothing_of_its_own():
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and "linear" in run.stdout, run.stderr
     assert "profiler_start" not in run.stderr and "USDT" not in run.stderr, run.stderr
+
+
+def test_small_speedups_keep_two_significant_digits():
+    """A backend 25x slower than its reference reads 0.04x, not 0.0x."""
+    rows = [{"model": "m", "backend": b, "time_ms": t, "speedup": s} for b, t, s in
+            (("recurrent", 1.0, 1.0), ("triton", 25.0, 0.04), ("chunk", 0.5, 2.0))]
+    lines = bench._table(rows).splitlines()
+    column = lines[0].split().index("speedup")
+    assert [line.split()[column] for line in lines[2:]] == ["1.0x", "0.04x", "2.0x"]
