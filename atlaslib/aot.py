@@ -667,8 +667,10 @@ def format_builds(results: list[Build]) -> str:
     rows = [{"family": r.config.split(":")[0], "kernel": r.kernel, "config": r.config.split(": ", 1)[1],
              "target": r.target,
              "shared KB": f"{r.shared / 1024:.1f}", "limit KB": TARGETS[r.target]["shared_limit"] // 1024,
-             "warps": r.warps, "regs": f"{r.registers}" + (f" (<= {r.maxnreg})" if r.maxnreg else ""),
-             "spill B": r.spill_stores, "dots TC/CUDA": f"{r.tensor_core_dots}/{r.cuda_core_dots}",
+             "warps": r.warps,
+             "regs": ("-" if r.registers < 0 else f"{r.registers}") + (f" (<= {r.maxnreg})" if r.maxnreg else ""),
+             "spill B": "-" if r.spill_stores < 0 else r.spill_stores,       # -1: unmeasured (--fast)
+             "dots TC/CUDA": f"{r.tensor_core_dots}/{r.cuda_core_dots}",
              "int64": "yes" if r.int64_bases else "NO",
              "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
     return format_table(rows, columns=list(rows[0]))
@@ -703,11 +705,10 @@ def main(argv=None):
     if args.oversized and args.family:
         parser.error("--oversized builds one deliberately oversized tile (chapter 1's kernel); it takes no --family")
     from .core.dispatch import interpreter_on
-    if interpreter_on():
-        proc = in_subprocess(argv if argv is not None else sys.argv[1:])
-        sys.stdout.write(proc.stdout)
-        sys.stderr.write(proc.stderr)
-        return proc.returncode
+    if interpreter_on():      # the real compiler, in a child that writes to this terminal (its progress bar too)
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        args_ = argv if argv is not None else sys.argv[1:]
+        return subprocess.run([sys.executable, "-m", "atlaslib.aot", *args_], env=env).returncode
     targets = tuple(args.target or TARGETS)
     if args.oversized:
         results = [oversized_build(t, full=not args.fast) for t in targets]

@@ -36,6 +36,7 @@ import importlib.metadata
 import itertools
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -384,6 +385,9 @@ def read_results(out: str) -> list[dict]:
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if not isinstance(r, dict) or not all(k in r for k in KEY_FIELDS):
+                    warnings.warn(f"{path}: a line that is not a results record was skipped", stacklevel=2)
+                    continue
                 records.setdefault(cell_key(r), r)
     return list(records.values())
 
@@ -500,10 +504,14 @@ def main(argv=None):
             torch.device(args.device)
         except RuntimeError:
             p.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+        if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+            p.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
     if args.experiment != "mqar" and args.size is not None:
         p.error(f"--size chooses the mqar grid; {args.experiment} has its own fixed grid")
     args.size = args.experiment if args.experiment != "mqar" else args.size or "small"
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")     # a sweep makes its folder
+    if os.path.isdir(out):
+        p.error(f"--out {out} is a folder; give a file name")
     if args.report:
         print(report(out))
         return

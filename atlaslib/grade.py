@@ -555,9 +555,12 @@ def write_atomically(path, write) -> None:
     import tempfile
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
             write(f)
+        os.chmod(tmp, 0o666 & ~umask)        # mkstemp makes it owner-only; the file gets what open() would give
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -764,6 +767,8 @@ def main(argv=None) -> int:
     for option, path in (("--save", args.save), ("--csv", args.csv)):     # before the notebooks run, not after
         if path and not Path(path).parent.is_dir():
             parser.error(f"{option} {path}: no folder {Path(path).parent}")
+        if path and Path(path).is_dir():
+            parser.error(f"{option} {path} is a folder; give a file name")
     if args.worker:      # the child process of grade_in_child: the report goes to the file it names
         try:
             report = grade(target, timeout=args.timeout, save=args.save, progress=not args.json, everything=True)

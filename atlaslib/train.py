@@ -261,10 +261,17 @@ def main(argv=None) -> TrainResult:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.d_model % args.n_heads:
         p.error(f"--d-model {args.d_model} is not divisible by --n-heads {args.n_heads}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.out and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        p.error(f"--out {args.out}: a file name in an existing folder, written after training")
 
     device = _init_distributed()
     rank, world = _world()
     try:
+        if args.batch_size % world:
+            p.error(f"--batch-size {args.batch_size} is the global batch: it must be divisible by the {world} "
+                    "processes")
         try:      # the task's and the model's own checks of the sizes given (e.g. seq_len against the pairs)
             task = MQARTask(args.vocab_size, args.seq_len, args.num_kv_pairs, args.num_train, args.num_test)
             data = tuple(t.to(device) for t in task.data(args.seed))

@@ -374,6 +374,9 @@ def test_a_failed_build_does_not_fit_and_the_table_says_why():
     assert [rows[c]["ok"] for c in ("over", "failed", "narrow", "good")] == ["TOO BIG", "BUILD FAILED", "yes", "yes"]
     assert [rows[c]["int64"] for c in ("over", "failed", "narrow", "good")] == ["yes", "NO", "NO", "yes"]
     assert all(r["limit KB"] == "163" and r["target"] == "sm_80" for r in rows.values())
+    fast = aot.Build("k", "linear: fast", "sm_80", 1024, -1, -1, -1, True)          # --fast: unmeasured
+    (row,) = _columns(aot.format_builds([fast]))
+    assert (row["regs"], row["spill B"]) == ("-", "-"), row
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -60,6 +60,7 @@ def test_shard_from_torchrun_environment(monkeypatch):
     (["mqar", "--device", "foo"], "error: --device 'foo' is not a torch device"),
     (["filler", "--size", "paper"], "error: --size chooses the mqar grid; filler has its own fixed grid"),
     (["mqar", "--merge", "--out", "/nonexistent/x.jsonl"], "error: --merge: no folder /nonexistent"),
+    (["mqar", "--out", "/tmp"], "error: --out /tmp is a folder; give a file name"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
     size = ["--size", "tiny"] if argv[0] == "mqar" else []
@@ -303,3 +304,21 @@ def test_a_committed_cell_reproduces():
                   if all(r[k] == v for k, v in REPLAY.items()))
     check = ex.reproduce(record, tol=REPLAY_TOL)
     assert check["ok"], check
+
+
+def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
+    """A results file holding another JSON line (train's losses, a stray object) still reports its records."""
+    out = tmp_path / "r.jsonl"
+    good = _record("linear", 16, 2, 1e-3, 0, 0.5)
+    out.write_text(json.dumps({"a": 1}) + "\n" + json.dumps([1, 2]) + "\n" + json.dumps(good) + "\n")
+    with pytest.warns(UserWarning, match="not a results record"):
+        records = ex.read_results(str(out))
+    assert records == [good]
+
+
+def test_cuda_without_cuda_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(["mqar", "--size", "tiny", "--device", "cuda", "--list"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "CUDA is not available" in err.strip().splitlines()[-1], err

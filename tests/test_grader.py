@@ -238,6 +238,7 @@ def grade_cli(monkeypatch):
     (["--save", "{tmp}/missing/x.ipynb"], "error: --save {tmp}/missing/x.ipynb: no folder {tmp}/missing"),
     (["--csv", "{tmp}/scores.csv"], f"error: --csv is for a folder of notebooks; {STUDENT} is not a folder"),
     (["--fail-under", "-1"], "error: --fail-under must be a number of points >= 0, got -1"),
+    (["--save", "{tmp}"], "error: --save {tmp} is a folder; give a file name"),
 ])
 def test_bad_options_are_refused_before_grading(grade_cli, capsys, tmp_path, argv, message):
     with pytest.raises(SystemExit) as exit_:
@@ -464,3 +465,17 @@ def test_a_worker_that_dies_is_an_error_row(tmp_path, monkeypatch):
     monkeypatch.setattr(grade_module.sys, "executable", str(suicidal))
     report = grade_module.grade_in_child(STUDENT, TIMEOUT, progress=False)
     assert report["earned"] == 0 and "died (exit status -9)" in report["error"], report
+
+
+def test_files_the_grader_writes_follow_the_umask(tmp_path):
+    """--save and --csv files are written through a temporary file (mkstemp: owner-only); the file that
+    stays gets the permissions open() would give it, so a class's scores are readable as the umask says."""
+    import os
+
+    from atlaslib.grade import write_atomically
+    old = os.umask(0o022)
+    try:
+        write_atomically(tmp_path / "scores.csv", lambda f: f.write("name,points\n"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "scores.csv").stat().st_mode & 0o777 == 0o644

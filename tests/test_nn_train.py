@@ -271,6 +271,9 @@ TINY_CLI = ["--num-train", "16", "--num-test", "8", "--batch-size", "4", "--d-mo
     (["--n-heads", "3"], "error: --d-model 16 is not divisible by --n-heads 3"),
     (["--seq-len", "8", "--num-kv-pairs", "8"], "error: seq_len=8 is too small for num_kv_pairs=8"),
     (["--steps", "0"], "error: --steps must be >= 1, got 0"),
+    (["--lr", "-1"], "error: --lr must be > 0, got -1.0"),
+    (["--out", "/nonexistent/l.json"], "error: --out /nonexistent/l.json: a file name in an existing folder"),
+    (["--out", "/tmp"], "error: --out /tmp: a file name in an existing folder"),
 ])
 def test_train_command_refuses_bad_arguments_in_one_line(capsys, argv, message):
     from atlaslib import train
