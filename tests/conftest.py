@@ -40,7 +40,10 @@ def _base_seed() -> int:
         raise pytest.UsageError(f"ATLASLIB_TEST_SEED must be an integer or 'random', got {value!r}") from None
 
 
-BASE_SEED = _base_seed()
+try:                     # a bad value is reported by pytest_configure as a usage error, not as a broken conftest
+    BASE_SEED, SEED_ERROR = _base_seed(), None
+except pytest.UsageError as e:
+    BASE_SEED, SEED_ERROR = DEFAULT_SEED, e
 
 
 def pytest_report_header(config):
@@ -84,6 +87,8 @@ def poisoned(monkeypatch):
 
 
 def pytest_configure(config):
+    if SEED_ERROR is not None:
+        raise SEED_ERROR
     config.addinivalue_line("markers", "library_rules: keep the exercises' ban on calling the library's answer")
     config.addinivalue_line("markers", "slow: left out by `make test-fast` (see SLOW_FILES and SLOW_TESTS)")
 
