@@ -965,3 +965,25 @@ def test_helpers_check_their_arguments():
     assert describe("titans") == describe(make_config("titans"))
     with pytest.raises(ValueError, match="unknown preset 'foo'"):
         axes_table(["foo"])
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_elastic_net_at_threshold_zero_is_no_retention_in_its_gradients_too(gen, backend):
+    """S_0 is the identity, so retention="elastic" with threshold 0 is retention="none", gradients included,
+    also where the state is exactly 0 (a zero start memory and a first token that writes nothing, eta_0 = 0):
+    sign(z) * |z| has the derivative 0 there."""
+    B, H, T, K = 1, 2, 6, 3
+    q, k, v = random_qkv(B, H, T, K, K, dtype=F64, generator=gen)
+
+    def grads(retention):
+        eta = (0.2 + 0.3 * torch.rand(B, H, T, generator=gen.manual_seed(7), dtype=F64))
+        eta[..., 0] = 0.0
+        eta.requires_grad_(True)
+        extra = dict(threshold=0.0) if retention == "elastic" else {}
+        o, _ = miras(q, k, v, memory="linear", bias="l2", retention=retention, eta=eta, backend=backend, chunk_size=2,
+                     **extra)
+        (g,) = torch.autograd.grad((o * torch.linspace(-1, 1, o.numel(), dtype=F64).view_as(o)).sum(), eta)
+        return g
+    want = grads("none")
+    assert want[..., 0].abs().min() > 1e-6, "eta_0's gradient must not vanish for the test to mean anything"
+    assert_close(grads("elastic"), want, tol=1e-12, name="d/d eta, elastic at threshold 0")
