@@ -51,4 +51,5 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path, gen):
 def test_global_batch_not_divisible_by_world_size_raises(tmp_path):
     run = _torchrun(tmp_path, 2, 0, batch_size=7, steps=1)
     assert run.returncode != 0
-    assert "batch_size=7 is the global batch and must be divisible by the world size 2" in run.stderr
+    # a usage error of each rank (argparse, exit 2), before any training
+    assert "error: --batch-size 7 is the global batch: it must be divisible by the 2 processes" in run.stderr

@@ -15,8 +15,10 @@ import torch
 
 from atlaslib.core import assert_close, poisoned_outputs, random_qkv
 from atlaslib.core.chunk_kernels import CHUNK
+from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
 from atlaslib.linear.kernel import LinearAttentionFunction
+from atlaslib.omega import omega_rule
 
 MODES = [None, "scalar", "channel"]
 NAMES = ("q", "k", "v", "gate", "initial state")
@@ -233,3 +235,28 @@ def test_scalar_gate_gradients_with_batches_and_two_key_blocks(gen):
         grads.append([x.grad for x in xs])
     for name, got, want in zip(("q", "k", "v", "log_alpha", "h0"), *grads):
         assert_close(got.double(), want, tol=1e-5, name=f"{name} gradient")
+
+
+SECOND_ORDER = {
+    "linear_attention": lambda q, k, v, b: linear_attention(q, k, v, alpha=0.9, backend=b)[0],
+    "delta_rule": lambda q, k, v, b: delta_rule(q, k, v, 0.5, backend=b)[0],
+    "omega_rule": lambda q, k, v, b: omega_rule(q, k, v, window=2, eta=0.3, chunk_size=3, backend=b)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(SECOND_ORDER))
+def test_a_gradient_penalty_through_the_kernels_is_differentiated(gen, name):
+    """create_graph=True through backend="triton": the gradients are differentiable (through the chunk form)
+    and a penalty on them reaches q as it does through the chunk form (it used to be dropped silently: the
+    kernels' gradients carried no graph). Chapter 1-2 kernels have their own backward; omega_rule's is
+    chapter 1's generic ``ChunkBackward``."""
+    q, k, v = random_qkv(1, 2, 9, 8, 8, generator=gen)
+
+    def penalised(backend):
+        x = q.clone().requires_grad_(True)
+        o = SECOND_ORDER[name](x, k, v, backend)
+        (gq,) = torch.autograd.grad(o.square().sum(), x, create_graph=True)
+        assert gq.requires_grad, "the gradient carries no graph"
+        (g,) = torch.autograd.grad(o.sum() + gq.square().sum(), x)
+        return g
+    assert_close(penalised("triton"), penalised("chunk"), tol=1e-5, name=f"{name}: d/dq of o + |do/dq|^2")

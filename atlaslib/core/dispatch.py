@@ -187,8 +187,10 @@ class ChunkBackward(torch.autograd.Function):
 
     The backward recomputes the chunk form from the saved inputs and differentiates it:
     the gradients are those of the same function (the two forwards agree to rounding),
-    with no hand-written Triton backward. ``forward_triton`` and ``forward_chunk`` take
-    the same positional tensors (``None`` allowed) and return a tuple of tensors.
+    with no hand-written Triton backward. Under ``create_graph=True`` the gradients are
+    themselves differentiable (``second_order_requested``). ``forward_triton`` and
+    ``forward_chunk`` take the same positional tensors (``None`` allowed) and return a
+    tuple of tensors.
     """
 
     @staticmethod
@@ -205,18 +207,32 @@ class ChunkBackward(torch.autograd.Function):
     def backward(ctx, *grad_outs):
         inputs = [s if is_t else o for s, is_t, o in zip(ctx.saved_tensors, ctx.is_tensor, ctx.others)]
         needs = [isinstance(x, torch.Tensor) and x.requires_grad for x in inputs]
-        return (None, None, *chunk_grads(ctx.forward_chunk, inputs, needs, grad_outs))
+        return (None, None, *chunk_grads(ctx.forward_chunk, inputs, needs, grad_outs,
+                                         create_graph=second_order_requested()))
 
 
-def chunk_grads(forward_chunk, inputs, needs, grad_outs) -> list:
+def second_order_requested() -> bool:
+    """True inside a backward that runs with ``create_graph=True`` (a gradient penalty, a Hessian-vector
+    product), outside ``torch.func``, whose transforms take this library's Functions to first order only."""
+    return torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+
+
+def chunk_grads(forward_chunk, inputs, needs, grad_outs, create_graph: bool = False) -> list:
     """The gradients of ``forward_chunk(*inputs)`` (outputs met by ``grad_outs``) for the inputs whose
-    ``needs`` is true, by autograd through the recomputed chunk form; None for the others."""
-    xs = [x.detach().requires_grad_(need) if isinstance(x, torch.Tensor) else x for x, need in zip(inputs, needs)]
+    ``needs`` is true, by autograd through the recomputed chunk form; None for the others.
+
+    ``create_graph``: differentiate the inputs as they are (not detached copies) and keep the graph, so
+    that the gradients can be differentiated again (second order through the chunk form)."""
+    if create_graph:
+        xs = list(inputs)
+    else:
+        xs = [x.detach().requires_grad_(need) if isinstance(x, torch.Tensor) else x for x, need in zip(inputs, needs)]
     wrt = [x for x, need in zip(xs, needs) if need and isinstance(x, torch.Tensor)]
     with torch.enable_grad():
         outs = forward_chunk(*xs)
         pairs = [(o, g) for o, g in zip(outs, grad_outs) if o is not None and g is not None and o.requires_grad]
-        grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        grads = (torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                     create_graph=create_graph)
                  if pairs and wrt else [None] * len(wrt))
     it = iter(grads)
     return [next(it) if need and isinstance(x, torch.Tensor) else None for x, need in zip(xs, needs)]

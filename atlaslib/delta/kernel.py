@@ -98,7 +98,7 @@ from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch,
                             dot_tile, feature_tile, forward_launch, intermediate_precision, load_block, precision,
                             store_tile, unwrapped, within_head_span)
 from ..core.alloc import empty
-from ..core.dispatch import backward_or_fallback
+from ..core.dispatch import backward_or_fallback, chunk_grads, second_order_requested
 from .chunk import delta_rule_chunk
 
 # The state pass holds all K key channels of its state slice in registers: K <= 256.
@@ -539,7 +539,8 @@ class DeltaRuleFunction(torch.autograd.Function):
     scores Aq, Ak (B*H*Tp*64*4 bytes each). NT = cdiv(T, 64), Tp = 64 NT.
 
     Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
-    tensors and is not itself differentiable). A card whose shared memory holds the forward's tiles but
+    tensors and is not itself differentiable). Under ``create_graph=True`` outside ``torch.func`` (a
+    gradient penalty) the backward differentiates the chunk form instead, keeping the graph. A card whose shared memory holds the forward's tiles but
     not the backward's gets autograd through the chunk form, with a warning (``core.dispatch.backward_or_fallback``).
     """
 
@@ -560,6 +561,8 @@ class DeltaRuleFunction(torch.autograd.Function):
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         inputs = (q, k, v, beta, logs, h0)
+        if second_order_requested():             # create_graph: differentiable gradients, through the chunk form
+            return tuple(chunk_grads(_chunk_form, inputs, ctx.needs_input_grad, (do, dht), create_graph=True))
 
         def kernels():
             dq, dk, dv, dbeta, dlogs, dh0 = delta_rule_backward(do, dht, *inputs)

@@ -25,7 +25,8 @@ Triton compiles away. ``core.kernels`` holds the set-up all chapters' kernels sh
 The backward kernels are in ``linear.backward``; ``LinearAttentionFunction`` ties the two
 together as one ``torch.autograd.Function`` (forward and ``setup_context`` apart, the form
 ``torch.compile`` and ``torch.func`` ask for; under ``torch.func.grad`` its backward unwraps the
-tensors for the kernels, first order only), and
+tensors for the kernels, first order only; a backward under ``create_graph=True`` outside
+``torch.func`` differentiates the chunk form instead, so that its gradients have a graph), and
 ``linear_attention(..., backend="triton")`` runs it (``linear_attention_autograd``). Gradients
 reach ``alpha`` or ``log_alpha`` through the log-gates the Function takes (their log and clamp
 stay in autograd). Runs under ``TRITON_INTERPRET=1`` on CPU.
@@ -36,7 +37,7 @@ import torch
 
 from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
 from ..core.chunking import gate_logs
-from ..core.dispatch import backward_or_fallback
+from ..core.dispatch import backward_or_fallback, chunk_grads, second_order_requested
 from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
     gate_mode, unwrapped
 from .chunk import linear_attention_chunk
@@ -100,6 +101,8 @@ class LinearAttentionFunction(torch.autograd.Function):
             do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         gate = gate_mode(logs)
         need = ctx.needs_input_grad
+        if second_order_requested():             # create_graph: differentiable gradients, through the chunk form
+            return (*chunk_grads(_chunk_form, (q, k, v, logs, h0), need[:5], (do, dht), create_graph=True), None)
 
         def kernels():
             g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
