@@ -540,8 +540,9 @@ class DeltaRuleFunction(torch.autograd.Function):
 
     Works under ``torch.func.grad`` (first order: the backward runs its kernels on the unwrapped
     tensors and is not itself differentiable). Under ``create_graph=True`` outside ``torch.func`` (a
-    gradient penalty) the backward differentiates the chunk form instead, keeping the graph. A card whose shared memory holds the forward's tiles but
-    not the backward's gets autograd through the chunk form, with a warning (``core.dispatch.backward_or_fallback``).
+    gradient penalty) the backward differentiates the chunk form instead, keeping the graph. A card whose
+    shared memory holds the forward's tiles but not the backward's gets autograd through the chunk form,
+    with a warning (``core.dispatch.backward_or_fallback``).
     """
 
     @staticmethod
