@@ -74,8 +74,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
             M Diag(alpha_t) applied before the update (diagonal-plus-rank-1 transition).
         log_alpha: the same gate as its log (values <= 0, fp32 or fp64, or a number), instead of alpha;
             never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0). Train a gate
-            through it: a gradient with respect to a small alpha (< 1e-3) can lose its digits in fp32, as
-            ``linear_attention`` says.
+            through it: a gradient with respect to a small alpha (< 1e-3) can lose its digits in fp32, and
+            one below e^-60 (0 included) is 0 in the chunk and Triton forms, as ``linear_attention`` says.
         longhorn: interpret ``beta`` as Longhorn's implicit step and use
             ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
             the update is then the exact minimiser of

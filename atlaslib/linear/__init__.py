@@ -51,6 +51,9 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, nor
             1 - 2^-12 is exactly 1.0 as bf16 alpha but still decays as log_alpha. Train a gate through
             log_alpha: the chunk forms and kernel work with log-gates, so a gradient with respect to alpha
             itself is d/dlog(alpha) / alpha and, in fp32, can lose its digits for small gates (alpha < 1e-3).
+            Every form but the loop floors the log-gate at -60 (``core.chunking.LOG_FLOOR``): a gate below
+            e^-60, 0 included, is a full reset there and gets a gradient of 0 (the loop: the one-sided
+            derivative). The same holds for the gates of chapters 2-6 (alpha, and theta of MIRAS/ATLAS).
         initial_state: optional [B, H, V, K] (or [B, H, V+1, K] when normalize) start state.
         output_final_state: also return the state after the last token.
         backend: "recurrent" (the per-token definition), "chunk" (chunkwise PyTorch, exact
