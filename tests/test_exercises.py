@@ -465,3 +465,27 @@ def test_every_statement_names_what_its_check_forbids(path):
         if absent:
             missing[ex.name] = absent
     assert not missing, f"statements do not name what their checks forbid: {missing}"
+
+
+@triton.jit
+def _add_two_inputs(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, OVER: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    x = tl.load(a_ptr + r, mask=r < n + OVER, other=0.0) + tl.load(b_ptr + r, mask=r < n, other=0.0)
+    tl.store(out_ptr + r, x, mask=r < n)
+
+
+def test_loads_are_checked_by_address_and_views_of_one_buffer_are_not_each_others_band():
+    """Under the interpreter a load outside every argument fails the check; two arguments that are views of
+    one buffer (side by side) may read each other, the band beyond both may not be read."""
+    from atlaslib.exercises.checking import guarded, guarded_output, run_under_rules
+    both = guarded(torch.randn(10))
+
+    def add(a, b, out, over):
+        _add_two_inputs[(1,)](a, b, out, 5, BLOCK=16, OVER=over)
+        return out
+    for over in (0, 5):                   # a[5:10] is b: allowed
+        out = guarded_output((5,))
+        run_under_rules(add, (both[:5], both[5:], out, over), {}, (), outputs=(2,))
+        assert torch.equal(out, both[:5] + both[5:])
+    with pytest.raises(Exception, match="loaded 1 value.s. past the end of argument 1"):
+        run_under_rules(add, (both[:5], both[5:], guarded_output((5,)), 6), {}, (), outputs=(2,))

@@ -198,7 +198,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     # bands, an output's sentinel bands. Under TRITON_INTERPRET every load is seen with its addresses,
     # so a load there fails the check even when the value it reads never reaches an output (on a GPU
     # such a load reads another tensor's memory, or faults).
-    bands, strays = [], []
+    bands, extents, strays = [], [], []
     for label, t in [(f"argument {i + 1}", a) for i, a in enumerate(args)] + \
             [(f"argument {key}", a) for key, a in kwargs.items()]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
@@ -206,6 +206,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         base, size = t.untyped_storage().data_ptr(), t.element_size()
         start = base + t.storage_offset() * size
         stop = start + (0 if t.numel() == 0 else 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * size
+        extents.append((start, stop))
         if base < start:
             bands.append((base, start, f"before the start of {label}"))
         if stop < base + t.untyped_storage().nbytes():
@@ -220,6 +221,8 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         import numpy as np
         addresses = np.asarray(ptrs.data)
         addresses = addresses[np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)]
+        for lo, hi in extents:           # two arguments may be views of one buffer: each is the other's band
+            addresses = addresses[(addresses < lo) | (addresses >= hi)]
         for lo, hi, where in bands:
             n = int(((addresses >= lo) & (addresses < hi)).sum())
             if n:
