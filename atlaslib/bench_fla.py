@@ -401,8 +401,13 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def environment() -> dict:
-    """Card, versions and date, for the table's header and the JSON file."""
-    import triton
+    """Card, versions and date, for the table's header and the JSON file (triton None where it is missing:
+    the plain bench runs without it)."""
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
     try:
         import fla
         fla_version = fla.__version__
@@ -412,7 +417,7 @@ def environment() -> dict:
     cuda, cpu = torch.cuda.is_available(), cpu_model()
     return {"card": torch.cuda.get_device_name() if cuda else f"no CUDA device (CPU: {cpu})", "cpu": cpu,
             "threads": torch.get_num_threads(), "interpreter": interpreter_on(),
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "fla-core": fla_version, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 

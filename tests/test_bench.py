@@ -807,3 +807,15 @@ def test_small_speedups_keep_two_significant_digits():
     lines = bench._table(rows).splitlines()
     column = lines[0].split().index("speedup")
     assert [line.split()[column] for line in lines[2:]] == ["1.0x", "0.04x", "2.0x"]
+
+
+def test_the_setting_line_needs_no_triton(monkeypatch):
+    """The plain bench runs without Triton (its triton rows are then left out): so does its first line."""
+    import sys
+
+    from atlaslib import bench_fla
+    monkeypatch.setitem(sys.modules, "triton", None)           # import triton raises ImportError
+    env = bench_fla.environment()
+    assert env["triton"] is None and env["threads"] >= 1
+    line = bench.setting_line(dict(device="cpu", chunk_size=64, repeats=3, warmup=1))
+    assert line.startswith("# CPU ") and "triton None" in line, line

@@ -260,3 +260,16 @@ def test_a_gradient_penalty_through_the_kernels_is_differentiated(gen, name):
         (g,) = torch.autograd.grad(o.sum() + gq.square().sum(), x)
         return g
     assert_close(penalised("triton"), penalised("chunk"), tol=1e-5, name=f"{name}: d/dq of o + |do/dq|^2")
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "delta_rule"])
+def test_grad_of_grad_under_torch_func_through_the_kernels_is_refused(gen, name):
+    """torch.func.grad of torch.func.grad: the kernels' backward unwraps every level, so the outer grad
+    would see a constant and return 0; it raises instead (one level, first order, still works)."""
+    q, k, v = random_qkv(1, 1, 5, 4, 4, generator=gen)
+
+    def f(backend):
+        return lambda x: SECOND_ORDER[name](x, k, v, backend).pow(3).sum()
+    assert_close(torch.func.grad(f("triton"))(q), torch.func.grad(f("chunk"))(q), tol=1e-5, name="first order")
+    with pytest.raises(RuntimeError, match="first order under torch.func"):
+        torch.func.grad(lambda x: torch.func.grad(f("triton"))(x).square().sum())(q)

@@ -987,3 +987,13 @@ def test_elastic_net_at_threshold_zero_is_no_retention_in_its_gradients_too(gen,
     want = grads("none")
     assert want[..., 0].abs().min() > 1e-6, "eta_0's gradient must not vanish for the test to mean anything"
     assert_close(grads("elastic"), want, tol=1e-12, name="d/d eta, elastic at threshold 0")
+
+
+def test_soft_threshold_lets_nan_and_inf_through():
+    """A diverged state stays diverged: NaN is not thresholded to 0 (inf keeps its sign)."""
+    from atlaslib.miras import soft_threshold
+    z = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.5, -2.0])
+    for gamma in (0.0, 1.0):
+        got = soft_threshold(z, gamma)
+        assert torch.isnan(got[0]) and got[1] == float("inf") and got[2] == -float("inf"), (gamma, got)
+    assert torch.equal(soft_threshold(z[3:], 1.0), torch.tensor([0.0, -1.0]))

@@ -283,6 +283,20 @@ def unwrapped(x):
     return x
 
 
+def refuse_nested_transforms(x, name: str) -> None:
+    """Raise if ``x`` (a tensor a kernel Function's backward saved) is wrapped by more than one torch.func
+    level: the backward unwraps them all for its kernels, so an outer grad (grad of grad, jacrev of jacrev)
+    would see the gradient as a constant and return 0 instead of failing."""
+    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    levels = 0
+    while x is not None and is_functorch_wrapped_tensor(x):
+        x, levels = get_unwrapped(x), levels + 1
+    if levels > 1:
+        raise RuntimeError(f"{name}: the Triton backward is first order under torch.func ({levels} nested "
+                           "transforms here); for higher derivatives use backend='chunk', or plain autograd "
+                           "with create_graph=True")
+
+
 def dot_tile(n: int) -> int:
     """A tile covering n rows or channels: a power of two, and at least 16, the least tl.dot takes."""
     return max(16, triton.next_power_of_2(n))

@@ -96,7 +96,7 @@ from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_ti
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
                             dot_tile, feature_tile, forward_launch, intermediate_precision, load_block, precision,
-                            store_tile, unwrapped, within_head_span)
+                            refuse_nested_transforms, store_tile, unwrapped, within_head_span)
 from ..core.alloc import empty
 from ..core.dispatch import backward_or_fallback, chunk_grads, second_order_requested
 from .chunk import delta_rule_chunk
@@ -558,6 +558,7 @@ class DeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         # under torch.func the saved tensors and gradients come wrapped for its transforms; the
         # kernels read raw memory, and the backward is not differentiated again (first order only)
+        refuse_nested_transforms(ctx.saved_tensors[0], "delta_rule")
         q, k, v, beta, logs, h0, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)

@@ -197,7 +197,7 @@ def triton_chunk_matrix(fn, gen):
                 torch.cuda.synchronize()
             check_guards("out", out)
             try:
-                compare("out", out, A_ref.to(device), tol)
+                compare("out", out, A_ref.to(device), tol, kernel_output=True)
             except CheckFailed as e:
                 raise CheckFailed(f"{e}{NAN_HINT if 'NaN' in str(e) else ''}") from None
     # the same text on CPU and GPU, so the stored output is valid on both

@@ -39,7 +39,7 @@ from ..core.chunk_kernels import CHUNK, channel_scores, output_pass, state_pass
 from ..core.chunking import gate_logs
 from ..core.dispatch import backward_or_fallback, chunk_grads, second_order_requested
 from ..core.kernels import GATE_CHANNEL, as_fp32, chunk_gates, chunk_local_log_gate, feature_tile, forward_launch, \
-    gate_mode, unwrapped
+    gate_mode, refuse_nested_transforms, unwrapped
 from .chunk import linear_attention_chunk
 
 # The state pass holds the delta rule's whole state; linear attention keeps the same limit.
@@ -96,6 +96,7 @@ class LinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dht, _dh=None):
         from .backward import linear_attention_backward
         # under torch.func the saved tensors and gradients come wrapped (``core.kernels.unwrapped``)
+        refuse_nested_transforms(ctx.saved_tensors[0], "linear_attention")
         q, k, v, logs, h0, ht, h, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
         if do is None:
             do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)

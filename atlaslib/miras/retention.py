@@ -40,9 +40,10 @@ import torch
 def soft_threshold(z: torch.Tensor, gamma: float) -> torch.Tensor:
     """S_gamma(z) = sign(z) max(0, |z| - gamma), elementwise.
 
-    Written as z - gamma sign(z) where |z| >= gamma, else 0, so that gamma = 0 is the identity in its
-    gradient too (sign(z) * |z| would have the derivative sign(z)^2 = 0 at z = 0: a zero memory, say)."""
-    return torch.where(z.abs() >= gamma, z - gamma * torch.sign(z), torch.zeros_like(z))
+    Written as 0 where |z| < gamma, else z - gamma sign(z), so that gamma = 0 is the identity in its
+    gradient too (sign(z) * |z| would have the derivative sign(z)^2 = 0 at z = 0: a zero memory, say),
+    and a NaN stays NaN (a diverged state is not turned into a zero one)."""
+    return torch.where(z.abs() < gamma, torch.zeros_like(z), z - gamma * torch.sign(z))
 
 
 def _scale(alpha, like):
