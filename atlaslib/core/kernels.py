@@ -277,20 +277,23 @@ def unwrapped(x):
     Function unwraps them and runs under ``torch._C._DisableFuncTorch()`` (first order only: the
     backward is not itself differentiated).
     """
+    return _unwrap_levels(x)[0]
+
+
+def _unwrap_levels(x):
+    """(``x`` without torch.func's wrappers, how many there were)."""
     from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
+    levels = 0
     while x is not None and is_functorch_wrapped_tensor(x):
-        x = get_unwrapped(x)
-    return x
+        x, levels = get_unwrapped(x), levels + 1
+    return x, levels
 
 
 def refuse_nested_transforms(x, name: str) -> None:
     """Raise if ``x`` (a tensor a kernel Function's backward saved) is wrapped by more than one torch.func
     level: the backward unwraps them all for its kernels, so an outer grad (grad of grad, jacrev of jacrev)
     would see the gradient as a constant and return 0 instead of failing."""
-    from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor
-    levels = 0
-    while x is not None and is_functorch_wrapped_tensor(x):
-        x, levels = get_unwrapped(x), levels + 1
+    levels = _unwrap_levels(x)[1]
     if levels > 1:
         raise RuntimeError(f"{name}: the Triton backward is first order under torch.func ({levels} nested "
                            "transforms here); for higher derivatives use backend='chunk', or plain autograd "
