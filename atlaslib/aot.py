@@ -423,7 +423,7 @@ def linear_backward_cases():
             def backward(T, K=K, dt=dt, gate=gate):
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
                 alpha = None if gate == "none" else _gate(q.shape[:3] if gate == "scalar" else q.shape)
-                mode, g, _ = chunk_gates(alpha, None, T, CHUNK)
+                mode, g, _ = chunk_gates(alpha, None, T, CHUNK, q.dtype)
                 state, h = torch.zeros(1, 2, K, K), torch.zeros(2, -(-T // CHUNK), K, K)   # h: the forward's
                 linear_attention_backward(q, k, v, mode, g, state, torch.zeros_like(v), state, h=h, ht=state)
             yield "linear_bwd", f"gate={gate} K=V={K} {dt}", backward
@@ -431,7 +431,7 @@ def linear_backward_cases():
         for dt in ("fp32", "bf16"):
             def delta_pass(T, K=K, dt=dt):
                 q, k, v = _qkv(K, K, DTYPES[dt], T)
-                mode, g, Tp = chunk_gates(_gate(q.shape), None, T, CHUNK)
+                mode, g, Tp = chunk_gates(_gate(q.shape), None, T, CHUNK, q.dtype)
                 w, du = torch.zeros(1, 2, Tp, K, dtype=q.dtype), torch.zeros(1, 2, Tp, K, dtype=q.dtype)
                 dstate_pass(q, v, mode, g, torch.zeros(1, 2, K, K), k=k, w=w, dv_local=du)
             yield "linear_bwd", f"reverse state pass, delta rule, gate=channel K=V={K} {dt}", delta_pass

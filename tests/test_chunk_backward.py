@@ -82,7 +82,7 @@ def test_dstate_pass_matches_autograd_of_the_forward_recursion(gen, mode, delta)
     K = 12 if delta else 80                                  # linear attention: two key-block programs
     q, k, do, alpha, dht, w, dv_local = draw(gen, mode, delta, K=K)
     T = q.shape[2]
-    gate, g, Tp = chunk_gates(alpha, None, T, CHUNK)
+    gate, g, Tp = chunk_gates(alpha, None, T, CHUNK, q.dtype)
     pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, 0, 0, Tp - T) if g is not None else (0, 0, 0, -T % CHUNK))  # noqa: E731,E501
     with poisoned_outputs():
         dh, dh0, dv2 = dstate_pass(q, do, gate, g, dht, k=k if delta else None, w=pad(w), dv_local=pad(dv_local))
@@ -99,7 +99,7 @@ def test_dstate_pass_matches_autograd_of_the_forward_recursion(gen, mode, delta)
 def test_no_final_gradient_and_views(gen):
     # dht None is a zero final gradient; q and do handed in as [B, T, H, C] views transposed
     q, k, do, alpha, _, _, _ = draw(gen, "scalar", False, B=2, T=CHUNK + 3)
-    gate, g, _ = chunk_gates(alpha, None, q.shape[2], CHUNK)
+    gate, g, _ = chunk_gates(alpha, None, q.shape[2], CHUNK, q.dtype)
     qv, dov = q.transpose(1, 2).contiguous().transpose(1, 2), do.transpose(1, 2).contiguous().transpose(1, 2)
     with poisoned_outputs():
         dh, dh0, _ = dstate_pass(qv, dov, gate, g)
@@ -112,7 +112,7 @@ def test_no_final_gradient_and_views(gen):
 def test_bf16_inputs_within_bf16_rounding(gen, delta):
     q, k, do, alpha, dht, w, dv_local = draw(gen, "channel", delta, K=16, V=16)
     T = q.shape[2]
-    gate, g, Tp = chunk_gates(alpha, None, T, CHUNK)
+    gate, g, Tp = chunk_gates(alpha, None, T, CHUNK, torch.bfloat16)
     pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, 0, 0, Tp - T))  # noqa: E731
     b = lambda x: None if x is None else x.bfloat16()  # noqa: E731
     dh, dh0, dv2 = dstate_pass(b(q), b(do), gate, g, dht, k=b(k) if delta else None, w=b(pad(w)),

@@ -96,7 +96,7 @@ def test_stored_chunk_states_are_the_prefix_states_in_the_state_dtype(gen, dtype
     q, k, v, alpha, _, h0 = inputs(gen, 3 * CHUNK + 5, "scalar", K=16, V=16)
     q, k, v = (x.to(dtype) for x in (q, k, v))
     run = forward_launch(q, k, v, BV=64)
-    gate, g, Tp = chunk_gates(alpha, None, run.T, CHUNK)
+    gate, g, Tp = chunk_gates(alpha, None, run.T, CHUNK, dtype)
     h, _, _ = state_pass(run, gate, g, Tp, h0)
     assert h.dtype == state_dtype(dtype) == (torch.float32 if dtype == torch.float32 else dtype)
     h = h.view(1, 2, -1, 16, 16)

@@ -391,6 +391,71 @@ def test_fp32_chunk_forms_keep_their_digits_after_resets(gen, name):
     assert chunk < 2.5 * loop, f"fp32 chunk form {chunk:.2e} from the fp64 definition, the fp32 loop {loop:.2e}"
 
 
+RESET_CASES_TRITON = {name: RESET_CASES[name] for name in ("linear_attention", "linear_attention (GLA)",
+                                                             "delta_rule (KDA)", "omega_rule", "swla")}
+RESET_CASES_TRITON["delta_rule (Gated DeltaNet)"] = (
+    lambda q, k, v, backend, b, **g: delta_rule(q, k, v, torch.full(q.shape[:3], 0.5, dtype=q.dtype),
+                                                backend=backend, chunk_size=b, **g), False, "recurrent")
+WITH_BACKWARD_KERNELS = ("linear_attention", "linear_attention (GLA)", "delta_rule (KDA)",
+                         "delta_rule (Gated DeltaNet)")
+
+
+def _resets(gen, per_channel, B_=1, H_=2, T_=96, K_=8):
+    """A quarter of the gates 0, the rest within 1e-3 of 1 (fp64)."""
+    shape = (B_, H_, T_, K_) if per_channel else (B_, H_, T_)
+    alpha = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=F64)
+    alpha[torch.rand(shape, generator=gen) < 0.25] = 0.0
+    return alpha
+
+
+@pytest.mark.parametrize("name", list(RESET_CASES_TRITON))
+def test_triton_kernels_keep_their_digits_after_resets(gen, name):
+    """The kernels' forward after resets, as the chunk forms' above: fp32 inputs get fp64 chunk-local sums
+    (``core.kernels.gate_sum_dtype``), differenced before rounding (with fp32 sums: 50x-150x the loop's error)."""
+    call, per_channel, oracle = RESET_CASES_TRITON[name]
+    q, k, v = random_qkv(1, 2, 96, 8, 8, generator=gen)
+    alpha = _resets(gen, per_channel)
+    ref = call(q.double(), k.double(), v.double(), oracle, 32, alpha=alpha)[0]
+    loop = rel_rmse(call(q, k, v, oracle, 32, alpha=alpha.float())[0].double(), ref)
+    kernel = rel_rmse(call(q, k, v, "triton", 32, alpha=alpha.float())[0].double(), ref)
+    assert kernel < 2.5 * loop, f"fp32 Triton kernels {kernel:.2e} from the fp64 definition, the fp32 loop {loop:.2e}"
+
+
+@pytest.mark.parametrize("name", WITH_BACKWARD_KERNELS)
+def test_triton_backward_keeps_its_digits_after_resets(gen, name):
+    """The same for the backward kernels: dq, dk, dv of a random projection of the outputs (with fp32 sums
+    120x-170x the loop's error)."""
+    call, per_channel, oracle = RESET_CASES_TRITON[name]
+    q, k, v = random_qkv(1, 2, 96, 8, 8, generator=gen)
+    alpha = _resets(gen, per_channel)
+    w = torch.randn(1, 2, 96, 8, generator=gen, dtype=F64)
+
+    def grads(dtype, backend):
+        xs = [x.to(dtype).clone().requires_grad_() for x in (q, k, v)]
+        (call(*xs, backend, 32, alpha=alpha.to(dtype))[0] * w.to(dtype)).sum().backward()
+        return torch.cat([x.grad.double().flatten() for x in xs])
+    ref = grads(F64, oracle)
+    loop, kernel = rel_rmse(grads(torch.float32, oracle), ref), rel_rmse(grads(torch.float32, "triton"), ref)
+    assert kernel < 2.5 * loop, f"fp32 Triton backward {kernel:.2e} from the fp64 definition, the fp32 loop {loop:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_kernels_get_chunk_local_sums_of_the_log_gates(gen, dtype, per_channel):
+    """``chunk_local_log_gate``: the running sums restart at every chunk of BT tokens, the padding adds log-gate
+    0, and the sums come in fp64 for fp32 inputs, fp32 (the fp64 sums rounded) for 16-bit ones."""
+    from atlaslib.core.kernels import chunk_local_log_gate
+    T, BT = 21, 8
+    logs = -torch.rand((1, 2, T, 3) if per_channel else (1, 2, T), generator=gen) * 30
+    g, Tp = chunk_local_log_gate(logs, BT, dtype)
+    assert Tp == 24 and g.shape[2] == 24
+    assert g.dtype == (torch.float64 if dtype == torch.float32 else torch.float32)
+    padded = torch.cat([logs.double(), torch.zeros_like(logs[:, :, :3]).double()], dim=2)
+    for c in range(3):
+        ref = padded[:, :, c * BT:(c + 1) * BT].cumsum(2)
+        assert torch.equal(g[:, :, c * BT:(c + 1) * BT], ref.to(g.dtype)), f"chunk {c}"
+
+
 def test_atlas_chunk_form_keeps_its_digits_after_resets(gen):
     """The same for ATLAS (momentum and retention decays through ``core.chunking.chunk_decay``), zero gates
     in both; Newton-Schulz off (ns_steps=0), whose steps amplify the loop's own rounding 10x (1.3e-6)."""

@@ -43,7 +43,7 @@ from .alloc import empty
 from .chunk_kernels import CHUNK, SUB_CHUNK, chunk_warps, key_block, num_chunks, state_dtype, state_pass_start, \
     state_pass_tiles, store_chunk_state
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_program, \
-    chunk_tokens, dot_tile, load_block, load_state_tile, precision, register_share, store_tile, within_head_span
+    chunk_tokens, decay, dot_tile, load_block, load_state_tile, precision, register_share, store_tile, within_head_span
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -87,13 +87,13 @@ def chunk_dstate_kernel(
             if w_ptr is not None:
                 b_kd = b_k
         elif GATE == GATE_SCALAR:
-            b_qg = (b_q * tl.exp(b_g)[:, None]).to(dt)
+            b_qg = (b_q * decay(b_g)[:, None]).to(dt)
             if w_ptr is not None:
-                b_kd = (b_k * tl.exp(b_g_last - b_g)[:, None]).to(dt)
+                b_kd = (b_k * decay(b_g_last - b_g)[:, None]).to(dt)
         else:
-            b_qg = (b_q * tl.exp(b_g)).to(dt)
+            b_qg = (b_q * decay(b_g)).to(dt)
             if w_ptr is not None:
-                b_kd = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
+                b_kd = (b_k * decay(b_g_last[None, :] - b_g)).to(dt)
         if w_ptr is not None:
             # dv_new = dv_local + (k * e^{g_n - g}) dH^T, with dH the gradient of the state after this chunk
             b_dv2 = load_block(du_ptr, s_du, o_t, o_v, m_t, m_v).to(tl.float32)
@@ -102,9 +102,9 @@ def chunk_dstate_kernel(
             b_w = load_block(w_ptr, s_w, o_t, o_k, m_t, m_k)
         # dH <- dH Diag(e^{g_n}) + do^T (q e^g) [- dv_new^T w]
         if GATE == GATE_SCALAR:
-            b_dh *= tl.exp(b_g_last)
+            b_dh *= decay(b_g_last)
         elif GATE == GATE_CHANNEL:
-            b_dh *= tl.exp(b_g_last)[None, :]
+            b_dh *= decay(b_g_last)[None, :]
         b_dh += tl.dot(tl.trans(b_do), b_qg, input_precision=PRECISION)
         if w_ptr is not None:
             b_dh -= tl.dot(tl.trans(b_dv2.to(dt)), b_w, input_precision=PRECISION)
@@ -197,11 +197,11 @@ def channel_dqk_kernel(
     b_dAt = tl.load(da_ptr + o_c[None, :] * BT + (i_s * BC + o_i)[:, None])
 
     # earlier sub-chunks: (dA k_j e^{g_r - g_j}) e^{g_i - g_r}
-    b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gf[None, :] - b_gc, float("-inf")))).to(dt)
-    b_dq = tl.dot(b_dA.to(dt), b_kd, input_precision=PRECISION) * tl.exp(b_gr - b_gf[None, :])
+    b_kd = (b_kc * decay(tl.where(m_before[:, None], b_gf[None, :] - b_gc, float("-inf")))).to(dt)
+    b_dq = tl.dot(b_dA.to(dt), b_kd, input_precision=PRECISION) * decay(b_gr - b_gf[None, :])
     # later sub-chunks: (dA^T q_i e^{g_i - g_e}) e^{g_e - g_j}
-    b_qd = (b_qc * tl.exp(tl.where(m_after[:, None], b_gc - b_ge[None, :], float("-inf")))).to(dt)
-    b_dk = tl.dot(b_dAt.to(dt), b_qd, input_precision=PRECISION) * tl.exp(b_ge[None, :] - b_gr)
+    b_qd = (b_qc * decay(tl.where(m_after[:, None], b_gc - b_ge[None, :], float("-inf")))).to(dt)
+    b_dk = tl.dot(b_dAt.to(dt), b_qd, input_precision=PRECISION) * decay(b_ge[None, :] - b_gr)
     # the diagonal block, one token t_r + jj per step, elementwise in fp32
     for jj in range(0, BC):
         t_j = t_r + jj
@@ -213,8 +213,8 @@ def channel_dqk_kernel(
         b_row = tl.load(da_ptr + t_j * BT + i_s * BC + o_i)         # dA[t_j, j] for the rows j
         m_lo = (o_i >= jj)[:, None]
         m_hi = (o_i <= jj)[:, None]
-        b_dq += tl.where(m_lo, b_col[:, None] * b_kj[None, :] * tl.exp(tl.where(m_lo, b_gr - b_gj[None, :], 0.0)), 0.0)
-        b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * tl.exp(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
+        b_dq += tl.where(m_lo, b_col[:, None] * b_kj[None, :] * decay(tl.where(m_lo, b_gr - b_gj[None, :], 0.0)), 0.0)
+        b_dk += tl.where(m_hi, b_row[:, None] * b_qj[None, :] * decay(tl.where(m_hi, b_gj[None, :] - b_gr, 0.0)), 0.0)
 
     p_x = i_bh * Tp * K + o_r[:, None] * K + o_k[None, :]
     if PAIRS:
@@ -275,7 +275,7 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
             2 per channel).
         g: None (no gate), or the forward's chunk-local cumulative log-gates, fp32 contiguous,
             [B, H, Tp] (scalar) or [B, H, Tp, K] (per channel), Tp = T padded to whole chunks
-            of ``CHUNK`` = 64 with log-gate 0 (``core.kernels.chunk_gates(..., CHUNK)``).
+            of ``CHUNK`` = 64 with log-gate 0 (``core.kernels.chunk_gates(..., CHUNK, q.dtype)``).
         dht: None, or [B, H, V, K] gradient of the final state (any float dtype; read as fp32).
         k, w, dv_local: the delta rule (``w`` given; then all three): k [B, H, T, K] its keys, w
             [B, H, T, K] the WY factor with v_new = u - w h[c]^T, dv_local [B, H, T, V]

@@ -11,7 +11,9 @@ kernels that each run in parallel over what is independent:
 (a) intra-chunk work, parallel over (batch*head, chunk): for per-channel gates the decayed
     scores (``channel_scores_kernel`` here); for the delta rule the WY factors w, u
     (``delta.kernel``). The chunk-local cumulative log-gates g are computed on the host
-    (``core.kernels.chunk_gates``: a cumsum inside each chunk, itself parallel over chunks);
+    (``core.kernels.chunk_gates``: a cumsum inside each chunk, itself parallel over chunks; fp64
+    for fp32 inputs, so that ``core.kernels.decay`` rounds each difference g_i - g_j only after
+    taking it);
 (b) ``chunk_state_kernel``, the only serial part: parallel over (batch*head, value block, key
     block), sequential over chunks, with only the state update in the loop. It writes every
     chunk's start state h[c] (``state_dtype``: the inputs' dtype when 16-bit, else fp32) and the
@@ -47,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_block_program, \
-    chunk_log_gates, chunk_program, chunk_state, chunk_tokens, dot_tile, head_program, load_block, load_state, \
+    chunk_log_gates, chunk_program, chunk_state, chunk_tokens, decay, dot_tile, head_program, load_block, load_state, \
     load_state_tile, register_share, state_slice, store_tile
 from .alloc import empty
 
@@ -135,8 +137,8 @@ def channel_scores_kernel(
         b_kr = load_block(k_ptr, s_k, o_r, o_k, m_r, m_k)
         b_kc = load_block(k_ptr, s_k, o_c, o_k, m_c, m_k)
         # earlier sub-chunks: (x_i e^{g_i - g_r}) (k_j e^{g_r - g_j})^T, both exponents <= 0
-        b_kd = (b_kc * tl.exp(tl.where(m_before[:, None], b_gn[None, :] - b_gc, float("-inf")))).to(dt)
-        b_dr = tl.exp(b_gr - b_gn[None, :])
+        b_kd = (b_kc * decay(tl.where(m_before[:, None], b_gn[None, :] - b_gc, float("-inf")))).to(dt)
+        b_dr = decay(b_gr - b_gn[None, :])
         b_Aq += tl.dot((b_q * b_dr).to(dt), tl.trans(b_kd), input_precision=PRECISION)
         if ak_ptr is not None:
             b_Ak += tl.dot((b_kr * b_dr).to(dt), tl.trans(b_kd), input_precision=PRECISION)
@@ -146,7 +148,7 @@ def channel_scores_kernel(
             m_j = t_r + jj < T
             b_kj = tl.load(k_ptr + (t_r + jj) * s_k[2] + o_k * s_k[3], mask=m_k & m_j, other=0.0).to(tl.float32)
             b_gj = tl.load(g_ptr + (t_r + jj) * K + o_k, mask=m_k, other=0.0)
-            b_e = tl.exp(tl.where((o_i >= jj)[:, None], b_gr - b_gj[None, :], float("-inf")))
+            b_e = decay(tl.where((o_i >= jj)[:, None], b_gr - b_gj[None, :], float("-inf")))
             m_col = (o_j == i_s * BC + jj)[None, :]
             b_Aq += tl.where(m_col, tl.sum(b_qf * b_kj[None, :] * b_e, axis=1)[:, None], 0.0)
             if ak_ptr is not None:
@@ -213,11 +215,11 @@ def chunk_state_kernel(
         if GATE == GATE_NONE:
             b_M += tl.dot(tl.trans(b_v.to(dt)), b_k, input_precision=PRECISION)
         elif GATE == GATE_SCALAR:
-            b_v_end = (b_v * tl.exp(b_g_last - b_g)[:, None]).to(dt)
-            b_M = b_M * tl.exp(b_g_last) + tl.dot(tl.trans(b_v_end), b_k, input_precision=PRECISION)
+            b_v_end = (b_v * decay(b_g_last - b_g)[:, None]).to(dt)
+            b_M = b_M * decay(b_g_last) + tl.dot(tl.trans(b_v_end), b_k, input_precision=PRECISION)
         else:
-            b_k_end = (b_k * tl.exp(b_g_last[None, :] - b_g)).to(dt)
-            b_M = b_M * tl.exp(b_g_last)[None, :] + tl.dot(tl.trans(b_v.to(dt)), b_k_end, input_precision=PRECISION)
+            b_k_end = (b_k * decay(b_g_last[None, :] - b_g)).to(dt)
+            b_M = b_M * decay(b_g_last)[None, :] + tl.dot(tl.trans(b_v.to(dt)), b_k_end, input_precision=PRECISION)
 
     tl.store(ht_ptr + o_s, b_M, mask=m_s)
 
@@ -248,7 +250,7 @@ def chunk_output_kernel(
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
         if GATE == GATE_CHANNEL:
             b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_q = (b_q * tl.exp(b_g)).to(dt)
+            b_q = (b_q * decay(b_g)).to(dt)
         else:
             b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
             b_A += tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION)
@@ -259,8 +261,8 @@ def chunk_output_kernel(
         b_A = tl.where(m_causal, b_A, 0.0)
     elif GATE == GATE_SCALAR:
         b_g, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
-        b_o *= tl.exp(b_g)[:, None]
-        b_A *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+        b_o *= decay(b_g)[:, None]
+        b_A *= decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
     else:
         b_A = tl.load(a_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])
     b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)

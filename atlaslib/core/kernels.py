@@ -18,7 +18,8 @@ does the same set-up around its own inputs, and this module holds it once:
   is compiled separately and the others cost nothing). The names are ``tl.constexpr`` values,
   the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
 * ``chunk_local_log_gate``: log-gates accumulated within each chunk of the kernel's tile,
-  padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end);
+  padded to whole chunks with 0 (padding keeps everything, so a chunk's last row is its end), in
+  fp64 for fp32 inputs (``gate_sum_dtype``);
   ``chunk_gates`` turns alpha or log_alpha into (gate mode, g, Tp) for the kernels of
   chapters 1 and 2;
 * ``precision``: the ``input_precision`` of tl.dot on fp32 operands, exact unless
@@ -31,7 +32,8 @@ And, inside the kernels (``@triton.jit`` functions, inlined where they are calle
 ``head_program``/``chunk_program``/``chunk_block_program`` give a program's head (and chunk, and
 block of channels), ``chunk_tokens`` a chunk's rows and tokens, ``channel_block`` a block of
 channels, ``chunk_state`` a chunk's stored state h[c], ``chunk_log_gates`` a chunk's log-gates g
-and g_n (its last row), ``at_head`` moves a pointer to the program's head through the batch and head strides,
+and g_n (its last row), ``decay`` the fp32 e^x of a difference x of them, ``at_head`` moves a pointer
+to the program's head through the batch and head strides,
 ``load_block``/``load_tile``/``store_tile`` read and write a masked [rows, channels] block of that
 head through the token and channel strides (``load_block`` in the tensor's dtype, ``load_tile``
 in fp32), ``state_slice``/``load_state`` give the
@@ -140,6 +142,13 @@ def chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT: tl.constexpr, GA
 
 
 @triton.jit
+def decay(b_log):
+    """e^x in fp32 for a log-decay x made of chunk-local log-gate sums: for fp32 inputs the sums are fp64
+    (``gate_sum_dtype``), and x, a difference g_t - g_i, is rounded only here, after it is taken."""
+    return tl.exp(b_log.to(tl.float32))
+
+
+@triton.jit
 def load_state_tile(ptr, o_v, o_k, m_v, m_k, K):
     """The [BV, BK] slice (rows o_v, columns o_k) of one stored [V, K] state, h[c] or dh[c]; 0 where masked."""
     return tl.load(ptr + o_v[:, None] * K + o_k[None, :], mask=m_v[:, None] & m_k[None, :], other=0.0)
@@ -191,38 +200,52 @@ def gate_mode(logs) -> int:
     return (GATE_SCALAR if logs.dim() == 3 else GATE_CHANNEL).value
 
 
-def chunk_local_log_gate(logs: torch.Tensor, BT: int):
-    """Log-gates [B, H, T] or [B, H, T, K] accumulated within each chunk of BT tokens, in fp32.
+def gate_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the chunk-local log-gate sums a kernel with inputs of ``dtype`` gets: fp64 for fp32.
+
+    After resets (log-gates at the floor, -60) or strong decays the sums g_t lie far below 0, and an
+    fp32 difference g_t - g_i keeps only the digits their size leaves (a quarter of the gates at 0,
+    T = 96: outputs 1e-5 relative from the fp64 definition, 100x the fp32 loop's error). From fp64
+    sums the kernels take each difference before rounding it (``decay``), as the PyTorch chunk forms
+    do (``chunking.cumulative_logs``). 16-bit inputs get fp32 sums: their own rounding (4e-3 for
+    bf16) dwarfs 1e-5, and the gate tiles of their kernels stay half the size. The cost for fp32, in sm_90
+    builds (``python -m atlaslib.aot``): most kernels spill 0-30 B a thread more, the per-channel state
+    passes up to twice as much (linear attention at K = 100: 224 -> 560 B; the delta rule at K = 256:
+    0.65 -> 1.3 KB), and the per-channel output, dv and WY kernels take 32 KB more shared memory (up
+    to 145 KB, within an A100's 163 KB); no time measured on a card yet.
+    """
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else torch.float64
+
+
+def chunk_local_log_gate(logs: torch.Tensor, BT: int, dtype: torch.dtype):
+    """Log-gates [B, H, T] or [B, H, T, K] accumulated within each chunk of BT tokens, for inputs of ``dtype``.
 
     Returns (g [B, H, Tp(, K)], Tp) with T padded to Tp, a multiple of BT, by log-gate 0: row
-    start + BT - 1 of every chunk then exists and holds the chunk's total decay.
-
-    fp32, as fla's kernels take them, where the PyTorch chunk forms sum in fp64
-    (``chunking.cumulative_logs``): after resets (log-gates at the floor, -60) or strong decays the
-    kernels' differences g_t - g_i keep only the digits the sums' size leaves (a quarter of the gates
-    at 0, T = 96: outputs about 1e-5 relative from the fp64 definition, 100x the fp32 loop's error).
-    Loading fp64 sums in every kernel that exponentiates differences is the fix, not yet made.
+    start + BT - 1 of every chunk then exists and holds the chunk's total decay. The sums are taken
+    in fp64 and stored in ``gate_sum_dtype(dtype)``: fp64 for fp32 inputs, fp32 for 16-bit ones.
     """
-    logs = logs.to(torch.float32)
+    logs = logs.to(torch.float64)
     T = logs.shape[2]
     Tp = triton.cdiv(T, BT) * BT
     pad = [0, 0, 0, Tp - T] if logs.dim() == 4 else [0, Tp - T]
     logs = torch.nn.functional.pad(logs, pad)
     shape = logs.shape
-    return logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape).contiguous(), Tp
+    g = logs.view(*shape[:2], Tp // BT, BT, *shape[3:]).cumsum(3).view(shape)
+    return g.to(gate_sum_dtype(dtype)).contiguous(), Tp
 
 
-def chunk_gates(alpha, log_alpha, T: int, BT: int):
-    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with chunks of BT tokens take it.
+def chunk_gates(alpha, log_alpha, T: int, BT: int, dtype: torch.dtype):
+    """A retention (``alpha`` or ``log_alpha``, or neither) as kernels with chunks of BT tokens and inputs of
+    ``dtype`` take it.
 
-    Returns (GATE, g, Tp): the gate mode; the chunk-local log-gates g [B, H, Tp(, K)] in fp32
+    Returns (GATE, g, Tp): the gate mode; the chunk-local log-gates g [B, H, Tp(, K)]
     (``chunk_local_log_gate``), or None without a gate; T padded to whole chunks (Tp = T without a gate).
     """
     logs = gate_logs(alpha, log_alpha, torch.float32)
     gate = gate_mode(logs)
     if logs is None:
         return gate, None, T
-    return (gate, *chunk_local_log_gate(logs, BT))
+    return (gate, *chunk_local_log_gate(logs, BT, dtype))
 
 
 # Set ATLASLIB_TF32=1 to let tl.dot round fp32 operands to TF32 (faster on tensor cores, about

@@ -95,8 +95,8 @@ from ..core.chunking import gate_logs
 from ..core.chunk_backward import channel_grads, state_grad_terms, state_grad_tiles
 from ..core.kernels import (GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, as_fp32, at_head, channel_block,
                             chunk_block_program, chunk_gates, chunk_log_gates, chunk_program, chunk_state, chunk_tokens,
-                            dot_tile, feature_tile, forward_launch, intermediate_precision, load_block, precision,
-                            refuse_nested_transforms, store_tile, unwrapped, within_head_span)
+                            decay, dot_tile, feature_tile, forward_launch, intermediate_precision, load_block,
+                            precision, refuse_nested_transforms, store_tile, unwrapped, within_head_span)
 from ..core.alloc import empty
 from ..core.dispatch import backward_or_fallback, chunk_grads, second_order_requested
 from .chunk import delta_rule_chunk
@@ -126,7 +126,7 @@ def decayed_scores(x_ptr, s_x, y_ptr, s_y, a_ptr, b_g, i_bh, o_i, o_t, m_t, Tp, 
                 b_y = load_block(y_ptr, s_y, o_t, o_k, m_t, m_k)
             b_A += tl.dot(b_x, tl.trans(b_y), input_precision=PRECISION)
         if GATE == GATE_SCALAR:
-            b_A *= tl.exp(tl.where(m_lower, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_A *= decay(tl.where(m_lower, b_g[:, None] - b_g[None, :], float("-inf")))
         else:
             b_A = tl.where(m_lower, b_A, 0.0)
     return b_A
@@ -165,10 +165,10 @@ def delta_wy_kernel(
         o_k, m_k = channel_block(i_k, BK, K)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         if GATE == GATE_SCALAR:
-            b_k = (b_k * tl.exp(b_g)[:, None]).to(dt)
+            b_k = (b_k * decay(b_g)[:, None]).to(dt)
         elif GATE == GATE_CHANNEL:
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_k = (b_k * tl.exp(b_gk)).to(dt)
+            b_k = (b_k * decay(b_gk)).to(dt)
         store_tile(w_ptr, s_w, o_t, o_k, m_t, m_k, tl.dot(b_Rb, b_k, input_precision=PRECISION))
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v, m_v = channel_block(i_v, BV, V)
@@ -241,15 +241,15 @@ def delta_bwd_state_kernel(
     if GATE != GATE_NONE:
         b_g, b_g_last = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
     if GATE == GATE_SCALAR:
-        b_dq *= tl.exp(b_g)[:, None]
-        b_dk *= tl.exp(b_g_last - b_g)[:, None]
+        b_dq *= decay(b_g)[:, None]
+        b_dk *= decay(b_g_last - b_g)[:, None]
         # the last row's g_n scales h[c] and every k * e^{g_n - g} of the state update
-        b_dgn = tl.sum(b_hdh) * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
-        b_dS *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))   # masked first
+        b_dgn = tl.sum(b_hdh) * decay(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32))
+        b_dS *= decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))   # masked first
     elif GATE == GATE_CHANNEL:
-        b_dq *= tl.exp(b_g)
-        b_dk *= tl.exp(b_g_last[None, :] - b_g)
-        b_dgn = b_hdh * tl.exp(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
+        b_dq *= decay(b_g)
+        b_dk *= decay(b_g_last[None, :] - b_g)
+        b_dgn = b_hdh * decay(b_g_last) + tl.sum(b_dk * b_k.to(tl.float32), axis=0)
         # every row of the padded chunk (rows past T hold zeros): channel_dqk_kernel reads them all
         p_s = o_t[:, None] * s_dq[2] + o_k[None, :] * s_dq[3]
         tl.store(dq_ptr + p_s, b_dq, mask=m_k[None, :])
@@ -327,10 +327,10 @@ def delta_bwd_wy_kernel(
         b_G += b_dww
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k).to(tl.float32)
         if GATE == GATE_SCALAR:
-            b_k *= tl.exp(b_g)[:, None]
+            b_k *= decay(b_g)[:, None]
         elif GATE == GATE_CHANNEL:
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_k *= tl.exp(b_gk)
+            b_k *= decay(b_gk)
         b_dbk += tl.sum(b_dY * b_k, axis=1)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v, m_v = channel_block(i_v, BV, V)
@@ -351,7 +351,7 @@ def delta_bwd_wy_kernel(
         b_dg = b_beta * b_dbk + tl.sum(b_dLL, axis=1) - tl.sum(b_dLL, axis=0)
         tl.store(dg_ptr + i_bh * Tp + o_t, b_dg)
         # the gradient of the plain k.k products: times L's decays e^{g_t - g_j}
-        b_dL *= tl.exp(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
+        b_dL *= decay(tl.where(m_strict, b_g[:, None] - b_g[None, :], float("-inf")))
 
     # dk = dk1 + beta e^g (R^T dw) + the k.k products' two sides (decayed per channel for KDA)
     for i_k in range(0, tl.cdiv(K, BK)):
@@ -362,13 +362,13 @@ def delta_bwd_wy_kernel(
         if GATE == GATE_CHANNEL:
             # d(K e^g) here; dL's terms are added by channel_dqk_kernel
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_dk = b_dkg * tl.exp(b_gk)
+            b_dk = b_dkg * decay(b_gk)
             tl.store(dg_ptr + i_bh * Tp * K + o_t[:, None] * K + o_k[None, :], b_dk * b_k.to(tl.float32),
                      mask=m_k[None, :])
         else:
             b_dk = b_dkg
             if GATE == GATE_SCALAR:
-                b_dk *= tl.exp(b_g)[:, None]
+                b_dk *= decay(b_g)[:, None]
             b_dk += tl.dot(b_dL.to(dt), b_k, input_precision=PRECISION)
             b_dk += tl.dot(tl.trans(b_dL).to(dt), b_k, input_precision=PRECISION)
         b_dk += load_block(dk1_ptr, s_dk1, o_t, o_k, m_t, m_k)
@@ -412,7 +412,7 @@ def _forward(q, k, v, beta, logs, initial_state):
     """The forward on fp32 log-gates ``logs`` (None, [B, H, T] or [B, H, T, K]): (o, final state)."""
     feature_tile(q.shape[-1], MAX_KEY)
     run = forward_launch(q, k, v, BV=64)
-    gate, g, _ = chunk_gates(None, logs, run.T, CHUNK)
+    gate, g, _ = chunk_gates(None, logs, run.T, CHUNK, q.dtype)
     Tp = num_chunks(run.T) * CHUNK
     aq, ak = channel_scores(run, g, with_keys=True) if gate == GATE_CHANNEL else (None, None)
     w, u, _ = wy_factors(run, gate, g, as_fp32(beta), ak)               # (a) every chunk at once
@@ -425,7 +425,7 @@ def wy_backward_tiles(K: int, V: int, element_size: int) -> tuple[int, int, int]
     through loops over key and value blocks, so the blocks are what is left to size: 32 channels at most.
     sm_90 builds: 16-bit inputs take 8 warps (K = V = 128: 0-232 B spilled a thread; blocks of 64 spill
     160-310 B and take 90 KB of shared memory against 64); fp32 takes 16 warps from 64 key channels on
-    (K = V = 64 to 256, no gate / scalar / per channel: 292 / 332 / 0 B spilled under Triton 3.7.1,
+    (K = V = 64 to 256, no gate / scalar / per channel: 292 / 340 / 0 B spilled under Triton 3.7.1,
     168 / 152 / 0 B under 3.6, and 64 KB of shared memory; blocks of 64 spilled 1.0-1.7 KB and took
     96 KB; at K = 16, 8 warps spill less)."""
     warps = 8 if element_size < 4 or dot_tile(K) < 64 else 16
@@ -445,7 +445,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     q, k, v, do = within_head_span(q, k, v, do.to(q.dtype))
     run = _backward_launch(q, k, v, do)
     B, H, T, K, V = run.B, run.H, run.T, run.K, run.V
-    gate, g, _ = chunk_gates(None, logs, T, CHUNK)
+    gate, g, _ = chunk_gates(None, logs, T, CHUNK, q.dtype)
     NT = num_chunks(T)
     Tp = NT * CHUNK
     BK, (BV, dv_warps) = key_block(K), chunk_value_tiles(V, q.element_size())

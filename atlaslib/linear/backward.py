@@ -66,7 +66,7 @@ from ..core.alloc import empty
 from ..core.chunk_backward import channel_grads, dstate_pass, state_grad_terms, state_grad_tiles
 from ..core.chunk_kernels import CHUNK, channel_scores, chunk_value_tiles, key_block, num_chunks, state_pass
 from ..core.kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, ForwardLaunch, at_head, channel_block, \
-    chunk_block_program, chunk_log_gates, chunk_state, load_block, load_state_tile, \
+    chunk_block_program, chunk_log_gates, chunk_state, decay, load_block, load_state_tile, \
     precision, store_tile, within_head_span
 
 
@@ -98,7 +98,7 @@ def linear_dv_kernel(
         b_dh = load_state_tile(dh_ptr, o_v, o_k, m_v, m_k, K)
         if GATE == GATE_CHANNEL:
             b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
-            b_k = (b_k * tl.exp(b_gn[None, :] - b_g)).to(dt)
+            b_k = (b_k * decay(b_gn[None, :] - b_g)).to(dt)
         else:
             b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
             b_At += tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION)
@@ -107,8 +107,8 @@ def linear_dv_kernel(
         b_At = tl.where(m_causal_t, b_At, 0.0)
     elif GATE == GATE_SCALAR:
         b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, None, None, Tp, K, BT, GATE)
-        b_dv *= tl.exp(b_gn - b_g)[:, None]
-        b_At *= tl.exp(tl.where(m_causal_t, b_g[None, :] - b_g[:, None], float("-inf")))
+        b_dv *= decay(b_gn - b_g)[:, None]
+        b_At *= decay(tl.where(m_causal_t, b_g[None, :] - b_g[:, None], float("-inf")))
     else:
         b_At = tl.load(a_ptr + i_bh * Tp * BT + o_t[None, :] * BT + o_i[:, None])
     b_do = load_block(do_ptr, s_do, o_t, o_v, m_t, m_v)
@@ -148,8 +148,8 @@ def linear_dqk_kernel(
     if GATE != GATE_NONE:
         b_g, b_gn = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
     if GATE == GATE_CHANNEL:
-        b_dq *= tl.exp(b_g)
-        b_dk *= tl.exp(b_gn[None, :] - b_g)
+        b_dq *= decay(b_g)
+        b_dk *= decay(b_gn[None, :] - b_g)
         p_x = i_bh * Tp * K + o_t[:, None] * K + o_k[None, :]
         tl.store(dq32_ptr + p_x, b_dq, mask=m_k[None, :])
         tl.store(dk32_ptr + p_x, b_dk, mask=m_k[None, :])
@@ -159,9 +159,9 @@ def linear_dqk_kernel(
         b_q = load_block(q_ptr, s_q, o_t, o_k, m_t, m_k)
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k)
         if GATE == GATE_SCALAR:
-            b_dq *= tl.exp(b_g)[:, None]
-            b_dk *= tl.exp(b_gn - b_g)[:, None]
-            b_dA *= tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_dq *= decay(b_g)[:, None]
+            b_dk *= decay(b_gn - b_g)[:, None]
+            b_dA *= decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
         else:
             b_dA = tl.where(m_causal, b_dA, 0.0)
         b_dA = b_dA.to(dt)
@@ -198,7 +198,7 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
     """All gradients of linear attention's chunk-parallel forward (module docstring).
 
     q, k [B, H, T, K], v, do [B, H, T, V] (any strides, ``within_head_span``; q, k, v in one dtype); ``gate``, ``g``:
-    the forward's gate mode and chunk-local log-gates (``core.kernels.chunk_gates(..., CHUNK)``);
+    the forward's gate mode and chunk-local log-gates (``core.kernels.chunk_gates(..., CHUNK, q.dtype)``);
     h0: the initial state (fp32 contiguous) or None; dht: the final state's gradient or None;
     h, ht: the chunk-start states and the final state kept by the forward, else recomputed.
     """

@@ -50,7 +50,7 @@ def linear_attention_triton(q, k, v, alpha=None, initial_state=None, log_alpha=N
     """Triton forward; same arguments and results as ``linear_attention_recurrent`` (and ``log_alpha``)."""
     feature_tile(q.shape[-1], MAX_KEY)
     run = forward_launch(q, k, v, BV=64)
-    gate, g, Tp = chunk_gates(alpha, log_alpha, run.T, CHUNK)
+    gate, g, Tp = chunk_gates(alpha, log_alpha, run.T, CHUNK, q.dtype)
     aq = channel_scores(run, g, with_keys=False)[0] if gate == GATE_CHANNEL else None
     h, ht, _ = state_pass(run, gate, g, Tp, as_fp32(initial_state))
     return output_pass(run, gate, g, Tp, h, aq), ht
@@ -61,7 +61,7 @@ def _log_gates_forward(q, k, v, logs, initial_state):
     feature_tile(q.shape[-1], MAX_KEY)
     run = forward_launch(q, k, v, BV=64)
     gate = gate_mode(logs)
-    g, Tp = chunk_local_log_gate(logs, CHUNK) if logs is not None else (None, run.T)
+    g, Tp = chunk_local_log_gate(logs, CHUNK, q.dtype) if logs is not None else (None, run.T)
     aq = channel_scores(run, g, with_keys=False)[0] if gate == GATE_CHANNEL else None
     h, ht, _ = state_pass(run, gate, g, Tp, as_fp32(initial_state))
     return output_pass(run, gate, g, Tp, h, aq), ht, h
@@ -106,7 +106,7 @@ class LinearAttentionFunction(torch.autograd.Function):
             return (*chunk_grads(_chunk_form, (q, k, v, logs, h0), need[:5], (do, dht), create_graph=True), None)
 
         def kernels():
-            g = chunk_local_log_gate(logs, CHUNK)[0] if logs is not None else None
+            g = chunk_local_log_gate(logs, CHUNK, q.dtype)[0] if logs is not None else None
             grads = linear_attention_backward(q, k, v, gate, g, as_fp32(h0), do, dht, h=h,
                                               ht=ht if h is not None else None)
             return [grads.dq if need[0] else None, grads.dk if need[1] else None, grads.dv if need[2] else None,

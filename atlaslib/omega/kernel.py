@@ -23,7 +23,8 @@ to zero (zero gates, eta = 0), so they write nothing. The chunk size is a runtim
 argument: any 1 <= b <= 64 (b = 1 wastes 15 of 16 rows; SWLA, exact at every chunk length,
 runs chunks of 32 when 64 would not fit an A100's shared memory: wide fp32 features). The host prepares the
 per-offset gates G [B, H, T, c] (both gamma parametrisations, zeros for tokens before
-the start), eta, and the chunk-local cumulative log-gates g. q, k, v are read through
+the start), eta, and the chunk-local cumulative log-gates g (fp64 for fp32 inputs: each g_t - g_n is
+rounded after it is taken, ``core.kernels.gate_sum_dtype``). q, k, v are read through
 their strides (a [B, T, H, D] tensor transposed to [B, H, T, D] needs no copy); absent
 inputs (no alpha, no eta, no initial state) are ``None`` pointers, which Triton compiles
 away. ``core.kernels`` holds the set-up every chapter's kernels share, ``core.memory_kernels``
@@ -52,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ..core.chunking import gate_logs
-from ..core.kernels import (MAX_HEAD_SPAN, as_fp32, chunk_local_log_gate, dot_tile, feature_tile, forward_launch,
+from ..core.kernels import (MAX_HEAD_SPAN, as_fp32, chunk_local_log_gate, decay, dot_tile, feature_tile, forward_launch,
                             intermediate_precision, load_block, load_state, load_tile, state_slice, store_tile,
                             value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
@@ -114,10 +115,10 @@ def omega_fwd_kernel(
         if g_ptr is not None:
             b_g = tl.load(g_ptr + i_bh * Tp + o_t, mask=m_t, other=0.0)
             b_g_last = tl.load(g_ptr + i_bh * Tp + start + b - 1)       # padding rows repeat the last
-            b_decay = tl.exp(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
-            b_A = tl.exp(b_g)
-            b_A_end = tl.exp(b_g_last)
-            b_to_end = tl.exp(b_g_last - b_g)
+            b_decay = decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            b_A = decay(b_g)
+            b_A_end = decay(b_g_last)
+            b_to_end = decay(b_g_last - b_g)
         else:
             b_decay = tl.where(m_causal, 1.0, 0.0)
             b_A = tl.full([BT], 1.0, tl.float32)
@@ -177,7 +178,7 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
     feature_tile(D, MAX_FEATURES, "D")        # refuses D > MAX_FEATURES
     G = window_gates(gamma, B, H, T, c, torch.float32, q.device).contiguous()
     logs = gate_logs(alpha, log_alpha, torch.float32)
-    g, Tp = (None, T) if logs is None else chunk_local_log_gate(logs, b)
+    g, Tp = (None, T) if logs is None else chunk_local_log_gate(logs, b, q.dtype)
     ht = run.state()
     omega_fwd_kernel[run.grid](
         run.q, run.k, run.v, G, as_fp32(eta), g, as_fp32(initial_state), run.o, ht, *run.strides,
