@@ -89,6 +89,19 @@ def test_muon_coefficients_settle_in_a_band(gen):
     assert (newton_schulz(G, 30, "muon") - polar(G)).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_newton_schulz_iterates_16_bit_inputs_in_fp32(gen, dtype):
+    """dtype=None runs a bf16/fp16 G's steps in fp32 (only the result is rounded to G's dtype): within twice
+    the output's own rounding of the fp64 iteration on the same rounded G (iterating in bf16 costs 20x)."""
+    G = torch.randn(8, 32, 48, generator=gen).to(dtype)
+    ref = newton_schulz(G.double(), 5, "muon")
+    own = rel_rmse(ref.to(dtype).double(), ref)
+    out = newton_schulz(G, 5, "muon")
+    assert out.dtype == dtype
+    assert rel_rmse(out.double(), ref) <= 2 * own
+    assert torch.equal(out, newton_schulz(G, 5, "muon", dtype=torch.float32))
+
+
 def test_newton_schulz_batch_tall_dtypes(gen):
     G = torch.randn(2, 3, 7, 5, generator=gen, dtype=F64)                 # tall: transposed inside
     X = newton_schulz(G, 5)

@@ -234,3 +234,13 @@ def test_tiny_lm_with_a_hybrid(gen):
 def test_bad_input_is_named(name, kw, error, match):
     with pytest.raises(error, match=match):
         make_mixer(name, D, H, **kw)
+
+
+def test_linear_memory_state_size_counts_the_momentum(gen):
+    """ATLAS with a linear memory carries M and its momentum S per sequence: ``state_size`` (which the
+    experiments' tables report) counts both."""
+    seeded(gen)
+    mixer, B = make_mixer("atlas", D, H), 2
+    with torch.no_grad():
+        _, cache = mixer.step(torch.randn(B, D, generator=gen))
+    assert cache.memory.M.numel() + cache.memory.S.numel() == B * mixer.state_size

@@ -182,6 +182,9 @@ BASES = {
     "titans_linear": (miras, lambda g, B, H, T, K: dict(preset="titans", memory="linear", eta=0.2, theta=0.5,
                                                         alpha=0.9)),
     "memora_linear": (miras, lambda g, B, H, T, K: dict(preset="memora", memory="linear", eta=0.2, alpha=0.9)),
+    # the l_q retention: a cached state is read as (Z / nu) phi(q) (caching.base.NONLINEAR_READ)
+    "moneta_linear": (miras, lambda g, B, H, T, K: dict(preset="moneta", memory="linear", layer_norm=False, eta=0.2,
+                                                        alpha=0.9)),
 }
 
 

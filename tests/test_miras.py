@@ -630,6 +630,8 @@ def test_bad_calls(gen):
         (ValueError, "takes no threshold", lambda: miras(q, k, v, preset="linear_attention", delta=0.3)),
         (ValueError, r"alpha must lie in \[0.0, 1.0\]", lambda: miras(q, k, v, preset="titans", alpha=1.5 * T)),
         (ValueError, "alpha must lie", lambda: miras(q, k, v, preset="titans", alpha=-0.1)),
+        (ValueError, r"theta must lie in \[0.0, 1.0\]", lambda: miras(q, k, v, preset="titans", theta=1.5)),
+        (ValueError, r"theta must lie in \[0.0, 1.0\]", lambda: miras(q, k, v, preset="titans", theta=1.5 * T)),
         (ValueError, "eta must lie", lambda: miras(q, k, v, eta=-T)),
         (ValueError, r"theta must have shape \[1, 2, 5\]", lambda: miras(q, k, v, preset="titans", theta=T[..., :4])),
         (ValueError, "delta must lie", lambda: miras(q, k, v, preset="yaad", delta=-T)),

@@ -182,6 +182,42 @@ def test_triton_matches_frozen_seq(gen, case, gmode):
     assert_close(s, ref_s, name="final state")
 
 
+@pytest.mark.parametrize("rule", ["omega", "swla"])
+def test_triton_wide_features_keep_the_chunk_size_of_the_model(gen, rule):
+    """D = 256 fp32 at chunk_size 64: SWLA's kernel runs chunks of 32 (exact at every chunk length, and a
+    chunk of 64 would not fit an A100's shared memory), but the Omega rule's chunk size is part of its model
+    (frozen gradients within a chunk), so its kernel keeps 64 and matches the fp64 frozen_seq at b = 64."""
+    B, H, T, D, V = 1, 1, 80, 256, 4
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, V, generator=gen)
+    eta = 0.5 * torch.rand(B, H, T, generator=gen)
+    call = omega_rule if rule == "omega" else swla
+    ref_backend = "frozen_seq" if rule == "omega" else "recurrent"
+    o, s = call(q, k, v, window=1, eta=eta, chunk_size=64, backend="triton", output_final_state=True)
+    ref, ref_s = call(q.double(), k.double(), v.double(), window=1, eta=eta.double(), chunk_size=64,
+                      backend=ref_backend, output_final_state=True)
+    memory = lambda x: getattr(x, "memory", x)                     # noqa: E731  (SWLA's state is the matrix)
+    assert rel_rmse(o.double(), ref) < 1e-5
+    assert rel_rmse(memory(s).double(), memory(ref_s)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["recurrent", "frozen_seq", "chunk"])
+def test_gates_of_another_dtype_follow_the_inputs(gen, backend):
+    """fp32 q, k, v with fp64 or bf16 alpha and eta: the gates are cast to the compute dtype, so the result
+    is the all-fp64 run's to fp32 rounding (of the gates as given), and the state stays fp32."""
+    B, H, T, K, V = 1, 2, 9, 6, 5
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    alpha = random_gate(B, H, T, low=0.6, generator=gen).double()
+    eta = 0.5 * torch.rand(B, H, T, generator=gen, dtype=torch.float64)
+    for gdt in (torch.float64, torch.bfloat16):
+        a, e = alpha.to(gdt), eta.to(gdt)
+        o, s = omega_rule(q, k, v, window=2, alpha=a, eta=e, backend=backend, chunk_size=1, output_final_state=True)
+        ref, _ = omega_rule(q.double(), k.double(), v.double(), window=2, alpha=a.double(), eta=e.double(),
+                            backend=backend, chunk_size=1, output_final_state=True)
+        assert o.dtype == torch.float32 and s.memory.dtype == torch.float32, (gdt, o.dtype, s.memory.dtype)
+        assert rel_rmse(o.double(), ref) < 1e-5, gdt
+
+
 def test_triton_without_gates_or_state(gen):
     inputs = make_inputs(gen, 2, 1, 40, 12, 10, 2, None, gates=False, h0=False)
     ref, ref_s = frozen(*inputs, 2, 16)
