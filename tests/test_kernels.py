@@ -168,8 +168,22 @@ def test_tiles():
     assert [dot_tile(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
     assert value_tile(10, 64) == 16 and value_tile(100, 64) == 64 and value_tile(100, 32) == 32
     assert feature_tile(100, 256) == 128
+    assert feature_tile(256, 256) == 256                  # the limit itself is inside it
     with pytest.raises(ValueError, match="K <= 256, got K=300"):
         feature_tile(300, 256)
+    with pytest.raises(ValueError, match="K <= 256, got K=257"):
+        feature_tile(257, 256)
+
+
+@pytest.mark.parametrize("value, expected", [(None, "ieee"), ("0", "ieee"), ("", "ieee"), ("1", "tf32")])
+def test_tf32_is_an_explicit_opt_in(monkeypatch, value, expected):
+    """Only ATLASLIB_TF32=1 turns TF32 on: "0" or an empty value keep fp32 products exact."""
+    from atlaslib.core.kernels import TF32_ENV, precision
+    if value is None:
+        monkeypatch.delenv(TF32_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TF32_ENV, value)
+    assert precision(torch.float32) == expected
 
 
 def test_forward_launch_checks():
