@@ -373,6 +373,14 @@ RESET_CASES = {
 }
 
 
+def _resets(gen, per_channel):
+    """Gates [1, 2, 96(, 8)]: a quarter of them 0, the rest within 1e-3 of 1 (fp64)."""
+    shape = (1, 2, 96, 8) if per_channel else (1, 2, 96)
+    alpha = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=F64)
+    alpha[torch.rand(shape, generator=gen) < 0.25] = 0.0
+    return alpha
+
+
 @pytest.mark.parametrize("name", list(RESET_CASES))
 def test_fp32_chunk_forms_keep_their_digits_after_resets(gen, name):
     """A quarter of the gates 0 (resets, log-gate -60 once clamped), the rest within 1e-3 of 1: every later
@@ -380,11 +388,9 @@ def test_fp32_chunk_forms_keep_their_digits_after_resets(gen, name):
     chunk forms were 50x-100x further from the fp64 definition than the fp32 loop). The cumulative logs
     are fp64 (``core.chunking.cumulative_logs``): the fp32 chunk form is as close as the fp32 loop."""
     call, per_channel, oracle = RESET_CASES[name]
-    B_, H_, T_, b = 1, 2, 96, 32
-    q, k, v = random_qkv(B_, H_, T_, 8, 8, generator=gen)
-    shape = (B_, H_, T_, 8) if per_channel else (B_, H_, T_)
-    alpha = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=F64)
-    alpha[torch.rand(shape, generator=gen) < 0.25] = 0.0
+    b = 32
+    q, k, v = random_qkv(1, 2, 96, 8, 8, generator=gen)
+    alpha = _resets(gen, per_channel)
     ref = call(q.double(), k.double(), v.double(), oracle, b, alpha=alpha)[0]
     loop = rel_rmse(call(q, k, v, oracle, b, alpha=alpha.float())[0].double(), ref)
     chunk = rel_rmse(call(q, k, v, "chunk", b, alpha=alpha.float())[0].double(), ref)
@@ -398,14 +404,6 @@ RESET_CASES_TRITON["delta_rule (Gated DeltaNet)"] = (
                                                 backend=backend, chunk_size=b, **g), False, "recurrent")
 WITH_BACKWARD_KERNELS = ("linear_attention", "linear_attention (GLA)", "delta_rule (KDA)",
                          "delta_rule (Gated DeltaNet)")
-
-
-def _resets(gen, per_channel, B_=1, H_=2, T_=96, K_=8):
-    """A quarter of the gates 0, the rest within 1e-3 of 1 (fp64)."""
-    shape = (B_, H_, T_, K_) if per_channel else (B_, H_, T_)
-    alpha = 1 - 1e-3 * torch.rand(shape, generator=gen, dtype=F64)
-    alpha[torch.rand(shape, generator=gen) < 0.25] = 0.0
-    return alpha
 
 
 @pytest.mark.parametrize("name", list(RESET_CASES_TRITON))
