@@ -183,6 +183,41 @@ def test_every_page_renders_offline(site):
     assert not problems, "\n".join(problems)
 
 
+# At phone width a display formula may be wider than the column: it must scroll, so no glyph may lie LEFT
+# of its box (nothing scrolls there). A \\tag-ged equation did, in the theme's row-reverse flex box.
+PHONE_CUT_MATH_JS = """
+async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+  const tex = new Map();
+  for (const item of (window.MathJax && MathJax.startup && MathJax.startup.document
+                      && MathJax.startup.document.math) || []) tex.set(item.typesetRoot, item.math);
+  return [...document.querySelectorAll('mjx-container[display="true"]')].flatMap(m => {
+    const left = m.parentElement.getBoundingClientRect().left;
+    const cut = [...m.querySelectorAll('mjx-c')].some(c => {
+      const r = c.getBoundingClientRect();
+      return r.width && r.left < left - 1;
+    });
+    return cut ? [(tex.get(m) || m.textContent).replace(/\\s+/g, ' ').trim().slice(0, 80)] : [];
+  });
+}
+"""
+
+
+def test_no_formula_is_cut_on_a_phone(site):
+    base, pages, context, recorder = site
+    problems = []
+    for doc in pages:
+        page = open_page(context, recorder, f"{base}/{doc}.html")
+        page.set_viewport_size({"width": 390, "height": 800})
+        page.wait_for_timeout(200)  # let MathJax lay the page out again at the new width
+        cut = page.evaluate(PHONE_CUT_MATH_JS)
+        if cut:
+            page.screenshot(path=str(SCREENSHOTS / f"{doc.replace('/', '_')}-phone.png"))
+            problems.append(f"{doc}: {len(cut)} display formulas cut on their left at 390 px: {cut}")
+        page.close()
+    assert not problems, "\n".join(problems)
+
+
 def test_search_finds_delta_rule(site):
     base, pages, context, recorder = site
     page = open_page(context, recorder, f"{base}/search.html?q=delta+rule")
