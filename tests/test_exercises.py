@@ -95,6 +95,24 @@ def test_generator_without_the_solutions_says_so(capsys, monkeypatch, tmp_path):
         assert exit_.value.code == 2 and "no exercises/solutions/ch*.ipynb" in capsys.readouterr().err
 
 
+def test_generator_check_fails_on_a_stale_notebook_and_writing_fixes_it(capsys, monkeypatch, tmp_path):
+    """``--check`` exits 1 on a stale student notebook and leaves it as it is (CI relies on the status);
+    without ``--check`` the notebook is rewritten, after which ``--check`` exits 0."""
+    from atlaslib.exercises import generate
+    solution = SOLUTIONS / "ch01_linear.ipynb"
+    (tmp_path / "exercises" / "solutions").mkdir(parents=True)
+    (tmp_path / "exercises" / "solutions" / solution.name).write_text(solution.read_text())
+    student = tmp_path / "exercises" / solution.name
+    stale = target_of(solution).read_text().replace("raise NotImplementedError", "pass  # stale", 1)
+    student.write_text(stale)
+    monkeypatch.setattr(generate, "ROOT", tmp_path)
+    monkeypatch.setattr(generate, "SOLUTIONS", tmp_path / "exercises" / "solutions")
+    assert generate.main(["--check"]) == 1
+    assert "STALE" in capsys.readouterr().out and student.read_text() == stale
+    assert generate.main([]) == 0 and student.read_text() == target_of(solution).read_text()
+    assert generate.main(["--check"]) == 0
+
+
 # ---- verdicts ----------------------------------------------------------------------------
 
 def hebbian_step_ok(M, q, k, v, alpha):
@@ -109,6 +127,22 @@ def test_success_text_is_deterministic_and_machine_readable():
     assert a.text() == b.text()       # no random numbers in the success line (nbval stays strict)
     payload = json.loads(json.dumps(a.__dict__))
     assert Verdict(**payload) == a
+
+
+def test_each_run_of_a_check_draws_fresh_inputs():
+    """The notebooks promise fresh random inputs on every run: with the same inputs each time, an answer
+    that replays the numbers of an earlier run, or is right by luck on those inputs, would keep passing."""
+    seen = []
+
+    def recording(M, q, k, v, alpha):
+        seen.append(k.clone())
+        return hebbian_step_ok(M, q, k, v, alpha)
+    assert ch01.hebbian_step.evaluate(recording).status == "passed"
+    first = list(seen)
+    assert ch01.hebbian_step.evaluate(recording).status == "passed"
+    second = seen[len(first):]
+    assert len(first) == len(second) > 0
+    assert not any(torch.equal(a, b) for a, b in zip(first, second))
 
 
 def test_display_carries_the_grader_payload(monkeypatch):
@@ -187,6 +221,15 @@ def test_hebbian_step_rejects_read_before_write():
         return alpha[:, :, None, None] * M + v[..., :, None] * k[..., None, :], y
     v = ch01.hebbian_step.evaluate(read_first)
     assert v.status == "failed" and "y_t" in v.message and "relative RMSE" in v.message
+
+
+def test_hebbian_step_rejects_a_missing_gate():
+    """M_t = M + v k^T: right only where alpha = 1, so the check must draw gates below 1."""
+    def ungated(M, q, k, v, alpha):
+        M_t = M + v[..., :, None] * k[..., None, :]
+        return M_t, torch.einsum("bhvk,bhk->bhv", M_t, q)
+    v = ch01.hebbian_step.evaluate(ungated)
+    assert v.status == "failed" and "M_t: relative RMSE" in v.message, v.message
 
 
 def gated_loop_ok(q, k, v, alpha):
@@ -269,6 +312,22 @@ def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
     wrong = ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: min(d_k, d_v))
     assert wrong.status == "failed" and "your answer" in wrong.message
     assert ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: True).status == "failed"
+    # a number is compared as a number: d_k + 0.5 is not d_k, a float d_k is
+    half = ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: d_k + 0.5)
+    assert half.status == "failed" and "is not right" in half.message, half.message
+    assert ch01.capacity.evaluate(memory_ok, lambda d_k, d_v: float(d_k)).status == "passed"
+
+
+def test_capacity_rejects_pseudo_inverses_that_need_full_rank_keys():
+    """(K^T K)^{-1} K^T for m <= d_k and K^T (K K^T)^{-1} beyond: K^+ whenever the keys have full rank, so
+    only keys of lower rank (6 keys spanning 3 dimensions) tell it from V K^+."""
+    def by_cases(K, V):
+        d_k, m = K.shape
+        if m <= d_k:
+            return V @ torch.linalg.solve(K.T @ K, K.T)
+        return V @ K.T @ torch.linalg.inv(K @ K.T)
+    v = ch01.capacity.evaluate(by_cases, lambda d_k, d_v: d_k)
+    assert v.status in ("failed", "error") and "rank-deficient keys" in v.message, v.message
 
 
 # ---- the Triton exercise: a correct kernel, and the masking mistakes it must catch --------
@@ -277,7 +336,7 @@ def test_capacity_passes_and_rejects_hebbian_and_normal_equations():
 def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr,
-                          OTHER: tl.constexpr):
+                          OTHER: tl.constexpr, ONE_PAST: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t, c, r = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     if MASK_LOADS:
@@ -298,19 +357,23 @@ def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
     state = i * V * K + r[:, None] * K + c[None, :]
     M = tl.load(M_ptr + state, mask=(r < V)[:, None] & (c < K)[None, :], other=0.0)
     M_next = M * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision="ieee")
-    if MASK_STORE:
+    if ONE_PAST:                                        # also row V, column 0: the entry just past the matrix
+        inside = (r < V)[:, None] & (c < K)[None, :]
+        tl.store(out_ptr + state, M_next, mask=inside | ((r[:, None] == V) & (c[None, :] == 0)))
+    elif MASK_STORE:
         tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < K)[None, :])
     else:
         tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < BK)[None, :])
 
 
-def launcher(mask_loads=True, mask_store=True, last_of_block=False, other=True):
+def launcher(mask_loads=True, mask_store=True, last_of_block=False, other=True, one_past=False):
     def state_update(M, k, v, g, out):
         N, n, K = k.shape
         V = v.shape[-1]
         BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (n, K, V))
         state_update_variants[(N,)](M, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
-                                    MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block, OTHER=other)
+                                    MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block, OTHER=other,
+                                    ONE_PAST=one_past)
         return out
     return state_update
 
@@ -400,6 +463,9 @@ def smuggled(how):
             zero_kernel[(1,)](out, n, BL=BL)
             out.copy_(torch_answer(M, k, v, g))
             idle_kernel[(1,)](out, n, BL=BL)
+        elif how == "torch into a scratch buffer":       # the kernel only copies what torch computed
+            scratch = torch_answer(M, k, v, g).contiguous()
+            copy_kernel[(1,)](scratch, out, n, BL=BL)
         else:                                            # through an input, undone after the launch
             M0 = M.clone()
             M.copy_(torch_answer(M0, k, v, g))
@@ -414,6 +480,7 @@ def smuggled(how):
     ("torch before the first launch", "written with torch before it"),
     ("torch between launches", "changed between two launches"),
     ("torch through an input", "(an input) was changed before a launch"),
+    ("torch into a scratch buffer", "not one of your function's arguments"),
 ])
 def test_triton_check_refuses_values_written_with_torch(how, where):
     v = ch01.triton_state_update.evaluate(smuggled(how))
@@ -443,6 +510,13 @@ def test_triton_check_catches_masked_loads_without_other():
 def test_triton_check_catches_stores_past_the_end():
     v = ch01.triton_state_update.evaluate(launcher(mask_store=False))
     assert v.status == "failed" and "wrote" in v.message
+
+
+def test_triton_check_catches_one_store_past_the_end():
+    """The last program's stray store lands on the very first entry after the output (the others' land on the
+    next matrix, which its own program then overwrites): the band must be checked from that entry on."""
+    v = ch01.triton_state_update.evaluate(launcher(one_past=True))
+    assert v.status == "failed" and "wrote 1 value(s) past the end of out" in v.message, v.message
 
 
 def test_triton_check_catches_gate_of_the_padded_row():
@@ -476,7 +550,8 @@ def _add_two_inputs(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, OVER: tl.cons
 
 def test_loads_are_checked_by_address_and_views_of_one_buffer_are_not_each_others_band():
     """Under the interpreter a load outside every argument fails the check; two arguments that are views of
-    one buffer (side by side) may read each other, the band beyond both may not be read."""
+    one buffer (side by side) may read each other, the band beyond both may not be read, not even its first
+    entry."""
     from atlaslib.exercises.checking import guarded, guarded_output, run_under_rules
     both = guarded(torch.randn(10))
 
@@ -489,3 +564,23 @@ def test_loads_are_checked_by_address_and_views_of_one_buffer_are_not_each_other
         assert torch.equal(out, both[:5] + both[5:])
     with pytest.raises(Exception, match="loaded 1 value.s. past the end of argument 1"):
         run_under_rules(add, (both[:5], both[5:], guarded_output((5,)), 6), {}, (), outputs=(2,))
+    with pytest.raises(Exception, match="loaded 1 value.s. past the end of argument 1"):
+        # one past the end of an input that is not next to another argument: the band's very first entry
+        run_under_rules(add, (guarded(torch.randn(5)), guarded(torch.randn(5)), guarded_output((5,)), 1), {}, (),
+                        outputs=(2,))
+
+
+@triton.jit
+def _read_around(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tl.store(o_ptr + r, tl.load(x_ptr + r - 1, mask=r < n + 2), mask=r < n + 2)
+
+
+def test_a_guarded_input_sits_between_nan():
+    """On a GPU no load is watched: a load just before or past a guarded input must read NaN, which then shows
+    in the output (a band of zeros would let an unmasked load of padding pass unseen)."""
+    from atlaslib.exercises.checking import guarded
+    x = torch.randn(5)
+    around = torch.zeros(7)
+    _read_around[(1,)](guarded(x), around, 5, BLOCK=8)
+    assert around[0].isnan() and around[-1].isnan() and torch.equal(around[1:-1], x), around

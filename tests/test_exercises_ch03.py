@@ -196,6 +196,14 @@ def test_memora_loop_rejects_typical_mistakes(kw):
     fails(ch03.memora_loop, lambda *a: memora_naive(*a, **kw), where="relative RMSE")
 
 
+def test_memora_loop_rejects_the_logits_for_the_weights():
+    """Every output right, but log W_T (the log-domain state) returned for W_T = c softmax(Z_T)."""
+    def logits(*a):
+        o, W_T = memora_naive(*a)
+        return o, torch.log(W_T)
+    fails(ch03.memora_loop, logits, where="W_T: relative RMSE")
+
+
 # ---- exercise 4: Titans' momentum over a chunk ----------------------------------------------------
 
 def momentum_loop(M0, S0, G, alpha, theta, eta):

@@ -172,6 +172,19 @@ def test_band_rejects_wrong_entries(wrong):
     assert v.status == "failed" and "Gamma: relative RMSE" in v.message, v.message
 
 
+def test_band_rejects_windows_cut_at_the_chunk_length():
+    """Right while c <= b; a window longer than the chunk must still reach c - 1 tokens back."""
+    def cut(G):
+        B, H, n, c = G.shape
+        out = torch.zeros(B, H, n, n + c - 1)
+        for t in range(n):
+            for i in range(t - min(n, c) + 1, t + 1):
+                out[:, :, t, i + c - 1] = G[:, :, t, t - i]
+        return out
+    v = ch04.band.evaluate(cut)
+    assert v.status == "failed" and "c > b" in v.message and "Gamma: relative RMSE" in v.message, v.message
+
+
 # ---- exercise 4: the chunkwise pass --------------------------------------------------------------
 
 def chunkwise_library(q, k, v, gamma, alpha, eta, chunk_size):

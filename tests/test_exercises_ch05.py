@@ -167,6 +167,17 @@ def test_atlas_step_rejects_transposed_gradient_and_fp32():
     assert ch05.atlas_step.evaluate(in_fp32).status == "failed"
 
 
+def test_atlas_step_names_a_float32_newton_schulz():
+    """S_t exact, only Newton-Schulz run in float32 and cast back: the dtype is right, M_t is off by float32's
+    rounding (about 1e-7), which the 1e-8 of the check must catch and name."""
+    def ns_in_float32(M, S, k, v, alpha, eta, theta, ns_steps):
+        e = lambda x: x[..., None, None]                                  # noqa: E731
+        S_t = e(theta) * S + (torch.einsum("bhvd,bhd->bhv", M, k) - v)[..., :, None] * k[..., None, :]
+        return e(alpha) * M - e(eta) * newton_schulz(S_t.float(), ns_steps).double(), S_t
+    v = ch05.atlas_step.evaluate(ns_in_float32)
+    assert v.status == "failed" and "M_t: relative RMSE" in v.message and "float32's rounding" in v.message, v.message
+
+
 # ---- exercise 4: the chunk's momenta ----------------------------------------------------------------
 
 def momenta_loop(S0, grad, theta):
@@ -400,3 +411,15 @@ def test_an_empty_kernel_with_a_torch_result_and_the_library_kernel_fail():
         return out
     v = ch05.triton_ns_step.evaluate(library_kernel)
     assert v.status == "failed" and "atlaslib.atlas.kernel.newton_schulz_triton" in v.message, v.message
+
+    from atlaslib.atlas.kernel import newton_schulz_kernel
+
+    def library_jit_kernel(X, out, coeffs):          # the library's @triton.jit kernel launched directly
+        N, R, C = X.shape
+        BR, BC = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(C))
+        newton_schulz_kernel[(N,)](X, out, *X.stride(), *out.stride(), R, C, 1, *coeffs, 1e-7, BR=BR, BC=BC,
+                                   PRECISION="ieee")
+        return out
+    v = ch05.triton_ns_step.evaluate(library_jit_kernel)
+    assert v.status == "failed" and "launches the library's kernel" in v.message, v.message
+    assert "atlaslib.atlas.kernel.newton_schulz_kernel" in v.message, v.message

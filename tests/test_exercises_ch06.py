@@ -63,7 +63,8 @@ def test_phi_star_passes_correct_answers():
     (lambda x, P: phi_by_exponents(x, P, top=P + 1), "has shape"),                  # one degree too many
     (lambda x, P: phi_by_exponents(x, max(P - 1, 0)), "has shape"),                 # one degree too few
     (lambda x, P: exp_features(x, P, compressed=False), "tensor-power form"),       # sum d^n entries
-], ids=["no_factorials", "unweighted", "ch04_monomials", "P_plus_1", "P_minus_1", "tensor_powers"])
+    (lambda x, P: phi_by_exponents(x.abs(), P), "phi*_P(x) . phi*_P(y)"),          # right norms, wrong signs
+], ids=["no_factorials", "unweighted", "ch04_monomials", "P_plus_1", "P_minus_1", "tensor_powers", "of_abs_x"])
 def test_phi_star_rejects_wrong_features(features, where):
     v = ch06.phi_star.evaluate(features, comb)
     assert v.status == "failed" and where in v.message, v.message

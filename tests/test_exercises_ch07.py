@@ -139,6 +139,32 @@ def test_grm_readout_rejects_a_transposed_state():
     assert v.status in ("failed", "error") and "N=4, K=5, V=7" in v.message, v.message
 
 
+def weights_shifted_by_the_cached_maximum(u, pooled, online_pool):
+    """GRM's weights, the softmax shifted by the larger of the largest cached relevance and the online one:
+    right whenever a state is cached, an error (the maximum of no relevances) when none is."""
+    r = torch.einsum("bhk,bhnk->bhn", u, pooled)
+    r_s = (u * online_pool).sum(-1)
+    m = torch.maximum(r.max(-1).values, r_s)
+    e, e_s = torch.exp(r - m[..., None]), torch.exp(r_s - m)
+    z = e.sum(-1) + e_s
+    return e / z[..., None], e_s / z
+
+
+def test_grm_readout_and_soup_check_a_token_with_nothing_cached():
+    """A token of the first segment has no cached state (N = 0): both checks must meet one."""
+    def grm(q, u, states, pooled, online, online_pool):
+        w, g_s = weights_shifted_by_the_cached_maximum(u, pooled, online_pool)
+        return torch.einsum("bhn,bhnvk,bhk->bhv", w, states, q) + g_s[..., None] * online
+
+    def soup(q, u, states, pooled, online_state, online_pool):
+        w, g_s = weights_shifted_by_the_cached_maximum(u, pooled, online_pool)
+        M = torch.einsum("bhn,bhnvk->bhvk", w, states) + g_s[..., None, None] * online_state
+        return M, torch.einsum("bhvk,bhk->bhv", M, q)
+    for exercise, answer in ((ch07.grm_readout, grm), (ch07.soup, soup)):
+        v = exercise.evaluate(answer)
+        assert v.status == "error" and "N=0" in v.message and "no cached state" in v.message, v.message
+
+
 def soup_math(q, u, states, pooled, online_state, online_pool, normalise=True, online=True):
     r = torch.einsum("bhk,bhnk->bhn", u, pooled)
     logits = torch.cat([r, (u * online_pool).sum(-1, keepdim=True)], dim=-1)
@@ -211,6 +237,17 @@ def test_ssc_weights_rejects_typical_mistakes(kw, where):
     assert v.status == "failed" and where in v.message, v.message
 
 
+def test_ssc_weights_rejects_an_unnormalised_online_weight():
+    """w right, gamma_s = exp(s - m) not divided by the softmax's sum: gamma_s is checked on its own."""
+    def unnormalised(scores, online_score, top_k):
+        w, _ = ssc_math(scores, online_score, top_k)
+        k = scores.shape[-1] if top_k is None else min(top_k, scores.shape[-1])
+        m = torch.maximum(scores.topk(k, dim=-1).values.amax(-1), online_score)
+        return w, torch.exp(online_score - m)
+    v = ch07.ssc_weights.evaluate(unnormalised)
+    assert v.status == "failed" and "gamma_s: relative RMSE" in v.message, v.message
+
+
 def test_ssc_weights_must_take_top_k_none():
     v = ch07.ssc_weights.evaluate(lambda s, o, k: ssc_math(s, o, int(k)))
     assert v.status == "error" and "top_k=None" in v.message and "TypeError" in v.message, v.message
@@ -222,7 +259,7 @@ def test_ssc_weights_must_take_top_k_none():
 def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
                          BT: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, MASK_LOADS: tl.constexpr,
                          MASK_PAD: tl.constexpr, MASK_STORE: tl.constexpr, ONLINE: tl.constexpr,
-                         SHIFT: tl.constexpr, MAX_ONLINE: tl.constexpr):
+                         SHIFT: tl.constexpr, MAX_ONLINE: tl.constexpr, G_ONE_PAST: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     c, j_ = tl.arange(0, BK), tl.arange(0, BJ)
@@ -250,10 +287,11 @@ def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
     z = tl.sum(e, axis=1) + e_s
     m_j = j_ < J if MASK_STORE else j_ < BJ
     tl.store(w_ptr + i * T * J + t[:, None] * J + j_[None, :], e / z[:, None], mask=m_t[:, None] & m_j[None, :])
-    tl.store(g_ptr + i * T + t, e_s / z, mask=m_t)
+    tl.store(g_ptr + i * T + t, e_s / z, mask=t <= T if G_ONE_PAST else m_t)      # t <= T: one entry too many
 
 
-def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, shift=True, max_online=True):
+def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, shift=True, max_online=True,
+                 g_one_past=False):
     def launch(u, pooled, blocks, online_score, w, g):
         N, T, K = u.shape
         S, J = pooled.shape[1], blocks.shape[1]
@@ -261,7 +299,7 @@ def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, s
         grm_weights_variants[(N, triton.cdiv(T, BT))](u, pooled, blocks, online_score, w, g, T, S, K, J, BT=BT, BK=BK,
                                                       BJ=BJ, MASK_LOADS=mask_loads, MASK_PAD=mask_pad,
                                                       MASK_STORE=mask_store, ONLINE=online, SHIFT=shift,
-                                                      MAX_ONLINE=max_online)
+                                                      MAX_ONLINE=max_online, G_ONE_PAST=g_one_past)
     return launch
 
 
@@ -293,6 +331,12 @@ def test_triton_check_catches_unmasked_padding_slots():
 def test_triton_check_catches_stores_past_the_end():
     v = ch07.triton_grm_weights.evaluate(grm_launcher(mask_store=False))
     assert v.status == "failed" and "wrote" in v.message, v.message
+
+
+def test_triton_check_catches_a_store_past_the_end_of_g():
+    """g's store mask t <= T: each row stores one entry past its end, the last row past the end of g."""
+    v = ch07.triton_grm_weights.evaluate(grm_launcher(g_one_past=True))
+    assert v.status == "failed" and "past the end of g" in v.message, v.message
 
 
 def test_triton_check_catches_the_missing_online_slot():

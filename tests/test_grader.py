@@ -264,6 +264,35 @@ def test_a_folder_needs_notebooks_and_takes_no_save(grade_cli, capsys, tmp_path)
     assert f"error: --csv {tmp_path}/missing/x.csv: no folder {tmp_path}/missing" in capsys.readouterr().err
 
 
+def test_a_notebook_whose_grading_died_exits_2(monkeypatch, capsys):
+    """One notebook whose worker died: one line on stderr (and an "error" object with --json), exit status 2."""
+    from atlaslib import grade as grade_module
+    died = f"{STUDENT}: the grading of this notebook died (exit status -9); nothing was scored"
+    monkeypatch.setattr(grade_module, "grade_in_child", lambda path, *a, **k: grade_module.error_report(path, died))
+    assert grade_module.main([str(STUDENT)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == died
+    assert grade_module.main([str(STUDENT), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out) == {"notebook": str(STUDENT), "error": died}
+
+
+def test_fail_under_on_a_folder_counts_fewer_points_only(monkeypatch, capsys, tmp_path):
+    """--fail-under N on a folder: exit 1 if a notebook earns fewer than N points; exactly N is enough."""
+    from atlaslib import grade as grade_module
+    reports = [{"notebook": str(tmp_path / f"{who}.ipynb"), "chapter": "ch01", "exercises": [], "earned": earned,
+                "points": 15} for who, earned in (("alice", 5), ("bob", 4))]
+    for r in reports:
+        Path(r["notebook"]).write_text(STUDENT.read_text())
+    graded = []
+    monkeypatch.setattr(grade_module, "grade_folder", lambda *a, **k: graded)
+    graded[:] = reports[:1]
+    assert grade_module.main([str(tmp_path), "--fail-under", "5"]) == 0
+    graded[:] = reports
+    assert grade_module.main([str(tmp_path), "--fail-under", "5"]) == 1
+    assert grade_module.main([str(tmp_path), "--fail-under", "4"]) == 0
+    assert "bob.ipynb: 4/15 points" in capsys.readouterr().out
+
+
 def test_fail_under_sets_the_exit_status():
     args = [sys.executable, "-m", "atlaslib.grade", str(STUDENT), "--timeout", str(TIMEOUT), "--fail-under"]
     assert subprocess.run([*args, "1"], capture_output=True, cwd=ROOT, timeout=300).returncode == 1
@@ -355,6 +384,9 @@ ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
     "kernel_launch_patched": dict(setup="triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None"),
     "dunder": dict(exercise="chunkwise", code="g = check.chunkwise.__class__"),
     "eval": dict(exercise="chunkwise", code="via = eval('1')"),
+    "getattr_globals": dict(setup="from atlaslib.linear.chunk import chunk_step\n"
+                                  "g = getattr(chunk_step, '__glo' + 'bals__')\n"
+                                  "imp = g['__builtins__']['__imp' + 'ort__']\nimp('subprocess').run(['true'])"),
     "builtin_shadowed": dict(setup="def isinstance(*a):\n    return True"),
     "ipython_shadowed": dict(setup="def get_ipython():\n    return None"),
 }
@@ -371,6 +403,33 @@ def test_escape_hatches_are_refused_before_anything_runs(tmp_path, attack):
     cell = "(set-up)" if "setup" in ESCAPES[attack] else "(exercise chunkwise)"
     assert cell in reason, reason
     assert all(r["status"] == "error" and reason in r["verdict"] for r in report["exercises"]), table(report)
+
+
+SCREENED = [   # (a cell, what the refusal names): the screen alone must refuse each, nothing runs
+    ("from atlaslib.linear.chunk import chunk_step\ng = getattr(chunk_step, '__glo' + 'bals__')", "`getattr`"),
+    ("import torch\nsetattr(torch, 'exp', torch.log)", "`setattr`"),
+    ("import torch\nnames = vars(torch)", "`vars`"),
+    ("names = globals()", "`globals`"),
+    ("f = open('scores.csv', 'w')", "`open`"),
+    ("code = compile('1', 'cell', 'eval')", "`compile`"),
+    ("import torch\nlow = torch._C", "`._C`"),
+    ("def wipe(out):\n    out._guarded_base.fill_(1234.5)", "`._guarded_base`"),
+    ("def f():\n    pass\nspace = f.__globals__", "`.__globals__`"),
+    ("def frame_of(tb):\n    return tb.tb_frame", "`.tb_frame`"),
+    ("from atlaslib.linear.chunk import linear_attention_chunk",     # not the one name its module may give
+     "`from atlaslib.linear.chunk import linear_attention_chunk` is not allowed"),
+]
+
+
+@pytest.mark.parametrize("source, named", SCREENED, ids=[
+    "getattr", "setattr", "vars", "globals", "open", "compile", "private_attribute", "guard_band", "function_globals",
+    "frame", "library_function"])
+def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
+    from atlaslib.exercises.checking import Rejected, screen
+    cells = [("code cell 1 (set-up)", "import torch"), ("code cell 2", source)]
+    with pytest.raises(Rejected) as refused:        # the chapter's own allowances: chunk_step may be imported
+        screen(cells, "ch01", set(POINTS), registry("ch01").helpers)
+    assert str(refused.value).startswith("code cell 2: ") and named in str(refused.value), refused.value
 
 
 def test_the_static_rules_pass_every_shipped_notebook():
@@ -410,6 +469,25 @@ def test_an_empty_kernel_with_a_torch_result_scores_zero_and_a_hang_in_a_check_i
     assert verdict.startswith("your function ran longer") and "CallAborted" not in verdict
     assert "timeout: your function ran longer" in table(report) and "timeout: timeout" not in table(report)
     assert report["earned"] == report["points"] - POINTS["triton_state_update"] - POINTS["chunkwise"], table(report)
+
+
+def test_a_store_past_the_end_in_the_notebooks_process_loses_its_points(tmp_path):
+    """The kernel runs in the notebook's process: what it stored there, the guard bands around the output
+    included, must come back to the check, or a store past the end would go unseen."""
+    nb = nbformat.read(SOLUTION, as_version=4)
+    store = "    tl.store(out_ptr + state, M_next, mask=mask_state)"
+    one_past = "    tl.store(out_ptr + state, M_next, mask=mask_state | ((r[:, None] == V) & (c[None, :] == 0)))"
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    cell = next(c for c in nb.cells if store in c.source)
+    cell.source = cell.source.replace(store, one_past)        # row V, column 0: one entry past each matrix
+    path = tmp_path / "ch01_linear.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    row = rows(report)["triton_state_update"]
+    assert row["status"] == "failed" and "wrote 1 value(s) past the end of out" in row["verdict"], table(report)
+    assert report["earned"] == report["points"] - POINTS["triton_state_update"], table(report)
 
 
 # ---- the sandbox: every process the notebook started ends with its grading ------------------------

@@ -273,12 +273,54 @@ def test_rel_rmse_and_poison():
     assert abs(rel_rmse(a + torch.tensor([0.0, 0.0, 0.3], dtype=torch.float64), a) - 0.1) < 1e-12
     with pytest.raises(AssertionError, match="NaN"):
         assert_close(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 1.0]))
+    # against a reference of zeros (a gradient that must vanish) the error is the absolute one, not 0
+    assert abs(rel_rmse(torch.ones(3), torch.zeros(3)) - 3 ** 0.5) < 1e-12
+    with pytest.raises(AssertionError, match="relative RMSE"):
+        assert_close(torch.ones(3), torch.zeros(3), name="dL")
     from atlaslib.core import empty
     with poisoned_outputs():
         assert torch.isnan(empty(3)).all()
         assert not empty(3, dtype=torch.int64).isnan().any()
     from atlaslib.core import alloc
     assert alloc.allocate is torch.empty                           # restored after the block
+
+
+def test_assert_close_against_a_scale(gen):
+    """A dot product of terms of about 1e3 that cancels to about 0, summed in fp32: its error is rounding of
+    the terms, so judged against the sum of their magnitudes it passes; an error of 1e-3 of that sum fails."""
+    a = torch.randn(4, 512, generator=gen, dtype=torch.float64) * 1e3
+    b = torch.randn(4, 512, generator=gen, dtype=torch.float64)
+    b -= (a * b).sum(-1, keepdim=True) / (a * a).sum(-1, keepdim=True) * a            # a . b = 0 up to rounding
+    exact, scale = (a * b).sum(-1), (a.abs() * b.abs()).sum(-1)
+    fp32 = (a.float() * b.float()).sum(-1).double()
+    with pytest.raises(AssertionError):              # against the result itself the rounding is no small error
+        assert_close(fp32, exact, tol=1e-5)
+    assert_close(fp32, exact, tol=1e-5, scale=scale)
+    with pytest.raises(AssertionError, match="against the scale"):
+        assert_close(exact + 1e-3 * scale, exact, tol=1e-5, scale=scale)
+
+
+class _Shifted(torch.nn.Module):
+    """y_t = W x_{t + shift}: shift -1 reads only earlier tokens (token T - 1 changes nothing), +1 the next one."""
+
+    def __init__(self, d, shift):
+        super().__init__()
+        self.lin, self.shift = torch.nn.Linear(d, d), shift
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.shift < 0:
+            return torch.nn.functional.pad(y, (0, 0, 1, 0))[:, :-1]
+        return torch.nn.functional.pad(y, (0, 0, 0, 1))[:, 1:]
+
+
+def test_assert_causal_mixer_refuses_a_mixer_that_ignores_or_leaks_a_token(gen):
+    from atlaslib.core.testing import assert_causal_mixer
+    x = torch.randn(2, 6, 4, generator=gen, requires_grad=True)
+    with pytest.raises(AssertionError, match="token 5 changed no output"):
+        assert_causal_mixer(_Shifted(4, -1), x, t=5, generator=gen)
+    with pytest.raises(AssertionError, match="token 3 changed an earlier output"):
+        assert_causal_mixer(_Shifted(4, 1), x, t=3, generator=gen)
 
 
 def test_assert_within_rounding():
