@@ -225,6 +225,42 @@ def test_cuda_rows_subtract_the_baseline_and_add_throughput(probe_case, monkeypa
     assert rows[1]["TFLOP/s"] == pytest.approx(8.0) and rows[1]["GB/s"] == pytest.approx(2000.0)
 
 
+def test_cuda_times_wait_for_the_device(monkeypatch):
+    """A CUDA call returns once its kernels are queued; the clock must stop after they have run. A stand-in
+    device: each call queues 5 ms of work, which ``torch.cuda.synchronize`` waits for (the fake clock advances
+    then). The time is the 5 ms of work, not the 0 ms the call takes to return."""
+    clock, queued = FakeClock(), [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+
+    def synchronize():
+        clock.now += queued[0]
+        queued[0] = 0.0
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    launch = lambda: queued.__setitem__(0, queued[0] + 5e-3)                  # noqa: E731
+    assert bench.time_calls({"f": launch}, "cuda", warmup=1, repeats=3) == {"f": pytest.approx(5.0, rel=1e-9)}
+
+
+def test_cuda_peak_forgets_the_earlier_calls(monkeypatch):
+    """The CUDA peak is that of this call alone: stand-in counters where an earlier call left the high-water
+    mark at 100 MiB, 3 MiB are held before the call and the call holds 1 MiB more. The counter is reset before
+    the call (a reset sets it to what is allocated now), so the peak read is 1 MiB, not 100 - 3."""
+    mib = 2**20
+    held = {"now": 3 * mib, "top": 100 * mib}
+
+    def reset():
+        held["top"] = held["now"]
+
+    def fn():
+        held["now"] += mib
+        held["top"] = max(held["top"], held["now"])
+        return "out"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: held["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: held["top"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    assert bench.peak_memory_mib(fn, "cuda") == 1.0
+
+
 def test_measured_peaks_are_work_over_time(monkeypatch):
     """The footer's card peaks from stand-in times: a 4096^3 matmul is 2 * 4096^3 FLOPs, a copy of 256 MiB moves
     2 * 256 MiB."""
@@ -261,6 +297,40 @@ def test_quick_is_one_short_timed_call(monkeypatch, capsys, argv, Ts, warmup, re
     monkeypatch.setattr(bench, "case_notes", lambda *a, **kw: [])
     bench.main([*argv, "--device", "cpu", "--no-progress"])
     assert (seen["Ts"], seen["warmup"], seen["repeats"]) == (Ts, warmup, repeats)
+
+
+def test_chunk_size_and_threads_options_reach_the_run(monkeypatch):
+    """``--chunk-size 16`` reaches ``run_benchmarks`` (and the notes), and ``--threads`` is torch's thread count
+    while they run: the setting line would still print the values given."""
+    seen = {}
+
+    def run_benchmarks(models, Ts, **kw):
+        seen.update(kw, threads=torch.get_num_threads())
+        return []
+    monkeypatch.setattr(bench, "run_benchmarks", run_benchmarks)
+    monkeypatch.setattr(bench, "case_notes", lambda models, Ts, **kw: seen.update(notes=kw["chunk_size"]) or [])
+    threads = torch.get_num_threads()
+    try:
+        bench.main([*SMALL, "--device", "cpu", "--chunk-size", "16", "--threads", str(threads + 1), "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert (seen["chunk_size"], seen["notes"], seen["threads"]) == (16, 16, threads + 1)
+
+
+def test_run_benchmarks_builds_every_case_at_the_chunk_size_asked(monkeypatch):
+    """The ``BenchShape`` a case's builder (and its note) receives carries ``chunk_size``, not the default 64."""
+    shapes = []
+
+    def builder(shape, g):
+        shapes.append(shape)
+        return lambda backend: None
+    bench.register_bench_case("_probe", builder, backends=("chunk",), note=lambda s: shapes.append(s) or "")
+    try:
+        bench.run_benchmarks(["_probe"], [8], chunk_size=16, warmup=0, repeats=1, progress=False)
+        bench.case_notes(["_probe"], [8], chunk_size=16)
+    finally:
+        bench.BENCH_CASES.pop("_probe")
+    assert len(shapes) == 2 and {s.chunk_size for s in shapes} == {16}
 
 
 @pytest.mark.parametrize("argv, repeats", [([], None), (["--repeats", "3"], 3), (["--repeats", "5"], 5)])
@@ -394,6 +464,39 @@ def test_caching_rows_compute_memory_caching_on_the_first_tokens(segments):
     torch.testing.assert_close(call("recurrent", 20), chunk[:, :, :20], rtol=1e-10, atol=1e-12)
     assert "on the first 20 tokens only" in loop_note(segments, 20)(shape)
     assert "on all tokens" in loop_note(segments, 33)(shape)
+
+
+def test_caching_note_is_the_loop_time_over_the_median_chunk_time(monkeypatch):
+    """The note's ratio is loop / chunk (how many times the loop is slower), with the chunk's median of 3:
+    stand-in times of 0.01, 0.03 and 0.02 s for the chunk form and 1 s for the loop give 1 / 0.02 = 50x."""
+    import atlaslib.caching.bench_cases as cases
+    times = iter([0.01, 0.03, 0.02, 1.0])                                   # chunk x 3, then the loop
+    monkeypatch.setattr(cases, "seconds", lambda fn, device: next(times))
+    note = cases.loop_note(4, 1024)(bench.BenchShape(1, 2, 12, 4, 3, chunk_size=4))
+    assert note.startswith("loop (recurrent) 1 s vs chunk 0.02 s on all tokens: ") and f": {1 / 0.02:.1f}x " in note
+
+
+def test_chapter_1_2_rows_hand_their_gate_and_chunk_size_to_the_library(monkeypatch):
+    """Each row of chapters 1-2 times the model its name says, at the chunk length asked: the gate reaching
+    ``linear_attention`` / ``delta_rule`` is none, one per token [B, H, T] or one per key channel [B, H, T, K]
+    (KDA and GLA), and ``chunk_size`` is the shape's."""
+    import atlaslib.delta.bench_cases as delta_cases
+    import atlaslib.linear.bench_cases as linear_cases
+    bench.load_chapter_cases()
+    seen = {}
+    for module, name in ((linear_cases, "linear_attention"), (delta_cases, "delta_rule")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **kw: seen.update(kw) or real(*a, **kw))
+    B, H, T, K = 1, 2, 12, 8
+    shape = bench.BenchShape(B, H, T, K, 4, chunk_size=4)
+    gates = {"linear": None, "linear_scalar_gate": (B, H, T), "linear_channel_gate": (B, H, T, K),
+             "deltanet": None, "gated_deltanet": (B, H, T), "kda": (B, H, T, K)}
+    for name, gate in gates.items():
+        seen.clear()
+        bench.BENCH_CASES[name].builder(shape, torch.Generator().manual_seed(0))("chunk")
+        alpha = seen.get("alpha")
+        assert (None if alpha is None else tuple(alpha.shape)) == gate, name
+        assert seen.get("chunk_size") == 4, name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -714,6 +817,62 @@ def test_relative_error_divides_by_the_reference():
     r = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
     assert relative_error(2 * r, r) == pytest.approx(1.0, rel=1e-12)          # ||2r - r|| / ||r||
     assert relative_error(r, 2 * r) == pytest.approx(0.5, rel=1e-12)          # ||r - 2r|| / ||2r||
+
+
+def test_vs_fla_loop_column_is_our_per_token_loop_against_fla():
+    """On a CPU, loop_rel_err is our per-token loop (backend "recurrent") against fla's reference, both computed
+    here on the row's inputs: not the chunk form compared a second time."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    from atlaslib import bench_fla
+    from atlaslib.delta import delta_rule
+    s = bench_fla.Shape(1, 2, 64, 16, 8)
+    x = bench_fla.make_inputs("deltanet", s)
+    fla_fn, _, _ = bench_fla.fla_call("deltanet", "naive", torch.float32)
+    ref = fla_fn(bench_fla.fla_inputs("deltanet", x, "naive")).double()
+    loop = delta_rule(x["q"], x["k"], x["v"], x["beta"], backend="recurrent")[0].double()
+    timer = lambda fns, *, warmup, repeats: {name: 1.0 for name in fns}      # noqa: E731
+    (row,) = bench_fla.compare(["deltanet"], s, timer=timer, peak=lambda fn, device: 1.0)
+    assert row["loop_rel_err"] == pytest.approx(((loop - ref).norm() / ref.norm()).item(), rel=1e-9)
+
+
+def test_vs_fla_memory_columns_measure_their_own_side():
+    """fla_MiB and fla_fwdbwd_MiB are the peaks of fla's calls, ours_* of ours: a stand-in peak reports 1 when
+    the function it measures calls fla's op (counted by a wrapper around the stand-in op) and 0 otherwise."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    from atlaslib import bench_fla
+    fakes, _ = _fake_fla_chunk_ops()
+    path, calls = bench_fla.FLA_CHUNK["linear"], [0]
+    original = fakes[path]
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return original(*a, **kw)
+    fakes[path] = counted
+
+    def peak(fn, device):
+        before = calls[0]
+        fn()
+        return float(calls[0] - before)
+    timer = lambda fns, *, warmup, repeats: {name: 2.0 for name in fns}      # noqa: E731
+    (row,) = bench_fla.compare(["linear"], bench_fla.Shape(1, 2, 20, 8, 4, "float32"), impl="chunk",
+                               backend="chunk", backward=True, timer=timer, peak=peak, fns=fakes)
+    assert (row["ours_MiB"], row["fla_MiB"], row["ours_fwdbwd_MiB"], row["fla_fwdbwd_MiB"]) == (0.0, 1.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("device, repeats", [("cuda", 10), ("cpu", 3)])
+def test_vs_fla_times_10_rounds_on_cuda_and_3_on_a_cpu_by_default(monkeypatch, tmp_path, device, repeats):
+    """Without ``repeats``, ``run`` measures 10 CUDA-event rounds on a GPU and 3 on a CPU (as ``--repeats``'s help
+    says), and the JSON file records the count used. The measuring is stood in for (no GPU)."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    import json
+    from atlaslib import bench_fla
+    seen = []
+    monkeypatch.setattr(bench_fla, "compare", lambda *a, **kw: seen.append(kw["repeats"]) or fake_compare(*a, **kw))
+    path = tmp_path / "r.json"
+    bench_fla.run(device, shapes=[bench_fla.Shape(1, 2, 64, 8, 4, "float32")], models=["linear"], json_path=path,
+                  out=lambda line: None)
+    assert seen and set(seen) == {repeats}
+    assert json.loads(path.read_text())["repeats"] == repeats
 
 
 def test_grad_rel_err_is_the_largest_over_the_inputs():

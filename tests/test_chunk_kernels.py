@@ -192,6 +192,32 @@ def test_interpreter_multiplies_tf32x3_about_exactly(gen):
 
 
 @triton.jit
+def to_bf16_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y_ptr + o, tl.load(x_ptr + o).to(tl.bfloat16))
+
+
+def test_interpreter_rounds_fp32_to_bf16_as_a_card(gen):
+    """A cast of fp32 to bf16 rounds to the nearest, ties to even, as a card and torch do: checked bit for bit
+    against torch's ``x.to(torch.bfloat16)`` on values exactly halfway between two bf16 numbers (whose last kept
+    bit is even and odd, of both signs), where rounding ties away from zero would differ, on random values of
+    many scales, and on +-inf, +-0 and the largest fp32 (which rounds to inf); NaN stays NaN."""
+    ties = [1 + 2**-8, 1 + 3 * 2**-8, 3 + 2**-7, 3 + 3 * 2**-7, 2**-100 * (1 + 2**-8), 1000 + 2]
+    ties += [-t for t in ties]
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, torch.finfo(torch.float32).max]
+    x = torch.cat([torch.tensor(ties + special), torch.randn(64, generator=gen) * 10.0 ** torch.randint(-20, 20, (64,),
+                                                                                                   generator=gen)])
+    x = x[:64].float()
+    halfway = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    assert halfway[:len(ties)].all()                        # the ties are ties
+    y = torch.zeros(64, dtype=torch.bfloat16)
+    to_bf16_kernel[(1,)](x, y, N=64)
+    nan = x.isnan()                                         # a NaN's payload bits are no one's contract
+    assert torch.equal(y.isnan(), nan)
+    assert torch.equal(y[~nan].view(torch.int16), x[~nan].to(torch.bfloat16).view(torch.int16)), (x, y)
+
+
+@triton.jit
 def padded_sum_kernel(x_ptr, y_ptr, N, BLOCK: tl.constexpr, OTHER: tl.constexpr):
     """y = the sum of x's N entries, read as one padded block; OTHER gives the padding a value (0)."""
     o = tl.arange(0, BLOCK)

@@ -139,6 +139,41 @@ def test_final_loss_is_the_mean_of_the_last_ten_losses(monkeypatch):
     assert record["accuracy"] == 0.5
 
 
+def test_run_cell_trains_on_the_cells_own_data_and_initial_weights(monkeypatch):
+    """A cell's data are ``mqar`` with the cell's sizes and filler (seed 2 s for training, 2 s + 1 held out) and its
+    model starts from ``torch.manual_seed(s)``: a filler=False cell (the filler study, inversion's random_filler
+    knob) that trained on random filler, or a seed-1 cell that started from seed 0's weights, would rerun another
+    cell under this one's key. Checked on the data and the weights ``train_mqar`` receives."""
+    from types import SimpleNamespace
+
+    from atlaslib.nn import TinyLM
+    from atlaslib.tasks import mqar
+    seen = {}
+    fake = SimpleNamespace(losses=[1.0], accuracy=0.0, seconds=0.0, state_size=0, n_params=0)
+
+    def spy(model, data, **kw):
+        seen.update(data=data, weights={k: v.clone() for k, v in model.state_dict().items()})
+        return fake
+    monkeypatch.setattr(ex, "train_mqar", spy)
+    inversion = ex.grid("inversion", mixers=["deltanet"])
+    cells = [ex.grid("filler", mixers=["linear"])[0],
+             next(c for c in inversion if c["seed"] == 1 and not c["random_filler"]),
+             next(c for c in ex.grid("caching", mixers=["gated_deltanet"]) if c["seed"] == 1)]
+    assert [c["random_filler"] for c in cells] == [False, False, True]
+    for cell in cells:
+        ex.run_cell(cell, progress=False)
+        s, kw = cell["seed"], dict(random_non_queries=cell["random_filler"])
+        sizes = (cell["seq_len"], cell["num_kv_pairs"], cell["vocab_size"])
+        want = (*mqar(cell["num_train"], *sizes, seed=2 * s, **kw),
+                *mqar(cell["num_test"], *sizes, seed=2 * s + 1, **kw))
+        assert len(seen["data"]) == 4 and all(torch.equal(a, b) for a, b in zip(seen["data"], want)), cell["mixer"]
+        torch.manual_seed(s)
+        ref = TinyLM(cell["vocab_size"], cell["d_model"], cell["n_layers"], cell["mixer_name"], cell["n_heads"],
+                     **cell["mixer_kwargs"]).state_dict()
+        assert seen["weights"].keys() == ref.keys()
+        assert all(torch.equal(seen["weights"][k], ref[k]) for k in ref), (cell["mixer"], s)
+
+
 def test_the_leaderboard_shows_a_dash_where_a_mixer_has_no_run(tmp_path):
     out = tmp_path / "r.jsonl"
     records = [_record("a", 16, 2, 1e-2, 0, 0.25), _record("a", 16, 4, 1e-2, 0, 0.75),

@@ -186,10 +186,23 @@ def test_tiny_lm_sizes_are_checked(kw, error, match):
         TinyLM(**args)
 
 
+@pytest.mark.parametrize("ratio", [1, 2, 3])
+def test_tiny_lm_mlp_is_ratio_times_wider(ratio):
+    """Every block's MLP is Linear(D, ratio D) then Linear(ratio D, D): hidden width ratio * D, and
+    D * rD + rD + rD * D + D parameters (weights and biases), whatever ratio TinyLM is given."""
+    D = 16
+    lm = TinyLM(40, D, 2, "linear", 2, mlp_ratio=ratio)
+    for block in lm.blocks:
+        assert block.mlp.up.out_features == block.mlp.down.in_features == ratio * D
+        assert sum(p.numel() for p in block.mlp.parameters()) == 2 * ratio * D * D + ratio * D + D
+
+
 def test_tiny_lm_token_ids_are_checked(gen):
     lm = TinyLM(10, 8, 1, "linear", 2)
     ids = torch.randint(0, 10, (2, 4), generator=gen)
-    for bad in (ids + 10, ids - 11):
+    low, high = ids.clone(), ids.clone()
+    low[0, 0], high[1, 0] = -1, 10                          # one id just outside each end (column 0: step's too)
+    for bad in (ids + 10, ids - 11, low, high):
         with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\)"):
             lm(bad)
         with pytest.raises(ValueError, match=r"ids_t must lie in \[0, 10\)"):
@@ -233,6 +246,41 @@ def test_mqar_accuracy_counts_labelled_positions_only(gen):
     for bad in (0, -1):                                     # -1 used to score nothing and return 0.0
         with pytest.raises(ValueError, match="batch_size must be >= 1"):
             mqar_accuracy(_Oracle(x, y, 64), x, y, batch_size=bad)
+
+
+def test_mqar_accuracy_puts_the_model_back_in_its_mode(gen):
+    """It scores in eval mode and leaves the model as it found it: a model the caller put in eval mode (to
+    generate, say) must not come back in training mode, nor one in training mode in eval mode."""
+    x, y = mqar(8, 16, 2, 40, seed=int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    lm = TinyLM(40, 16, 1, "linear", 2)
+    for mode in (False, True, False):
+        lm.train(mode)
+        mqar_accuracy(lm, x, y)
+        assert all(m.training is mode for m in lm.modules()), mode
+
+
+class _TrainableOracle(_Oracle):
+    """The oracle of the training rows, with one parameter (a shift of every logit, which changes no argmax) for
+    AdamW to hold: it answers every training row right and rows it has not seen mostly wrong."""
+
+    def __init__(self, inputs, labels, vocab):
+        super().__init__(inputs, labels, vocab)
+        self.shift = nn.Parameter(torch.zeros(()))
+
+    def forward(self, ids):
+        return super().forward(ids) + self.shift
+
+
+def test_reported_accuracy_is_the_held_out_accuracy(gen):
+    """``TrainResult.accuracy`` is ``mqar_accuracy`` on the held-out split (data[2:]), not on the training split:
+    checked with a model that knows the training rows by heart, so the two splits score far apart."""
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=20, num_test=50)
+    data = task.data(int(torch.randint(0, 1000, (), generator=gen)))
+    model = _TrainableOracle(data[0], data[1], 40)
+    held_out, train = mqar_accuracy(model, data[2], data[3]), mqar_accuracy(model, data[0], data[1])
+    assert train == 1.0 and held_out < 0.5                  # the two splits tell apart
+    res = train_mqar(model, data, steps=2, batch_size=4, warmup=1, progress=False)
+    assert res.accuracy == held_out
 
 
 def _tiny_run(seed, steps=15):
@@ -281,6 +329,22 @@ def test_train_command_refuses_bad_arguments_in_one_line(capsys, argv, message):
         train.main([*TINY_CLI, *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_train_command_hands_every_option_to_the_run(monkeypatch):
+    """--lr, --warmup, --steps, --batch-size and --seed reach ``train_mqar`` and --dtype the model's weights (the
+    tests above pass the defaults or refuse the values, so an option read and then dropped would go unseen)."""
+    from atlaslib import train
+    seen = {}
+
+    def spy(model, data, **kw):
+        seen.update(kw, dtypes={p.dtype for p in model.parameters()})
+        return train.TrainResult(name="spy", accuracy=0.0, losses=[1.0])
+    monkeypatch.setattr(train, "train_mqar", spy)
+    train.main([*TINY_CLI, "--mixer", "linear", "--lr", "0.05", "--warmup", "3", "--steps", "4", "--batch-size", "8",
+                "--seed", "5", "--dtype", "float64"])
+    assert (seen["lr"], seen["warmup"], seen["steps"], seen["batch_size"], seen["seed"]) == (0.05, 3, 4, 8, 5)
+    assert seen["dtypes"] == {torch.float64}
 
 
 def test_no_warmup_is_a_schedule_that_starts_at_full_rate(capsys):

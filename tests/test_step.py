@@ -425,6 +425,26 @@ def test_greedy_generation_is_the_forward_argmax_and_state_stays_put(gen, name, 
         assert n8 == n32 > 0
 
 
+def test_position_embeddings_take_exactly_max_len_tokens(gen):
+    """With ``max_len`` position embeddings, forward takes sequences of up to max_len tokens, as step takes
+    positions 0 .. max_len - 1: at T = max_len its logits are the stepped ones, and one token more is refused
+    by both (ValueError)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    L = 8
+    lm = TinyLM(20, 8, 1, "softmax", 2, max_len=L).double()
+    ids = torch.randint(0, 20, (2, L + 1), generator=gen)
+    state, logits = None, []
+    with torch.no_grad():
+        for t in range(L):
+            out, state = lm.step(ids[:, t], state)
+            logits.append(out)
+        assert_close(lm(ids[:, :L]), torch.stack(logits, 1), name="forward at T = max_len vs step")
+        with pytest.raises(ValueError, match=f"sequence length {L + 1} exceeds max_len={L}"):
+            lm(ids)
+        with pytest.raises(ValueError, match=f"position {L} is past max_len={L}"):
+            lm.step(ids[:, L], state)
+
+
 def test_sampling_is_seeded_and_top_k_one_is_greedy(gen):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
     lm = TinyLM(23, 16, 1, "gla", 2)

@@ -45,6 +45,21 @@ def test_mqar_filler(gen):
     assert (x1[filler] != 0).float().mean() > 0.9                # noise replaces the zeros
 
 
+def test_mqar_filler_is_uniform_over_the_whole_vocabulary(gen):
+    """Filler tokens are drawn uniformly from all of [0, vocab_size), as the docstring says (Zoology): token 0 and
+    the value tokens included, so filler cannot be told from keys or values by its range. Pooled over 2000
+    sequences (80000 filler tokens) every token's share is within 0.0025 of 1/128: its standard deviation is
+    sqrt(p (1 - p) / n) = 3.1e-4, so the margin is 8 deviations (a false failure: below 1e-12 over 128 tokens),
+    while a filler that never takes value tokens, or never token 0, is off by 1/128 = 0.0078 on some token."""
+    seed, vocab = _seed(gen), 128
+    zeros, _ = mqar(2000, 64, 8, vocab, random_non_queries=False, seed=seed)
+    x, _ = mqar(2000, 64, 8, vocab, seed=seed)
+    filler = x[zeros == 0]                                      # the positions that are token 0 before the noise
+    assert filler.numel() == 2000 * (64 - 2 * 8 - 8)
+    share = torch.bincount(filler, minlength=vocab).double() / filler.numel()
+    assert share.numel() == vocab and (share - 1 / vocab).abs().max() < 0.0025, share
+
+
 def test_mqar_seeded(gen):
     seed = _seed(gen)
     a, b = mqar(16, 64, 8, 128, seed=seed), mqar(16, 64, 8, 128, seed=seed)

@@ -9,7 +9,7 @@ from torch import nn
 
 from atlaslib.core.testing import TOLERANCE, assert_close
 from atlaslib.nn import TinyLM, TokenMixer, make_mixer
-from atlaslib.tasks import gd_memory, random_pairs
+from atlaslib.tasks import gd_memory, mqar, random_pairs
 from atlaslib.train import MQARTask, mqar_loss, train_mqar
 from mixer_helpers import seeded, step_through
 
@@ -130,6 +130,20 @@ def test_top_k_sampling_follows_the_tempered_top_k_softmax(gen):
     assert (freq - p).abs().max() < 0.03, (freq, p)                        # ~8 sigma at n = 20000
 
 
+def test_top_k_keeps_exactly_the_k_most_likely_for_every_k(gen):
+    """Rules out: the mask skipped one k too early (``top_k < vocab - 1``), so top_k = vocab - 1 samples from the
+    whole vocabulary. At a high temperature every kept token is about equally likely (1/k each): in 3000 draws
+    each of the k most likely tokens appears (a miss has probability below (1 - 1/(2k))^3000 < 1e-100) and no
+    other token ever does (its probability is exactly 0)."""
+    vocab, n = 6, 3000
+    logits = torch.randn(1, vocab, generator=gen, dtype=torch.float64)
+    draw_gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    for k in range(1, vocab + 1):
+        draws = TinyLM.choose(logits.expand(n, vocab), greedy=False, temperature=50.0, top_k=k, generator=draw_gen)
+        top = set(logits[0].topk(k).indices.tolist())
+        assert set(draws.unique().tolist()) == top, (k, sorted(draws.unique().tolist()), sorted(top))
+
+
 # ---------------------------------------------------------------- train.py: loss, schedule, data
 
 class Recorder(nn.Module):
@@ -242,6 +256,69 @@ def test_held_out_data_is_not_the_training_data(gen):
     task = MQARTask(vocab_size=64, seq_len=32, num_kv_pairs=4, num_train=50, num_test=50)
     train_x, _, test_x, _ = task.data(int(torch.randint(0, 1000, (), generator=gen)))
     assert not (test_x[:, None, :] == train_x[None]).all(-1).any()
+
+
+def test_mqar_task_data_is_mqar_with_its_fields(gen):
+    """Rules out: a field of MQARTask (power_a, random_filler) left out of the call to ``mqar``, which then uses
+    its own default (power_a 0.01, random filler). Reference: ``mqar`` called here with every field, the
+    training split with seed 2 s and the held-out split with seed 2 s + 1, as ``MQARTask.data`` documents."""
+    s = int(torch.randint(0, 1000, (), generator=gen))
+    task = MQARTask(vocab_size=96, seq_len=32, num_kv_pairs=4, num_train=30, num_test=20, power_a=1.0,
+                    random_filler=False)
+    kw = dict(seq_len=32, num_kv_pairs=4, vocab_size=96, power_a=1.0, random_non_queries=False)
+    want = (*mqar(30, seed=2 * s, **kw), *mqar(20, seed=2 * s + 1, **kw))
+    got = task.data(s)
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_each_step_is_one_adamw_step_on_the_clipped_gradient_of_its_own_batch(gen, monkeypatch):
+    """Rules out: the gradients not zeroed between steps (a loop that forgot zero_grad piles each step's gradient
+    onto the last ones), and AdamW's betas changed from (0.9, 0.98), those the committed runs in results/ were
+    trained with (with 0.999 the replayed cell of test_experiments no longer reproduces, a 2-minute test).
+    Neither shows in a loss that falls. Reference, in fp64: the gradient of
+    each step's batch loss (the batch as the model saw it), computed here from a copy of the weights, clipped
+    to norm 1, and a hand-written AdamW update (decoupled weight decay 0.1, eps 1e-8) at the learning rate the
+    optimiser had at that step (its schedule is checked by the warm-up test). One step alone cannot tell the
+    betas apart (Adam's first step is lr * g / |g| elementwise, whatever they are): three are taken."""
+    import copy
+    snapshots = []
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            params = self.param_groups[0]["params"]
+            snapshots.append(([p.detach().clone() for p in params], [p.grad.clone() for p in params],
+                              self.param_groups[0]["lr"]))
+            return super().step(closure)
+    monkeypatch.setattr(torch.optim, "AdamW", Recording)
+    seeded(gen)
+    task = MQARTask(vocab_size=40, seq_len=16, num_kv_pairs=2, num_train=100, num_test=4)
+    train_x, train_y, *_ = data = task.data(int(torch.randint(0, 1000, (), generator=gen)))
+    lm = TinyLM(40, 16, 1, "linear", 2).double()
+    ref = copy.deepcopy(lm)
+    model = Recorder(lm)
+    seed = int(torch.randint(0, 1000, (), generator=gen))
+    train_mqar(model, data, steps=3, batch_size=8, lr=3e-2, warmup=1, seed=seed, progress=False)
+    assert len(snapshots) == len(model.seen) == 3
+    params = list(ref.parameters())
+    m1, m2 = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    beta1, beta2, eps, decay = 0.9, 0.98, 1e-8, 0.1
+    for t, ((weights, grads, lr), (ids, _)) in enumerate(zip(snapshots, model.seen), start=1):
+        for p, w in zip(params, weights):                                  # the hand-written updates so far
+            torch.testing.assert_close(w, p.detach(), rtol=1e-10, atol=1e-12, msg=f"weights before step {t}")
+        y = train_y[(ids[:, None, :] == train_x[None]).all(-1).float().argmax(1)]
+        g = torch.autograd.grad(labelled_cross_entropy(ref(ids), y), params)
+        norm = torch.linalg.vector_norm(torch.stack([x.norm() for x in g]))
+        g = [x * min(1.0, 1.0 / (norm.item() + 1e-6)) for x in g]           # clip_grad_norm_ at 1
+        for a, b in zip(grads, g):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=f"gradient at step {t}")
+        with torch.no_grad():
+            for p, x, m, v in zip(params, g, m1, m2):
+                p.mul_(1 - lr * decay)
+                m.mul_(beta1).add_((1 - beta1) * x)
+                v.mul_(beta2).add_((1 - beta2) * x * x)
+                p.sub_(lr * (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps))
+    for p, q in zip(lm.parameters(), params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-10, atol=1e-12, msg="weights after the last step")
 
 
 # ---------------------------------------------------------------- tasks/capacity.py
