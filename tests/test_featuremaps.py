@@ -87,6 +87,15 @@ def test_taylor_kernel(gen, compressed, p):
     assert_close((phi(x) * phi(y)).sum(-1), sum(a[i] * s ** i for i in range(p + 1)), tol=1e-12)
 
 
+def test_taylor_coefficients_of_any_size_are_kept():
+    """The softplus is inverted without overflow: a_i = 1000 (log(e^1000 - 1) in fp64 is inf) and 1e6 come back
+    as given, as do the tiny and the ordinary ones."""
+    given = torch.tensor([1e6, 1000.0, 1.0, 1e-9], dtype=torch.float64)
+    got = TaylorFeatures(3, coefficients=given).coefficients.detach().double()
+    assert torch.isfinite(got).all(), got
+    assert_close(got, given, tol=1e-6, name="a_i")
+
+
 @pytest.mark.parametrize("compressed", [False, True])
 def test_taylor_zero_coefficient_drops_its_power(gen, compressed):
     """coefficients=[1, 0, 1/2] is the kernel 1 + (x.y)^2 / 2 (a zero is kept as 1e-12 so that the softplus

@@ -478,6 +478,23 @@ def test_dual_form_equals_materialised_weights(gen, name):
             assert_close(S_d[n], S_m[n], tol=1e-12, name=f"final momentum {n}")
 
 
+def test_run_takes_another_form_of_the_same_problem_and_refuses_the_rest(gen):
+    """``run(problem, backend)`` is ``miras(..., backend=backend)`` on the same inputs; a backend it cannot run
+    on them (the kernel's inputs were not prepared, a misspelling) is refused by name."""
+    from atlaslib.miras import run
+    cfg, _, (q, k, v, gates, state) = run_all("titans", gen, 13, True)
+    problem = prepare(q, k, v, config=cfg, initial_state=state, backend="chunk", chunk_size=4, **gates)
+    for backend in ("recurrent", "frozen_seq", "chunk"):
+        o, st = run(problem, backend)
+        want, want_st = miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend=backend,
+                              chunk_size=4, **gates)
+        assert_close(o, want, tol=1e-12, name=backend)
+        assert_close(st.memory["W1"], want_st.memory["W1"], tol=1e-12, name=f"{backend} W1")
+    for bad in ("triton", "auto", "Chunk"):
+        with pytest.raises(ValueError, match=f"run: backend must be .* got {bad!r}"):
+            run(problem, bad)
+
+
 @pytest.mark.parametrize("name", ["titans", "moneta", "memora", "yaad"])
 def test_continuing_from_a_final_state(gen, name):
     """Two calls, the second started from the first's final state, equal one call (split at a chunk boundary)."""
@@ -964,6 +981,16 @@ def test_helpers_check_their_arguments():
         memory_gradient("titans", {"M": torch.zeros(3, 3, 4)}, k, v)
     with pytest.raises(ValueError, match=r"W\['W1'\] must be \[N, 16, 4\]"):
         memory_gradient("titans", {"W1": torch.zeros(3, 3, 16), "W2": torch.zeros(3, 16, 4)}, k, v)
+    # rows of another (batch, head) count, or keys without that axis, are refused rather than broadcast
+    M = {"M": torch.zeros(3, 3, 4)}
+    with pytest.raises(ValueError, match=r"W\['M'\] must be \[N, 3, 4\] = \[2, 3, 4\]"):
+        memory_gradient("deltanet", M, k[:2], v[:2])
+    with pytest.raises(ValueError, match=r"k must have shape \[N, R, K\]"):
+        memory_gradient("deltanet", M, k[0], v[0])
+    with pytest.raises(ValueError, match=r"v must be \[N, R, V\] = \[3, 2, V\]"):
+        memory_gradient("deltanet", M, k, torch.randn(3, 5, 3))
+    with pytest.raises(ValueError, match=r"delta must have shape \[3, 2\]"):
+        memory_gradient(make_config("deltanet", bias="huber"), M, k, v, delta=torch.ones(3, 5))
     assert describe("titans") == describe(make_config("titans"))
     with pytest.raises(ValueError, match="unknown preset 'foo'"):
         axes_table(["foo"])

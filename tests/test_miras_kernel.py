@@ -302,6 +302,32 @@ def test_library_triton_backend_uses_the_kernel(gen):
     assert_close(state.memory, ref_state.memory, tol=1e-5, name="M_T")
 
 
+@pytest.mark.parametrize("preset, kw", [("titans", dict(memory="linear")), ("ttt_linear", {})])
+def test_library_triton_backend_weighs_each_token_by_gamma(gen, preset, kw):
+    """With window 1, gamma scales each token's gradient: backend "triton" must give the chunk form's outputs,
+    state and gradients (of gamma too) for gamma per source token, per offset and as one number."""
+    lib = _library()
+    q, k, v, alpha, eta, theta, M0, S0 = make_inputs(gen, 1, 2, 21, 12, 10, "aetms")
+    if preset == "titans":
+        kw = dict(kw, alpha=alpha, theta=theta, initial_state=lib.MirasState(M0, S0))
+    g = 0.2 + 0.8 * torch.rand(1, 2, 21, generator=gen)
+    for gamma in (g, g[..., None], 0.3):
+        outs = {}
+        for backend in ("chunk", "triton"):
+            leaf = gamma.clone().requires_grad_() if isinstance(gamma, torch.Tensor) else gamma
+            e = eta.clone().requires_grad_()
+            o, state = lib.miras(q, k, v, preset=preset, eta=e, gamma=leaf, output_final_state=True,
+                                 backend=backend, chunk_size=7, **kw)
+            (o * v.sum(-1, keepdim=True)).sum().backward()
+            outs[backend] = (o, state.memory, e.grad, getattr(leaf, "grad", None))
+        (o, M, de, dg), (o_ref, M_ref, de_ref, dg_ref) = outs["triton"], outs["chunk"]
+        assert_close(o, o_ref, tol=1e-5)
+        assert_close(M, M_ref, tol=1e-5, name="M_T")
+        assert_close(de, de_ref, tol=1e-5, name="d eta")
+        if dg_ref is not None:
+            assert_close(dg, dg_ref, tol=1e-5, name="d gamma")
+
+
 # ------------------------------------------------------------------ bad inputs and tile limits
 def test_bad_inputs():
     q, k, v = random_qkv(1, 1, 8, 12, 10, seed=0)

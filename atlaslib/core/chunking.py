@@ -106,7 +106,8 @@ def chunk_spans(T: int, b: int):
 
 
 def to_chunks(x, b, fill=0.0):
-    """[B, H, T, ...] -> [B*H, N, b, ...]: T cut into N chunks of b tokens, a view unless T must be padded.
+    """[B, H, T, ...] -> [B*H, N, b, ...]: T cut into N chunks of b tokens, a view of a contiguous x
+    whose T needs no padding, else a copy.
 
     Padding rows get ``fill``: 0 for q, k, v, beta and log-gates (they write nothing and keep
     everything), 1 for gates given as alpha.

@@ -181,7 +181,8 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
 
 
 def _inverse_softplus(a: torch.Tensor) -> torch.Tensor:
-    return torch.log(torch.expm1(a))
+    """softplus^{-1}(a) = log(e^a - 1), written a + log(1 - e^{-a}) so that a large a does not overflow."""
+    return a + torch.log(-torch.expm1(-a))
 
 
 class TaylorFeatures(nn.Module):

@@ -71,7 +71,8 @@ class LinearAttentionFunction(torch.autograd.Function):
     """Linear attention with Triton kernels both ways: apply(q, k, v, logs, initial_state, keep_states).
 
     ``logs``: fp32 log-gates [B, H, T] or [B, H, T, K] (<= 0), or None; ``initial_state``: [B, H, V,
-    K] or None. Returns (o [B, H, T, V] in q's dtype, final state [B, H, V, K] fp32). The forward
+    K] or None. Returns (o [B, H, T, V] in q's dtype, final state [B, H, V, K] fp32, h): h the
+    chunk-start states when ``keep_states``, else None. The forward
     keeps its inputs and the final state; ``keep_states=True`` also keeps the chunk-start states
     h (B*H*cdiv(T, 64)*V*K in ``core.chunk_kernels.state_dtype``), which the backward otherwise
     recomputes with the forward's state pass. Gradients: q, k, v in their dtype, logs fp32, the

@@ -156,15 +156,18 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
     if opt.has_state and state.momentum is None:
         state = MirasState(state.memory, {n: torch.zeros_like(w) for n, w in state.memory.items()})
 
+    G = window_gates(gamma, B, H, T, cfg.window, cd, q.device)
     kernel_inputs = ()
     if backend == "triton":
         S0 = state.momentum["M"] if opt.has_state else None
+        # the kernel's window is one token, whose gate gamma_t only scales that token's gradient: eta_t gamma_t
+        eta_k = eta if gamma is None else eta * G[..., 0]
         # the retention as given: a log goes to the kernel as a log (alpha = exp(log_alpha) would round)
-        kernel_inputs = (fq, fk, v, alpha if log_alpha is None else None, eta, theta if opt.has_state else None,
+        kernel_inputs = (fq, fk, v, alpha if log_alpha is None else None, eta_k, theta if opt.has_state else None,
                          state.memory["M"], S0, chunk_size, log_alpha)
     N = B * H
     flat = lambda x: None if x is None else x.to(cd).reshape(N, T)        # noqa: E731
-    G = window_gates(gamma, B, H, T, cfg.window, cd, q.device).reshape(N, T, cfg.window)
+    G = G.reshape(N, T, cfg.window)
     gates = Gates(eta=flat(eta), G=G, alpha=flat(alpha), theta=flat(theta), delta=flat(delta),
                   log_alpha=flat(log_alpha))
     Z = flatten_bh(state.memory, B, H, cd)
@@ -175,7 +178,15 @@ def prepare(q, k, v, *, preset=None, config=None, alpha=None, eta=None, theta=No
 
 def run(problem: Problem, backend: str | None = None):
     """Run a prepared problem; returns (o [B, H, T, V] in the compute dtype, q's dtype from the Triton
-    kernel, final MirasState)."""
+    kernel, final MirasState).
+
+    ``backend``: None runs the prepared backend; "recurrent", "frozen_seq" or "chunk" runs that engine form
+    on the same inputs instead ("triton" only if the problem was prepared for it: its inputs differ).
+    """
+    forms = ("recurrent", "frozen_seq", "chunk", problem.backend)
+    if backend is not None and backend not in forms:
+        raise ValueError(f"run: backend must be None, 'recurrent', 'frozen_seq', 'chunk' or the prepared "
+                         f"{problem.backend!r}, got {backend!r}")
     backend = backend or problem.backend
     B, H, T, D, V = problem.shape
     parts = problem.parts

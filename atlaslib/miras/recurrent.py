@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.validation import check_shape, check_tensor
 from .bias import Bias, build_bias
 from .config import MirasConfig, make_config, validate_config
 from .memory import Memory, build_memory
@@ -120,14 +121,21 @@ def memory_gradient(cfg, W: dict, k, v, delta=None):
     The public face of ``loss_gradient``: it builds the parts and gives every row weight 1.
     """
     cfg = make_config(cfg) if not isinstance(cfg, MirasConfig) else cfg
+    check_tensor("k", k, 3, "[N, R, K]")
+    check_tensor("v", v, 3, "[N, R, V]")
+    N, R = k.shape[:2]
+    if tuple(v.shape[:2]) != (N, R):             # one value per key row, of the same (batch, head) pair
+        raise ValueError(f"v must be [N, R, V] = [{N}, {R}, V] like k [N, R, K], got {list(v.shape)}")
+    check_shape("delta", delta, (N, R), ref=k)
     parts = build_parts(cfg, k.shape[-1], v.shape[-1])
     shapes = parts.memory.shapes
     if not isinstance(W, dict) or set(W) != set(shapes):
         raise ValueError(f"W must be a dict with the weights {sorted(shapes)} of the {cfg.memory} memory, got "
                          f"{sorted(W) if isinstance(W, dict) else type(W).__name__}")
     for name, (o, i) in shapes.items():
-        if not isinstance(W[name], torch.Tensor) or tuple(W[name].shape[-2:]) != (o, i):
-            raise ValueError(f"W[{name!r}] must be [N, {o}, {i}] for K = {k.shape[-1]}, V = {v.shape[-1]}, got "
+        if not isinstance(W[name], torch.Tensor) or tuple(W[name].shape) != (N, o, i):
+            raise ValueError(f"W[{name!r}] must be [N, {o}, {i}] = [{N}, {o}, {i}] for k [N, R, K] = {list(k.shape)} "
+                             f"and V = {v.shape[-1]}, got "
                              f"{list(W[name].shape) if isinstance(W[name], torch.Tensor) else type(W[name]).__name__}")
     if parts.bias.uses_delta and delta is None:
         delta = torch.full(k.shape[:-1], float(cfg.delta), dtype=k.dtype, device=k.device)
