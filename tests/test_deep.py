@@ -629,3 +629,15 @@ def test_normalized_bf16_output_is_rounded_once(gen, model, backend):
     assert o.dtype == torch.bfloat16
     once = rel_rmse(exact.bfloat16().double(), exact)
     assert rel_rmse(o.double(), exact) <= 1.05 * once
+
+
+@pytest.mark.parametrize("form", ["masked_chunk", "dot_chunk", "dot_window_chunk", "coefficient_recurrent",
+                                  "dot_coefficient_recurrent"])
+@pytest.mark.parametrize("kernel", ["Exp", "softmax"])
+def test_kernel_forms_refuse_an_unknown_kernel(gen, form, kernel):
+    """The coefficient forms take kernel="exp" or "dot"; any other name (a misspelling) is a ValueError,
+    not the dot kernel run in its place."""
+    import atlaslib.deep as deep
+    q, k, v = random_qkv(1, 2, 5, 4, 3, generator=gen, dtype=F64)
+    with pytest.raises(ValueError, match=f"kernel must be 'exp' or 'dot', got '{kernel}'"):
+        getattr(deep, form)(q, k, v, kernel=kernel)

@@ -7,6 +7,7 @@ atlaslib.deep, but for one check that DOT's mixer hands its gates to ``dot`` as 
 """
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -337,3 +338,31 @@ def test_tinylm_trains_and_generates(gen, name, kw):
     with torch.no_grad():
         teacher = lm(out).argmax(-1)
     assert out.shape == (4, 8) and torch.equal(teacher[:, 2:-1], out[:, 3:])
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_dot_with_taylor_features_builds_under_meta(window):
+    """DOT's default eta_max = 1 / (c |phi*_P(k)|^2) (unit k) is a number, not a tensor: the mixer builds
+    under torch.device("meta") like every other, with the eta_max it has on the CPU."""
+    P = 2
+    k = F.normalize(torch.randn(7, dtype=torch.float64), dim=0)
+    expected = 1.0 / (window * exp_features(k, P).square().sum().item())     # |phi*_P(k)|^2 = sum_n 1/n!
+    with torch.device("meta"):
+        m = make_mixer("dot", 16, 2, phi_star=("taylor", P), window=window)
+    assert m.eta_max == make_mixer("dot", 16, 2, phi_star=("taylor", P), window=window).eta_max
+    assert m.eta_max == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name, kw", [("deep_transformer", {}), ("swdt", {"window": 3})])
+def test_unnormalised_step_refuses_overflowing_scores_as_the_forward(gen, name, kw):
+    """Without the normaliser a score above the library's cap overflows exp: the one-token step refuses it
+    with the forward's ValueError instead of returning NaN."""
+    seeded(gen)
+    m = make_mixer(name, 16, 2, normalize=False, conv_size=0, **kw)
+    x = torch.randn(1, 4, 16, generator=gen) * 60
+    with pytest.raises(ValueError, match="exceeds 80") as forward:
+        m(x)
+    with pytest.raises(ValueError, match=re.escape(str(forward.value).split(" = ")[0])):
+        step_through(m, x)
+    y, _ = step_through(m, x / 60)                                            # small scores: a finite read
+    assert torch.isfinite(y).all()

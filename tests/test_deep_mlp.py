@@ -8,6 +8,7 @@ W <- alpha W - eta grad at the previous weights, then y_t = W2 act(W1 phi(q_t)).
 exactly; with exp it must approach the Taylor form as P grows.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -329,3 +330,14 @@ def test_bad_input(gen):
         dot(q, k, v, memory="mlp", expansion=2, initial_state=st)
     with pytest.raises(ValueError, match="initial_state"):
         dot(q, k, v, initial_state=st)
+
+
+@pytest.mark.parametrize("loop", [deep_mlp_recurrent, dot_mlp_recurrent])
+def test_mlp_loops_refuse_an_unknown_activation_as_deep_transformer_does(gen, loop):
+    """An activation outside chapter 3's list is the same ValueError in the per-token loops as in
+    deep_transformer (not a bare KeyError)."""
+    q, k, v = random_qkv(1, 2, 4, 3, 3, generator=gen, dtype=F64)
+    with pytest.raises(ValueError) as public:
+        deep_transformer(q, k, v, memory="mlp", activation="foo")
+    with pytest.raises(ValueError, match=re.escape(str(public.value))):
+        loop(q, k, v, torch.zeros(1, 2, 3, 6, dtype=F64), activation="foo")

@@ -574,3 +574,50 @@ def test_a_deep_memory_takes_the_engines_memory_options(gen):
             call()
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['width'\]"):
         atlas(q, k, v, memory="mlp", width=3)
+
+
+STEP_B, STEP_H, STEP_K, STEP_V, STEP_C = 1, 2, 4, 3, 3
+BAD_STEP_INPUTS = {                     # (argument, bad value): each one atlas_step already refuses
+    "v_t as wide as k_t": ("v_t", torch.zeros(STEP_B, STEP_H, STEP_K)),
+    "q_t one channel too many": ("q_t", torch.zeros(STEP_B, STEP_H, STEP_K + 1)),
+    "k_t with a token axis": ("k_t", torch.zeros(STEP_B, STEP_H, 1, STEP_K)),
+    "alpha_t without the batch": ("alpha_t", torch.ones(STEP_H)),
+    "eta_t with a trailing axis": ("eta_t", torch.ones(STEP_B, STEP_H, 1)),
+    "window gates for c + 1 offsets": ("gate", torch.ones(STEP_B, STEP_H, STEP_C + 1)),
+    "window 0": ("window", 0),
+}
+
+
+@pytest.mark.parametrize("rule", ["omega", "swla"])
+@pytest.mark.parametrize("case", list(BAD_STEP_INPUTS))
+def test_window_steps_refuse_what_atlas_step_refuses(rule, case):
+    """omega_step and swla_step check one token's shapes and the window as atlas_step does, with the same
+    error (the window gates are gamma_t there, G_t in ATLAS) instead of a broadcast or a silent slice."""
+    import re
+    from atlaslib.atlas import atlas_step, start_state
+    from atlaslib.omega.recurrent import omega_step, start_window, swla_step
+    M = torch.zeros(STEP_B, STEP_H, STEP_V, STEP_K)
+    good = dict(q_t=torch.randn(STEP_B, STEP_H, STEP_K), k_t=torch.randn(STEP_B, STEP_H, STEP_K),
+                v_t=torch.randn(STEP_B, STEP_H, STEP_V), window=STEP_C)
+    name, bad = BAD_STEP_INPUTS[case]
+    with pytest.raises(ValueError) as atlas_error:
+        atlas_step(start_state(M), **(good | {"G_t" if name == "gate" else name: bad}))
+    step = omega_step if rule == "omega" else swla_step
+    expected = str(atlas_error.value).replace("G_t", "gamma_t")
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        step(start_window(M), **(good | {"gamma_t" if name == "gate" else name: bad}))
+
+
+def test_kernel_limits_states_the_tile_rule():
+    """The refusal names the rule kernel_supports applies: tile(chunk_size + window - 1) * tile(D) at most
+    128 * 128 elements with tile(n) = max(16, next_pow2(n)) (not each side within 128), and the tiles given."""
+    from atlaslib.omega.backends import kernel_limits
+    tile = lambda n: max(16, 1 << (n - 1).bit_length())          # noqa: E731
+    D, window, chunk_size = 128, 120, 16                              # 135 rows: a [256, 128] tile
+    message = kernel_limits(torch.zeros(1, 1, 4, D), window, chunk_size)
+    assert "tile(chunk_size + window - 1) * tile(D) <= 16384" in message
+    assert "tile(n) = max(16, next_pow2(n))" in message
+    assert f"{tile(chunk_size + window - 1)} * {tile(D)}" in message
+    for D, window, chunk_size in ((200, 1, 64), (64, 120, 16)):      # a side over 128, the product within
+        assert tile(chunk_size + window - 1) * tile(D) <= 128 * 128
+        assert kernel_limits(torch.zeros(1, 1, 4, D), window, chunk_size) is None

@@ -218,3 +218,15 @@ def test_bench_case_runs_the_rule_it_names(gen):
     assert not torch.allclose(omega[4]("chunk")[0], omega[4]("recurrent")[0], atol=1e-3)
     call = bench.BENCH_CASES["swla"].builder(bench.BenchShape(1, 2, 10, 4, 3, chunk_size=4), gen)
     assert torch.allclose(call("chunk")[0], call("recurrent")[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["omeganet", "swla", "atlas"])
+@pytest.mark.parametrize("poly", ["taylor", "monomial"])
+def test_a_polynomial_map_without_features_is_refused_when_built(name, poly):
+    """degree=0 without the constant leaves D = 0 features: refused by the constructor (naming both
+    arguments), not at the first forward; a negative degree too, whichever map."""
+    with pytest.raises(ValueError, match=r"degree=0 with constant=False leaves no feature"):
+        make_mixer(name, 16, 2, degree=0, constant=False, poly=poly)
+    with pytest.raises(ValueError, match="degree must be >= 0, got -1"):
+        make_mixer(name, 16, 2, degree=-1, poly=poly)
+    assert make_mixer(name, 16, 2, degree=0, poly=poly).feature_dim() == 1          # the constant alone

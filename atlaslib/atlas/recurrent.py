@@ -40,7 +40,8 @@ from ..core.chunking import start_memory
 from ..core.newton_schulz import newton_schulz
 from ..core.validation import check_chunk_size, check_form_shapes, check_shape, check_window
 from ..miras import DEFAULT_CHUNK_SIZE
-from ..omega.recurrent import WindowState, _per_bh, scan_tokens, start_window, window_gradient, window_rows
+from ..omega.recurrent import (WindowState, _per_bh, check_token, scan_tokens, start_window, window_gradient,
+                              window_rows)
 
 
 class AtlasState(NamedTuple):
@@ -66,7 +67,8 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     this memory instead of M_{t-1} (``atlas_frozen_seq`` passes the chunk-start state).
     Shapes and window are checked here; value ranges are the caller's (``atlas`` checks them).
     """
-    check_token(state.M, q_t, k_t, v_t, check_window(window), G_t, alpha_t, eta_t, theta_t)
+    check_token(state.M, q_t, k_t, v_t, check_window(window), ("G_t", G_t), alpha_t=alpha_t, eta_t=eta_t,
+                theta_t=theta_t)
     dtype = state.M.dtype
     q_t, k_t, v_t = q_t.to(dtype), k_t.to(dtype), v_t.to(dtype)
     G_t = None if G_t is None else G_t.to(dtype)
@@ -78,17 +80,6 @@ def atlas_step(state: AtlasState, q_t, k_t, v_t, window: int, G_t=None, alpha_t=
     drop = max(keys.shape[2] - (window - 1), 0)                                # the oldest pair leaves
     rows = WindowState(M, keys[:, :, drop:], values[:, :, drop:], weights[:, :, drop:])
     return AtlasState(M, S, rows), y_t
-
-
-def check_token(M, q_t, k_t, v_t, window, G_t, *gates):
-    """The shapes of one token's inputs against the memory M [B, H, V, D] (no value is read)."""
-    B, H, V, D = M.shape
-    check_shape("q_t", q_t, (B, H, D))
-    check_shape("k_t", k_t, (B, H, D))
-    check_shape("v_t", v_t, (B, H, V))
-    check_shape("G_t", G_t, (B, H), (B, H, window))
-    for name, g in zip(("alpha_t", "eta_t", "theta_t"), gates):
-        check_shape(name, g, (B, H))
 
 
 def _loop(q, k, v, window, G, alpha, eta, theta, ns_steps, ns_coeffs, initial_state, initial_momentum, chunk_size):

@@ -60,8 +60,9 @@ from ..omega.backends import memory_of_state, step_gates
 from .chunk import dot_chunk, dot_window_chunk, hebbian_chunk, masked_chunk
 from .dla import DLA_MEMORIES, dla, taylor_phi        # DLA: chapter 3's engine with the preset "dla"
 from .features import exp_coefficients, exp_feature_dim, exp_features, exp_kernel
-from .mlp import DEFAULT_EXPANSION, check_activation, check_expansion, mlp_deep_transformer, mlp_dot, second_layer_init
-from .validation import MAX_EXPONENT, check_exponents, check_phi_star, check_read_write_exponents
+from .mlp import DEFAULT_EXPANSION, check_expansion, mlp_deep_transformer, mlp_dot, second_layer_init
+from .validation import (MAX_EXPONENT, check_activation, check_exponents, check_phi_star,
+                         check_read_write_exponents)
 from .recurrent import (coefficient_recurrent, deep_mlp_recurrent, dot_coefficient_recurrent, dot_mlp_recurrent,
                         hebbian_recurrent)
 

@@ -29,6 +29,7 @@ from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs
 from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
+from .validation import check_kernel
 
 
 def hebbian_chunk(fq, fk, v, alpha=None, eta=None, initial_state=None, chunk_size=64, log_alpha=None):
@@ -127,6 +128,7 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
     check_chunk_size(chunk_size)
     if window is not None:                                        # None: no window (the DeepTransformer)
         check_window(window)
+    check_kernel(kernel)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     if eta is not None:
@@ -160,6 +162,7 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     """
     B, H, T, _, _ = check_form_shapes(q, k, v, alpha=alpha, eta=eta)
     check_chunk_size(chunk_size)
+    check_kernel(kernel)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     logs = gate_logs(alpha, None, torch.float64)
@@ -199,6 +202,7 @@ def dot_window_chunk(q, k, v, alpha=None, eta=None, kernel="exp", window=1, gamm
     """
     B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
     check_chunk_size(chunk_size)
+    check_kernel(kernel)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     dev = q.device

@@ -34,7 +34,6 @@ from ..core import check_state
 from ..core.dispatch import dispatch
 from ..core.gates import alpha_from_log
 from ..miras import miras
-from ..miras.memory import ACTIVATIONS
 from .dla import check_engine_backend, dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
 from .validation import check_read_write_exponents
@@ -42,13 +41,6 @@ from .recurrent import deep_mlp_recurrent, dot_mlp_recurrent
 
 DEFAULT_EXPANSION = 4            # h = 4 K by default, as chapter 3's engine (expansion 4)
 MLP_SEED = 0                     # the default W2 is drawn from a generator seeded with this
-
-
-def check_activation(activation):
-    """A name from chapter 3's ``ACTIVATIONS`` (each has act(0) = 0, which the zero first layer relies on)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    return activation
 
 
 def check_expansion(expansion):

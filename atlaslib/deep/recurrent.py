@@ -31,6 +31,7 @@ from ..core.windows import window_gates
 from ..linear.recurrent import linear_attention_step
 from ..miras.bias import BIASES
 from ..miras.memory import ACTIVATIONS
+from .validation import check_activation, check_kernel
 
 
 def written_value(v_t: torch.Tensor, eta, t: int) -> torch.Tensor:
@@ -70,6 +71,7 @@ def coefficient_recurrent(q, k, v, alpha=None, eta=None, window=None, kernel="ex
     B, H, T, _, _ = check_form_shapes(q, k, v, alpha=alpha, eta=eta)
     if window is not None:                                          # None: no window
         check_window(window)
+    check_kernel(kernel)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     U = v[:, :, :0]                                                 # coefficients u_j [B,H,j,V]
@@ -115,6 +117,7 @@ def dot_coefficient_recurrent(q, k, v, alpha=None, eta=None, kernel="exp", windo
     B, H, T, _, _ = check_form_shapes(q, k, v, window=check_window(window), gamma=gamma, alpha=alpha, eta=eta)
     if chunk_size is not None:                                      # None: the definition
         check_chunk_size(chunk_size)
+    check_kernel(kernel)
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
     kappa = (lambda x, y: torch.exp(x @ y)) if kernel == "exp" else (lambda x, y: x @ y)
@@ -205,7 +208,7 @@ def _mlp_loop(q, k, v, W2, alpha, eta, kappa, activation, bias, window, gamma):
         raise ValueError(f"W2 must have a hidden width h >= 1, got shape {tuple(W2.shape)}")
     cd, out_dtype = compute_dtype(q), q.dtype
     q, k, v, W2 = q.to(cd), k.to(cd), v.to(cd), W2.to(cd)
-    act, loss = ACTIVATIONS[activation], BIASES[bias](None)
+    act, loss = ACTIVATIONS[check_activation(activation)], BIASES[bias](None)
     G = None if gamma is None else window_gates(gamma, B, H, T, window, cd, q.device)   # G[t, j] = gamma_{t-j}^{(t)}
     U = W2.new_zeros(B, H, 0, W2.shape[-1])                        # coefficients U_j [B,H,j,h], j < t
     outputs = []

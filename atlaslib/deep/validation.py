@@ -1,4 +1,5 @@
-"""Checks of chapter 6's arguments: the choice of phi*, and the range of exp in the kernel forms."""
+"""Checks of chapter 6's arguments: the choice of phi*, the kernel and the deep memory's activation, and the
+range of exp in the kernel forms."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import torch
 
 from ..core.featuremaps import check_degree
 from ..core.validation import _value_check
+from ..miras.memory import ACTIVATIONS
 
 # exp(80) = 5.5e34: far below fp32's 3.4e38, with room for a sum of many such terms. A larger
 # exponent in the unnormalised kernel form is refused (the normalised form shifts by the row max).
@@ -23,6 +25,24 @@ def check_phi_star(phi_star):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"phi_star=('taylor', P) needs an int P >= 0, got P={phi_star[1]!r}") from None
     raise ValueError(f"phi_star must be ('taylor', P) (truncated features) or 'kernel' (exact), got {phi_star!r}")
+
+
+KERNELS = ("exp", "dot")
+
+
+def check_kernel(kernel):
+    """The coefficient forms' kernel: "exp" (exp(k^T q), the exact phi*) or "dot" (given features). Any other
+    name is refused: the forms branch on "exp" alone, so a misspelling would run the dot kernel."""
+    if not (isinstance(kernel, str) and kernel in KERNELS):
+        raise ValueError(f"kernel must be 'exp' or 'dot', got {kernel!r}")
+    return kernel
+
+
+def check_activation(activation):
+    """A name from chapter 3's ``ACTIVATIONS`` (each has act(0) = 0, which the zero first layer relies on)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return activation
 
 
 # Scores per tile of the exact check: rows of queries at a time, so that its memory is O(T * rows), never
@@ -61,10 +81,10 @@ def _top_score(q, k, window) -> torch.Tensor:
 # memory alone has a normaliser (dot and the deep memory have no normalize).
 SCALE_Q = " (attention's 1/sqrt(d) goes into q)"
 NORMALIZE_ADVICE = SCALE_Q + " or pass normalize=True, which shifts by each row's max"
+UNNORMALIZED = "phi_star='kernel' without normalize"       # the form the checks guard unless told otherwise
 
 
-def check_exponents(q, k, window, where="phi_star='kernel' without normalize", score="k_i^T q_t",
-                    advice=NORMALIZE_ADVICE):
+def check_exponents(q, k, window, where=UNNORMALIZED, score="k_i^T q_t", advice=NORMALIZE_ADVICE):
     """exp(k_i^T q_t) must not overflow in the unnormalised kernel form: k_i^T q_t <= MAX_EXPONENT.
 
     First the norm bound |k_i^T q_t| <= |q_t| |k_i| (O(T K)); only when it fails, the exact maximum over
@@ -77,12 +97,24 @@ def check_exponents(q, k, window, where="phi_star='kernel' without normalize", s
     with torch.no_grad():
         if bool(_norm_bound(q, k) <= MAX_EXPONENT):                 # Cauchy-Schwarz: no score can exceed it
             return
-        top = _top_score(q, k, window)
-        if how == "host" and top.item() > MAX_EXPONENT:
-            raise ValueError(f"{where}: a score {score} = {top.item():.4g} exceeds {MAX_EXPONENT} and exp would "
-                             f"overflow; scale the inputs down{advice}")
-        if how == "device":
-            torch._assert_async(top <= MAX_EXPONENT, f"{where}: a score {score} exceeds {MAX_EXPONENT}")
+        _refuse_above_cap(_top_score(q, k, window), how, where, score, advice)
+
+
+def check_scores(scores, where=UNNORMALIZED, score="k_i^T q_t", advice=NORMALIZE_ADVICE):
+    """``check_exponents`` for a one-token step, which has its scores k_i^T q_t [B, H, n] at hand already."""
+    how = _value_check(scores)
+    if how is not None and scores.numel() > 0:
+        with torch.no_grad():
+            _refuse_above_cap(scores.amax(), how, where, score, advice)
+
+
+def _refuse_above_cap(top, how, where, score, advice):
+    """The top score (0-dim) above MAX_EXPONENT: a ValueError on the host, a device-side assert on an accelerator."""
+    if how == "host" and top.item() > MAX_EXPONENT:
+        raise ValueError(f"{where}: a score {score} = {top.item():.4g} exceeds {MAX_EXPONENT} and exp would "
+                         f"overflow; scale the inputs down{advice}")
+    if how == "device":
+        torch._assert_async(top <= MAX_EXPONENT, f"{where}: a score {score} exceeds {MAX_EXPONENT}")
 
 
 def check_read_write_exponents(q, k, where):

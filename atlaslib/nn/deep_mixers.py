@@ -46,6 +46,7 @@ from ..core.chunking import compute_dtype
 from ..deep import (check_phi_star, deep_transformer, default_chunk_size, dla, dot, exp_coefficients, exp_feature_dim,
                      exp_features)
 from ..deep.dla import MEMORY_OPTIONS
+from ..deep.validation import check_scores
 from ..core.validation import check_flag, check_window
 from ..omega.recurrent import omega_step
 from .miras_mixers import CONFIG_FIELDS, MirasMixer
@@ -71,7 +72,8 @@ def kernel_attention_step(cache: KernelCache | None, q, k, v, log_alpha=None, wi
 
     M_t = alpha_t M_{t-1} + v_t phi*(k_t)^T becomes: every past log-weight gains log alpha_t, the new pair
     enters with weight 1, a window drops the pair t - c; y_t = sum_i w_i exp(k_i^T q_t) v_i, divided by
-    sum_i w_i exp(k_i^T q_t) with ``normalize`` (a softmax of the scores k_i^T q_t + log w_i).
+    sum_i w_i exp(k_i^T q_t) with ``normalize`` (a softmax of the scores k_i^T q_t + log w_i). Without it a
+    score above ``deep.MAX_EXPONENT`` is refused, as ``deep_transformer`` refuses it in the forward.
     """
     cd = compute_dtype(q)
     q, k, v = q.to(cd), k.to(cd), v.to(cd)
@@ -83,7 +85,10 @@ def kernel_attention_step(cache: KernelCache | None, q, k, v, log_alpha=None, wi
     log_w = torch.cat([log_w, log_w.new_zeros(log_w.shape[:2] + (1,))], dim=2)
     if window is not None:                                           # SWDT: the last c pairs stay
         keys, values, log_w = keys[:, :, -window:], values[:, :, -window:], log_w[:, :, -window:]
-    scores = torch.einsum("bhnk,bhk->bhn", keys, q) + log_w
+    scores = torch.einsum("bhnk,bhk->bhn", keys, q)
+    if not normalize:                                                # exp(score) unshifted: refused past the cap
+        check_scores(scores)
+    scores = scores + log_w
     weights = scores.softmax(-1) if normalize else scores.exp()
     return torch.einsum("bhn,bhnv->bhv", weights, values), KernelCache(keys, values, log_w)
 
@@ -181,8 +186,15 @@ def dot_kernel_step(cache: CoefficientCache, q, k, v, G, alpha, eta, window):
 
 
 def feature_norm2(order: int | None) -> float:
-    """|phi*(k)|^2 for a unit k: e for the exact phi* (order None), sum_{n<=P} 1/n! for phi*_P."""
-    return math.e if order is None else float(exp_coefficients(order).sum())
+    """|phi*(k)|^2 for a unit k: e for the exact phi* (order None), sum_{n<=P} 1/n! for phi*_P.
+
+    A number, summed on the CPU whatever the default device: a mixer built under torch.device("meta") needs
+    it too, and torch's fp64 sum is kept (a Python sum of the same terms differs in the last bit for some P).
+    """
+    if order is None:
+        return math.e
+    with torch.device("cpu"):
+        return float(exp_coefficients(order).sum())
 
 
 @register_mixer("dot")

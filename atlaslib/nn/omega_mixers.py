@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import TaylorFeatures, monomial_features
+from ..core.featuremaps import check_degree
 from ..core.validation import check_flag, check_window
 from ..omega import OMEGA_CHUNK_SIZE, omega_rule, swla
 from ..omega.recurrent import omega_step, start_window, swla_step
@@ -62,6 +63,16 @@ def without_constant(x, degree):
     return monomial_features(x, degree)[..., 1:]
 
 
+def check_has_features(degree, constant: bool) -> int:
+    """The degree p, an int >= 0, checked when the mixer is built: with constant=False it must be >= 1, since
+    without its constant the degree-0 map has no feature left (D = 0) and the first forward would fail."""
+    degree = check_degree(degree)
+    if degree == 0 and not constant:
+        raise ValueError("degree=0 with constant=False leaves no feature (D = 0): give degree >= 1 or "
+                         "constant=True")
+    return degree
+
+
 def polynomial_map(kind: str, degree: int, constant: bool = True):
     """A fresh polynomial feature map: ``TaylorFeatures(p, compressed=True)`` or the monomials of degree <= p.
 
@@ -70,6 +81,7 @@ def polynomial_map(kind: str, degree: int, constant: bool = True):
     After normalisation a constant feature pulls all keys together (for unit inputs with q^T k >= 0
     their cosine is at least a_0 / sum_i a_i), which a memory that must tell keys apart does not want.
     """
+    degree = check_has_features(degree, constant)
     if kind == "taylor":
         coefficients = None if constant else [0.0] + [1.0 / math.factorial(i) for i in range(1, degree + 1)]
         return TaylorFeatures(degree, compressed=True, coefficients=coefficients)

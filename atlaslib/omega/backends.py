@@ -58,11 +58,15 @@ def memory_of_state(initial_state):
 
 def kernel_limits(fq, window, chunk_size):
     """What the window kernel refuses, as ``core.dispatch`` wants it: fp32 compute, and tiles that fit."""
-    from .kernel import kernel_supports
-    if kernel_supports(fq.shape[-1], window, chunk_size):
+    from ..core.kernels import dot_tile
+    from .kernel import MAX_CHUNK, MAX_FEATURES, MAX_WINDOW_TILE, kernel_supports
+    D = fq.shape[-1]
+    if kernel_supports(D, window, chunk_size):
         return matrix_kernel_limits(fq)
-    return (f"chunk_size={chunk_size}, window={window}, D={fq.shape[-1]} (its tiles would not fit: "
-            "chunk_size <= 64, D <= 256, (chunk_size + window - 1) x D within 128 x 128)")
+    BW, BD = dot_tile(chunk_size + window - 1), dot_tile(D)
+    return (f"chunk_size={chunk_size}, window={window}, D={D} (its tiles would not fit: chunk_size <= {MAX_CHUNK}, "
+            f"D <= {MAX_FEATURES} and tile(chunk_size + window - 1) * tile(D) <= {MAX_WINDOW_TILE} elements with "
+            f"tile(n) = max(16, next_pow2(n)); here {BW} * {BD} = {BW * BD})")
 
 
 def window_table(recurrent, chunk, kernel: str, frozen_seq=None) -> dict:

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.chunking import start_memory
-from ..core.validation import check_chunk_size, check_form_shapes, check_window
+from ..core.validation import check_chunk_size, check_form_shapes, check_shape, check_window
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
 
 
@@ -105,6 +105,19 @@ def window_gradient(M, keys, values, weights):
     return torch.einsum("bhn,bhnv,bhnd->bhvd", weights, errors, keys)   # weighted sum of e_i phi(k_i)^T
 
 
+def check_token(M, q_t, k_t, v_t, window: int, window_gate: tuple, **gates) -> None:
+    """The shapes of one token's inputs against the memory M [B, H, V, D] (no value is read): q_t, k_t
+    [B, H, D]; v_t [B, H, V]; ``window_gate`` = (its name, the gates: None, [B, H] or [B, H, c]); every
+    other gate, given as name=gate, None or [B, H]. The steps of chapters 4 and 5 share it."""
+    B, H, V, D = M.shape
+    check_shape("q_t", q_t, (B, H, D))
+    check_shape("k_t", k_t, (B, H, D))
+    check_shape("v_t", v_t, (B, H, V))
+    check_shape(window_gate[0], window_gate[1], (B, H), (B, H, window))
+    for name, g in gates.items():
+        check_shape(name, g, (B, H))
+
+
 def _per_bh(x_t, M):
     """A per-token gate [B, H] as a factor of the state [B, H, V, D] (None: 1)."""
     return 1.0 if x_t is None else x_t.to(M.dtype)[:, :, None, None]
@@ -121,8 +134,9 @@ def omega_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alp
     q_t, k_t [B,H,D] features; v_t [B,H,V]; gamma_t None, [B,H] (per source) or [B,H,c]
     (per offset); alpha_t, eta_t None or [B,H]. ``grad_at``: take the gradients at this
     state instead of M_{t-1} (``omega_frozen_seq`` passes the chunk-start state). Inputs
-    are cast to the state's dtype.
+    are cast to the state's dtype. Shapes and window are checked here; value ranges are the caller's.
     """
+    check_token(state.M, q_t, k_t, v_t, check_window(window), ("gamma_t", gamma_t), alpha_t=alpha_t, eta_t=eta_t)
     q_t, k_t, v_t, gamma_t = _as_state_dtype(state, q_t, k_t, v_t, gamma_t)
     keys, values, weights = window_rows(state, k_t, v_t, gamma_t)        # the last c pairs, t's own last
     M_grad = state.M if grad_at is None else grad_at                      # M_{t-1} (frozen: M_{t0})
@@ -135,6 +149,7 @@ def omega_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alp
 def swla_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alpha_t=None, eta_t=None):
     """One token of SWLA: M_t = alpha_t M_{t-1} + eta_t sum_i gamma_i^{(t)} v_i phi(k_i)^T. Arguments and
     results as ``omega_step``."""
+    check_token(state.M, q_t, k_t, v_t, check_window(window), ("gamma_t", gamma_t), alpha_t=alpha_t, eta_t=eta_t)
     q_t, k_t, v_t, gamma_t = _as_state_dtype(state, q_t, k_t, v_t, gamma_t)
     keys, values, weights = window_rows(state, k_t, v_t, gamma_t)
     write = torch.einsum("bhn,bhnv,bhnd->bhvd", weights, values, keys)    # sum_i gamma_i v_i phi(k_i)^T
