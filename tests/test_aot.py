@@ -159,6 +159,66 @@ def test_16_bit_inputs_multiply_on_tensor_cores_and_fp32_inputs_exactly(builds):
     assert all(b["cuda_core_dots"] > 0 for b in fp32)
 
 
+# Families whose forward the dispatch runs on q, k, v of any of fp32, bf16 and fp16, and the families of
+# chapters 1-2's backward (built per tile width in its widest element, and in bf16)
+FORWARD = {"linear", "delta", "titans", "omega", "swla"}
+BACKWARD = {"linear_bwd", "delta_bwd"}
+
+
+def _largest_heads():
+    """The largest head (key) size each family's kernels take, from the kernel modules' own limits."""
+    from atlaslib.caching.kernel import MAX_KEY as caching
+    from atlaslib.core.chunk_backward import MAX_DELTA_KEY
+    from atlaslib.delta.kernel import MAX_KEY as delta
+    from atlaslib.linear.kernel import MAX_KEY as linear
+    from atlaslib.miras.kernel import MAX_KEY as titans
+    from atlaslib.omega.kernel import MAX_FEATURES
+    return {"linear": linear, "delta": delta, "titans": titans, "omega": MAX_FEATURES, "swla": MAX_FEATURES,
+            "caching": caching, "linear_bwd": linear, "delta_bwd": MAX_DELTA_KEY}
+
+
+def _head_and_dtype(build):
+    import re
+    head, dtype = re.search(r"\b[KD]=V=(\d+)\b", build["config"]), re.search(r"\b(fp32|bf16|fp16)\b", build["config"])
+    return int(head.group(1)) if head else None, dtype.group(1) if dtype else None
+
+
+def test_the_largest_head_each_kernel_takes_is_built(builds):
+    for fam, largest in _largest_heads().items():
+        for target in aot.TARGETS:
+            assert any(family(b) == fam and b["target"] == target and _head_and_dtype(b)[0] == largest
+                       for b in builds), (fam, largest, target)
+
+
+def test_every_dtype_the_forward_takes_is_built_at_every_head_size(builds):
+    for fam in FORWARD:
+        built = {_head_and_dtype(b) for b in builds if family(b) == fam}
+        assert {dt for _, dt in built} == {"fp32", "bf16", "fp16"}, (fam, built)
+        # each power-of-two head built in fp32 is built in bf16 too (a padded odd size only in fp32)
+        powers = {k for k, dt in built if dt == "fp32" and k & (k - 1) == 0}
+        assert powers and all((k, "bf16") in built for k in powers), (fam, sorted(built, key=str))
+
+
+def test_the_backward_builds_its_widest_element_at_its_largest_head(builds):
+    import re
+    widest = max((torch.float32, torch.bfloat16, torch.float16), key=lambda dt: dt.itemsize)
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[widest]
+    largest = _largest_heads()
+    for fam in BACKWARD:
+        for gate in ("none", "scalar", "channel"):
+            config = f"{fam}: gate={gate} K=V={largest[fam]} {name}"
+            assert any(re.fullmatch(re.escape(config), b["config"]) for b in builds), config
+
+
+def test_newton_schulz_is_built_for_bf16_momenta(builds):
+    # the chunk form hands the kernel fp32 momenta whatever q, k, v's dtype: only a direct call of
+    # newton_schulz_triton reaches its bf16 loads and stores
+    direct = [b for b in builds if family(b) in ONE_PROGRAM_PER_MATRIX and "newton_schulz_triton" in b["config"]
+              and b["kernel"] == "newton_schulz_kernel" and "bf16" in b["config"]]
+    assert {b["target"] for b in direct} == set(aot.TARGETS)
+    assert all(b["tensor_core_dots"] > 0 and not b["error"] for b in direct)
+
+
 def test_dot_units_reads_where_each_product_runs():
     fma = ("%1 = tt.dot %a, %b, %c, inputPrecision = ieee : tensor<16x64xf32, #ttg.dot_op<{opIdx = 0, "
            "parent = #blocked}>> * tensor<64x64xf32, #ttg.dot_op<{opIdx = 1, parent = #blocked}>> "
@@ -329,6 +389,65 @@ def test_int64_check_can_fail():
     assert aot.int64_bases(mixed.replace("xi32", "xi64"), ["k_ptr", "v_ptr"])
 
 
+# The cards' documented limits (CUDA C Programming Guide, "Technical Specifications per Compute Capability"):
+# the most shared memory one block may opt in to, 163 KB on compute capability 8.0 (A100) and 227 KB on 9.0
+# (H100), in KiB.
+DOCUMENTED = {"sm_80": {"cc": 80, "shared_limit": 163 * 1024}, "sm_90": {"cc": 90, "shared_limit": 227 * 1024}}
+
+
+def test_each_target_has_its_cards_documented_limit_and_architecture():
+    assert {t: {k: v[k] for k in ("cc", "shared_limit")} for t, v in aot.TARGETS.items()} == DOCUMENTED
+    assert DOCUMENTED["sm_80"]["shared_limit"] == 166912 and DOCUMENTED["sm_90"]["shared_limit"] == 232448
+    for name in aot.TARGETS:                        # sm_XY builds for compute capability X.Y
+        assert aot.TARGETS[name]["cc"] == int(name.removeprefix("sm_")) == aot._target(name).arch, name
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Real builds (fast, both targets, a fresh cache) of the kernels in tests/aot_probe_kernels.py."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(ATLAS_AOT_CACHE=str(tmp_path_factory.mktemp("aot_cache")),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(root / "tests" / "aot_probe_kernels.py")], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {(b["config"].removeprefix("probe: "), b["target"]): b for b in out}
+
+
+def test_a_32_bit_base_offset_is_caught_by_a_real_build(probes):
+    for target in aot.TARGETS:
+        narrow, wide = probes["narrow", target], probes["wide", target]
+        assert not narrow["error"] and not wide["error"], (narrow["error"], wide["error"])
+        assert not narrow["int64_bases"], narrow
+        assert wide["int64_bases"], wide
+
+
+def test_a_tile_between_the_two_cards_limits_fits_only_the_h100(probes):
+    a100, h100 = (DOCUMENTED[t]["shared_limit"] for t in ("sm_80", "sm_90"))
+    between = probes["between", "sm_90"]
+    assert not between["error"] and a100 < between["shared"] <= h100, between
+    assert between["fits"] and not probes["between", "sm_80"]["fits"]
+    over = probes["over", "sm_90"]
+    assert not over["error"] and over["shared"] > h100 and not over["fits"], over
+    table = [aot.Build(**{k: v for k, v in probes["between", t].items() if k != "fits"}) for t in aot.TARGETS]
+    rows = {r["target"]: r for r in _columns(aot.format_builds(table))}
+    assert (rows["sm_80"]["ok"], rows["sm_90"]["ok"]) == ("TOO BIG", "yes"), rows
+
+
+def test_a_fast_build_leaves_registers_and_spills_unmeasured(probes):
+    # a fast build stops before ptxas, which is what reports registers and spills
+    assert all((b["registers"], b["spill_stores"], b["spill_loads"]) == (-1, -1, -1) for b in probes.values())
+
+
+@pytest.mark.skipif(FULL, reason="full builds measure registers and spills")
+def test_fast_builds_leave_registers_and_spills_unmeasured(builds):
+    assert all((b["registers"], b["spill_stores"], b["spill_loads"]) == (-1, -1, -1) for b in builds)
+
+
 def test_a_changed_offset_check_is_not_answered_from_the_cache(monkeypatch, tmp_path):
     # a cached verdict of the 64-bit check holds only for the check that gave it
     import dataclasses
@@ -377,6 +496,23 @@ def test_a_failed_build_does_not_fit_and_the_table_says_why():
     fast = aot.Build("k", "linear: fast", "sm_80", 1024, -1, -1, -1, True)          # --fast: unmeasured
     (row,) = _columns(aot.format_builds([fast]))
     assert (row["regs"], row["spill B"]) == ("-", "-"), row
+
+
+def test_the_table_gives_each_target_its_own_limit_in_one_unit():
+    # 192 KiB: over an A100's 163 KB, within an H100's 227 KB (DOCUMENTED); KB columns in KiB, as the guide's
+    size = 192 * 1024
+    builds = [aot.Build("k", f"linear: {t}", t, size, 0, 0, 0, True, tensor_core_dots=3, cuda_core_dots=1)
+              for t in ("sm_80", "sm_90")]
+    builds += [aot.Build("k", f"linear: at the {t} limit", t, DOCUMENTED[t]["shared_limit"], 0, 0, 0, True)
+               for t in ("sm_80", "sm_90")]
+    rows = {r["config"]: r for r in _columns(aot.format_builds(builds))}
+    assert [(rows[t]["limit KB"], rows[t]["ok"]) for t in ("sm_80", "sm_90")] == [("163", "TOO BIG"), ("227", "yes")]
+    assert all(float(rows[t]["shared KB"]) == 192 for t in ("sm_80", "sm_90")), rows
+    for t in ("sm_80", "sm_90"):
+        row = rows[f"at the {t} limit"]
+        assert float(row["shared KB"]) == float(row["limit KB"]) == DOCUMENTED[t]["shared_limit"] / 1024, row
+        assert row["ok"] == "yes", row
+    assert rows["sm_90"]["dots TC/CUDA"] == "3/1"        # tensor-core products, then CUDA-core ones
 
 
 @pytest.mark.parametrize("as_json", [False, True])
