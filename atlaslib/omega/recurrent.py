@@ -136,7 +136,8 @@ def omega_step(state: WindowState, q_t, k_t, v_t, window: int, gamma_t=None, alp
     state instead of M_{t-1} (``omega_frozen_seq`` passes the chunk-start state). Inputs
     are cast to the state's dtype. Shapes and window are checked here; value ranges are the caller's.
     """
-    check_token(state.M, q_t, k_t, v_t, check_window(window), ("gamma_t", gamma_t), alpha_t=alpha_t, eta_t=eta_t)
+    check_token(state.M, q_t, k_t, v_t, check_window(window), ("gamma_t", gamma_t),
+                alpha_t=alpha_t, eta_t=eta_t)
     q_t, k_t, v_t, gamma_t = _as_state_dtype(state, q_t, k_t, v_t, gamma_t)
     keys, values, weights = window_rows(state, k_t, v_t, gamma_t)        # the last c pairs, t's own last
     M_grad = state.M if grad_at is None else grad_at                      # M_{t-1} (frozen: M_{t0})
