@@ -33,7 +33,7 @@ help:
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
 	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study, the filler and the caching checks (about 1 h 20 min on 2 cores; resumes)"
-	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90 without a GPU, registers included (slow: minutes per kernel)"
+	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90/sm_86 without a GPU, registers included (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: every kernel against its chunk form, then bench --vs fla (results/gpu_bench.json)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"
 	@echo "make venv       only create .venv with the pinned requirements and atlaslib (every target does this first)"
@@ -64,7 +64,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 PYTEST_LIB := TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
-# tests/test_aot.py compiles in two processes of its own (one per GPU target); the other files run in
+# tests/test_aot.py compiles in processes of its own (one per GPU target); the other files run in
 # two pytest-xdist processes, one thread each; each file runs whole in one of them (--dist loadfile).
 test-lib: test-aot test-rest
 

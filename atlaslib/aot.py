@@ -4,11 +4,13 @@ Triton's interpreter (``TRITON_INTERPRET=1``) runs a kernel's Python on NumPy, w
 the tests check the kernels' numbers on CPU. It also accepts programs that a real build
 rejects or that would crawl on a card: more shared memory than the card has, ``tl.dot``
 shapes below 16, register spills. So this module builds each kernel for named targets —
-sm_80 (A100) and sm_90 (H100) — without a device:
+sm_80 (A100), sm_90 (H100) and sm_86 (RTX 3090, standing for the consumer cards that let a
+program use 99 KB of shared memory) — without a device:
 
 1. it calls the chapter's Triton wrapper on small CPU tensors with the kernel launch
    intercepted, so the tile sizes, flags and argument dtypes are exactly the ones the wrapper
-   chooses (nothing here repeats the wrappers' tile logic);
+   chooses for the target's shared memory (``core.kernels.assume_shared_memory``; nothing here
+   repeats the wrappers' tile logic);
 2. it specialises the captured arguments as Triton's JIT does at a launch (dtypes,
    16-byte alignment, integers divisible by 16) and compiles with
    ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
@@ -29,7 +31,8 @@ bounded by B*H*b and its number of launches grows with T. A call that launches s
 kernels has each of them built.
 
 ``python -m atlaslib.aot`` prints the table (``--family atlas``: one family's) and exits with status 1
-if a build failed, does not fit or adds 32-bit offsets to a pointer argument. ``--fast`` stops
+if a build failed, does not fit (but for the configurations known to run the chunk form on a
+consumer card, ``CHUNK_FORM_ON``) or adds 32-bit offsets to a pointer argument. ``--fast`` stops
 each build once its shared memory is allocated, before LLVM and ptxas: about a second a build
 instead of up to minutes, with everything checked but registers and spills. ``make test`` runs
 the tests that assert every configuration builds, fits and addresses 64-bit offsets on fast
@@ -63,7 +66,29 @@ import torch
 TARGETS = {
     "sm_80": {"cc": 80, "card": "A100", "shared_limit": 163 * 1024},
     "sm_90": {"cc": 90, "card": "H100", "shared_limit": 227 * 1024},
+    # consumer cards: RTX 3090 (sm_86); the RTX 4090 (sm_89) and 5090 (sm_120) allow the same 99 KB
+    "sm_86": {"cc": 86, "card": "RTX 3090", "shared_limit": 99 * 1024},
 }
+# What does not fit a consumer card even with its narrow tiles (``core.kernels.narrow_tiles``; sm_86 builds,
+# fp32 inputs only): there these configurations raise OutOfResources at launch and ``core.dispatch`` runs the
+# chunk form instead, with a warning. The delta rule's state passes at K = 256 hold [64, 256] fp32 tiles of k
+# and w, 128 KB whatever the value block; Titans at chunks of 64 with K = 256, and the Omega rule at chunks of
+# 64 with D = 256 or with a window of 8 and D >= 100, would need shorter chunks, and their chunk length is
+# part of the model (SWLA's is not: it shortens its chunks there, ``omega.kernel.windowed_triton``).
+CHUNK_FORM_ON = {"sm_86": {
+    ("chunk_state_kernel", "delta: gate=none K=V=256 fp32"),
+    ("chunk_state_kernel", "delta: gate=scalar K=V=256 fp32"),
+    ("chunk_state_kernel", "delta_bwd: gate=none K=V=256 fp32"),
+    ("chunk_state_kernel", "delta_bwd: gate=scalar K=V=256 fp32"),
+    ("chunk_dstate_kernel", "delta_bwd: gate=none K=V=256 fp32"),
+    ("chunk_dstate_kernel", "delta_bwd: gate=scalar K=V=256 fp32"),
+    ("chunk_dstate_kernel", "delta_bwd: gate=channel K=V=256 fp32"),
+    ("chunk_dstate_kernel", "linear_bwd: reverse state pass, delta rule, gate=channel K=V=256 fp32"),
+    ("titans_linear_fwd_kernel", "titans: b=64 K=V=256 fp32"),
+    ("omega_fwd_kernel", "omega: c=1 b=64 D=V=256 fp32"),
+    ("omega_fwd_kernel", "omega: c=8 b=64 D=V=100 fp32"),
+    ("omega_fwd_kernel", "omega: c=8 b=64 D=V=128 fp32"),
+}}
 CACHE_DIR = Path(os.environ.get("ATLAS_AOT_CACHE") or Path(__file__).resolve().parents[1] / "_build" / "aot")
 INT32_MAX = 2**31 - 1
 
@@ -101,6 +126,11 @@ class Build:
     @property
     def fits(self) -> bool:
         return not self.error and self.shared <= TARGETS[self.target]["shared_limit"]
+
+    @property
+    def runs_chunk_form(self) -> bool:
+        """Built, too big for the target, and known to be (``CHUNK_FORM_ON``): the chunk form runs there."""
+        return not self.error and not self.fits and (self.kernel, self.config) in CHUNK_FORM_ON.get(self.target, ())
 
 
 @contextlib.contextmanager
@@ -621,26 +651,31 @@ def check_all(targets=tuple(TARGETS), progress=True, families=None, full=True) -
     """
     from tqdm.auto import tqdm
 
+    from .core.kernels import assume_shared_memory
+
     todo = []
-    for family, label, call in cases():
-        if families is None or family in families:
-            short = by_kernel(captured_launches(lambda: call(40)))
-            longer = by_kernel(captured_launches(lambda: call(400)))
-            for name in short:
-                todo += [(family, label + tag, s, lo) for tag, s, lo in variants(short[name], longer[name])]
+    for target in targets:
+        # the tiles the wrappers choose for this target's shared memory (``core.kernels.narrow_tiles``)
+        with assume_shared_memory(TARGETS[target]["shared_limit"]):
+            for family, label, call in cases():
+                if families is None or family in families:
+                    short = by_kernel(captured_launches(lambda: call(40)))
+                    longer = by_kernel(captured_launches(lambda: call(400)))
+                    for name in short:
+                        todo += [(target, family, label + tag, s, lo)
+                                 for tag, s, lo in variants(short[name], longer[name])]
     results = []
     # disable=None: a terminal or a notebook shows the bar, a log file does not
-    with tqdm(total=len(todo) * len(targets), desc="AOT builds", disable=None if progress else True) as bar:
-        for family, label, launches, longer in todo:
-            for target in targets:
-                result = build(representative(launches[0], longer[0]), target, f"{family}: {label}", full)
-                results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
-                                                   grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
-                                                   launches=(len(launches), len(longer)),
-                                                   grid_long=largest_grid(longer),
-                                                   warps=launches[0].kwargs.get("num_warps", 4),
-                                                   maxnreg=launches[0].kwargs.get("maxnreg") or 0))
-                bar.update()
+    with tqdm(total=len(todo), desc="AOT builds", disable=None if progress else True) as bar:
+        for target, family, label, launches, longer in todo:
+            result = build(representative(launches[0], longer[0]), target, f"{family}: {label}", full)
+            results.append(dataclasses.replace(result, config=f"{family}: {label}", grid=largest_grid(launches),
+                                               grid_fixed_in_T=largest_grid(launches) == largest_grid(longer),
+                                               launches=(len(launches), len(longer)),
+                                               grid_long=largest_grid(longer),
+                                               warps=launches[0].kwargs.get("num_warps", 4),
+                                               maxnreg=launches[0].kwargs.get("maxnreg") or 0))
+            bar.update()
     return results
 
 
@@ -672,7 +707,8 @@ def format_builds(results: list[Build]) -> str:
              "spill B": "-" if r.spill_stores < 0 else r.spill_stores,       # -1: unmeasured (--fast)
              "dots TC/CUDA": f"{r.tensor_core_dots}/{r.cuda_core_dots}",
              "int64": "yes" if r.int64_bases else "NO",
-             "ok": "yes" if r.fits else ("BUILD FAILED" if r.error else "TOO BIG")} for r in results]
+             "ok": "yes" if r.fits else "BUILD FAILED" if r.error else "chunk form" if r.runs_chunk_form
+             else "TOO BIG"} for r in results]
     return format_table(rows, columns=list(rows[0]))
 
 
@@ -714,10 +750,10 @@ def main(argv=None):
         results = [oversized_build(t, full=not args.fast) for t in targets]
     else:
         results = check_all(targets, progress=not args.json, families=args.family, full=not args.fast)
-    bad = [r for r in results if not (r.fits and r.int64_bases)]
+    bad = [r for r in results if not ((r.fits or r.runs_chunk_form) and r.int64_bases)]
     if args.json:
         for r in results:
-            print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits)))
+            print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits, runs_chunk_form=r.runs_chunk_form)))
     else:
         print(format_builds(results))
         print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets")

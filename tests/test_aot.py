@@ -1,4 +1,4 @@
-"""Every Triton kernel builds for real GPUs (sm_80, sm_90) on a machine without one.
+"""Every Triton kernel builds for real GPUs (sm_80, sm_90, sm_86) on a machine without one.
 
 The interpreter tests check the kernels' numbers; these check what only a real build can:
 that each configuration the dispatch launches compiles, fits the target's shared memory,
@@ -12,7 +12,7 @@ unset (``atlaslib.aot``).
 
 Full builds take minutes per kernel on 2 cores (ptxas on 64x256 fp32 tiles: 1.5-2.5 min), far
 beyond the CI budget, so ``make test`` builds each configuration only until its shared memory is
-allocated (``atlaslib.aot --fast``, about a second a build, the two targets in parallel): every
+allocated (``atlaslib.aot --fast``, about a second a build, the targets in parallel): every
 check below but registers and spills, which need ptxas. ``ATLAS_AOT=1`` (``make aot``) runs the
 full builds and checks those too.
 """
@@ -111,9 +111,26 @@ def test_every_configuration_compiles(builds):
 
 def test_shared_memory_within_each_target(builds):
     over = [f"{b['config']} on {b['target']}: {b['shared']} B > {aot.TARGETS[b['target']]['shared_limit']} B"
-            for b in builds if not b["fits"]]
+            for b in builds if not b["fits"] and not b["runs_chunk_form"]]
     assert not over, "\n".join(over)
     assert all(b["shared"] > 0 for b in builds)
+
+
+def test_on_a_consumer_card_only_the_known_fp32_configurations_run_the_chunk_form(builds):
+    # the A100 and H100 take every configuration; a 99 KB card (sm_86, narrow tiles) all 16-bit ones and
+    # all fp32 ones but those ``aot.CHUNK_FORM_ON`` names, no more and no fewer
+    assert set(aot.CHUNK_FORM_ON) == {"sm_86"}
+    too_big = {(b["kernel"], b["config"]) for b in builds if b["target"] == "sm_86" and not b["fits"]}
+    assert too_big == aot.CHUNK_FORM_ON["sm_86"], (sorted(too_big - aot.CHUNK_FORM_ON["sm_86"]),
+                                                   sorted(aot.CHUNK_FORM_ON["sm_86"] - too_big))
+    assert all(config.endswith("fp32") for _, config in too_big)
+    assert all(b["fits"] for b in builds if b["target"] != "sm_86")
+    assert all(b["runs_chunk_form"] == (b["target"] == "sm_86" and (b["kernel"], b["config"]) in too_big)
+               for b in builds)
+    # the narrow tiles are what fits the rest: the per-channel fp32 output kernel takes 144 KB at full width
+    wide = {b["target"]: b["shared"] for b in builds
+            if b["kernel"] == "chunk_output_kernel" and b["config"] == "linear: gate=channel K=V=64 fp32"}
+    assert wide["sm_86"] <= 99 * 1024 < wide["sm_80"], wide
 
 
 @slow_builds
@@ -392,19 +409,24 @@ def test_int64_check_can_fail():
 # The cards' documented limits (CUDA C Programming Guide, "Technical Specifications per Compute Capability"):
 # the most shared memory one block may opt in to, 163 KB on compute capability 8.0 (A100) and 227 KB on 9.0
 # (H100), in KiB.
-DOCUMENTED = {"sm_80": {"cc": 80, "shared_limit": 163 * 1024}, "sm_90": {"cc": 90, "shared_limit": 227 * 1024}}
+DOCUMENTED = {"sm_80": {"cc": 80, "shared_limit": 163 * 1024}, "sm_90": {"cc": 90, "shared_limit": 227 * 1024},
+              "sm_86": {"cc": 86, "shared_limit": 99 * 1024}}
 
 
 def test_each_target_has_its_cards_documented_limit_and_architecture():
     assert {t: {k: v[k] for k in ("cc", "shared_limit")} for t, v in aot.TARGETS.items()} == DOCUMENTED
     assert DOCUMENTED["sm_80"]["shared_limit"] == 166912 and DOCUMENTED["sm_90"]["shared_limit"] == 232448
+    assert DOCUMENTED["sm_86"]["shared_limit"] == 101376
+    # the tiles are sized for the A100's limit; anything below it takes the narrow ones
+    from atlaslib.core.kernels import FULL_SHARED_MEMORY
+    assert FULL_SHARED_MEMORY == DOCUMENTED["sm_80"]["shared_limit"]
     for name in aot.TARGETS:                        # sm_XY builds for compute capability X.Y
         assert aot.TARGETS[name]["cc"] == int(name.removeprefix("sm_")) == aot._target(name).arch, name
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
-    """Real builds (fast, both targets, a fresh cache) of the kernels in tests/aot_probe_kernels.py."""
+    """Real builds (fast, every target, a fresh cache) of the kernels in tests/aot_probe_kernels.py."""
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
@@ -533,6 +555,29 @@ def test_the_command_fails_when_a_build_fails_a_check(monkeypatch, capsys, as_js
     if not as_json:
         assert capsys.readouterr().out.rstrip().endswith("\n2 builds, 0 that would not launch or address "
                                                          "64-bit offsets")
+
+
+def test_only_a_known_configuration_too_big_for_a_consumer_card_passes_as_the_chunk_form(monkeypatch, capsys):
+    import atlaslib.core.dispatch
+    kernel, config = sorted(aot.CHUNK_FORM_ON["sm_86"])[0]
+    size = 120 * 1024                   # over sm_86's 99 KB, within sm_80's 163 KB
+    known = aot.Build(kernel, config, "sm_86", size, 0, 0, 0, True)
+    unknown = aot.Build(kernel, "linear: gate=none K=V=64 fp32", "sm_86", size, 0, 0, 0, True)
+    elsewhere = aot.Build(kernel, config, "sm_80", 170 * 1024, 0, 0, 0, True)      # the list is per target
+    failed = aot.Build(kernel, config, "sm_86", 0, 0, 0, 0, True, error="CompilationError: bad")
+    assert [b.runs_chunk_form for b in (known, unknown, elsewhere, failed)] == [True, False, False, False]
+    assert not known.fits
+    rows = _columns(aot.format_builds([known, unknown, elsewhere, failed]))
+    assert [r["ok"] for r in rows] == ["chunk form", "TOO BIG", "TOO BIG", "BUILD FAILED"]
+    monkeypatch.setattr(atlaslib.core.dispatch, "interpreter_on", lambda: False)
+    monkeypatch.setattr(aot, "check_all", lambda *a, **k: [known, known])
+    assert aot.main(["--fast"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("\n2 builds, 0 that would not launch or address 64-bit offsets")
+    for bad in (unknown, elsewhere, failed):
+        monkeypatch.setattr(aot, "check_all", lambda *a, bad=bad, **k: [known, bad])
+        assert aot.main(["--fast", "--json"]) == 1
+        assert [json.loads(line)["runs_chunk_form"] for line in capsys.readouterr().out.splitlines()] == \
+            [True, False]
 
 
 def test_a_kernel_the_card_refuses_falls_back_to_the_chunk_form():

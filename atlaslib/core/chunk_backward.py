@@ -43,7 +43,8 @@ from .alloc import empty
 from .chunk_kernels import CHUNK, SUB_CHUNK, chunk_warps, key_block, num_chunks, state_dtype, state_pass_start, \
     state_pass_tiles, store_chunk_state
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_log_gates, chunk_program, \
-    chunk_tokens, decay, dot_tile, load_block, load_state_tile, precision, register_share, store_tile, within_head_span
+    chunk_tokens, decay, dot_tile, load_block, load_state_tile, narrow_tiles, precision, register_share, store_tile, \
+    within_head_span
 
 # The delta rule holds all K key channels of dH in one program, like the forward's state pass.
 MAX_DELTA_KEY = 256
@@ -250,7 +251,7 @@ def channel_grads(q, k, g, da, dq32, dk32, dq, dk, dg, dgn=None, pairs=False):
     (q is k; dq32, dq None)."""
     B, H, T, K = q.shape
     NT, Tp = num_chunks(T), g.shape[2]
-    BK = key_block(K)
+    BK = key_block(K, q)
     channel_dqk_kernel[(B * H * NT, CHUNK // SUB_CHUNK, triton.cdiv(K, BK))](
         q, k, g, da, dq32, dk32, dq, dk, dg, dgn,
         _strides(q), _strides(k), _strides(dq), _strides(dk),
@@ -308,9 +309,9 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         raise ValueError(f"dstate_pass: the delta rule holds all K key channels in one program, K <= "
                          f"{MAX_DELTA_KEY}, got K={K}")
     Tp = g.shape[2] if g is not None else NT * CHUNK
-    BK = dot_tile(K) if delta else key_block(K)
+    BK = dot_tile(K) if delta else key_block(K, q)
     # the delta rule's program holds [64, K] tiles of q, k, w (and the decayed k) per pipeline stage
-    BV, stages, warps = state_pass_tiles(K, V, q.element_size(), delta, reverse=True)
+    BV, stages, warps = state_pass_tiles(K, V, q.element_size(), delta, reverse=True, narrow=narrow_tiles(q))
     dh = empty(B * H, NT, V, K, dtype=state_dtype(q.dtype), device=q.device)
     dh0 = empty(B, H, V, K, dtype=torch.float32, device=q.device) if want_dh0 else None
     dht = None if dht is None else dht.to(torch.float32).contiguous()

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .kernels import GATE_CHANNEL, GATE_NONE, GATE_SCALAR, at_head, channel_block, chunk_block_program, \
     chunk_log_gates, chunk_program, chunk_state, chunk_tokens, decay, dot_tile, head_program, load_block, load_state, \
-    load_state_tile, register_share, state_slice, store_tile
+    load_state_tile, narrow_tiles, register_share, state_slice, store_tile
 from .alloc import empty
 
 # Tokens per chunk, and per sub-chunk of the per-channel scores.
@@ -277,9 +277,15 @@ def num_chunks(T: int) -> int:
     return triton.cdiv(T, CHUNK)
 
 
-def key_block(K: int) -> int:
-    """Key channels per step of the loops over K (and per state-pass program of linear attention)."""
-    return min(dot_tile(K), KEY_BLOCK)
+def key_block(K: int, x: torch.Tensor) -> int:
+    """Key channels per step of the loops over K (and per state-pass program of linear attention), for
+    inputs like ``x``: ``KEY_BLOCK``, or half that for fp32 inputs on a card that lets a program use less
+    shared memory than an A100 (``core.kernels.narrow_tiles``). There the per-chunk kernels with
+    per-channel gates would not fit: the output kernel holds fp32 q and state tiles and the fp64 gate
+    tile of 64 key channels, 144 KB, and the WY kernel 128 KB (sm_86 builds, 99 KB allowed); with 32 at a
+    time, 72 KB. Only the order of the sums over K changes."""
+    narrow = x.element_size() == 4 and narrow_tiles(x)
+    return min(dot_tile(K), KEY_BLOCK // 2 if narrow else KEY_BLOCK)
 
 
 def channel_scores(run, g, with_keys: bool):
@@ -290,7 +296,7 @@ def channel_scores(run, g, with_keys: bool):
     channel_scores_kernel[(run.B * run.H * NT, CHUNK // SUB_CHUNK)](
         run.q, run.k, g, aq, ak, run.strides[0], run.strides[1],
         run.T, run.H, Tp, run.K, NT,
-        BT=CHUNK, BC=SUB_CHUNK, BK=key_block(run.K), PRECISION=run.precision,
+        BT=CHUNK, BC=SUB_CHUNK, BK=key_block(run.K, run.q), PRECISION=run.precision,
         num_warps=chunk_warps(run.q.element_size()),
     )
     return aq, ak
@@ -313,9 +319,11 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bool = False) -> tuple[int, int, int]:
+def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bool = False,
+                     narrow: bool = False) -> tuple[int, int, int]:
     """(BV, num_stages, num_warps) of a state pass, forward or ``reverse`` (the backward's): the delta rule's
-    (``delta``), which holds all K key channels, or linear attention's, whose programs hold [BV, 64] blocks.
+    (``delta``), which holds all K key channels, or linear attention's, whose programs hold [BV, 64] blocks;
+    ``narrow``: on a card with less shared memory than an A100 (``core.kernels.narrow_tiles``).
 
     Triton software-pipelines the loop over chunks: every stage keeps its own copy of the chunk's
     [64, K] tiles (k, w, the per-channel gates, and q backward), so shared memory grows with the
@@ -339,6 +347,11 @@ def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bo
     Every state pass is launched with ``core.kernels.register_share`` as ``maxnreg``, which keeps ptxas
     out of that fallback where the rules above do not (sm_90: fp32 at K = 60, V = 100, 8-10 KB spilled a
     thread -> 1.3-3.2 KB; the delta rule's reverse pass at K = 256 fp32, 30 KB -> 7.5 KB).
+
+    On a ``narrow`` card the delta rule's fp32 passes with rows of 65 to 128 key channels hold 32 value
+    channels (sm_86 builds of the reverse pass at K = 128: 112 KB at 64, 88 KB at 32; 99 KB allowed).
+    At K = 256 its [64, 256] fp32 tiles of k and w alone take 128 KB whatever BV is: there those passes do
+    not fit, and the chunk form runs instead (``core.dispatch.forward_or_fallback``).
     """
     if not delta:
         return min(dot_tile(V), 64), 3 if element_size < 4 else 1, 4
@@ -348,6 +361,8 @@ def state_pass_tiles(K: int, V: int, element_size: int, delta: bool, reverse: bo
         return BV, 3 if row <= 128 else 2 if row <= 256 else 1, 8 if dot_tile(K) >= 128 else 4
     if BV <= 16:
         return BV, 1, 4
+    if narrow and row > 256:
+        BV = min(BV, 32)
     if reverse:
         return BV, 1, 16 if dot_tile(K) >= 32 else 4
     return BV, 1, 8 if dot_tile(K) >= 64 else 4
@@ -362,8 +377,8 @@ def state_pass(run, gate, g, Tp, h0, u=None, w=None):
     B, H, K, V, NT = run.B, run.H, run.K, run.V, num_chunks(run.T)
     BK_all = dot_tile(K)
     delta = w is not None
-    BK = BK_all if delta else key_block(K)
-    BV, stages, warps = state_pass_tiles(K, V, run.q.element_size(), delta)
+    BK = BK_all if delta else key_block(K, run.q)
+    BV, stages, warps = state_pass_tiles(K, V, run.q.element_size(), delta, narrow=narrow_tiles(run.q))
     h = empty(B * H, NT, V, K, dtype=state_dtype(run.q.dtype), device=run.q.device)
     ht = run.state()
     vn = empty(B, H, run.T, V, dtype=run.q.dtype, device=run.q.device) if delta else None
@@ -405,6 +420,6 @@ def output_pass(run, gate, g, Tp, h, aq=None, vn=None):
         run.q, run.k, src, g, aq, h, run.o,
         run.strides[0], run.strides[1], s_src, run.strides[3],
         run.T, run.H, Tp, run.K, run.V, NT,
-        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=BV, PRECISION=run.precision, num_warps=warps,
+        GATE=gate, BT=CHUNK, BK=key_block(run.K, run.q), BV=BV, PRECISION=run.precision, num_warps=warps,
     )
     return run.o

@@ -242,9 +242,11 @@ def forward_or_fallback(forward_triton, forward_chunk, *inputs):
     """``forward_triton(*inputs)``, or the chunk form with a warning if the card cannot run it.
 
     Every tile configuration is built ahead of time for sm_80 and sm_90 (``python -m
-    atlaslib.aot``) and fits there; a card with less shared memory per block (many consumer
-    GPUs allow about 100 KB) can still refuse the larger tiles at launch. Then the same
-    function is computed by the chunk form instead of failing.
+    atlaslib.aot``) and fits there. On a card with less shared memory per block (consumer GPUs
+    allow 99 KB) the kernels take narrower tiles (``core.kernels.narrow_tiles``), and the builds
+    for sm_86 show a few fp32 configurations that still do not fit (``aot.CHUNK_FORM_ON``): a
+    card refuses those at launch, and the same function is computed by the chunk form instead
+    of failing.
     """
     from triton.runtime.errors import OutOfResources
 

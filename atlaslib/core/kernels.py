@@ -14,6 +14,9 @@ does the same set-up around its own inputs, and this module holds it once:
   program holds all K key channels: refuse K past the kernel's limit), ``value_tile`` (BV,
   capped per kernel; wider V is split across programs). Each kernel keeps its own limits, with
   the measurements behind them, in its module;
+* the card's shared memory: every tile is sized for the 163 KB a program may use on an A100 (an H100
+  allows 227 KB). ``narrow_tiles`` says when the card allows less (99 KB on sm_86 / sm_89 / sm_120 cards:
+  RTX 3090, 4090, 5090), where the kernels that would not fit take narrower tiles;
 * gate modes: how a kernel is told what kind of retention it gets (a constexpr, so each kind
   is compiled separately and the others cost nothing). The names are ``tl.constexpr`` values,
   the only module globals a kernel may read; on the host they compare equal to the ints 0, 1, 2;
@@ -45,7 +48,10 @@ o_k: key channels), ``m_`` masks, ``s_`` strides, ``i_`` program indices.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import os
 
 import torch
@@ -349,6 +355,50 @@ def register_share(num_warps: int) -> int:
     pass: 1.3-1.5 KB at 8). The interpreter ignores it.
     """
     return min(255, 65536 // (32 * num_warps))
+
+
+# The shared memory one program may use on an A100, which every default tile configuration fits
+# (``atlaslib.aot`` builds each one for sm_80 and sm_90). A card that allows less gets narrower tiles
+# where a kernel needs them (``narrow_tiles``); a kernel that still does not fit raises OutOfResources
+# at launch, and ``core.dispatch`` runs the chunk form instead, with a warning.
+FULL_SHARED_MEMORY = 163 * 1024
+_ASSUMED_SHARED_MEMORY = contextvars.ContextVar("assumed_shared_memory", default=None)
+
+
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on ``device``: the card's opt-in maximum per block
+    (the number Triton checks at launch), ``FULL_SHARED_MEMORY`` off a GPU (the interpreter has no
+    limit), or what ``assume_shared_memory`` set."""
+    assumed = _ASSUMED_SHARED_MEMORY.get()
+    if assumed is not None:
+        return assumed
+    if device.type != "cuda":
+        return FULL_SHARED_MEMORY
+    return _card_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _card_shared_memory(index: int) -> int:
+    from triton.compiler import max_shared_mem
+    return max_shared_mem(index)
+
+
+def narrow_tiles(x: torch.Tensor) -> bool:
+    """Whether the kernels launched on ``x``'s device take their narrower tiles: the card lets a
+    program use less shared memory than an A100 (99 KB on RTX 3090 / 4090 / 5090 cards)."""
+    return shared_memory(x.device) < FULL_SHARED_MEMORY
+
+
+@contextlib.contextmanager
+def assume_shared_memory(nbytes: int):
+    """Choose tiles as for a card that lets a program use ``nbytes`` of shared memory, whatever the
+    device: ``atlaslib.aot`` builds each target's tiles this way, and the tests run the narrow ones
+    in the interpreter."""
+    token = _ASSUMED_SHARED_MEMORY.set(nbytes)
+    try:
+        yield
+    finally:
+        _ASSUMED_SHARED_MEMORY.reset(token)
 
 
 def value_tile(V: int, widest: int) -> int:

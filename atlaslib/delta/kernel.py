@@ -402,7 +402,7 @@ def wy_factors(run, gate, g, beta, ak, keep_inverse=False):
         run.k, run.v, beta, g, ak, w, u, r,
         run.strides[1], run.strides[2], tuple(w.stride()), tuple(u.stride()),
         run.T, run.H, Tp, run.K, run.V, NT,
-        GATE=gate, BT=CHUNK, BK=key_block(run.K), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
+        GATE=gate, BT=CHUNK, BK=key_block(run.K, run.k), BV=min(dot_tile(run.V), 64), PRECISION=run.precision,
         INV_PRECISION=intermediate_precision(run.q.dtype), num_warps=8,
     )
     return w, u, r
@@ -448,7 +448,7 @@ def delta_rule_backward(do, dht, q, k, v, beta, logs, initial_state):
     gate, g, _ = chunk_gates(None, logs, T, CHUNK, q.dtype)
     NT = num_chunks(T)
     Tp = NT * CHUNK
-    BK, (BV, dv_warps) = key_block(K), chunk_value_tiles(V, q.element_size())
+    BK, (BV, dv_warps) = key_block(K, q), chunk_value_tiles(V, q.element_size())
     NK = triton.cdiv(K, BK)
     dev, dt = q.device, q.dtype
     beta = as_fp32(beta)

@@ -214,7 +214,7 @@ def linear_attention_backward(q, k, v, gate, g, h0, do, dht=None, h=None, ht=Non
         h, ht, _ = state_pass(run, gate, g, Tp, h0)
     dh, dh0, _ = dstate_pass(q, do, gate, g, dht)
     dev = q.device
-    BK = key_block(K)
+    BK = key_block(K, q)
     NK = triton.cdiv(K, BK)
     BV, dv_warps = chunk_value_tiles(V, q.element_size())
     prec = run.precision

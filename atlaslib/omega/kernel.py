@@ -54,8 +54,8 @@ import triton.language as tl
 
 from ..core.chunking import gate_logs
 from ..core.kernels import (MAX_HEAD_SPAN, as_fp32, chunk_local_log_gate, decay, dot_tile, feature_tile, forward_launch,
-                            intermediate_precision, load_block, load_state, load_tile, state_slice, store_tile,
-                            value_tile)
+                            intermediate_precision, load_block, load_state, load_tile, narrow_tiles, state_slice,
+                            store_tile, value_tile)
 from ..core.memory_kernels import chunk_rows, head_value_block, key_channels, per_head_launch, qkvo_at_head
 from ..core.windows import window_gates
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
@@ -165,6 +165,13 @@ def windowed_triton(q, k, v, window, gamma=None, alpha=None, eta=None, initial_s
         # SWLA's chunk form is exact for every chunk length, so the kernel may use shorter chunks:
         # at b = 64, c = 1, D = 256 fp32 it needs 184 KB (164 KB at BV = 16), over an A100's 163 KB
         b = 32
+        BW = dot_tile(b + c - 1)
+    if hebbian and b > 16 and narrow_tiles(q) and (BW > 64 or dot_tile(q.shape[-1]) >= 128):
+        # a card with less shared memory than an A100 (``core.kernels.narrow_tiles``; 99 KB): sm_86 fp32
+        # builds need 104 KB at b = 64, c = 8, D = 64 and 112 KB at b = 64, c = 1, D = 128, and 29-84 KB at
+        # b = 16 up to D = 256, c = 8. The Omega rule's chunk length is part of the model: it cannot shorten
+        # its chunks, and where its tiles do not fit, the chunk form runs instead (``core.dispatch``)
+        b = 16
         BW = dot_tile(b + c - 1)
     run = forward_launch(q, k, v, BV=value_tile(v.shape[-1], 32 if BW > 64 or wide_rows else 64))
     B, H, T, D = run.B, run.H, run.T, run.K
