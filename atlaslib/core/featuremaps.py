@@ -180,8 +180,9 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
     return torch.cat(blocks, dim=-1)
 
 
-def _inverse_softplus(a: torch.Tensor) -> torch.Tensor:
-    """softplus^{-1}(a) = log(e^a - 1), written a + log(1 - e^{-a}) so that a large a does not overflow."""
+def inverse_softplus(a: torch.Tensor) -> torch.Tensor:
+    """softplus^{-1}(a) = log(e^a - 1) for a > 0, written a + log(1 - e^{-a}) so that a large a does not
+    overflow (the start values of learnable positive weights: Taylor coefficients, the mixers' gates)."""
     return a + torch.log(-torch.expm1(-a))
 
 
@@ -219,7 +220,7 @@ class TaylorFeatures(nn.Module):
                                  f"got {a.numel()}")
             if torch.isnan(a).any() or (a < 0).any():
                 raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got {a.tolist()}")
-        self.raw = nn.Parameter(_inverse_softplus(a.clamp_min(1e-12)).float())
+        self.raw = nn.Parameter(inverse_softplus(a.clamp_min(1e-12)).float())
 
     @property
     def coefficients(self) -> torch.Tensor:

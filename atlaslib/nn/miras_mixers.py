@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.chunking import compute_dtype
+from ..core.featuremaps import inverse_softplus
 from ..miras import DEFAULT_CHUNK_SIZE, Gates, MirasConfig, MirasState, build_parts, init_state, make_config, miras
 from ..miras.recurrent import TokenState, miras_step
 from ..miras.state import flatten_bh
@@ -44,10 +45,6 @@ from .base import gate_dtype, register_mixer
 from .linear_mixers import GatedLinear
 
 CONFIG_FIELDS = {f.name for f in dataclasses.fields(MirasConfig)} - {"name"}
-
-
-def _inverse_softplus(y: float) -> float:
-    return y + math.log(-math.expm1(-y))
 
 
 def start_token_state(memory: dict, momentum: bool, deltas: bool, q, v) -> TokenState:
@@ -104,8 +101,8 @@ class ScalarGate(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, n_heads)
         self.squash = squash
-        nn.init.constant_(self.proj.bias, _inverse_softplus(start) if squash == "softplus" else
-                          math.log(start / (1 - start)))
+        nn.init.constant_(self.proj.bias, inverse_softplus(torch.tensor(float(start), dtype=torch.float64)).item()
+                          if squash == "softplus" else math.log(start / (1 - start)))
 
     def forward(self, x):
         z = self.proj(x).transpose(1, 2).to(gate_dtype(x))            # squashed in fp32, not x's dtype
