@@ -432,6 +432,18 @@ def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
     assert str(refused.value).startswith("code cell 2: ") and named in str(refused.value), refused.value
 
 
+@pytest.mark.parametrize("name, builtin", [("input", True), ("open", True), ("vars", True), ("In", False),
+                                           ("importlib", False)])
+def test_a_refused_name_says_when_it_may_be_the_readers_own_variable(name, builtin):
+    from atlaslib.exercises.checking import Rejected, screen
+    cells = [("code cell 1 (set-up)", "import torch"), ("code cell 2", f"def f({name}):\n    return {name} + 1")]
+    with pytest.raises(Rejected) as refused:
+        screen(cells, "ch01", set(POINTS), registry("ch01").helpers)
+    message = str(refused.value)
+    assert message.startswith(f"code cell 2: `{name}` is not allowed in a graded notebook"), message
+    assert ("rename it" in message) == builtin, message
+
+
 def test_the_static_rules_pass_every_shipped_notebook():
     from atlaslib.grade import screen_notebook
     for path in sorted((ROOT / "exercises").glob("**/ch*.ipynb")):

@@ -770,7 +770,11 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                         refuse(label, f"`global {name}` is not allowed")
             if isinstance(node, ast.Name):
                 if node.id in FORBIDDEN_NAMES or node.id.startswith("__"):
-                    refuse(label, f"`{node.id}` is not allowed in a graded notebook")
+                    # the screen reads names, not scopes: a variable of the reader's own called `input` looks
+                    # like the built-in, so say so
+                    own = " (the screen cannot tell a variable of that name from the built-in: rename it)" \
+                        if node.id in builtin else ""
+                    refuse(label, f"`{node.id}` is not allowed in a graded notebook{own}")
                 if node.id in checks:
                     parent = parents.get(node)
                     ok = (isinstance(parent, ast.Attribute) and parent.attr in exercises
