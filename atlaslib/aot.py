@@ -756,7 +756,9 @@ def main(argv=None):
             print(json.dumps(dict(dataclasses.asdict(r), fits=r.fits, runs_chunk_form=r.runs_chunk_form)))
     else:
         print(format_builds(results))
-        print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets")
+        fallbacks = sum(r.runs_chunk_form for r in results)
+        print(f"\n{len(results)} builds, {len(bad)} that would not launch or address 64-bit offsets"
+              + (f"; {fallbacks} known too big for the card, where the chunk form runs instead" if fallbacks else ""))
     return 1 if bad else 0
 
 
