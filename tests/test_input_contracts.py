@@ -9,6 +9,9 @@ import torch
 from atlaslib.core import TaylorFeatures, elu_plus_one, random_gate, random_qkv, rel_rmse, softmax_attention
 from atlaslib.delta import delta_rule
 from atlaslib.linear import linear_attention
+from atlaslib.atlas import atlas
+from atlaslib.miras import miras
+from atlaslib.omega import omega_rule
 
 F64 = torch.float64
 
@@ -36,6 +39,30 @@ def test_a_nan_number_is_refused(gen, name, call):
     q, k, v = random_qkv(1, 2, 6, 4, 4, generator=gen)
     with pytest.raises(ValueError, match=f"{name} must lie in .*got nan"):
         call(q, k, v)
+
+
+def _with_one_inf(x):
+    x = x.clone()
+    x.view(-1)[3] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("name, call", [
+    ("eta", lambda q, k, v, g: omega_rule(q, k, v, window=2, eta=g, backend="chunk")),
+    ("eta", lambda q, k, v, g: atlas(q, k, v, eta=g, backend="chunk", chunk_size=2)),
+    ("eta", lambda q, k, v, g: miras(q, k, v, preset="titans", eta=g, backend="chunk", chunk_size=2)),
+    ("eta", lambda q, k, v, g: miras(q, k, v, preset="titans", eta=g, backend="recurrent")),
+    ("delta", lambda q, k, v, g: miras(q, k, v, preset="yaad", delta=g, backend="chunk", chunk_size=2)),
+    ("beta", lambda q, k, v, g: delta_rule(q, k, v, g, longhorn=True)),
+])
+def test_an_unbounded_gate_must_still_be_finite(gen, name, call):
+    # eta, Yaad's delta and Longhorn's beta have no upper bound, but +inf in one entry is refused by name (it would
+    # make every later output inf or NaN)
+    q, k, v = random_qkv(1, 2, 6, 4, 4, generator=gen)
+    gate = 0.1 + torch.rand(1, 2, 6, generator=gen)
+    call(q, k, v, gate)
+    with pytest.raises(ValueError, match=f"{name} must lie in .*inf"):
+        call(q, k, v, _with_one_inf(gate))
 
 
 @pytest.mark.parametrize("call", [lambda q, k, v: linear_attention(q, k, v), lambda q, k, v: delta_rule(q, k, v, 0.5)])

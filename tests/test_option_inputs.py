@@ -306,3 +306,50 @@ def test_numpy_integers_are_ints_everywhere(gen):
     assert config == make_config("titans", window=2, expansion=2) and type(config.window) is int
     config = make_config("yaad", delta=np.float64(0.5))
     assert config == make_config("yaad", delta=0.5) and type(config.delta) is float and "np." not in config.name
+
+
+# ---------------------------------------------------------------- where the mixers' gates start
+
+@pytest.mark.parametrize("name, kw", [("omeganet", {}), ("omeganet", {"gamma": "source"}), ("swla", {}),
+                                      ("atlas", {"window": 3}), ("dot", {"window": 3, "gamma": "offset"})])
+def test_window_gates_start_open(name, kw):
+    # gamma = sigmoid(w^T x + b) with b = 2 at the start (omega_mixers): windows start open, ~0.88 everywhere
+    mixer = make_mixer(name, D, H, **kw)
+    gamma = mixer.gammas(torch.zeros(1, 3, D))
+    assert gamma is not None
+    assert torch.allclose(gamma, torch.full_like(gamma, 1 / (1 + math.exp(-2.0))))
+
+
+def test_mag_starts_halfway_between_its_branches(gen):
+    # MAG's gate starts centred at 1/2: at x = 0 it averages the attention and memory branches
+    mixer = make_mixer("mag", D, H, memory="gla", window=4)
+    a, r = torch.randn(1, 3, D, generator=gen), torch.randn(1, 3, D, generator=gen)
+    assert torch.allclose(mixer.combine(torch.zeros(1, 3, D), a, r), 0.5 * a + 0.5 * r)
+
+
+@pytest.mark.parametrize("name", ["ttt_linear", "ttt_mlp", "titans", "moneta", "yaad", "memora", "dla"])
+def test_miras_mixers_default_to_the_chapters_chunk_length(gen, name):
+    # the chunk length is part of these models (gradients frozen within a chunk): the mixers default to
+    # chapter 3's, not to the base class's 64
+    from atlaslib.miras import DEFAULT_CHUNK_SIZE
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (), generator=gen)))
+    mixer = make_mixer(name, D, H).double()
+    assert mixer.chunk_size == DEFAULT_CHUNK_SIZE < 64
+    x = torch.randn(1, 3 * DEFAULT_CHUNK_SIZE, D, generator=gen).double()
+    with torch.no_grad():
+        default = mixer(x)
+        mixer.chunk_size = DEFAULT_CHUNK_SIZE
+        explicit = mixer(x)
+        mixer.chunk_size = 64
+        longer = mixer(x)
+    assert torch.equal(default, explicit)
+    assert (default - longer).abs().max() > 1e-6            # another chunk length, another model
+
+
+# ---------------------------------------------------------------- an empty sequence
+
+@pytest.mark.parametrize("name, kw", [("linear", {}), ("linear", {"conv_size": 0}), ("deltanet", {}),
+                                      ("titans", {}), ("omeganet", {}), ("softmax", {}), ("memory_caching", {})])
+def test_a_sequence_of_no_tokens_is_refused_by_name(name, kw):
+    with pytest.raises(ValueError, match=r"T >= 1"):
+        make_mixer(name, D, H, **kw)(torch.randn(2, 0, D))

@@ -302,6 +302,18 @@ MIXER_CASES = [
 ]
 
 
+@pytest.mark.parametrize("name, kw", [case for case in MIXER_CASES if "backend" in case[1]])
+def test_the_backend_reaches_the_chapter_function(monkeypatch, name, kw):
+    # an explicit backend="triton" must reach the model: with the interpreter off on a CPU it is refused (a model
+    # with a kernel: "needs Triton's interpreter"; one without: "has no backend 'triton'"), where a mixer that
+    # dropped it would run "auto", the chunk form, without a word
+    import atlaslib.core.dispatch
+    monkeypatch.setattr(atlaslib.core.dispatch, "interpreter_on", lambda: False)
+    mixer = make_mixer(name, 12, 2, **dict(kw, backend="triton"))
+    with pytest.raises((RuntimeError, ValueError), match="[Tt]riton"), torch.no_grad():
+        mixer(torch.randn(1, 5, 12))
+
+
 def test_every_registered_mixer_has_a_case():
     registered = {name for name in available_mixers() if not name.startswith("_")}   # "_": other tests' probes
     assert registered <= {case.values[0] if hasattr(case, "values") else case[0] for case in MIXER_CASES}
