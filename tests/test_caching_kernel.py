@@ -47,15 +47,15 @@ def random_blocks(gen, T=T, J=J, N=N):
     return blocks
 
 
-def random_inputs(gen, dtype=torch.float32, score_scale=1.0):
-    """q and online as [B, T, H, C] views (read through their strides), the rest contiguous."""
+def random_inputs(gen, dtype=torch.float32, score_scale=1.0, N=N):
+    """q and online as [B, T, H, C] views (read through their strides), the rest contiguous; N cached states."""
     q = torch.randn(B, T, H, K, generator=gen).to(dtype).transpose(1, 2)
     u = (score_scale * torch.randn(B, H, T, K, generator=gen)).to(dtype)
     states = torch.randn(B, H, N, V, K, generator=gen) / K ** 0.5
     pooled = torch.randn(B, H, N, K, generator=gen).to(dtype)
     online = torch.randn(B, T, H, V, generator=gen).to(dtype).transpose(1, 2)
     online_score = score_scale * torch.randn(B, H, T, generator=gen) * 2
-    return q, u, states, pooled, online, online_score, random_blocks(gen)
+    return q, u, states, pooled, online, online_score, random_blocks(gen, N=N)
 
 
 CASES = [("residual", None), ("grm", None), ("ssc", 1), ("ssc", 2), ("ssc", J), ("ssc", 100), ("ssc", None)]
@@ -67,6 +67,17 @@ def test_readout_matches_the_formula(gen, aggregate, top_k):
     y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
     assert y.dtype == torch.float32 and y.shape == (B, H, T, V)
     assert_close(y, readout_reference(*inputs, top_k, aggregate), name=f"{aggregate} top_k={top_k}")
+
+
+@pytest.mark.parametrize("top_k", [J - 1, J - 2])
+def test_ssc_just_below_the_slots_drops_the_weakest_states(gen, top_k):
+    # more cached states than slots, so some tokens see all J of them: SSC keeping J - 1 (or J - 2) must drop
+    # the weakest there, not read them all as GRM
+    inputs = random_inputs(gen, N=J + 2)
+    blocks = inputs[-1]
+    assert ((blocks >= 0).sum(1) == J).any()
+    assert_close(cached_readout_triton(*inputs, top_k=top_k, aggregate="ssc"),
+                 readout_reference(*inputs, top_k, "ssc"), name=f"ssc top_k={top_k}")
 
 
 def test_residual_reads_only_the_states_and_online(gen):
