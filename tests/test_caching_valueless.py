@@ -82,3 +82,11 @@ def test_other_aggregators_are_not_attention(gen):
     torch.testing.assert_close(y, (count * bias[:, :, None] + v.cumsum(2)) * gate, rtol=0, atol=1e-12)
     y2, _ = memory_caching(gate, k, v, base=valueless_memory, segments=2, mode="independent", aggregate="grm", u=u)
     assert (y2 - masked_softmax_attention(u, k, v) * gate).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_the_read_must_have_the_values_width(K):
+    # the read is element-wise: a q of width 1 would otherwise broadcast as one number per token
+    q = k = torch.randn(1, 2, 5, K)
+    with pytest.raises(ValueError, match="width of v"):
+        valueless_memory(q, k, torch.randn(1, 2, 5, 4))

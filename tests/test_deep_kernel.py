@@ -395,3 +395,17 @@ def test_dot_taylor_c1_runs_chapter_2s_kernel_on_the_features(gen):
         M = alpha[:, :, t, None, None].double() * M - step
         ref.append(torch.einsum("bhvd,bhd->bhv", M, fq[:, :, t]))
     assert_close(tri.double(), torch.stack(ref, 2), tol=1e-5, name="dot taylor c=1 triton vs definition")
+
+
+def test_unnormalised_fp16_weights_past_fp16s_range_stay_finite(gen):
+    # unnormalised fp16 keeps its weights e^S in fp32 (fp16 ends at 65504 = e^11.09): scores of 11 to 16, legal
+    # (below the cap of 80), must give finite outputs within fp16 rounding of fp64 on the same inputs
+    q, k = (torch.randn(1, 1, 40, 16, generator=gen) for _ in range(2))
+    q, k = 4 * q / q.norm(dim=-1, keepdim=True), 4 * k / k.norm(dim=-1, keepdim=True)
+    v = 1e-3 * torch.randn(1, 1, 40, 8, generator=gen)
+    q, k, v = q.half(), k.half(), v.half()
+    assert math.log(65504) < float((q.float() @ k.float().mT).tril().max())
+    want = reference(q, k, v, None, None, normalize=False)
+    got, _ = deep_transformer(q, k, v, normalize=False, backend="triton")
+    assert torch.isfinite(got).all()
+    assert_within_rounding(got.double(), want, torch.float16, 3.5)

@@ -341,3 +341,34 @@ def test_mlp_loops_refuse_an_unknown_activation_as_deep_transformer_does(gen, lo
         deep_transformer(q, k, v, memory="mlp", activation="foo")
     with pytest.raises(ValueError, match=re.escape(str(public.value))):
         loop(q, k, v, torch.zeros(1, 2, 3, 6, dtype=F64), activation="foo")
+
+
+@pytest.mark.parametrize("which", ["read", "write"])
+@pytest.mark.parametrize("model", ["deep_transformer", "dot"])
+def test_the_exact_kernel_deep_memory_refuses_scores_past_the_cap(gen, model, which):
+    # phi* = the exact kernel: e^{k_i^T k_t} (a write's correction) or e^{k_i^T q_t} (a read) past the cap would
+    # overflow; the deep memory refuses them as the linear one does
+    from atlaslib.deep.validation import MAX_EXPONENT
+    q, k, v = (torch.randn(1, 1, 6, 4, generator=gen) for _ in range(3))
+    q, k = 0.1 * q, k / k.norm(dim=-1, keepdim=True)
+    if which == "write":
+        k[:, :, 3] *= 10                                    # k_3^T k_3 = 100
+    else:
+        q[:, :, 4] = 90 * k[:, :, 2]                        # k_2^T q_4 = 90
+    assert max(float((q @ k.mT).tril().max()), float((k @ k.mT).max())) > MAX_EXPONENT
+    run = (lambda: deep_transformer(q, k, v, memory="mlp", phi_star="kernel")) if model == "deep_transformer" \
+        else (lambda: dot(q, k, v, memory="mlp", phi_star="kernel", eta=1e-3))
+    with pytest.raises(ValueError, match="exceeds"):
+        run()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model", ["deep_transformer", "dot"])
+def test_the_default_deep_memory_does_not_depend_on_16_bit_storage(gen, dtype, model):
+    # the deep memory computes in fp32 for 16-bit inputs, its default W2 drawn in fp32: the same values stored in
+    # 16 bits give the fp32 run's outputs, rounded
+    q, k, v = (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype), \
+        (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype), (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype)
+    run = (lambda *x: deep_transformer(*x, memory="mlp", phi_star="kernel")) if model == "deep_transformer" \
+        else (lambda *x: dot(*x, memory="mlp", phi_star="kernel", eta=0.1))
+    assert torch.equal(run(q, k, v)[0], run(q.float(), k.float(), v.float())[0].to(dtype))
