@@ -367,8 +367,7 @@ def test_the_exact_kernel_deep_memory_refuses_scores_past_the_cap(gen, model, wh
 def test_the_default_deep_memory_does_not_depend_on_16_bit_storage(gen, dtype, model):
     # the deep memory computes in fp32 for 16-bit inputs, its default W2 drawn in fp32: the same values stored in
     # 16 bits give the fp32 run's outputs, rounded
-    q, k, v = (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype), \
-        (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype), (0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype)
+    q, k, v = ((0.3 * torch.randn(1, 2, 8, 8, generator=gen)).to(dtype) for _ in range(3))
     run = (lambda *x: deep_transformer(*x, memory="mlp", phi_star="kernel")) if model == "deep_transformer" \
         else (lambda *x: dot(*x, memory="mlp", phi_star="kernel", eta=0.1))
     assert torch.equal(run(q, k, v)[0], run(q.float(), k.float(), v.float())[0].to(dtype))
