@@ -80,6 +80,9 @@ def test_muon_coefficients_settle_in_a_band(gen):
         scalar = muon_on_a_singular_value(s0, steps).sort(-1, descending=True).values
         assert_close(s.sort(-1, descending=True).values, scalar, tol=1e-5,      # NORM_EPS: 1e-7 relative
                      name=f"NS_{steps} on each singular value")
+    scalar5 = muon_on_a_singular_value(s0, 5).sort(-1, descending=True).values
+    assert_close(torch.linalg.svdvals(newton_schulz(G)), scalar5, tol=1e-5,       # the book calls it so (ch. 5)
+                 name="newton_schulz(G) with its defaults is NS_5 with Muon's coefficients")
     assert s5.min() > 0.66 and s5.max() < 1.2, (s5.min().item(), s5.max().item())
     s30 = torch.linalg.svdvals(newton_schulz(G, 30, "muon"))
     assert s30.min() > 0.66 and s30.max() < 1.15
@@ -488,6 +491,74 @@ def test_newton_schulz_kernel(gen, shape, coeffs):
     Gt = G.transpose(-1, -2)                                            # a non-contiguous view
     assert_close(newton_schulz_triton(Gt, 3, coeffs), newton_schulz(Gt, 3, coeffs), tol=1e-5, name="view")
     assert newton_schulz_triton(G, 0) is G
+
+
+def test_newton_schulz_kernel_defaults_and_zero_matrices(gen):
+    """newton_schulz_triton(G) is NS_5 with Muon's coefficients (documented as newton_schulz's defaults): its
+    singular values are Muon's quintic iterated 5 times on those of G / ||G||_F. A zero matrix (a momentum of 0:
+    zero values and memory) gives 0, as newton_schulz does ((||G|| + eps) in the normalisation), not 0 / 0."""
+    from atlaslib.atlas.kernel import newton_schulz_triton
+    G = torch.randn(3, 8, 16, generator=gen)
+    s0 = torch.linalg.svdvals(G.double()) / torch.linalg.matrix_norm(G.double())[..., None]
+    scalar = muon_on_a_singular_value(s0, 5).sort(-1, descending=True).values
+    assert_close(torch.linalg.svdvals(newton_schulz_triton(G).double()), scalar, tol=1e-5, name="defaults")
+    for shape in ((2, 3, 4), (2, 4, 3)):                                   # wide and tall (transposed inside)
+        assert (newton_schulz_triton(torch.zeros(shape), 5) == 0).all(), shape
+    mixed = torch.stack([G[0], torch.zeros_like(G[0])])                    # one zero matrix in a batch
+    X = newton_schulz_triton(mixed, 5)
+    assert (X[1] == 0).all()
+    assert_close(X[0], newton_schulz(G[0].double(), 5).float(), tol=1e-5, name="the other matrix")
+    q, k, _ = random_qkv(1, 2, 9, 4, 4, generator=gen)
+    v = torch.zeros_like(q)                     # no initial state, zero values: every momentum and memory is 0
+    o, s = atlas(q, k, v, backend="triton", chunk_size=4, output_final_state=True)
+    assert (o == 0).all() and (s.memory == 0).all() and (s.momentum == 0).all()
+
+
+@pytest.mark.parametrize("n_coeffs", [1, 2, 3, 4, 5])
+def test_kernel_supports_is_what_the_kernel_takes(gen, n_coeffs):
+    """kernel_supports (which tells backend="auto" whether it may take the kernel) is True exactly where
+    newton_schulz_triton runs, for any number of coefficients and matrices on both sides of the size limits;
+    where it runs, it gives the odd polynomial of ns_by_powers."""
+    from atlaslib.atlas.kernel import kernel_supports, newton_schulz_triton
+    coeffs = tuple((1.9, -1.2, 0.5, -0.2, 0.05)[:n_coeffs])
+    for m, n in ((4, 6), (6, 4), (64, 128), (128, 64), (65, 70), (4, 129), (129, 4)):
+        G = torch.randn(m, n, generator=gen)
+        try:
+            X = newton_schulz_triton(G, 1, coeffs)
+        except ValueError as e:
+            assert not kernel_supports(m, n, coeffs), f"{m} x {n}, {n_coeffs} coefficients: the kernel refused ({e})"
+            continue
+        assert kernel_supports(m, n, coeffs), f"{m} x {n}, {n_coeffs} coefficients: the kernel took it"
+        assert_close(X, ns_by_powers(G.double(), 1, coeffs).float(), tol=1e-5, name=f"{m} x {n}")
+
+
+def test_auto_takes_the_kernel_only_where_it_runs(gen, monkeypatch):
+    """On a (stand-in) GPU, backend="auto" chooses the kernel for at most three coefficients and momenta within
+    64 x 128, and the chunk form otherwise (with a warning), rather than a kernel that raises."""
+    import warnings
+
+    import atlaslib.core.dispatch as dispatch
+
+    class OnCuda:
+        is_cuda = True
+    choices = []
+    real = dispatch.resolve_backend
+
+    def as_if_on_cuda(backend, x, unsupported=None):
+        choices.append(real(backend, OnCuda(), unsupported))
+        return "chunk"                                      # then compute on the CPU
+    monkeypatch.setattr(dispatch, "resolve_backend", as_if_on_cuda)
+    q, k, v = random_qkv(1, 1, 5, 8, 8, generator=gen)
+    for coeffs, want in (("muon", "triton"), ((2.0, -1.5, 0.6), "triton"), ((2.0, -1.5, 0.6, -0.1), "chunk")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            atlas(q, k, v, ns_coeffs=coeffs, backend="auto")
+        assert choices[-1] == want, (coeffs, choices[-1])
+        assert any("more than 3 coefficients" in str(w.message) for w in caught) == (want == "chunk")
+    q, k, v = random_qkv(1, 1, 3, 65, 65, generator=gen)        # momenta 65 x 65: both sides over 64
+    with pytest.warns(RuntimeWarning, match="does not take momenta of 65 x 65"):
+        atlas(q, k, v, backend="auto")
+    assert choices[-1] == "chunk"
 
 
 def test_newton_schulz_kernel_refuses(gen):

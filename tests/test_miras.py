@@ -298,8 +298,14 @@ def oracle_run(name, q, k, v, gates, state, delta_ratio=None, **overrides):
     ("titans", {}), ("titans", {"memory": "linear"}), ("ttt_mlp", {}), ("moneta", {}), ("yaad", {}),
     ("memora", {}), ("memora", {"memory": "linear", "scale": 3.0})])
 def test_per_token_engine_matches_oracle(gen, name, overrides):
+    engine_against_oracle(gen, name, overrides, name, overrides)
+
+
+def engine_against_oracle(gen, name, overrides, oracle_name, oracle_overrides):
+    """miras(preset=name, **overrides), per token, against oracle_run on the config
+    make_config(oracle_name, **oracle_overrides) (which also says which gates and state to draw)."""
     B, H, T, K = 1, 2, 11, 6
-    cfg = make_config(name, **overrides)
+    cfg = make_config(oracle_name, **oracle_overrides)
     q, k, v = random_qkv(B, H, T, K, K, dtype=F64, generator=gen)
     gates = gates_for(cfg, gen, B, H, T)
     state = random_state(cfg, gen, B, H, K, K)
@@ -310,7 +316,7 @@ def test_per_token_engine_matches_oracle(gen, name, overrides):
     else:
         oracle_state = state
     ratio = switch_ratios(gen, B, H, T) if "delta" in gates else None      # yaad: both sides of its switch
-    ref, ref_Z = oracle_run(name, q, k, v, gates, oracle_state, delta_ratio=ratio, **overrides)
+    ref, ref_Z = oracle_run(oracle_name, q, k, v, gates, oracle_state, delta_ratio=ratio, **oracle_overrides)
     o, s = miras(q, k, v, preset=name, initial_state=state, output_final_state=True, backend="recurrent",
                  **gates, **overrides)
     assert_close(o, ref, tol=1e-10, name=f"{name}: output")
@@ -320,6 +326,27 @@ def test_per_token_engine_matches_oracle(gen, name, overrides):
         if cfg.retention == "kl":             # the log-domain state gives the naive weights exactly
             got = cfg.scale * torch.softmax(got.flatten(-2), -1).view_as(got)
         assert_close(got, ref_Z[n], tol=1e-10, name=f"{name}: final {n}")
+
+
+# The models of book ch. 3 as the papers give them (book ch. 3 §3 and its summary table, [M] Table 1), written
+# out here rather than read from PRESETS: deep memories of hidden width 4 d_k with GELU; Moneta (p, q) = (3, 4);
+# Memora's simplex of mass c = 1; LayerNorm on the residual branch of all three MIRAS models.
+HIDDEN = dict(expansion=4, activation="gelu")
+PAPER_MODELS = {
+    "ttt_mlp": dict(memory="mlp", bias="l2", retention="none", optimizer="gd", **HIDDEN),
+    "titans": dict(memory="mlp", bias="l2", retention="decay", optimizer="momentum", **HIDDEN),
+    "moneta": dict(memory="residual", layer_norm=True, bias="lp", p=3.0, retention="lq", lq=4.0, optimizer="gd",
+                   **HIDDEN),
+    "yaad": dict(memory="residual", layer_norm=True, bias="huber_switch", retention="decay", optimizer="gd", **HIDDEN),
+    "memora": dict(memory="residual", layer_norm=True, bias="l2", retention="kl", scale=1.0, optimizer="gd", **HIDDEN),
+}
+
+
+@pytest.mark.parametrize("name", list(PAPER_MODELS))
+def test_presets_are_the_papers_models(gen, name):
+    """preset=name runs the model of the papers: the oracle's config comes from PAPER_MODELS, not from the
+    preset (test_per_token_engine_matches_oracle follows whatever the preset says)."""
+    engine_against_oracle(gen, name, {}, None, PAPER_MODELS[name])
 
 
 def test_linear_memory_axes_against_formulas(gen):
@@ -380,6 +407,53 @@ def test_bias_psi_is_the_loss_gradient(gen):
     lp = BIASES["lp"](make_config(bias="lp", p=3.0, sign_sharpness=1e4, abs_eps=1e-12))   # smoothing -> exact
     e = (y - v).detach()
     assert_close(lp.psi(y.detach(), v), torch.sign(e) * e.abs() ** 2, tol=1e-6, name="smoothed lp, sharp limit")
+
+
+def test_bias_loss_values(gen):
+    """Each bias's loss value (per row) against its formula, book ch. 3 §4 / [M] eqs 22-26, written out here
+    (psi only fixes the loss up to a constant, so test_bias_psi_is_the_loss_gradient cannot see one); the
+    value-shift loss also against a brute-force maximum over s on the sphere ||s|| = delta (V = 3)."""
+    R, V = 8, 3
+    y = torch.randn(2, R, V, generator=gen, dtype=F64)
+    v = torch.randn(2, R, V, generator=gen, dtype=F64)
+    e = y - v
+    n = e.norm(dim=-1)
+    d = switch_ratios(gen, 2, 1, R)[:, 0] * n               # delta / ||e|| alternates: both sides of every threshold
+
+    def H(a, d):                                           # Huber's H_delta, a >= 0
+        return torch.where(a <= d, 0.5 * a * a, d * (a - 0.5 * d))
+    want = {"dot": -(y * v).sum(-1), "l2": 0.5 * n**2,
+            "lp": e.abs().pow(2.7).sum(-1) / 2.7,
+            "huber": H(e.abs(), d[..., None]).sum(-1),
+            "huber_norm": H(n, d),
+            "huber_switch": torch.where(n <= d, 0.5 * n**2, d * e.abs().sum(-1)),
+            "value_shift": 0.5 * n**2 + d * n + 0.5 * d**2}
+    assert set(want) == set(BIASES)
+    for name, cls in BIASES.items():
+        cfg = make_config(bias=name, **({"sign_sharpness": None, "abs_eps": 0.0, "p": 2.7} if name == "lp" else {}))
+        loss = cls(cfg).loss(y, v, d if cls.uses_delta else None)
+        assert_close(loss, want[name], tol=1e-12, name=f"loss of {name}")
+    # max_{||s|| <= delta} 1/2 ||e - s||^2 is attained on the sphere (a convex function): a grid of 300 x 600
+    # directions, each within an angle a < 0.008 of the best, comes within delta ||e|| a^2 / 2 < 2e-5 loss of it
+    # and never above it (the loss without its delta^2 / 2 lies below the grid's maximum by over 5%)
+    theta, phi = torch.meshgrid(torch.linspace(0, math.pi, 300, dtype=F64),
+                                torch.linspace(0, 2 * math.pi, 600, dtype=F64), indexing="ij")
+    u = torch.stack([theta.sin() * phi.cos(), theta.sin() * phi.sin(), theta.cos()], -1).reshape(-1, V)
+    s = d[..., None, None] * u                                                    # [2, R, directions, V]
+    brute = 0.5 * (e[..., None, :] - s).square().sum(-1).amax(-1)
+    loss = BIASES["value_shift"](make_config(bias="value_shift")).loss(y, v, d)
+    assert (brute <= loss + 1e-12).all(), "the closed form must be the maximum, not below a value attained"
+    assert (brute >= loss * (1 - 1e-4)).all(), ((brute - loss) / loss).min().item()
+    # Huber's H_delta is continuous at the threshold: per coordinate and on the norm
+    dd = d[0, 0]
+    for side in (1 - 1e-9, 1 + 1e-9):
+        e1 = (dd * side) * F.normalize(e[0, 0], dim=-1)                           # ||e1|| = delta (1 +- 1e-9)
+        got = BIASES["huber_norm"](make_config(bias="huber_norm")).loss(e1, torch.zeros_like(e1), dd)
+        assert abs(got.item() - 0.5 * dd.item()**2) < 1e-8 * (1 + dd.item()**2), ("huber_norm", side)
+        c1 = torch.zeros(V, dtype=F64)
+        c1[0] = dd * side
+        got = BIASES["huber"](make_config(bias="huber")).loss(c1, torch.zeros_like(c1), dd)
+        assert abs(got.item() - 0.5 * dd.item()**2) < 1e-8 * (1 + dd.item()**2), ("huber", side)
 
 
 def test_memory_gradient_by_hand(gen):
@@ -523,6 +597,21 @@ def test_default_initial_state_is_seeded(gen):
     assert float(st.momentum["W1"].abs().max()) == 0.0
 
 
+@pytest.mark.parametrize("memory", ["mlp", "residual", "gated"])
+def test_deep_memories_start_at_the_documented_scale(gen, memory):
+    """Memory.init: every weight of a deep memory W ~ N(0, 1/in) (in: its input width). 256 heads give
+    2^16 draws per weight, so std sqrt(in) is 1 within 0.05 (about 18 standard errors) and mean sqrt(in) 0
+    within 0.02 (5 standard errors)."""
+    K = 8
+    cfg = make_config(memory=memory)
+    st = init_state(cfg, 1, 256, K, K, generator=gen, dtype=F64)
+    assert set(st.memory) == set(build_parts(cfg, K, K).memory.shapes)
+    for n, w in st.memory.items():
+        fan_in = w.shape[-1]
+        assert abs(w.std().item() * math.sqrt(fan_in) - 1) < 0.05, (n, fan_in, w.std().item())
+        assert abs(w.mean().item() * math.sqrt(fan_in)) < 0.02, (n, fan_in, w.mean().item())
+
+
 # ---------------------------------------------------------------------------- gradients
 
 def weighted_loss(o, s):
@@ -625,6 +714,11 @@ def test_axes_table_is_generated_from_presets():
     (dict(scale=0.0, retention="kl"), "scale must be >"),
     (dict(scale=float("inf"), retention="kl"), "scale must be a finite number"),
     (dict(bias="lp", p=float("nan")), "p must be a finite number"),
+    # p < 1 makes lp non-convex (a smaller error gets a larger step), sign_sharpness = 0 makes psi = 0 (nothing
+    # is learnt), a negative Huber threshold makes the step point uphill
+    (dict(bias="lp", p=0.5), "p must be >= 1"),
+    (dict(bias="lp", sign_sharpness=0.0), "sign_sharpness must be > 0"),
+    (dict(bias="huber", delta=-0.5), "delta must be >= 0"),
     (dict(expansion=0, memory="mlp"), "expansion must be"),
     (dict(activation="swish", memory="mlp"), "activation must be one of"),
 ])
@@ -967,6 +1061,35 @@ def test_gates_of_exactly_zero_have_finite_gradients_in_the_chunk_form(gen, name
             g, want = g.clone(), want.clone()
             g[..., zero[n]] = want[..., zero[n]] = 0.0
         assert_close(g, want, tol=1e-10, name=f"{name}: d/d{n}")
+
+
+@pytest.mark.parametrize("name,overrides", [("titans", {"memory": "linear"}), ("gated_deltanet", {}), ("memora", {}),
+                                            ("linear_hnorm_lq_mom", {})])
+def test_log_alpha_minus_inf_is_a_reset_in_every_form(gen, name, overrides):
+    """log_alpha = -inf is a valid gate (alpha = 0, a full reset): the chunk form takes the given log floored
+    (LOG_FLOOR), so the decays between tokens stay finite where -inf - (-inf) would be NaN. Every form
+    equals its reference: recurrent is alpha = exp(log_alpha) = 0, chunk(1) is recurrent, chunk(b) is
+    frozen_seq(b)."""
+    spec = {**CONFIGS[name], **overrides}
+    cfg = make_config(spec.pop("preset", None), **spec)
+    B, H, T, D = 1, 2, 13, 4
+    q, k, v = random_qkv(B, H, T, D, D, dtype=F64, generator=gen)
+    gates = gates_for(cfg, gen, B, H, T)
+    log_alpha = gates.pop("alpha").log()
+    log_alpha[..., [3, 8]] = -math.inf                          # resets at b = 1 and inside a chunk of 4
+    state = random_state(cfg, gen, B, H, D, D)
+
+    def run(backend, b=1, **gate):
+        return miras(q, k, v, config=cfg, initial_state=state, output_final_state=True, backend=backend,
+                     chunk_size=b, **gates, **gate)
+    ref = run("recurrent", alpha=log_alpha.exp())
+    assert torch.isfinite(ref[0]).all() and (log_alpha.exp()[..., 3] == 0).all()
+    cases = {("recurrent", 1): ref, ("chunk", 1): ref, ("chunk", 4): run("frozen_seq", 4, log_alpha=log_alpha)}
+    for (backend, b), (want, want_s) in cases.items():
+        o, s = run(backend, b, log_alpha=log_alpha)
+        assert torch.isfinite(o).all() and torch.isfinite(flat_state(s)).all(), f"{name}: {backend}({b}) not finite"
+        assert_close(o, want, tol=1e-10, name=f"{name}: {backend}({b})")
+        assert_close(flat_state(s), flat_state(want_s), tol=1e-10, name=f"{name}: {backend}({b}) final state")
 
 
 def test_helpers_check_their_arguments():
