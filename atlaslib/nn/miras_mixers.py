@@ -101,8 +101,10 @@ class ScalarGate(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, n_heads)
         self.squash = squash
-        nn.init.constant_(self.proj.bias, inverse_softplus(torch.tensor(float(start), dtype=torch.float64)).item()
-                          if squash == "softplus" else math.log(start / (1 - start)))
+        # a number computed on the CPU, also when the mixer is built under torch.device("meta")
+        start64 = torch.tensor(float(start), dtype=torch.float64, device="cpu")
+        nn.init.constant_(self.proj.bias, inverse_softplus(start64).item() if squash == "softplus" else
+                          math.log(start / (1 - start)))
 
     def forward(self, x):
         z = self.proj(x).transpose(1, 2).to(gate_dtype(x))            # squashed in fp32, not x's dtype
