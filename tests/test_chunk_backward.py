@@ -159,3 +159,39 @@ def test_every_backward_entry_copies_a_view_whose_head_is_too_long(gen, monkeypa
         assert not too_long, (model, too_long)
         assert torch.isfinite(x.grad).all()
         x.grad = None
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_transposed_final_gradient(gen, delta):
+    # autograd hands dht over as a view whenever the loss reads the final state through one (s.mT): the same
+    # values with strides (.., 1, V) must give the same gradients
+    q, k, do, alpha, dht, w, dv_local = draw(gen, "scalar", delta)
+    T = q.shape[2]
+    gate, g, Tp = chunk_gates(alpha, None, T, CHUNK, q.dtype)
+    pad = lambda x: None if x is None else torch.nn.functional.pad(x, (0, 0, 0, Tp - T))  # noqa: E731
+    view = dht.mT.contiguous().mT
+    assert not view.is_contiguous()
+    dh, dh0, _ = dstate_pass(q, do, gate, g, view, k=k if delta else None, w=pad(w), dv_local=pad(dv_local))
+    ref_dh, ref_dh0, _ = reference(q, k, do, g, dht, w, dv_local)
+    assert_close(dh, ref_dh, tol=1e-5, name="dh")
+    assert_close(dh0, ref_dh0, tol=1e-5, name="dh0")
+
+
+def test_bf16_reverse_pass_keeps_an_fp32_running_gradient(gen):
+    # no gate: dh0 = dht + sum_t do_t^T q_t, each product of bf16 numbers exact in fp32, so the fp32 running
+    # gradient (and an fp32 dh0) is fp64's to fp32 rounding; rounding it to bf16 per chunk costs 1e-3
+    T = 3 * CHUNK + 5
+    q, do = (torch.randn(1, 2, T, 16, generator=gen).bfloat16() for _ in range(2))
+    dht = torch.randn(1, 2, 16, 16, generator=gen)
+    _, dh0, _ = dstate_pass(q, do, 0, None, dht)
+    assert dh0.dtype == torch.float32
+    assert_close(dh0.double(), dht.double() + do.double().mT @ q.double(), tol=1e-6, name="dh0")
+
+
+def test_refuses_what_it_cannot_hold(gen):
+    q, k, do, _, dht, w, dv_local = draw(gen, None, True, T=CHUNK, K=300)
+    with pytest.raises(ValueError, match="K <= 256"):
+        dstate_pass(q, do, 0, None, dht, k=k, w=w, dv_local=dv_local)
+    q, k, do, _, dht, w, dv_local = draw(gen, None, True, T=CHUNK)
+    with pytest.raises(ValueError, match="needs k, w and dv_local together"):
+        dstate_pass(q, do, 0, None, dht, w=w)

@@ -198,3 +198,42 @@ def test_gated_delta_gradients_with_mild_gates(gen, mode, V):
         grads.append([x.grad for x in xs])
     for name, got, want in zip(("q", "k", "v", "beta", "log_alpha", "h0"), *grads):
         assert_close(got.double(), want, tol=1e-5, name=f"{name} gradient")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_views_of_beta_and_the_initial_state(gen, mode):
+    # the DeltaNet mixers hand beta over as a [B, T, H] projection transposed, a non-contiguous [B, H, T] view;
+    # the backward recomputes the WY factors and the state pass from beta and h0 and must read such views
+    B, H, T, K, V = 2, 2, 70, 12, 10
+    inputs = extreme_inputs(gen, B, H, T, K, V, mode)
+    inputs[3] = inputs[3].transpose(1, 2).contiguous().transpose(1, 2)
+    inputs[5] = inputs[5].mT.contiguous().mT
+    weights = (torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen))
+    leaves = [None if x is None else x.clone().requires_grad_(True) for x in inputs]
+    assert not leaves[3].is_contiguous() and not leaves[5].is_contiguous()       # clone keeps the strides
+    q, k, v, beta, alpha, h0 = leaves
+    o, s = delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True, backend="triton")
+    ((o * weights[0]).sum() + (s * weights[1]).sum()).backward()
+    _, _, ref = gradients("recurrent", inputs, weights, torch.float64)
+    compare([None if x is None else x.grad for x in leaves], ref, 1e-4, None if mode is None else inputs[4] == 0)
+
+
+@pytest.mark.parametrize("mode", ["scalar", "channel"])
+def test_fp32_gradients_keep_fp32s_digits_with_resets(gen, mode):
+    # the backward must sum the log-gates within a chunk as the forward does (fp64 for fp32 inputs): with a quarter
+    # of the gates at exactly 0 (log clamped to -60) fp32 sums would cost 1e-5; the fp32 gradients stay within
+    # 1e-6 of the fp64 loop (5e-6 for the gates' own)
+    B, H, T, K, V = 1, 2, 96, 8, 8
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    shape = (B, H, T) if mode == "scalar" else (B, H, T, K)
+    alpha = 0.3 + 0.7 * torch.rand(*shape, generator=gen)
+    alpha = torch.where(torch.rand(*shape, generator=gen) < 0.25, torch.zeros(()), alpha)
+    beta = torch.rand(B, H, T, generator=gen)
+    inputs = [q, k, v, beta, alpha, None]
+    weights = (torch.randn(B, H, T, V, generator=gen), torch.randn(B, H, V, K, generator=gen))
+    _, _, got = gradients("triton", inputs, weights)
+    _, _, ref = gradients("recurrent", inputs, weights, torch.float64)
+    for name, g, r in zip(NAMES[:4], got, ref):
+        assert_close(g.double(), r, tol=1e-6, name=f"grad {name}")
+    keep = alpha != 0                     # a gate of exactly 0 has no gradient in the chunk forms (documented)
+    assert_close(got[4][keep].double(), ref[4][keep], tol=5e-6, name="grad alpha")

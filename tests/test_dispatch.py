@@ -334,6 +334,27 @@ def test_backward_kernels_the_card_refuses_fall_back_to_the_chunk_forms_gradient
         assert err < 1e-5, f"{model} d{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("model", ["linear", "delta"])
+def test_other_errors_of_the_backward_kernels_are_not_swallowed(gen, monkeypatch, model):
+    """Only a card's refusal (OutOfResources) sends the gradients to the chunk form: a bug in the backward
+    kernels, or an input they refuse, is raised, not turned into a warning about shared memory."""
+    import atlaslib.delta.kernel as delta_kernel
+    import atlaslib.linear.backward as linear_backward
+    from atlaslib.delta import delta_rule
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the backward kernels")
+    monkeypatch.setattr(*((delta_kernel, "delta_rule_backward") if model == "delta"
+                          else (linear_backward, "linear_attention_backward")), broken)
+    q, k, v = (x.requires_grad_() for x in random_qkv(1, 2, 70, 8, 6, generator=gen))
+    o, _ = (delta_rule(q, k, v, 0.5, backend="triton") if model == "delta"
+            else linear_attention(q, k, v, backend="triton"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="a bug in the backward kernels"):
+            o.sum().backward()
+
+
 @pytest.mark.parametrize("module", ["atlaslib.miras.backends", "atlaslib.caching"])
 def test_kernels_called_outside_dispatch_run_on_the_inputs_gpu(monkeypatch, module):
     """Chapter 3's kernel (miras' own backend table) and chapter 7's readout kernel are launched without

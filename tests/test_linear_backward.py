@@ -273,3 +273,37 @@ def test_grad_of_grad_under_torch_func_through_the_kernels_is_refused(gen, name)
     assert_close(torch.func.grad(f("triton"))(q), torch.func.grad(f("chunk"))(q), tol=1e-5, name="first order")
     with pytest.raises(RuntimeError, match="first order under torch.func"):
         torch.func.grad(lambda x: torch.func.grad(f("triton"))(x).square().sum())(q)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_views_of_the_initial_state_and_of_the_final_states_gradient(gen, mode):
+    # a transposed initial state (or one broadcast over the batch with expand) and a loss that reads the final
+    # state through .mT: the backward recomputes from h0 and receives dht as views, and must read them as such
+    inputs, do, dht = draw(gen, CHUNK + 13, mode, B=2)
+    p = inputs[4][:1].detach().clone().requires_grad_()
+    for h0 in (inputs[4].mT.contiguous().mT, p.expand(2, -1, -1, -1)):
+        xs = [None if x is None else x.detach().clone().requires_grad_() for x in inputs[:4]]
+        ref_xs = [None if x is None else x.detach().double().requires_grad_() for x in inputs[:4]]
+        leaf, ref_leaf = (p, p.detach().double().requires_grad_()) if h0._base is p else \
+            (inputs[4].mT.contiguous().requires_grad_(), inputs[4].mT.contiguous().double().requires_grad_())
+
+        def run(backend, xs, leaf, h0):
+            q, k, v, a = xs
+            o, s = linear_attention(q, k, v, alpha=a, initial_state=h0, output_final_state=True, backend=backend)
+            ((o * do.to(o.dtype)).sum() + (s.mT * dht.mT.to(s.dtype)).sum()).backward()
+            return [None if x is None else x.grad for x in (*xs, leaf)]
+        got = run("triton", xs, leaf, h0 if h0._base is p else leaf.mT)
+        assert not (h0 if h0._base is p else leaf.mT).is_contiguous()
+        ref = run("recurrent", ref_xs, ref_leaf, ref_leaf.expand(2, -1, -1, -1) if h0._base is p else ref_leaf.mT)
+        compare(got, ref, tol=1e-5)
+        p.grad = None
+
+
+def test_log_gates_not_padded_to_whole_chunks_are_refused(gen):
+    from atlaslib.core.kernels import chunk_gates
+    from atlaslib.linear.backward import linear_attention_backward
+    (q, k, v, alpha, _), do, _ = draw(gen, 70, "scalar")
+    gate, g, Tp = chunk_gates(alpha, None, 70, CHUNK, q.dtype)
+    assert Tp == 128
+    with pytest.raises(ValueError, match="padded to 70 tokens, expected 128"):
+        linear_attention_backward(q, k, v, gate, g[:, :, :70].contiguous(), None, do)

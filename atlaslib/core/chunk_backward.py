@@ -296,15 +296,15 @@ def dstate_pass(q, do, gate, g, dht=None, *, k=None, w=None, dv_local=None, dv2_
         dv2: delta rule only (else None): [B, H, T, V] in ``dv2_dtype``, the whole gradient of
             v_new, dv_local + (k * e^{g_n - g}) dh[c]^T per chunk.
     """
+    delta = w is not None
+    if delta and (k is None or dv_local is None):
+        raise ValueError("dstate_pass: the delta rule needs k, w and dv_local together")
     q, do = within_head_span(q, do)
-    if w is not None:
+    if delta:
         k, w, dv_local = within_head_span(k, w, dv_local)
     B, H, T, K = q.shape
     V = do.shape[-1]
     NT = num_chunks(T)
-    delta = w is not None
-    if delta and (k is None or dv_local is None):
-        raise ValueError("dstate_pass: the delta rule needs k, w and dv_local together")
     if delta and K > MAX_DELTA_KEY:
         raise ValueError(f"dstate_pass: the delta rule holds all K key channels in one program, K <= "
                          f"{MAX_DELTA_KEY}, got K={K}")
