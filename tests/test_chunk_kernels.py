@@ -307,3 +307,20 @@ def test_16_bit_inputs_multiply_no_fp32_tiles_exactly(gen, monkeypatch):
     assert fp32 == {("delta_wy_kernel", "TF32"), ("delta_bwd_wy_kernel", "TF32")}, fp32
     assert {name for name, a, _, _ in seen if a == "bf16"} >= {"chunk_state_kernel", "chunk_output_kernel",
                                                                "delta_wy_kernel", "delta_bwd_wy_kernel"}
+
+
+@pytest.mark.parametrize("model", ["linear", "delta"])
+def test_bf16_inputs_keep_an_fp32_final_state(gen, model):
+    # the final state is fp32 whatever the inputs (stored from the running fp32 state, not from the bf16 chunk
+    # states): with no gate and beta = 0 for the delta rule (M_T = M_0 + sum_t v_t k_t^T: bf16 products exact in
+    # fp32), it keeps fp32's digits, where one bf16 rounding costs 1e-3
+    q, k, v = (x.bfloat16() for x in random_qkv(1, 2, CHUNK + 9, 16, 16, generator=gen))
+    h0 = torch.randn(1, 2, 16, 16, generator=gen) / 16
+    if model == "linear":
+        _, s = linear_attention(q, k, v, initial_state=h0, output_final_state=True, backend="triton")
+        want = h0.double() + v.double().mT @ k.double()
+    else:
+        _, s = delta_rule(q, k, v, 0.0, initial_state=h0, output_final_state=True, backend="triton")
+        want = h0.double()
+    assert s.dtype == torch.float32
+    assert_close(s.double(), want, tol=1e-6, name="final state")

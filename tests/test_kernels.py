@@ -96,6 +96,34 @@ def test_views_give_the_contiguous_result_and_match_the_chunk_form(gen, layout):
         assert out[0].is_contiguous()
 
 
+@pytest.mark.parametrize("model", ["linear", "delta"])
+@pytest.mark.parametrize("mode", [None, "scalar", "channel"])
+def test_views_of_beta_gates_and_initial_state_in_the_forward(gen, model, mode):
+    # the mixers hand beta and the gates over as [B, T, H(, K)] projections transposed, and an initial state may
+    # be a transposed [B, H, K, V] tensor: the forward kernels read dense arrays, so the wrappers must copy them
+    from atlaslib.delta import delta_rule
+    from atlaslib.linear import linear_attention
+    B, H, T, K, V = 1, 2, 70, 12, 10
+    q, k, v = (torch.randn(B, H, T, n, generator=gen) for n in (K, K, V))
+    k = k / k.norm(dim=-1, keepdim=True)
+    beta = torch.rand(B, T, H, generator=gen).transpose(1, 2)
+    alpha = None if mode is None else (0.5 + 0.5 * torch.rand(B, T, H, *((K,) if mode == "channel" else ()),
+                                                               generator=gen)).transpose(1, 2)
+    h0 = (torch.randn(B, H, K, V, generator=gen) / K).mT
+    assert not (beta.is_contiguous() or h0.is_contiguous() or (alpha is not None and alpha.is_contiguous()))
+
+    def run(backend, *xs):
+        q, k, v, beta, alpha, h0 = xs
+        if model == "linear":
+            return linear_attention(q, k, v, alpha=alpha, initial_state=h0, output_final_state=True, backend=backend)
+        return delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, output_final_state=True, backend=backend)
+    xs = (q, k, v, beta, alpha, h0)
+    o, s = run("triton", *xs)
+    ro, rs = run("recurrent", *(None if x is None else x.double() for x in xs))
+    assert_close(o, ro, tol=1e-5, name="o")
+    assert_close(s, rs, tol=1e-5, name="final state")
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_views_reach_the_kernel_without_copies(gen, layout):
     q, k, v = views(gen, layout)

@@ -113,9 +113,11 @@ def test_the_delta_rules_reverse_pass_holds_32_values_and_matches_the_chunk_form
     q, k, v, beta, alpha, h0 = inputs
     logs = None if alpha is None else torch.log(alpha)
     backward = lambda: delta_rule_backward(w_o, w_s, q, k, v, beta, logs, h0)  # noqa: E731
-    assert launches_of(backward)["chunk_dstate_kernel"]["BV"] == 64
+    forward = lambda: delta_rule(q, k, v, beta, alpha=alpha, initial_state=h0, backend="triton")  # noqa: E731
+    assert launches_of(backward)["chunk_dstate_kernel"]["BV"] == launches_of(forward)["chunk_state_kernel"]["BV"] == 64
     with kernels.assume_shared_memory(CONSUMER):
         assert launches_of(backward)["chunk_dstate_kernel"]["BV"] == 32
+        assert launches_of(forward)["chunk_state_kernel"]["BV"] == 32            # the forward's pass too
         with poisoned_outputs():
             o, s, grads = run("delta", "triton", inputs, w_o, w_s)
     ref = run("delta", "chunk", [None if x is None else x.double() for x in inputs], w_o.double(), w_s.double())
