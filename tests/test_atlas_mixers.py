@@ -99,6 +99,20 @@ def test_hybrid_windows_reach_their_branches(gen, name):
         assert_close(hybrid.memory(x), alone(x), name="memory branch vs atlas(window=3)")
 
 
+@pytest.mark.parametrize("name", ["mag", "mal"])
+def test_hybrid_options_are_refused_by_their_own_names(name):
+    """A memory_window for a memory mixer without a window, and an attention_kw that is not a dict or sets
+    the window (the hybrid's own ``window=``), are refused naming the option the user wrote."""
+    with pytest.raises(TypeError, match=r"memory_window=3 was given, but the memory mixer 'gla' has no window"):
+        make_mixer(name, D, H, memory="gla", memory_window=3)
+    with pytest.raises(TypeError, match="attention_kw must be a dict"):
+        make_mixer(name, D, H, memory="deltanet", attention_kw="x")
+    with pytest.raises(ValueError, match=r"the hybrid's own window=, not attention_kw\['window'\]"):
+        make_mixer(name, D, H, memory="deltanet", attention_kw={"window": 2})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'windw'"):   # other errors pass through
+        make_mixer(name, D, H, memory="omeganet", memory_window=3, windw=2)
+
+
 def test_mag_is_the_documented_mix(gen):
     seeded(gen)
     x = x_of(gen)

@@ -211,16 +211,19 @@ class TaylorFeatures(nn.Module):
         super().__init__()
         self.degree = check_degree(degree)
         self.compressed = bool(compressed)
+        # the start values are computed and checked on the CPU, also when the module is built under
+        # torch.device("meta"); the parameter then goes to the ambient device
+        cpu = dict(dtype=torch.float64, device="cpu")
         if coefficients is None:
-            a = torch.tensor([1.0 / math.factorial(i) for i in range(self.degree + 1)], dtype=torch.float64)
+            a = torch.tensor([1.0 / math.factorial(i) for i in range(self.degree + 1)], **cpu)
         else:
-            a = torch.as_tensor(coefficients, dtype=torch.float64).flatten()
+            a = torch.as_tensor(coefficients, **cpu).flatten()
             if a.numel() != self.degree + 1:
                 raise ValueError(f"coefficients must hold degree + 1 = {self.degree + 1} values a_0..a_p, "
                                  f"got {a.numel()}")
             if torch.isnan(a).any() or (a < 0).any():
                 raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got {a.tolist()}")
-        self.raw = nn.Parameter(inverse_softplus(a.clamp_min(1e-12)).float())
+        self.raw = nn.Parameter(inverse_softplus(a.clamp_min(1e-12)).float().to(torch.empty(0).device))
 
     @property
     def coefficients(self) -> torch.Tensor:

@@ -183,6 +183,8 @@ class TokenMixer(nn.Module, abc.ABC):
             int >= 1; None: that function's own default); 64, the default of the chapter 1 and
             2 functions (subclasses whose model has another default set it, e.g. the MIRAS and
             OmegaNet mixers: 16).
+        ``softmax`` and ``swa`` take both and ignore them: their attention has one form, and one set of
+        options should build every mixer.
     """
 
     mixer_name = "base"

@@ -88,10 +88,20 @@ class Hybrid(TokenMixer):
             raise ValueError(f"unknown memory mixer {memory!r}; available: {sorted(MIXERS)}")
         if memory in ("mag", "mal"):
             raise ValueError(f"the memory of a hybrid must be a memory mixer, not the hybrid {memory!r}")
+        if attention_kw is not None and not isinstance(attention_kw, dict):
+            raise TypeError(f"attention_kw must be a dict of the attention's options, got {type(attention_kw).__name__}")
+        if "window" in (attention_kw or {}):
+            raise ValueError("the attention's window is the hybrid's own window=, not attention_kw['window']")
         self.d_model, self.n_heads, self.window, self.memory_name = d_model, n_heads, window, memory
         if memory_window is not None:
             kw["window"] = memory_window
-        self.memory = make_mixer(memory, d_model, n_heads, **kw)
+        try:
+            self.memory = make_mixer(memory, d_model, n_heads, **kw)
+        except TypeError as err:              # the memory mixer's own "unexpected keyword 'window'"
+            if memory_window is not None and "'window'" in str(err):
+                raise TypeError(f"memory_window={memory_window!r} was given, but the memory mixer {memory!r} "
+                                "has no window of its own") from err
+            raise
         heads = {name: kw[name] for name in ("head_k_dim", "head_v_dim") if name in kw}
         self.attention = SlidingWindowAttention(d_model, n_heads, window=window, **heads | (attention_kw or {}))
 

@@ -30,7 +30,9 @@ def hebbian_step(M, q, k, v, alpha_t):
 
 @register_mixer("softmax")
 class SoftmaxAttention(TokenMixer):
-    """Causal softmax attention: the non-parametric memory that keeps every token (KV cache)."""
+    """Causal softmax attention: the non-parametric memory that keeps every token (KV cache).
+
+    One form only: ``backend`` and ``chunk_size`` are accepted (as by every mixer) and ignored."""
 
     def mix(self, q, k, v, x):
         return softmax_attention(q, k, v)
