@@ -89,7 +89,8 @@ class Hybrid(TokenMixer):
         if memory in ("mag", "mal"):
             raise ValueError(f"the memory of a hybrid must be a memory mixer, not the hybrid {memory!r}")
         if attention_kw is not None and not isinstance(attention_kw, dict):
-            raise TypeError(f"attention_kw must be a dict of the attention's options, got {type(attention_kw).__name__}")
+            raise TypeError(f"attention_kw must be a dict of the attention's options, "
+                            f"got {type(attention_kw).__name__}")
         if "window" in (attention_kw or {}):
             raise ValueError("the attention's window is the hybrid's own window=, not attention_kw['window']")
         self.d_model, self.n_heads, self.window, self.memory_name = d_model, n_heads, window, memory
