@@ -522,6 +522,44 @@ def test_chunk_equals_frozen_seq(gen, name, T, h0):
         assert_close(flat_state(s_c), flat_state(s_f), tol=1e-10, name=f"{name}: final state (b={b})")
 
 
+@pytest.mark.parametrize("name", ["titans", "linear_lp_elastic", "residual_l2_decay_window"])
+def test_a_chunk_longer_than_the_sequence_is_the_whole_sequence(gen, name):
+    """chunk_size >= T is one chunk of the T tokens: the chunk form equals frozen_seq at chunk_size = T, with
+    work and memory bounded by T (a chunk of 10^7 over 5 tokens asked for 10^14-entry matrices)."""
+    cfg, call, _ = run_all(name, gen, 5, True)
+    o_f, s_f = call("frozen_seq", 5)
+    for b in (6, 10**7):
+        o_c, s_c = call("chunk", b)
+        assert_close(o_c, o_f, tol=1e-10, name=f"{name}: o, chunk({b}) vs frozen_seq(T)")
+        assert_close(flat_state(s_c), flat_state(s_f), tol=1e-10, name=f"{name}: final state (b={b})")
+
+
+@pytest.mark.parametrize("memory", ["linear", "mlp"])
+def test_window_rows_before_the_first_token_leave_the_gradients_finite(gen, memory):
+    """A window c > 1 reaches before token 0 in the first chunk, where no token exists (window gate 0). The lp
+    bias at p < 2 without smoothing (abs_eps = 0) has an infinite derivative at a zero error: the chunk form
+    evaluated those rows at zero keys and values, and its gradients were NaN (0 * inf) where frozen_seq's
+    are finite. Now they are frozen_seq's (its own loop never visits such rows)."""
+    q, k, v = random_qkv(1, 2, 7, 3, 3, dtype=F64, generator=gen)
+    eta = 0.1 + 0.1 * torch.rand(1, 2, 7, dtype=F64, generator=gen)
+    for c, b in ((2, 2), (3, 4)):
+        cfg = make_config(memory=memory, bias="lp", p=1.5, abs_eps=0.0, window=c)
+        start = init_state(cfg, 1, 2, 3, 3, dtype=F64, generator=gen).memory       # the linear memory: a tensor
+        bare = isinstance(start, torch.Tensor)
+        start = {n: 0.3 * torch.randn(w.shape, dtype=F64, generator=gen)
+                 for n, w in ({"M": start} if bare else start).items()}
+        grads = []
+        for backend in ("frozen_seq", "chunk"):
+            leaves = [x.clone().requires_grad_(True) for x in (q, k, v, eta, *start.values())]
+            h0 = leaves[4] if bare else dict(zip(start, leaves[4:]))
+            o, _ = miras(*leaves[:3], eta=leaves[3], config=cfg, initial_state=h0, backend=backend, chunk_size=b)
+            w = torch.cos(torch.arange(o.numel(), dtype=F64)).view_as(o)
+            grads.append(torch.autograd.grad((o * w).sum(), leaves))
+        for name, g_f, g_c in zip(["q", "k", "v", "eta", *start], *grads):
+            assert torch.isfinite(g_f).all(), name
+            assert_close(g_c, g_f, tol=1e-9, name=f"{memory}, c={c}, b={b}: d/d{name}, chunk vs frozen_seq")
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_chunk_one_is_recurrent_and_larger_chunks_are_not(gen, name):
     cfg, call, _ = run_all(name, gen, 21, True)

@@ -132,14 +132,16 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     return coef
 
 
-def chunk_slice(coef: dict, j: int, n: int, R: int) -> dict:
-    """Chunk j's coefficients, cut to its n tokens and R window rows."""
+def chunk_slice(coef: dict, j: int, n: int, R: int, first: int = 0) -> dict:
+    """Chunk j's coefficients, cut to its n tokens and its window rows first .. R - 1."""
     out = {}
     for key, x in coef.items():
         if x is None:
             out[key] = None
-        elif key in ("Gamma", "E", "C", "D"):
-            out[key] = x[:, j, :n, :R if key != "D" else n]
+        elif key in ("Gamma", "E", "C"):
+            out[key] = x[:, j, :n, first:R]
+        elif key == "D":
+            out[key] = x[:, j, :n, :n]
         else:
             out[key] = x[:, j, :n]
     return out
@@ -216,8 +218,7 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     linear = ret.linear and opt.linear
     dual = linear and ret.identity_read and not materialize                 # readouts W_t x in the dual form
     scaled = linear and ret.scalar_read and not materialize                 # ... divided by nu_t (W_t = Z_t / nu_t)
-    pad = lambda x: None if x is None else F.pad(x, (0, 0, c - 1, 0) if x.dim() == 3 else (c - 1, 0))  # noqa: E731
-    k_pad, v_pad, delta_pad = pad(k), pad(v), pad(gates.delta)
+    chunk_size = min(chunk_size, T)                                   # a chunk past the sequence's end is its whole
     alpha = gates.alpha if ret.uses_alpha else None
     group = max(1, GROUP_TOKENS // chunk_size) * chunk_size            # tokens whose coefficients exist at once
     outputs = []
@@ -225,11 +226,14 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
         if s % group == 0:
             g_end = min(s + group, T)
             coef = chunk_coefficients(parts, gates.slice(s, g_end), g_end - s, chunk_size)
+        # window rows r = 0 .. R - 1 are the tokens s - c + 1 + r; those before token 0 do not exist (their
+        # window gate is 0) and are left out, not evaluated at zero keys and values: a bias whose gradient is
+        # infinite at a zero error (lp with p < 2) would give 0 * inf = NaN gradients
         n, R = e - s, e - s + c - 1
-        cf = chunk_slice(coef, (s % group) // chunk_size, n, R)
-        # padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1 (zeros before token 0)
-        k_rows, v_rows = k_pad[:, s:e + c - 1], v_pad[:, s:e + c - 1]
-        delta_rows = None if delta_pad is None else delta_pad[:, s:e + c - 1]
+        lo = max(0, s - c + 1)
+        cf = chunk_slice(coef, (s % group) // chunk_size, n, R, first=lo - (s - c + 1))
+        k_rows, v_rows = k[:, lo:e], v[:, lo:e]
+        delta_rows = None if gates.delta is None else gates.delta[:, lo:e]
         scale = alpha[:, s:e] if (ret.grad_at_decayed and alpha is not None) else None   # window 1 here
         a, x_rows = row_factors(parts, ret.read(Z), k_rows, v_rows, delta_rows, scale)
         D, A = cf["D"], cf["A"]
