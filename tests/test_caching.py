@@ -492,6 +492,28 @@ def test_bad_input(gen):
         memory_caching(q, k, v, base_kwargs=dict(alpha=torch.ones(1, 1, 5)), segments=4, **call)
 
 
+@pytest.mark.parametrize("base", [linear_attention, delta_rule])
+@pytest.mark.parametrize("segments, mode", [(2, "independent"), ("log", "independent"), (3, "checkpoint")])
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_the_bases_refusals_name_the_callers_shapes(gen, base, segments, mode, backend):
+    """A bad initial state or gate reaches the base cut into segments (batched as [n B, H, L] in independent
+    mode), whose message named the segments' shapes; memory caching's message is the base's own on the
+    whole sequence, the shapes the caller passes and should pass."""
+    B, H, T, K, V = 2, 2, 6, 4, 3
+    q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+    bad = [dict(initial_state=torch.zeros(B, H, K, V)), dict(alpha=torch.rand(B, H, generator=gen)),
+           dict(alpha=torch.rand(B, H, T, K + 1, generator=gen))]
+    for kw in bad:
+        kw |= {"beta": 0.5} if base is delta_rule else {}
+        with pytest.raises(ValueError) as own:
+            base(q, k, v, **kw)
+        state = kw.pop("initial_state", None)
+        with pytest.raises(ValueError) as cached:
+            memory_caching(q, k, v, base=base, segments=segments, mode=mode, initial_state=state, base_kwargs=kw,
+                           backend=backend)
+        assert str(cached.value) == str(own.value)
+
+
 # ---- deep memories: read and mixed by their definition ----
 
 def mlp_read(params, x, K, V):

@@ -8,6 +8,7 @@ sets of states in a random order with -1 padding anywhere, fresh random inputs e
 import pytest
 import torch
 
+from atlaslib.caching import cached_readout
 from atlaslib.caching.kernel import MAX_KEY, SLOT_TILE, cached_readout_triton, kernel_limits
 from atlaslib.core.testing import TOLERANCE, assert_close, assert_within_rounding
 
@@ -67,6 +68,15 @@ def test_readout_matches_the_formula(gen, aggregate, top_k):
     y = cached_readout_triton(*inputs, top_k=top_k, aggregate=aggregate)
     assert y.dtype == torch.float32 and y.shape == (B, H, T, V)
     assert_close(y, readout_reference(*inputs, top_k, aggregate), name=f"{aggregate} top_k={top_k}")
+
+
+def test_soup_is_grm_as_in_the_pytorch_readout(gen):
+    """The kernel takes the same arguments as ``cached_readout`` (its contract), soup included: over matrix
+    memories the soup's parameters read q as GRM's states do."""
+    inputs = random_inputs(gen)
+    y = cached_readout_triton(*inputs, aggregate="soup")
+    assert_close(y, readout_reference(*inputs, None, "grm"), name="soup vs the GRM formula")
+    assert_close(y, cached_readout(*inputs, None, "soup"), name="soup vs cached_readout")
 
 
 @pytest.mark.parametrize("top_k", [J - 1, J - 2])
@@ -200,7 +210,7 @@ def test_bad_inputs_are_refused(gen):
     with pytest.raises(ValueError, match="top_k"):
         cached_readout_triton(*args, blocks, top_k=2, aggregate="grm")
     with pytest.raises(ValueError, match="aggregate"):
-        cached_readout_triton(*args, blocks, aggregate="soup")
+        cached_readout_triton(*args, blocks, aggregate="average")
     with pytest.raises(ValueError, match=r"\[0, N=5\)"):
         cached_readout_triton(*args, blocks.clamp(max=N - 1) + 1)
     with pytest.raises(ValueError, match="blocks"):

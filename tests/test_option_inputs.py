@@ -297,6 +297,7 @@ def test_numpy_integers_are_ints_everywhere(gen):
              lambda w: atlas(q, k, v, window=w, memory="residual", eta=0.1),
              lambda w: miras(q, k, v, preset="titans", window=w, eta=0.1),
              lambda w: memory_caching(q, k, v, base=linear_attention, segments=w),
+             lambda w: memory_caching(q, k, v, base=linear_attention, segments=[w, 3 * w]),   # a list of lengths
              lambda w: deep_transformer(q, k, v, memory="mlp", expansion=w, backend="recurrent")]
     for call in calls:
         assert torch.equal(call(np.int64(2))[0], call(2)[0])

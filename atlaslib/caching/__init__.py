@@ -37,7 +37,7 @@ from torch import Tensor
 from ..core import check_chunk_size, check_flag, check_qkv
 from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu, with_chunk_backward
 from ..core.types import ModelOutput
-from .base import base_name, check_base, check_per_token
+from .base import base_name, check_base, check_per_token, run_base
 from .chunk import AGGREGATES, cached_readout, memory_caching_chunk, readout_weights
 from .recurrent import memory_caching_recurrent
 from .segments import (SEGMENTATIONS, Layout, check_top_k, consecutive_layout, dyadic_blocks, log_layout, make_layout,
@@ -52,9 +52,8 @@ READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
     """The kernel's forward, differentiated through ``cached_readout`` (as the forward-only kernels of
     chapters 3-6 are; linear attention and the delta rule have backward kernels of their own).
-    Soup over matrix memories is GRM; a readout the kernel refuses (K too large, fp64, a feature map that
-    makes q wider than u) runs ``cached_readout`` instead, the same function."""
-    aggregate = "grm" if aggregate == "soup" else aggregate
+    A readout the kernel refuses (K too large, fp64, a feature map that makes q wider than u) runs
+    ``cached_readout`` instead, the same function."""
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks, u) is not None:
         return cached_readout(*args)
@@ -170,12 +169,19 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     table = {"recurrent": None, "chunk": None, "triton": None}
     name = choose_backend(backend, q, table, unsupported=lambda: matrix_kernel_limits(q), model="memory_caching")
     args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)
-    if name == "recurrent":
-        o, state = memory_caching_recurrent(*args, chunk_size, stats)
-    elif name == "chunk":
-        o, state = memory_caching_chunk(*args, "auto" if backend == "auto" else "chunk", chunk_size)
-    else:                       # the base's own kernel (explicit "triton", or "auto" chose it), the readout kernel
-        o, state = memory_caching_chunk(*args, backend, chunk_size, readout=kernel_readout)
+    base_backend = {"recurrent": "recurrent", "chunk": "auto" if backend == "auto" else "chunk"}.get(name, backend)
+    try:
+        if name == "recurrent":
+            o, state = memory_caching_recurrent(*args, chunk_size, stats)
+        elif name == "chunk":
+            o, state = memory_caching_chunk(*args, base_backend, chunk_size)
+        else:                   # the base's own kernel (explicit "triton", or "auto" chose it), the readout kernel
+            o, state = memory_caching_chunk(*args, base_backend, chunk_size, readout=kernel_readout)
+    except (TypeError, ValueError):
+        # the base checked its arguments on the segments it was given (cut to a segment's length, batched as
+        # [n B, H, L] in independent mode); run once on the whole sequence, it names the caller's own shapes
+        run_base(base, q, k, v, kw, initial_state, base_backend, chunk_size)
+        raise
     if stats is not None and name != "recurrent":         # the definition counts its reads one by one
         stats["reads"] = stats.get("reads", 0) + memory_reads(layout, top_k if aggregate == "ssc" else None)
     return o, (state if output_final_state else None)

@@ -100,7 +100,8 @@ TOKENS_PER_PROGRAM = 16          # BT: the least tl.dot takes; keeps the distinc
 AGG_RESIDUAL = tl.constexpr(0)
 AGG_GRM = tl.constexpr(1)
 AGG_SSC = tl.constexpr(2)
-AGGREGATE_CODES = {"residual": AGG_RESIDUAL.value, "grm": AGG_GRM.value, "ssc": AGG_SSC.value}
+# soup over matrix memories is GRM (the soup's parameters read q: sum_i gamma_i M_i q)
+AGGREGATE_CODES = {"residual": AGG_RESIDUAL.value, "grm": AGG_GRM.value, "soup": AGG_GRM.value, "ssc": AGG_SSC.value}
 
 
 @triton.jit

@@ -82,11 +82,12 @@ def check_top_k(top_k):
 
 
 def check_lengths(lengths) -> list:
-    """Segment lengths given as a list (or tuple): at least one, each an int >= 1."""
+    """Segment lengths given as a list (or tuple): at least one, each an int >= 1 (any integral type, as a
+    single length may be: numpy's ints too)."""
     if not isinstance(lengths, (list, tuple)) or not lengths or any(
-            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
+            isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in lengths):
         raise ValueError(f"segments as a list must hold positive int lengths, got {lengths!r}")
-    return list(lengths)
+    return [int(n) for n in lengths]
 
 
 def segment_lengths(T: int, segments) -> list:
