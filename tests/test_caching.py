@@ -514,6 +514,28 @@ def test_the_bases_refusals_name_the_callers_shapes(gen, base, segments, mode, b
         assert str(cached.value) == str(own.value)
 
 
+@pytest.mark.parametrize("segments", ["log", 3])
+def test_a_layout_first_built_in_inference_mode_still_trains(gen, segments):
+    """A layout's read tables are kept for the process; built by a first call under torch.inference_mode
+    (an evaluation pass), they were inference tensors and a later training call failed ("Inference tensors
+    cannot be saved for backward"). The training call's gradients are those of a fresh process."""
+    import atlaslib.caching.segments as seg
+    q, k, v = random_qkv(1, 2, 11, 4, 3, dtype=torch.float64, generator=gen)
+    call = dict(base=linear_attention, segments=segments, mode="independent", aggregate="grm", backend="chunk")
+    grads = []
+    for evaluate_first in (False, True):
+        seg._cached_layout.cache_clear()
+        seg._BLOCKS.clear()
+        seg._GROUPS.clear()
+        if evaluate_first:
+            with torch.inference_mode():
+                memory_caching(q, k, v, **call)
+        leaf = q.clone().requires_grad_(True)
+        memory_caching(leaf, k, v, **call)[0].square().sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
 # ---- deep memories: read and mixed by their definition ----
 
 def mlp_read(params, x, K, V):

@@ -191,3 +191,20 @@ def test_named_maps_still_work(gen):
     with pytest.raises(ValueError, match="unknown feature map"):
         get_feature_map("poly2")
     assert (elu_plus_one(x) > 0).all()
+
+
+def test_features_first_built_in_inference_mode_still_train(gen):
+    """The monomials' index tables are kept for the process; built by a first call under
+    torch.inference_mode (an evaluation pass), they were inference tensors, and a later training call
+    failed ("Inference tensors cannot be saved for backward")."""
+    from atlaslib.core import featuremaps
+    featuremaps._multisets.cache_clear()
+    x = torch.randn(2, 5, generator=gen, dtype=torch.float64)
+    with torch.inference_mode():
+        evaluated = featuremaps.monomial_features(x, 2)
+    leaf = x.clone().requires_grad_(True)
+    features = featuremaps.monomial_features(leaf, 2)
+    features.sum().backward()
+    assert torch.equal(features.detach(), evaluated)
+    # d/dx_c of sum_{|b|<=2} x^b = 1 + sum_{e} d(x_c x_e)/dx_c = 1 + (sum_e x_e) + x_c
+    assert_close(leaf.grad, 1 + x.sum(-1, keepdim=True) + x, tol=1e-12, name="gradient of the summed monomials")

@@ -13,6 +13,7 @@ so their cases are the fewest and smallest.
 import pytest
 import torch
 
+from atlaslib.caching import memory_caching
 from atlaslib.core import assert_close, poisoned_outputs, random_qkv
 from atlaslib.core.chunk_kernels import CHUNK
 from atlaslib.delta import delta_rule
@@ -262,6 +263,36 @@ def test_a_gradient_penalty_through_the_kernels_is_differentiated(gen, name):
     assert_close(penalised("triton"), penalised("chunk"), tol=1e-5, name=f"{name}: d/dq of o + |do/dq|^2")
 
 
+def unit(x):
+    return torch.nn.functional.normalize(x, dim=-1)
+
+
+ONE_TENSOR = {          # x is several inputs, or an input and the tensor another is made from
+    "linear_attention, q = k": lambda x, v, b: linear_attention(x, x, v, alpha=0.9, backend=b)[0],
+    "delta_rule, k = unit(q)": lambda x, v, b: delta_rule(x, unit(x), v, 0.5, backend=b)[0],
+    "delta_rule, Longhorn's beta from k": lambda x, v, b: delta_rule(x.flip(2), x, v, 0.5, longhorn=True,   # |k| != 1
+                                                                     backend=b)[0],
+    "omega_rule, q = k": lambda x, v, b: omega_rule(x, unit(x), v, window=2, eta=0.3, chunk_size=3, backend=b)[0],
+    "memory_caching, u = q = k": lambda x, v, b: memory_caching(x, unit(x), v, base=linear_attention, segments=3,
+                                                                mode="independent", aggregate="grm", u=x,
+                                                                backend=b)[0],
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_TENSOR))
+def test_create_graph_does_not_change_the_gradient_of_inputs_made_from_one_tensor(gen, name):
+    """create_graph=True makes the kernels' gradients differentiable; it must not change them. The backward
+    took them with respect to the saved inputs themselves, so an input made from another (q is k, Longhorn's
+    beta from k, the readout's online output from q) got both paths there and the outer graph added the
+    other again (q = k: exactly twice). Reference: the chunk form, first order."""
+    x, _, v = random_qkv(1, 2, 9, 8, 8, generator=gen)
+    x.requires_grad_(True)
+    (ref,) = torch.autograd.grad(ONE_TENSOR[name](x, v, "chunk").square().sum(), x)
+    for create_graph in (False, True):
+        (g,) = torch.autograd.grad(ONE_TENSOR[name](x, v, "triton").square().sum(), x, create_graph=create_graph)
+        assert_close(g, ref, tol=1e-5, name=f"{name}, create_graph={create_graph}")
+
+
 @pytest.mark.parametrize("name", ["linear_attention", "delta_rule"])
 def test_grad_of_grad_under_torch_func_through_the_kernels_is_refused(gen, name):
     """torch.func.grad of torch.func.grad: the kernels' backward unwraps every level, so the outer grad
@@ -307,3 +338,21 @@ def test_log_gates_not_padded_to_whole_chunks_are_refused(gen):
     assert Tp == 128
     with pytest.raises(ValueError, match="padded to 70 tokens, expected 128"):
         linear_attention_backward(q, k, v, gate, g[:, :, :70].contiguous(), None, do)
+
+
+@pytest.mark.parametrize("name", ["linear_attention", "delta_rule"])
+def test_non_reentrant_checkpointing_through_the_kernels(gen, name):
+    """torch.utils.checkpoint(use_reentrant=False) lets a backward unpack its saved tensors once; the
+    kernels' backward read them twice and failed there ("already unpacked once"). Same gradients as
+    without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+    q, k, v = random_qkv(1, 2, 9, 8, 8, generator=gen)
+    grads = []
+    for wrap in (False, True):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        f = lambda q, k, v: SECOND_ORDER[name](q, k, v, "triton")          # noqa: E731
+        o = checkpoint(f, *xs, use_reentrant=False) if wrap else f(*xs)
+        o.square().sum().backward()
+        grads.append([x.grad for x in xs])
+    for got, want in zip(*grads):
+        assert torch.equal(got, want)

@@ -48,7 +48,8 @@ class Layout(NamedTuple):
         hit = _BLOCKS.get(key)
         if hit is not None and hit[0] is self.visible:
             return hit[1]
-        table = self._table(device)
+        with torch.inference_mode(False):     # kept: a table an eval pass built must serve a training pass
+            table = self._table(device)
         _remember(_BLOCKS, key, (self.visible, table))
         return table
 
@@ -197,11 +198,12 @@ def reader_groups(blocks, N) -> list:
     hit = None if torch.compiler.is_compiling() else _GROUPS.get(key)
     if hit is not None and hit[0] is blocks:
         return hit[1]
-    first, length = readers_of(blocks, N)
     groups = []
-    for n_len in length.unique().tolist():
-        ns = (length == n_len).nonzero().flatten()                           # states read by n_len tokens
-        groups.append((n_len, ns, first[ns, None] + torch.arange(n_len, device=blocks.device)))
+    with torch.inference_mode(False):         # may be kept (below): also for a training pass after an eval
+        first, length = readers_of(blocks, N)
+        for n_len in length.unique().tolist():
+            ns = (length == n_len).nonzero().flatten()                       # states read by n_len tokens
+            groups.append((n_len, ns, first[ns, None] + torch.arange(n_len, device=blocks.device)))
     # only a layout's own table is immutable, so only its groups may be cached
     if not torch.compiler.is_compiling() and any(blocks is hit[1] for hit in _BLOCKS.values()):
         _remember(_GROUPS, key, (blocks, groups))

@@ -221,10 +221,12 @@ def chunk_grads(forward_chunk, inputs, needs, grad_outs, create_graph: bool = Fa
     """The gradients of ``forward_chunk(*inputs)`` (outputs met by ``grad_outs``) for the inputs whose
     ``needs`` is true, by autograd through the recomputed chunk form; None for the others.
 
-    ``create_graph``: differentiate the inputs as they are (not detached copies) and keep the graph, so
-    that the gradients can be differentiated again (second order through the chunk form)."""
+    ``create_graph``: differentiate through views of the inputs (not detached copies) and keep the graph,
+    so that the gradients can be differentiated again (second order through the chunk form). Views, not
+    the inputs themselves: an input made from another (k and beta = f(k), q is k) would otherwise get the
+    gradient of both paths here, and the outer graph adds the other path again."""
     if create_graph:
-        xs = list(inputs)
+        xs = [x.view_as(x) if need and isinstance(x, torch.Tensor) else x for x, need in zip(inputs, needs)]
     else:
         xs = [x.detach().requires_grad_(need) if isinstance(x, torch.Tensor) else x for x, need in zip(inputs, needs)]
     wrt = [x for x, need in zip(xs, needs) if need and isinstance(x, torch.Tensor)]

@@ -107,8 +107,9 @@ def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     combos = list(itertools.combinations_with_replacement(range(d), i))
     counts = [math.factorial(i) // math.prod(math.factorial(combo.count(c)) for c in set(combo))
               for combo in combos]
-    index = torch.tensor(combos, dtype=torch.long).view(len(combos), i)
-    return index, torch.tensor(counts, dtype=torch.float64)
+    with torch.inference_mode(False):         # kept for the process: also for calls that train after an eval
+        index = torch.tensor(combos, dtype=torch.long).view(len(combos), i)
+        return index, torch.tensor(counts, dtype=torch.float64)
 
 
 def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:

@@ -558,8 +558,9 @@ class DeltaRuleFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         # under torch.func the saved tensors and gradients come wrapped for its transforms; the
         # kernels read raw memory, and the backward is not differentiated again (first order only)
-        refuse_nested_transforms(ctx.saved_tensors[0], "delta_rule")
-        q, k, v, beta, logs, h0, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
+        saved = ctx.saved_tensors                # once: non-reentrant checkpointing unpacks them only once
+        refuse_nested_transforms(saved[0], "delta_rule")
+        q, k, v, beta, logs, h0, do, dht = map(unwrapped, (*saved, do, dht))
         if do is None:                          # only the final state was used
             do = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         inputs = (q, k, v, beta, logs, h0)

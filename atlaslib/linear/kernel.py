@@ -97,8 +97,9 @@ class LinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, dht, _dh=None):
         from .backward import linear_attention_backward
         # under torch.func the saved tensors and gradients come wrapped (``core.kernels.unwrapped``)
-        refuse_nested_transforms(ctx.saved_tensors[0], "linear_attention")
-        q, k, v, logs, h0, ht, h, do, dht = map(unwrapped, (*ctx.saved_tensors, do, dht))
+        saved = ctx.saved_tensors                # once: non-reentrant checkpointing unpacks them only once
+        refuse_nested_transforms(saved[0], "linear_attention")
+        q, k, v, logs, h0, ht, h, do, dht = map(unwrapped, (*saved, do, dht))
         if do is None:
             do = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         gate = gate_mode(logs)
