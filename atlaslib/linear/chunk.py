@@ -67,21 +67,24 @@ def halving_scores(xs, k: torch.Tensor, g: torch.Tensor):
     for x, out in zip(xs, outs):
         out.diagonal(0, -2, -1).copy_((x * k).sum(-1))            # a token against itself: e^0
     logs = torch.diff(g, dim=-2, prepend=torch.zeros_like(g[..., :1, :]))   # from an fp64 g: fp32-exact
-    w = torch.exp(logs.to(k.dtype))                               # alpha_t
+    # alpha_t and the products below in g's dtype (fp64 for fp32 inputs), rounded to k's where they meet x
+    # and k: products of fp32 factors put one rounding per level into every decay, and alike gates round
+    # alike, so the error of the chunk-end decay added up over the chunks (linearly in T)
+    w = torch.exp(logs)
     v = torch.ones_like(w)
     b = 1
     while b < m:                                                 # log2(m) levels, fixed by m alone
         halves = (m // (2 * b), 2, b)                             # [pairs, first/second half, b]
         (w1, w2), (v1, _) = w.unflatten(-2, halves).unbind(-3), v.unflatten(-2, halves).unbind(-3)
-        cols = k.unflatten(-2, halves)[..., 0, :, :] * v1        # first-half keys: e^{g_r - g_i}
-        for x, out in zip(xs, outs):                             # second-half rows: e^{g_t - g_r}
-            cross = (x.unflatten(-2, halves)[..., 1, :, :] * w2) @ cols.mT   # [..., pairs, b, b]
+        cols = k.unflatten(-2, halves)[..., 0, :, :] * v1.to(k.dtype)       # first-half keys: e^{g_r - g_i}
+        for x, out in zip(xs, outs):                                        # second-half rows: e^{g_t - g_r}
+            cross = (x.unflatten(-2, halves)[..., 1, :, :] * w2.to(k.dtype)) @ cols.mT   # [..., pairs, b, b]
             _lower_left_blocks(out, b).copy_(cross.movedim(-3, -1))
         one = torch.ones_like(w1[..., -1:, :])                   # [..., pairs, 1, K]
         w = (w.unflatten(-2, halves) * torch.stack([one, w1[..., -1:, :]], -3)).flatten(-4, -2)
         v = (v.unflatten(-2, halves) * torch.stack([w2[..., -1:, :], one], -3)).flatten(-4, -2)
         b *= 2
-    return outs, w, v
+    return outs, w.to(k.dtype), v.to(k.dtype)
 
 
 def scalar_gate_terms(xs, k, g):
