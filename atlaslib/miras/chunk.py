@@ -218,7 +218,7 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     linear = ret.linear and opt.linear
     dual = linear and ret.identity_read and not materialize                 # readouts W_t x in the dual form
     scaled = linear and ret.scalar_read and not materialize                 # ... divided by nu_t (W_t = Z_t / nu_t)
-    chunk_size = min(chunk_size, T)                                   # a chunk past the sequence's end is its whole
+    chunk_size = min(chunk_size, T)                  # a chunk longer than the sequence: one chunk of all T tokens
     alpha = gates.alpha if ret.uses_alpha else None
     group = max(1, GROUP_TOKENS // chunk_size) * chunk_size            # tokens whose coefficients exist at once
     outputs = []
