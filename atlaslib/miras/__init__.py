@@ -117,6 +117,12 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
                                                                 delta family is approximate
     ==========================================================  ========================
 
+    Some configurations are chaotic in the model itself, whatever the form computes them, so an fp32 run
+    and an fp64 run of the same inputs part over long sequences: Yaad (its Huber switch and sign make each
+    update jump when an error crosses 0 or delta; at eta = 0.1 on unit keys, a 1e-9 change of the keys
+    moved the fp64 output by 5% at T = 1024), and the residual memory's LayerNorm under strong decay
+    (book ch. 3 §8). Compare forms in fp64 there, or over a few hundred tokens.
+
     Returns:
         (o [B, H, T, V] in q's dtype, ``MirasState`` in fp32 (fp64 for fp64 inputs) or None).
     """
