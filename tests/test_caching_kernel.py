@@ -79,6 +79,15 @@ def test_soup_is_grm_as_in_the_pytorch_readout(gen):
     assert_close(y, cached_readout(*inputs, None, "soup"), name="soup vs cached_readout")
 
 
+@pytest.mark.parametrize("aggregate,top_k", [("grm", None), ("ssc", 2), ("residual", None)])
+def test_no_router_reads_with_q_as_in_the_pytorch_readout(gen, aggregate, top_k):
+    """u=None scores the cached states with q, in the kernel as in ``cached_readout`` (its contract)."""
+    q, _, states, pooled, online, online_score, blocks = random_inputs(gen)
+    y = cached_readout_triton(q, None, states, pooled, online, online_score, blocks, top_k, aggregate)
+    assert_close(y, readout_reference(q, q, states, pooled, online, online_score, blocks, top_k, aggregate),
+                 name=f"{aggregate}: u=None vs the formula with u = q")
+
+
 @pytest.mark.parametrize("top_k", [J - 1, J - 2])
 def test_ssc_just_below_the_slots_drops_the_weakest_states(gen, top_k):
     # more cached states than slots, so some tokens see all J of them: SSC keeping J - 1 (or J - 2) must drop

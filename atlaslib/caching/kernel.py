@@ -297,13 +297,15 @@ def cached_readout_triton(q, u, states, pooled, online, online_score, blocks, to
     q, u [B, H, T, K]; states [B, H, N, V, K] (the cached final states); pooled [B, H, N, K] (pooled keys);
     online [B, H, T, V] (the base's output inside the token's own segment); online_score [B, H, T]
     (r_s); blocks [T, J] (the states each token reads, -1 padded); top_k for aggregate="ssc". For
-    "residual", u, pooled and online_score are not read and may be None. See the module docstring.
+    "residual", u, pooled and online_score are not read and may be None; u None is q, as in ``cached_readout``.
+    See the module docstring.
     """
+    u = q if u is None else u
     agg, top = launch_aggregate(q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     B, H, T, K = q.shape
     N, V, J = states.shape[2], states.shape[3], blocks.shape[1]
     BK = feature_tile(K, MAX_KEY)
-    run = forward_launch(q, q if u is None else u, online, BV=value_tile(V, 64 if BK <= 128 else 32))
+    run = forward_launch(q, u, online, BV=value_tile(V, 64 if BK <= 128 else 32))
     NT = triton.cdiv(T, TOKENS_PER_PROGRAM)
     BJ = max(2, min(SLOT_TILE, triton.next_power_of_2(J)))
     cached_readout_fwd_kernel[(B * H * NT, run.grid[1])](

@@ -37,7 +37,9 @@ Precision: q, k, v are loaded in their own dtype; bf16/fp16 tiles go to tl.dot a
 dtype before a product, as FlashLinearAttention does. fp32 inputs stay fp32 with exact products
 (``input_precision="ieee"``; ``core.kernels.precision`` explains the TF32 opt-in). One cost of fp16: its
 range ends at 65504, so a state entry past it becomes inf in its product (the fp32 state itself stays
-finite); bf16 has fp32's range. The kernels of chapters 3, 4 and 7 round their states the same way.
+finite); bf16 has fp32's range. The kernels of chapters 3, 4 and 7 round their states the same way; in
+chapter 3's (Titans) the rounded state also enters the next chunk's gradients, so there a state past
+65504 turns the fp32 state itself non-finite (a diverging memory: fp32 or bf16 inputs keep it finite).
 
 ``unit_lower_inverse`` (the delta rule's triangular inverse, also used by chapter 6) lives
 here too, since it is a building block of (a).
