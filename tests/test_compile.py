@@ -127,3 +127,22 @@ def test_value_checks_on_an_accelerator_assert_on_the_device(monkeypatch):
     for bad in (float("nan"), float("inf")):
         with pytest.raises(RuntimeError, match="initial_state contains NaN or inf"):
             validation.check_state("initial_state", torch.tensor([[0.0, bad]]), (1, 2), good)
+
+
+@pytest.mark.parametrize("model", ["linear_attention", "delta_rule"])
+def test_a_new_sequence_length_recompiles_instead_of_failing(gen, model):
+    """After one length, torch.compile traces T as a symbolic length: the input checks must not turn it
+    into a string unless they raise (str() of a symbolic length cannot be traced; every call with a gate
+    or a start state failed there). The second length compiles and equals eager mode."""
+    def fn(q, k, v, a, h):
+        if model == "linear_attention":
+            return linear_attention(q, k, v, alpha=a, initial_state=h, backend="chunk", chunk_size=8,
+                                    output_final_state=True)
+        return delta_rule(q, k, v, a, alpha=a, initial_state=h, backend="chunk", chunk_size=8,
+                          output_final_state=True)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for length in (20, 27):
+        q, k, v = random_qkv(B, H, length, K, K, generator=gen)
+        args = (q, k, v, random_gate(B, H, length, low=0.5, generator=gen), torch.randn(B, H, K, K, generator=gen))
+        for i, (a, b) in enumerate(zip(compiled(*args), fn(*args))):
+            assert_close(a, b, tol=1e-6, name=f"T={length}, output {i}")

@@ -78,13 +78,15 @@ def check_shape(name: str, x, *shapes: tuple, ref: torch.Tensor | None = None):
     """
     if x is None:
         return None
-    allowed = " or ".join("[" + ", ".join(str(d) for d in s) + "]" for s in shapes)
+
+    def allowed() -> str:        # only for a message: str() of a length that torch.compile traces as symbolic
+        return " or ".join("[" + ", ".join(str(d) for d in s) + "]" for s in shapes)   # cannot be traced
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {allowed}, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {allowed()}, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor, got {x.dtype}")
     if tuple(x.shape) not in [tuple(s) for s in shapes]:
-        raise ValueError(f"{name} must have shape {allowed}, got {_shape(x)}")
+        raise ValueError(f"{name} must have shape {allowed()}, got {_shape(x)}")
     if ref is not None and x.device != ref.device:
         raise ValueError(f"{name} must be on {ref.device} like q, got {x.device}")
     return x
