@@ -146,3 +146,13 @@ def test_a_new_sequence_length_recompiles_instead_of_failing(gen, model):
         args = (q, k, v, random_gate(B, H, length, low=0.5, generator=gen), torch.randn(B, H, K, K, generator=gen))
         for i, (a, b) in enumerate(zip(compiled(*args), fn(*args))):
             assert_close(a, b, tol=1e-6, name=f"T={length}, output {i}")
+
+
+def test_taylor_features_compile(gen):
+    """The monomials' index table is a constant of (d, p): torch.compile takes it as one instead of tracing
+    itertools (which it cannot), so DeepTransformers with Taylor features compile into one graph."""
+    from atlaslib.deep import deep_transformer
+    q, k, v, alpha, _ = inputs(gen, "scalar")
+    compiled_equals_eager(lambda q, k, v, a: deep_transformer(q, k, v, alpha=a, phi_star=("taylor", 2), window=3,
+                                                              backend="chunk", chunk_size=8)[0], q, k, v, alpha,
+                          tol=1e-5)

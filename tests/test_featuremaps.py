@@ -198,7 +198,7 @@ def test_features_first_built_in_inference_mode_still_train(gen):
     torch.inference_mode (an evaluation pass), they were inference tensors, and a later training call
     failed ("Inference tensors cannot be saved for backward")."""
     from atlaslib.core import featuremaps
-    featuremaps._multisets.cache_clear()
+    featuremaps._multiset_table.cache_clear()
     x = torch.randn(2, 5, generator=gen, dtype=torch.float64)
     with torch.inference_mode():
         evaluated = featuremaps.monomial_features(x, 2)

@@ -99,8 +99,15 @@ def monomial_dim(d: int, degree: int) -> int:
     return math.comb(check_input_dim(d) + check_degree(degree), check_degree(degree))
 
 
-@functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result
 def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_multiset_table(d, i)``, which torch.compile takes as a constant (a table of d and i alone; it
+    does not trace itertools, nor honour the cache)."""
+    return _multiset_table(d, i)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiset_table(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The monomials of degree exactly i in d variables, as sorted index tuples [n_i, i],
     with their multinomial coefficients i! / prod_c (count of c)! (the number of ordered
     index tuples, i.e. entries of x^{(x)i}, that equal this monomial)."""
