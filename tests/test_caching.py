@@ -319,12 +319,25 @@ def test_cached_tables_are_rebuilt_when_an_id_is_reused(monkeypatch):
     monkeypatch.setitem(segments._BLOCKS, (id(layout.visible), "cpu"), ([[0]], torch.full((8, 2), 7)))
     blocks = layout.blocks()
     assert torch.equal(blocks, expect)
-    N = len(layout.cached)
-    monkeypatch.setitem(segments._GROUPS, (id(blocks), N), (torch.zeros(1), [(5, None, None)]))
-    groups = segments.reader_groups(blocks, N)
+    monkeypatch.setitem(segments._GROUPS, (id(layout.visible), "cpu"), ([[0]], [(5, None, None)]))
+    groups = layout.reader_groups()
     # state 0 is read by tokens 3..7, state 1 by tokens 6..7
     assert [(n, ns.tolist(), tokens.tolist()) for n, ns, tokens in groups] == [(2, [1], [[6, 7]]),
                                                                                (5, [0], [[3, 4, 5, 6, 7]])]
+
+
+@pytest.mark.parametrize("T,segments", [(1, "log"), (13, "log"), (64, "log"), (100, "log"), (9, 3), (10, [4, 1, 5]),
+                                        (5, 5)])
+def test_layout_reader_groups_are_the_tables(T, segments):
+    """A layout's reader groups, from its own lists, are those found in its table (``reader_groups``), and
+    its reader spans are the tables' runs: each state's first and last reader."""
+    import atlaslib.caching.segments as seg
+    layout = make_layout(T, segments)
+    blocks, N = layout.blocks(), len(layout.cached)
+    as_lists = lambda groups: [(n, ns.tolist(), tok.tolist()) for n, ns, tok in groups]  # noqa: E731
+    assert as_lists(layout.reader_groups()) == as_lists(seg.reader_groups(blocks, N))
+    readers = [[t for t, vis in enumerate(layout.visible) if n in vis] for n in range(N)]
+    assert seg.reader_spans(layout) == [(r[0], r[-1] + 1) for r in readers]
 
 
 def test_log_linear_has_about_2L_blocks():

@@ -156,3 +156,56 @@ def test_taylor_features_compile(gen):
     compiled_equals_eager(lambda q, k, v, a: deep_transformer(q, k, v, alpha=a, phi_star=("taylor", 2), window=3,
                                                               backend="chunk", chunk_size=8)[0], q, k, v, alpha,
                           tol=1e-5)
+
+
+@pytest.mark.parametrize("segments", [16, "log"])
+def test_memory_caching_compiles_for_every_length(gen, segments):
+    """The layout is Python structure built for one T: under dynamic shapes the length is fixed to its value
+    (each length compiles its own graph), and the log-linear readout takes its reader groups from the layout's
+    lists (a table's values are unknown while tracing). Every length equals eager mode; a length seen
+    before runs its graph again."""
+    def fn(q, k, v, b, a, u):
+        return memory_caching(q, k, v, base=delta_rule, base_kwargs=dict(beta=b, log_alpha=a.log()), u=u,
+                              segments=segments, mode="independent", aggregate="grm", backend="chunk",
+                              chunk_size=8)[0]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=counter, dynamic=True)
+    graphs = []
+    for length in (37, 21, 37) if segments == 16 else (13, 9, 13):
+        q, k, v = random_qkv(B, H, length, K, K, generator=gen)
+        args = (q, k, v, torch.rand(B, H, length, generator=gen), random_gate(B, H, length, low=0.5, generator=gen),
+                torch.randn(B, H, length, K, generator=gen))
+        assert_close(compiled(*args), fn(*args), tol=1e-6, name=f"T={length}")
+        graphs.append(counter.frame_count)
+    assert graphs[2] == graphs[1] > graphs[0], graphs
+
+
+@pytest.mark.parametrize("model", ["titans", "dla"])
+def test_deep_memories_default_start_compiles(gen, model):
+    """initial_state=None on an MLP memory draws the default weights from a seeded generator: a table of the
+    sizes and the seed, which torch.compile takes as a constant (a generator made in the trace stops it)."""
+    from atlaslib.deep import dla
+    from atlaslib.miras import miras
+    q, k, v, alpha, _ = inputs(gen, "scalar")
+    if model == "titans":
+        fn = lambda q, k, v, a: miras(q, k, v, preset="titans", memory="mlp", alpha=a, eta=0.1, theta=0.5,  # noqa: E731
+                                      backend="chunk", chunk_size=CHUNK)[0]
+    else:
+        fn = lambda q, k, v, a: dla(q, k, v, memory="mlp", alpha=a, backend="chunk", chunk_size=CHUNK)[0]  # noqa: E731
+    compiled_equals_eager(fn, q, k, v, alpha, tol=1e-5)
+
+
+def test_default_start_state_is_a_fresh_copy():
+    """The default deep weights are kept for the process: what a call returns must be its own tensors."""
+    from atlaslib.deep.mlp import second_layer_init
+    from atlaslib.miras import init_state, make_config
+    cfg = make_config("titans", memory="mlp")
+    first = init_state(cfg, 1, 2, 4, 3).memory
+    want = {n: w.clone() for n, w in first.items()}
+    for w in first.values():
+        w.add_(1.0)
+    assert all(torch.equal(init_state(cfg, 1, 2, 4, 3).memory[n], w) for n, w in want.items())
+    w2 = second_layer_init(1, 2, 3, 8, torch.float64, "cpu")
+    w2_again = w2.clone()
+    w2.zero_()
+    assert torch.equal(second_layer_init(1, 2, 3, 8, torch.float64, "cpu"), w2_again)

@@ -65,7 +65,7 @@ def dense_weights(w, blocks, N):
     return W.scatter_add(-1, blocks.clamp(min=0).expand(B, H, T, J), w) if N else W
 
 
-def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
+def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm", groups=None):
     """y_t = gamma_s(t) online_t + sum_{n in blocks[t]} gamma_n(t) M^(n) q_t for matrix memories.
 
     q [B, H, T, K] (features phi(q)), u [B, H, T, Ku] (None: q), states [B, H, N, V, K] (cached final
@@ -75,7 +75,9 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     "grm", "soup" (== grm for a matrix memory) or "ssc" (with top_k). Returns y [B, H, T, V] in q's
     dtype; computed in fp32 (fp64 for fp64 inputs). Exact: the readouts of every token are one
     contraction with the dense weight matrix W [T, N] (or, when each token reads few of many states,
-    a gather of its J states).
+    one product per state over the tokens that read it). groups: ``reader_groups(blocks, N)`` when the
+    caller has them (a layout's ``Layout.reader_groups``); None finds them in blocks, which reads it on
+    the host, so a readout that torch.compile traces must be given them.
     """
     u = q if u is None else u
     B, H, T, K = q.shape
@@ -84,22 +86,23 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     blocks = blocks.to(q.device)
     w, g_s = readout_weights(u.to(cd), pooled.to(cd), online_score.to(cd), blocks, top_k,
                              "grm" if aggregate == "soup" else aggregate)
-    y = g_s[..., None] * online.to(cd) + weighted_reads(w, states.to(cd), q.to(cd), blocks)
+    y = g_s[..., None] * online.to(cd) + weighted_reads(w, states.to(cd), q.to(cd), blocks, groups)
     return y.to(q.dtype)
 
 
-def weighted_reads(w, states, q, blocks):
+def weighted_reads(w, states, q, blocks, groups=None):
     """sum_j w_tj M^(blocks[t, j]) q_t. Few states (constant segments, N <= 2J): one dense contraction
     over n. Many states that each token reads a few of (log-linear, N ~ T / 2, J ~ log T): each state
     reads only the tokens that see it, ``readers_of`` (a contiguous run of tokens in the library's
     layouts), as one product per state; the states whose runs have one length go as one batch. So the
-    cost is O(T J V K), not O(T N V K), and no state is copied once per token."""
+    cost is O(T J V K), not O(T N V K), and no state is copied once per token. groups: as in
+    ``cached_readout``."""
     N, J = states.shape[2], blocks.shape[1]
     if N <= 2 * J:
         return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
     B, H, T, _ = q.shape
     y = q.new_zeros(B, H, T, states.shape[3])
-    for n_len, ns, tokens in reader_groups(blocks, N):                      # tokens [g, n_len]
+    for n_len, ns, tokens in reader_groups(blocks, N) if groups is None else groups:   # tokens [g, n_len]
         seen = blocks[tokens] == ns[:, None, None]                          # [g, n_len, J]: slot j holds n
         weight = (w[:, :, tokens] * seen).sum(-1)                            # [B, H, g, n_len]
         reads = torch.einsum("bhgvk,bhglk->bhglv", states[:, :, ns], q[:, :, tokens])
@@ -245,8 +248,12 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
     fq = linear_features(base, kw, final, q, k)
     if fq is not None and cached:
         states = torch.stack([memory_part(s).to(cd) for s in cached], dim=2)
-        read = readout or cached_readout
-        return read(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate).to(online.dtype), final
+        if readout is None:
+            y = cached_readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate,
+                               groups=layout.reader_groups(q.device))
+        else:
+            y = readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate)
+        return y.to(online.dtype), final
     if fq is not None:                                  # one segment: MC is the base itself
         return online, final
     w, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 from typing import NamedTuple
 
 import torch
@@ -56,6 +57,31 @@ class Layout(NamedTuple):
     def _table(self, device) -> torch.Tensor:
         J = max([len(v) for v in self.visible] + [1])
         return torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
+
+    def reader_runs(self) -> tuple[list, list]:
+        """(first reader, number of tokens from it to the last reader) of each cached state, as ``readers_of``
+        finds them in the table, from the layout's own lists (no tensor is read)."""
+        T, N = len(self.visible), len(self.cached)
+        first, last = [T] * N, [-1] * N
+        for t, vis in enumerate(self.visible):
+            for n in vis:
+                first[n], last[n] = min(first[n], t), max(last[n], t)
+        return [min(a, T - 1) for a in first], [max(b - a + 1, 0) for a, b in zip(first, last)]
+
+    def reader_groups(self, device="cpu") -> list:
+        """``reader_groups`` of the layout's table, from its own lists: nothing is read from a device, and
+        torch.compile can trace a readout that is given them (the table's values are unknown to it). Built
+        once per layout and device, like the table."""
+        if torch.compiler.is_compiling():
+            return _groups(*self.reader_runs(), device)
+        key = (id(self.visible), str(torch.device(device)))
+        hit = _GROUPS.get(key)
+        if hit is not None and hit[0] is self.visible:
+            return hit[1]
+        with torch.inference_mode(False):     # kept: also for a training pass after an eval pass
+            groups = _groups(*self.reader_runs(), device)
+        _remember(_GROUPS, key, (self.visible, groups))
+        return groups
 
 
 # Tables built from layouts, per (layout, device), and what is derived from them: the entries hold their
@@ -156,12 +182,21 @@ def make_layout(T: int, segments) -> Layout:
     built once (while torch.compile traces, built afresh: the trace holds it as a constant)."""
     check_length(T)                           # before the cache, where True would find the entry of 1
     if torch.compiler.is_compiling():
-        return _build_layout(T, segments)
+        # the layout's lists are Python structure, built for one T: a length that torch.compile traces as
+        # symbolic (T, or a segment length under dynamic=True) is fixed to its value (a guard: each length
+        # compiles its own graph)
+        fixed = [_concrete(n) for n in segments] if isinstance(segments, (list, tuple)) else _concrete(segments)
+        return _build_layout(_concrete(T), fixed)
     if isinstance(segments, (int, str)) and not isinstance(segments, bool):
         return _cached_layout(T, type(segments).__name__, segments)
     if isinstance(segments, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in segments):
         return _cached_layout(T, "list", tuple(segments))
     return _build_layout(T, segments)
+
+
+def _concrete(n):
+    """An int (a SymInt while tracing: dynamo's isinstance calls it an int) as its value; anything else as it is."""
+    return operator.index(n) if isinstance(n, numbers.Integral) and not isinstance(n, bool) else n
 
 
 @functools.lru_cache(maxsize=CACHE_ENTRIES)
@@ -192,29 +227,28 @@ def readers_of(blocks, N):
 
 def reader_groups(blocks, N) -> list:
     """The cached states grouped by the length of their run of readers (``readers_of``): a list of
-    (length, states [g], tokens [g, length]). For a layout's own table (``Layout.blocks``) it is
-    built once, so the readout's forward pass does not wait for the device to list the lengths."""
-    key = (id(blocks), N)
-    hit = None if torch.compiler.is_compiling() else _GROUPS.get(key)
-    if hit is not None and hit[0] is blocks:
-        return hit[1]
+    (length, states [g], tokens [g, length]), by increasing length. It reads the lengths on the host
+    (a sync on an accelerator; impossible while torch.compile traces): a layout's own groups,
+    ``Layout.reader_groups``, are built from its lists instead, once."""
+    first, length = readers_of(blocks, N)
+    return _groups(first.tolist(), length.tolist(), blocks.device)
+
+
+def _groups(first: list, length: list, device) -> list:
+    """(length, states [g], tokens [g, length]) per distinct run length, from each state's run (Python ints)."""
     groups = []
-    with torch.inference_mode(False):         # may be kept (below): also for a training pass after an eval
-        first, length = readers_of(blocks, N)
-        for n_len in length.unique().tolist():
-            ns = (length == n_len).nonzero().flatten()                       # states read by n_len tokens
-            groups.append((n_len, ns, first[ns, None] + torch.arange(n_len, device=blocks.device)))
-    # only a layout's own table is immutable, so only its groups may be cached
-    if not torch.compiler.is_compiling() and any(blocks is hit[1] for hit in _BLOCKS.values()):
-        _remember(_GROUPS, key, (blocks, groups))
+    for n_len in sorted(set(length)):
+        ns = [n for n, x in enumerate(length) if x == n_len]                # states read by n_len tokens
+        tokens = [[first[n] + i for i in range(n_len)] for n in ns]
+        groups.append((n_len, torch.tensor(ns, dtype=torch.int64, device=device),
+                       torch.tensor(tokens, dtype=torch.int64, device=device).reshape(len(ns), n_len)))
     return groups
 
 
 def reader_spans(layout: Layout) -> list:
     """For each cached state, the token range [first, last + 1) of the tokens that read it (so a memory
     is run on those queries only: O(T log T) passes for log-linear, not O(T^2))."""
-    first, length = readers_of(layout.blocks(), len(layout.cached))
-    return [(a, a + n) for a, n in zip(first.tolist(), length.tolist())]
+    return [(a, a + n) for a, n in zip(*layout.reader_runs())]
 
 
 def memory_reads(layout: Layout, top_k=None) -> int:

@@ -119,6 +119,10 @@ def check_form_shapes(q, k, v, *, window: int | None = None, gamma=None, per_cha
     return B, H, T, K, V
 
 
+def _range(low, high) -> str:
+    return f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
+
+
 def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
                low: float = 0.0, high: float | None = 1.0, ref: torch.Tensor | None = None):
     """A gate is ``[B, H, T]`` (scalar per token) or, when ``K`` is given, also ``[B, H, T, K]``.
@@ -130,7 +134,6 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
         return None
     if g.numel() == 0:
         return g
-    rng = f"[{low}, {high}]" if high is not None else f"[{low}, inf)"
     top = math.inf if high is None else high                     # +inf itself is never a step or a gate
     how = _value_check(g)
     if how == "host":
@@ -139,11 +142,11 @@ def check_gate(name: str, g, B: int, H: int, T: int, K: int | None = None, *,
         if math.isnan(g_min) or math.isnan(g_max):
             raise ValueError(f"{name} contains NaN")
         if g_min < low or g_max > top or g_max == math.inf:
-            raise ValueError(f"{name} must lie in {rng}, got values in [{g_min:.4g}, {g_max:.4g}]")
+            raise ValueError(f"{name} must lie in {_range(low, high)}, got values in [{g_min:.4g}, {g_max:.4g}]")
     elif how == "device":
         with torch.no_grad():                                    # NaN fails the comparisons too
             inside = (g >= low) & (g <= top) & (g < math.inf)
-            torch._assert_async(inside.all(), f"{name} must lie in {rng} and contain no NaN")
+            torch._assert_async(inside.all(), f"{name} must lie in {_range(low, high)} and contain no NaN")
     return g
 
 
@@ -152,13 +155,15 @@ def check_state(name: str, s, shape: tuple, ref: torch.Tensor):
     as ``_value_check`` says)."""
     if s is None:
         return None
-    want = "[" + ", ".join(str(d) for d in shape) + "]"
+
+    def want() -> str:          # only for a message (str() of a symbolic size cannot be traced)
+        return "[" + ", ".join(str(d) for d in shape) + "]"
     if not isinstance(s, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {want}, got {type(s).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {want()}, got {type(s).__name__}")
     if s.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be a floating tensor, got {s.dtype}")
     if tuple(s.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {want}, got {_shape(s)}")
+        raise ValueError(f"{name} must have shape {want()}, got {_shape(s)}")
     if s.device != ref.device:
         raise ValueError(f"{name} must be on {ref.device} like q, got {s.device}")
     how = _value_check(s)

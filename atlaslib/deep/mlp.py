@@ -24,6 +24,7 @@ and the kernel form share it).
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -53,9 +54,23 @@ def check_expansion(expansion):
 
 def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):
     """The default W2: N(0, 1/h) per head (fp64 draw, as ``Memory.init``), shared by the batch."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(H, V, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
-    return w.to(dtype=dtype, device=device)[None].expand(B, H, V, hidden).contiguous()
+    w = seeded_w2(H, V, hidden, seed)
+    return w.to(dtype=dtype, device=device, copy=True)[None].expand(B, H, V, hidden).contiguous()
+
+
+@torch.compiler.assume_constant_result
+def seeded_w2(H: int, V: int, hidden: int, seed: int) -> torch.Tensor:
+    """The draw of ``second_layer_init`` [H, V, hidden] in fp64, kept for the process (read-only: callers
+    copy). torch.compile takes it as a constant: a generator made while it traces stops a fullgraph
+    compilation, and the draw is a function of these arguments alone."""
+    return _seeded_w2(H, V, hidden, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _seeded_w2(H, V, hidden, seed):
+    with torch.inference_mode(False):         # kept: also for calls that train after an eval pass
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(H, V, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
 
 
 def mlp_start(initial_state, q, v, order, expansion=None):

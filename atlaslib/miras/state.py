@@ -17,6 +17,7 @@ continued run's first c - 1 tokens see a shorter window.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -47,19 +48,47 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
         check_int(name, value, 1)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-    memory = build_memory(cfg, K, V)
-    # The linear memory draws nothing, so no generator is made for it: one made inside a function that
-    # torch.compile traces stops a fullgraph compilation (miras(..., initial_state=None) on a linear memory)
-    gen = generator if generator is not None or cfg.memory == "linear" else torch.Generator().manual_seed(seed)
-    params = memory.init(H, gen, dtype=torch.float32, device="cpu")
-    if cfg.retention == "kl" and cfg.memory != "linear":
-        params = {n: torch.randn(w.shape, generator=gen) for n, w in params.items()}
-    params = {n: w.to(dtype=dtype, device=device)[None].expand(B, *w.shape).contiguous() for n, w in params.items()}
+    kl = cfg.retention == "kl"
+    if generator is not None or cfg.memory == "linear":
+        params = draw_params(build_memory(cfg, K, V), kl, H, generator)
+    else:           # a table of the arguments alone, which torch.compile takes as a constant
+        drawn = seeded_params(cfg.memory, K, V, cfg.expansion, cfg.activation, cfg.layer_norm, kl, H, seed)
+        params = dict(zip(build_memory(cfg, K, V).shapes, drawn))
+    params = {n: w.to(dtype=dtype, device=device, copy=True)[None].expand(B, *w.shape).contiguous()
+              for n, w in params.items()}
     momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer in ("momentum", "muon") else None
     if cfg.memory == "linear":
         params = params["M"]
         momentum = None if momentum is None else momentum["M"]
     return MirasState(params, momentum)
+
+
+def draw_params(memory, kl: bool, H: int, generator) -> dict:
+    """One fp32 CPU parameter set per head, drawn from ``generator`` (None: the linear memory, which draws
+    nothing); Memora's deep log-weights are drawn again as N(0, 1)."""
+    params = memory.init(H, generator, dtype=torch.float32, device="cpu")
+    if kl and memory.name != "linear":
+        params = {n: torch.randn(w.shape, generator=generator) for n, w in params.items()}
+    return params
+
+
+@torch.compiler.assume_constant_result
+def seeded_params(memory: str, K: int, V: int, expansion, activation, layer_norm, kl: bool, H: int,
+                  seed: int) -> tuple:
+    """The tensors of ``draw_params`` from a generator seeded with ``seed``, in the memory's ``shapes``
+    order; kept for the process (read-only: callers copy). torch.compile takes them as a constant: a
+    generator made while it traces stops a fullgraph compilation, and the draw is a function of these
+    arguments alone."""
+    return _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed)
+
+
+@functools.lru_cache(maxsize=64)
+def _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed) -> tuple:
+    from .memory import MEMORY_CLASSES
+    mem = MEMORY_CLASSES[memory](K, V, expansion, activation, layer_norm)
+    with torch.inference_mode(False):         # kept: also for calls that train after an eval pass
+        params = draw_params(mem, kl, H, torch.Generator().manual_seed(seed))
+    return tuple(params[name] for name in mem.shapes)
 
 
 def _as_dict(x, memory, what: str, B, H, ref):
