@@ -336,7 +336,7 @@ def test_capacity_rejects_pseudo_inverses_that_need_full_rank_keys():
 def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
                           BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                           MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LAST_OF_BLOCK: tl.constexpr,
-                          OTHER: tl.constexpr, ONE_PAST: tl.constexpr):
+                          OTHER: tl.constexpr, ONE_PAST: tl.constexpr, PRECISION: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t, c, r = tl.arange(0, BT), tl.arange(0, BK), tl.arange(0, BV)
     if MASK_LOADS:
@@ -356,7 +356,7 @@ def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
         g_last = tl.load(g_ptr + i * n + n - 1)
     state = i * V * K + r[:, None] * K + c[None, :]
     M = tl.load(M_ptr + state, mask=(r < V)[:, None] & (c < K)[None, :], other=0.0)
-    M_next = M * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision="ieee")
+    M_next = M * tl.exp(g_last) + tl.dot(tl.trans(v * tl.exp(g_last - g)[:, None]), k, input_precision=PRECISION)
     if ONE_PAST:                                        # also row V, column 0: the entry just past the matrix
         inside = (r < V)[:, None] & (c < K)[None, :]
         tl.store(out_ptr + state, M_next, mask=inside | ((r[:, None] == V) & (c[None, :] == 0)))
@@ -366,14 +366,14 @@ def state_update_variants(M_ptr, k_ptr, v_ptr, g_ptr, out_ptr, n, K, V,
         tl.store(out_ptr + state, M_next, mask=(r < V)[:, None] & (c < BK)[None, :])
 
 
-def launcher(mask_loads=True, mask_store=True, last_of_block=False, other=True, one_past=False):
+def launcher(mask_loads=True, mask_store=True, last_of_block=False, other=True, one_past=False, precision="ieee"):
     def state_update(M, k, v, g, out):
         N, n, K = k.shape
         V = v.shape[-1]
         BT, BK, BV = (max(16, triton.next_power_of_2(x)) for x in (n, K, V))
         state_update_variants[(N,)](M, k, v, g, out, n, K, V, BT=BT, BK=BK, BV=BV, MASK_LOADS=mask_loads,
                                     MASK_STORE=mask_store, LAST_OF_BLOCK=last_of_block, OTHER=other,
-                                    ONE_PAST=one_past)
+                                    ONE_PAST=one_past, PRECISION=precision)
         return out
     return state_update
 
@@ -522,6 +522,15 @@ def test_triton_check_catches_one_store_past_the_end():
 def test_triton_check_catches_gate_of_the_padded_row():
     v = ch01.triton_state_update.evaluate(launcher(last_of_block=True))
     assert v.status == "failed"
+
+
+def test_triton_check_names_tf32_products():
+    """tl.dot's default TF32 products (as a card makes them; the interpreter copies it) fail the check with the
+    same tolerance as on a card, and the message says what the error's size means."""
+    v = ch01.triton_state_update.evaluate(launcher(precision="tf32"))
+    assert v.status == "failed" and 'input_precision="ieee"' in v.message, v.message
+    v = ch01.triton_state_update.evaluate(launcher(last_of_block=True))     # a wrong kernel gets no such hint
+    assert v.status == "failed" and "TF32" not in v.message, v.message
 
 
 @pytest.mark.library_rules

@@ -418,7 +418,8 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, ke
         assert_close(got.detach(), expected.detach(), tol=tol, name=name)
     except AssertionError as e:
         message = str(e) if kernel_output else str(e).replace(NEVER_WROTE, NAN_IN_TORCH)
-        raise CheckFailed(f"{message}{dtype_hint(got.dtype, expected.dtype) or float32_hint(got, expected)}") from None
+        hint = dtype_hint(got.dtype, expected.dtype) or float32_hint(got, expected)
+        raise CheckFailed(f"{message}{hint or (tf32_hint(got, expected, tol) if kernel_output else '')}") from None
 
 
 def float32_hint(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -431,6 +432,18 @@ def float32_hint(got: torch.Tensor, want: torch.Tensor) -> str:
         return ""
     return (". The error is about float32's rounding: a float32 tensor was made on the way (torch.tensor of a "
             "list, torch.zeros/ones/eye/arange without dtype=, a .float()); make it with dtype=x.dtype")
+
+
+def tf32_hint(got: torch.Tensor, want: torch.Tensor, tol: float | None) -> str:
+    """Added when a kernel's float32 output is off by what TF32 products cost (above the check's tolerance,
+    below 1e-2 relative): ``tl.dot``'s default on a card, which the interpreter copies (``as_a_gpu``)."""
+    if got.dtype != torch.float32 or got.shape != want.shape or tol is None:
+        return ""
+    if not tol < rel_rmse(got.detach(), want.detach().to(got.dtype)) < 1e-2:
+        return ""
+    return (". An error of this size is what TF32 products cost: a tl.dot without input_precision=\"ieee\" "
+            "rounds its fp32 operands to 10 mantissa bits (on a card, and in the interpreter here as on a card); "
+            "pass input_precision=\"ieee\"")
 
 
 def dtype_hint(got, want) -> str:
