@@ -10,9 +10,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from atlaslib.core import (TaylorFeatures, assert_close, check_degree, elu_plus_one, get_feature_map,
-                           identity, monomial_dim, monomial_features, taylor_features, tensor_power)
+                           identity, monomial_dim, monomial_features, random_qkv, taylor_features, tensor_power)
+from atlaslib.linear import linear_attention
 
 
 def brute_force_monomials(x, p):
@@ -191,6 +193,26 @@ def test_named_maps_still_work(gen):
     with pytest.raises(ValueError, match="unknown feature map"):
         get_feature_map("poly2")
     assert (elu_plus_one(x) > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_elu_plus_one_stays_positive(gen, dtype):
+    """elu + 1 is e^x for x <= 0: positive where (e^x - 1) + 1 rounds to 0 (x = -20 in fp32, -40 in fp64),
+    so a normalised read of queries that far out is finite. Values and gradients are elu's (fp64 reference)."""
+    x = torch.cat([torch.randn(50, generator=gen, dtype=torch.float64) * 5, torch.tensor([0.0, -20.0, -40.0, 30.0],
+                                                                                          dtype=torch.float64)])
+    got = x.to(dtype, copy=True).requires_grad_(True)
+    want = x.clone().requires_grad_(True)
+    elu_plus_one(got).sum().backward()
+    (F.elu(want) + 1).sum().backward()
+    assert (elu_plus_one(x.to(dtype)) > 0).all()
+    assert_close(elu_plus_one(x.to(dtype)).double(), torch.exp(x).where(x <= 0, x + 1), tol=1e-6)
+    assert torch.allclose(got.grad.double(), want.grad, rtol=1e-6, atol=0)
+    q, k, v = random_qkv(1, 1, 4, 3, 2, dtype=dtype, generator=gen)
+    q[..., 2, :] = -20.0 if dtype == torch.float32 else -40.0
+    for backend in ("recurrent", "chunk"):
+        o, _ = linear_attention(elu_plus_one(q), elu_plus_one(k), v, normalize=True, backend=backend)
+        assert torch.isfinite(o).all(), backend
 
 
 def test_features_first_built_in_inference_mode_still_train(gen):

@@ -38,8 +38,10 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """phi(x) = elu(x) + 1 > 0 (Katharopoulos et al., 2020)."""
-    return F.elu(x) + 1.0
+    """phi(x) = elu(x) + 1 > 0 (Katharopoulos et al., 2020): x + 1 for x > 0, e^x below. e^x itself, not
+    (e^x - 1) + 1, which rounds to 0 below about -17 in fp32 (-37 in fp64) and leaves a normalised
+    read 0 / 0; e^x stays positive to about -87 (fp32) and -708 (fp64)."""
+    return torch.where(x > 0, x + 1.0, torch.exp(x.clamp(max=0.0)))     # clamped: no inf in the branch not taken
 
 
 FEATURE_MAPS = {"identity": identity, "elu+1": elu_plus_one}
