@@ -340,6 +340,8 @@ def main(argv=None):
         p.error(f"--scaling times one backend, got --backends {' '.join(args.backends)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile and args.vs != "fla":
+        p.error("--profile lists the largest kernels of --vs fla's forwards; it needs --vs fla")
     if args.vs == "fla":
         from . import bench_fla
         ignored = [flag for flag, on in (("--quick", args.quick), ("--scaling", args.scaling),

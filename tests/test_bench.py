@@ -62,6 +62,7 @@ def usage_error(main, argv, capsys) -> str:
     (["--vs", "fla", "--chunk-size", "32"], "error: --vs fla times its own fixed forms: --chunk-size do not apply"),
     (["--vs", "fla", "--device", "cpu", "--T", "96"], "fla's PyTorch references take float32 and T a multiple of 64"),
     (["--vs", "fla", "--device", "cpu", "--T", "64", "--dtype", "bfloat16"], "take float32 and T a multiple of 64"),
+    (["--profile"], "error: --profile lists the largest kernels of --vs fla's forwards; it needs --vs fla"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(capsys, argv, message):
     line = usage_error(bench.main, SMALL[:2] + argv if "--models" not in argv else argv + SMALL[2:], capsys)

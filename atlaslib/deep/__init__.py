@@ -198,7 +198,7 @@ def deep_transformer(q: Tensor, k: Tensor, v: Tensor, *, alpha: Gate = None, eta
             phi_star="kernel", any normalize and window; or ("taylor", P) without a window, on chapter
             1's kernel; fp32/bf16/fp16 inputs, K <= 256 (D <= 256 features); forward only, gradients
             through the chunk form) or "auto" (the kernel on CUDA where it takes the inputs, else
-            chunk). Every form is exact for every ``chunk_size``.
+            chunk). With the linear memory every form is exact for every ``chunk_size``.
         chunk_size: rows per block of the chunk form (with "mlp" the b of the frozen gradients). None:
             DEFAULT_CHUNK_SIZE (64), or FROZEN_CHUNK_SIZE (chapter 3's b) for "mlp", where b is part of the model.
         activation: "mlp" only: act of chapter 3's ``ACTIVATIONS`` (None: "gelu"). With W1 = 0 the first

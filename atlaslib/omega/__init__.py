@@ -87,7 +87,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = No
             ``**memory_options``: ``expansion``, ``activation``, ``layer_norm`` (as ``miras``).
         initial_state: optional start state: the memory (linear: a tensor [B, H, V, D]; deep: a dict of
             weights) or a ``MirasState(memory, None)``, e.g. a previous call's final state (which continues
-            the sequence exactly only for window=1: a window also needs the last c - 1 pairs, which
+            the sequence exactly only for window=1, and on the chunk forms only when the split falls on a
+            chunk boundary, where the gradients freeze: a window also needs the last c - 1 pairs, which
             ``omega_step``'s state carries and the final state does not).
         output_final_state: also return the state after the last token, a ``MirasState(memory, None)``.
         backend: "recurrent" (the per-token definition: ring buffer, all c gradients at
