@@ -257,9 +257,25 @@ def caching_specs(window: int) -> list[tuple[str, str, dict]]:
     return [base, cached] + [(f"{label}_c{c}", name, {**kw, "segments": c}) for c in CACHING_SEGMENTS]
 
 
+def check_one_setting(records: list[dict], task_fields: tuple = ()) -> None:
+    """The runs a table compares differ only in the learning rate, the seed and ``task_fields`` (its columns):
+    a file holding runs of another budget, data or model (an ``--steps`` trial appended to a sweep's file)
+    would otherwise take its best over both. ValueError naming the fields that differ."""
+    settings = {}                                        # mixer -> {field: values}
+    for r in records:
+        for f in KEY_FIELDS:
+            if f not in ("lr", "seed", *task_fields):
+                settings.setdefault(r["mixer"], {}).setdefault(f, set()).add(json.dumps(r[f], sort_keys=True))
+    mixed = sorted({f for fields in settings.values() for f, values in fields.items() if len(values) > 1})
+    if mixed:
+        raise ValueError(f"these results mix runs that differ in {', '.join(mixed)} (not only in lr and seed): "
+                         "keep trial runs in a file of their own (--out)")
+
+
 def seed_table(records: list[dict]) -> list[dict]:
     """One row per mixer: the best accuracy over learning rates for each seed, their mean, and the lr that
     gave each (Zoology's protocol, as ``leaderboard``, with the seeds kept apart)."""
+    check_one_setting(records)
     best = {}                                            # (mixer, seed) -> (accuracy, lr)
     for r in records:
         k = (r["mixer"], r["seed"])
@@ -422,6 +438,7 @@ def sweep(size: str, out: str, *, mixers=None, steps=None, shard_index=0, shard_
 
 def leaderboard(records: list[dict]) -> list[dict]:
     """One row per mixer: per task (T, pairs, d_model) the best accuracy over learning rates, mean over seeds."""
+    check_one_setting(records, ("seq_len", "num_kv_pairs", "d_model"))
     best = {}                                            # (mixer, task, seed) -> max accuracy over lrs
     for r in records:
         k = (r["mixer"], (r["seq_len"], r["num_kv_pairs"], r["d_model"]), r["seed"])
@@ -441,6 +458,13 @@ def report(out: str) -> str:
     records = read_results(out)
     if not records:
         return f"no results in {out} (nor its .rank* files)"
+    try:
+        return _report(out, records)
+    except ValueError as e:                              # runs of two settings in one file
+        return f"{out}: {e}"
+
+
+def _report(out: str, records: list[dict]) -> str:
     if records[0]["size"] == "inversion":
         return ("MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
                 + format_table(inversion_table(records)))
@@ -509,6 +533,9 @@ def main(argv=None):
     if args.experiment != "mqar" and args.size is not None:
         p.error(f"--size chooses the mqar grid; {args.experiment} has its own fixed grid")
     args.size = args.experiment if args.experiment != "mqar" else args.size or "small"
+    if args.steps is not None and args.out is None and not (args.report or args.merge or args.list):
+        p.error(f"--steps changes the runs' budget: give --out, so that they do not join the sweep's "
+                f"results/mqar_{args.size}.jsonl")
     out = args.out or os.path.join("results", f"mqar_{args.size}.jsonl")     # a sweep makes its folder
     if os.path.isdir(out):
         p.error(f"--out {out} is a folder; give a file name")

@@ -184,6 +184,26 @@ def test_the_leaderboard_shows_a_dash_where_a_mixer_has_no_run(tmp_path):
     assert [line.split() for line in lines[3:]] == [["a", "0.250", "0.750"], ["b", "0.500", "-"]]
 
 
+def test_tables_refuse_runs_of_two_settings(tmp_path):
+    """A trial with another step budget appended to a sweep's file would join its best-of-lr: the tables refuse to
+    mix runs that differ in anything but lr, seed and their columns, and say which field differs."""
+    records = [_record("a", 16, 2, 1e-2, 0, 0.25), _record("a", 16, 4, 1e-2, 0, 0.75)]
+    out = tmp_path / "r.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in [*records, dict(records[0], steps=1, accuracy=0.9)]))
+    assert "differ in steps (not only in lr and seed)" in ex.report(str(out))
+    with pytest.raises(ValueError, match="differ in steps"):
+        ex.seed_table([records[0], dict(records[0], steps=1)])
+    assert ex.leaderboard(records)                                       # tasks and lrs alone: one table
+
+
+def test_a_step_override_needs_its_own_results_file(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                  # were it accepted, its runs would go to results/ under here
+    with pytest.raises(SystemExit) as exit_:
+        ex.main(["mqar", "--size", "tiny", "--steps", "3", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "--steps changes the runs' budget: give --out" in err, err
+
+
 @pytest.mark.parametrize("size, steps, warmup", [
     ("small", 5, 5), ("small", 100, 30), ("paper", 100, 100), ("filler", 3, 3), ("caching", 3, 3), ("inversion", 7, 7),
     ("inversion", 70, 50), ("tiny", 1, 1)])
