@@ -242,7 +242,7 @@ def test_kda_beta_rejects_wrong_proximal_steps(wrong):
 @triton.jit
 def chunk_matrix_variants(k_ptr, beta_ptr, g_ptr, out_ptr, n, K, BT: tl.constexpr, BK: tl.constexpr,
                           MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, DIAGONAL: tl.constexpr,
-                          BETA_OF_COLUMN: tl.constexpr, LOWER_STORE_ONLY: tl.constexpr):
+                          BETA_OF_COLUMN: tl.constexpr, LOWER_STORE_ONLY: tl.constexpr, EXP_THEN_MASK: tl.constexpr):
     """A written without tl.dot (broadcast and sum), with switchable mistakes."""
     i = tl.program_id(0).to(tl.int64)
     r, c = tl.arange(0, BT), tl.arange(0, BK)
@@ -258,7 +258,10 @@ def chunk_matrix_variants(k_ptr, beta_ptr, g_ptr, out_ptr, n, K, BT: tl.constexp
         below = r[:, None] >= r[None, :]
     else:
         below = r[:, None] > r[None, :]
-    A = tl.where(below, kk * tl.exp(tl.where(below, g[:, None] - g[None, :], 0.0)), 0.0)
+    if EXP_THEN_MASK:                                   # exp overflows above the diagonal: inf * 0 = NaN
+        A = kk * (tl.exp(g[:, None] - g[None, :]) * below)
+    else:
+        A = tl.where(below, kk * tl.exp(tl.where(below, g[:, None] - g[None, :], 0.0)), 0.0)
     if BETA_OF_COLUMN:
         A = A * beta[None, :]
     else:
@@ -273,12 +276,13 @@ def chunk_matrix_variants(k_ptr, beta_ptr, g_ptr, out_ptr, n, K, BT: tl.constexp
 
 
 def chunk_matrix_launcher(mask_loads=True, mask_store=True, diagonal=False, beta_of_column=False,
-                          lower_store_only=False):
+                          lower_store_only=False, exp_then_mask=False):
     def launch(k, beta, g, out):
         N, n, K = k.shape
         BT, BK = (max(16, triton.next_power_of_2(x)) for x in (n, K))
         chunk_matrix_variants[(N,)](k, beta, g, out, n, K, BT=BT, BK=BK, MASK_LOADS=mask_loads, MASK_STORE=mask_store,
-                                    DIAGONAL=diagonal, BETA_OF_COLUMN=beta_of_column, LOWER_STORE_ONLY=lower_store_only)
+                                    DIAGONAL=diagonal, BETA_OF_COLUMN=beta_of_column, LOWER_STORE_ONLY=lower_store_only,
+                                    EXP_THEN_MASK=exp_then_mask)
         return out
     return launch
 
@@ -308,6 +312,12 @@ def test_triton_check_catches_zeros_never_written():
 def test_triton_check_catches_wrong_entries(kw):
     v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(**kw))
     assert v.status == "failed" and "relative RMSE" in v.message
+
+
+def test_triton_check_catches_a_mask_applied_after_exp():
+    """A 0/1 mask multiplied after tl.exp: with strong gates exp(g_t - g_j) overflows above the diagonal."""
+    v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(exp_then_mask=True))
+    assert v.status == "failed" and "NaN" in v.message and "before tl.exp" in v.message, v.message
 
 
 # ---- exercise 6: the backward of the WY solve -----------------------------------------------

@@ -239,7 +239,7 @@ def test_chunkwise_rejects_missing_none_case_and_wrong_sign():
 @triton.jit
 def weights_variants(G_ptr, eta_ptr, g_ptr, out_ptr, n, c, BT: tl.constexpr, BW: tl.constexpr,
                      MASK_LOADS: tl.constexpr, MASK_STORE: tl.constexpr, LOOK_BACK: tl.constexpr,
-                     ETA_OF_ROW: tl.constexpr, DECAY: tl.constexpr):
+                     ETA_OF_ROW: tl.constexpr, DECAY: tl.constexpr, EXP_THEN_MASK: tl.constexpr):
     """C = (D diag(eta)) Gamma written with broadcast-and-sum (no tl.dot), with switchable mistakes."""
     i = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BT)
@@ -257,7 +257,9 @@ def weights_variants(G_ptr, eta_ptr, g_ptr, out_ptr, n, c, BT: tl.constexpr, BW:
         band = band & (w[None, :] >= c - 1)
     gam = tl.load(G_ptr + i * n * c + r[:, None] * c + j, mask=band, other=0.0)
     causal = r[:, None] >= r[None, :]
-    if DECAY:
+    if EXP_THEN_MASK:                                   # exp overflows above the diagonal: inf * 0 = NaN
+        decay = tl.exp(g[:, None] - g[None, :]) * causal
+    elif DECAY:
         decay = tl.exp(tl.where(causal, g[:, None] - g[None, :], float("-inf")))
     else:
         decay = tl.where(causal, 1.0, 0.0)
@@ -273,12 +275,13 @@ def weights_variants(G_ptr, eta_ptr, g_ptr, out_ptr, n, c, BT: tl.constexpr, BW:
     tl.store(out_ptr + i * n * W + r[:, None] * W + w[None, :], C, mask=m_out)
 
 
-def weights_launcher(mask_loads=True, mask_store=True, look_back=True, eta_of_row=False, decay=True):
+def weights_launcher(mask_loads=True, mask_store=True, look_back=True, eta_of_row=False, decay=True,
+                     exp_then_mask=False):
     def launch(G, eta, g, out):
         N, n, c = G.shape
         BT, BW = max(16, triton.next_power_of_2(n)), max(16, triton.next_power_of_2(n + c - 1))
         weights_variants[(N,)](G, eta, g, out, n, c, BT=BT, BW=BW, MASK_LOADS=mask_loads, MASK_STORE=mask_store,
-                               LOOK_BACK=look_back, ETA_OF_ROW=eta_of_row, DECAY=decay)
+                               LOOK_BACK=look_back, ETA_OF_ROW=eta_of_row, DECAY=decay, EXP_THEN_MASK=exp_then_mask)
         return out
     return launch
 
@@ -303,6 +306,12 @@ def test_triton_check_catches_stores_past_the_end():
 def test_triton_check_catches_wrong_entries(kw):
     v = ch04.triton_window_weights.evaluate(weights_launcher(**kw))
     assert v.status == "failed" and "relative RMSE" in v.message, v.message
+
+
+def test_triton_check_catches_a_mask_applied_after_exp():
+    """A 0/1 mask multiplied after tl.exp: with strong gates exp(g_t - g_s) overflows above the diagonal."""
+    v = ch04.triton_window_weights.evaluate(weights_launcher(exp_then_mask=True))
+    assert v.status == "failed" and "NaN" in v.message and "before tl.exp" in v.message, v.message
 
 
 # ---- the grader on chapter 4 -----------------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_momenta_asks_for_every_momentum():
 
 @triton.jit
 def ns_variants(x_ptr, o_ptr, R, C, a, b, c, BR: tl.constexpr, BC: tl.constexpr, MASK_LOADS: tl.constexpr,
-                MASK_STORE: tl.constexpr, NORMALISE: tl.constexpr, NORM_OF_ROWS: tl.constexpr):
+                MASK_STORE: tl.constexpr, NORMALISE: tl.constexpr, NORM_OF_ROWS: tl.constexpr, EPS: tl.constexpr):
     """One NS step written with broadcast-and-sum (no tl.dot), with switchable mistakes."""
     i = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, BR)
@@ -247,7 +247,7 @@ def ns_variants(x_ptr, o_ptr, R, C, a, b, c, BR: tl.constexpr, BC: tl.constexpr,
         if NORM_OF_ROWS:                                                 # each row on its own
             x = x / (tl.sqrt(tl.sum(x * x, axis=1))[:, None] + 1e-7)
         else:
-            x = x / (tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0)) + 1e-7)
+            x = x / (tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0)) + EPS)
     A = tl.sum(x[:, None, :] * x[None, :, :], axis=2)                     # X X^T [BR, BR]
     A2 = tl.sum(A[:, :, None] * A[None, :, :], axis=1)
     P = b * A + c * A2
@@ -259,12 +259,12 @@ def ns_variants(x_ptr, o_ptr, R, C, a, b, c, BR: tl.constexpr, BC: tl.constexpr,
     tl.store(o_ptr + i * R * C + r[:, None] * C + s[None, :], y, mask=m_out)
 
 
-def ns_launcher(mask_loads=True, mask_store=True, normalise=True, norm_of_rows=False):
+def ns_launcher(mask_loads=True, mask_store=True, normalise=True, norm_of_rows=False, eps=1e-7):
     def launch(X, out, coeffs):
         N, R, C = X.shape
         BR, BC = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(C))
         ns_variants[(N,)](X, out, R, C, *coeffs, BR=BR, BC=BC, MASK_LOADS=mask_loads, MASK_STORE=mask_store,
-                          NORMALISE=normalise, NORM_OF_ROWS=norm_of_rows)
+                          NORMALISE=normalise, NORM_OF_ROWS=norm_of_rows, EPS=eps)
         return out
     return launch
 
@@ -293,6 +293,12 @@ def test_triton_check_catches_stores_past_the_end():
 def test_triton_check_catches_wrong_normalisation(kw):
     v = ch05.triton_ns_step.evaluate(ns_launcher(**kw))
     assert v.status == "failed" and "out: relative RMSE" in v.message, v.message
+
+
+def test_triton_check_catches_a_norm_without_eps():
+    """The norm of an all-zero matrix is 0: without eps its step is 0/0."""
+    v = ch05.triton_ns_step.evaluate(ns_launcher(eps=0.0))
+    assert v.status == "failed" and "NaN" in v.message and "all zero" in v.message, v.message
 
 
 # ---- the rules: the library's Newton-Schulz is the answer of exercises 1, 2 and 5 ------------------

@@ -259,7 +259,8 @@ def test_ssc_weights_must_take_top_k_none():
 def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
                          BT: tl.constexpr, BK: tl.constexpr, BJ: tl.constexpr, MASK_LOADS: tl.constexpr,
                          MASK_PAD: tl.constexpr, MASK_STORE: tl.constexpr, ONLINE: tl.constexpr,
-                         SHIFT: tl.constexpr, MAX_ONLINE: tl.constexpr, G_ONE_PAST: tl.constexpr):
+                         SHIFT: tl.constexpr, MAX_ONLINE: tl.constexpr, G_ONE_PAST: tl.constexpr,
+                         TABLE: tl.constexpr, ROWS_OF_BJ: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     c, j_ = tl.arange(0, BK), tl.arange(0, BJ)
@@ -268,8 +269,19 @@ def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
     u = tl.load(u_ptr + i * T * K + t[:, None] * K + c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
     r = tl.zeros([BT, BJ], dtype=tl.float32) - float("inf")
     for j in range(J):
-        n = tl.load(b_ptr + t * J + j, mask=m_t, other=-1)
+        if ROWS_OF_BJ == "blocks":                                         # a row of blocks taken as BJ long
+            at = b_ptr + t * BJ + j
+        else:
+            at = b_ptr + t * J + j
+        if TABLE == "unmasked":                                            # the padded tokens read past the table
+            n = tl.load(at)
+        elif TABLE == "no_other":                                          # their slots undefined, not -1
+            n = tl.load(at, mask=m_t)
+        else:
+            n = tl.load(at, mask=m_t, other=-1)
         m_n = n >= 0 if MASK_PAD else m_t
+        if TABLE == "unmasked":
+            m_n = m_n & m_t
         p = tl.load(p_ptr + i * S * K + n[:, None] * K + c[None, :], mask=m_n[:, None] & m_c[None, :], other=0.0)
         r_j = tl.sum(u * p, axis=1)
         if MASK_PAD:
@@ -286,12 +298,16 @@ def grm_weights_variants(u_ptr, p_ptr, b_ptr, r_ptr, w_ptr, g_ptr, T, S, K, J,
     e, e_s = tl.exp(r - m[:, None]), tl.exp(s - m)
     z = tl.sum(e, axis=1) + e_s
     m_j = j_ < J if MASK_STORE else j_ < BJ
-    tl.store(w_ptr + i * T * J + t[:, None] * J + j_[None, :], e / z[:, None], mask=m_t[:, None] & m_j[None, :])
+    if ROWS_OF_BJ == "w":                                                  # a row of w taken as BJ long
+        at_w = w_ptr + i * T * BJ + t[:, None] * BJ + j_[None, :]
+    else:
+        at_w = w_ptr + i * T * J + t[:, None] * J + j_[None, :]
+    tl.store(at_w, e / z[:, None], mask=m_t[:, None] & m_j[None, :])
     tl.store(g_ptr + i * T + t, e_s / z, mask=t <= T if G_ONE_PAST else m_t)      # t <= T: one entry too many
 
 
 def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, shift=True, max_online=True,
-                 g_one_past=False):
+                 g_one_past=False, table="masked", rows_of_bj=""):
     def launch(u, pooled, blocks, online_score, w, g):
         N, T, K = u.shape
         S, J = pooled.shape[1], blocks.shape[1]
@@ -299,7 +315,8 @@ def grm_launcher(mask_loads=True, mask_pad=True, mask_store=True, online=True, s
         grm_weights_variants[(N, triton.cdiv(T, BT))](u, pooled, blocks, online_score, w, g, T, S, K, J, BT=BT, BK=BK,
                                                       BJ=BJ, MASK_LOADS=mask_loads, MASK_PAD=mask_pad,
                                                       MASK_STORE=mask_store, ONLINE=online, SHIFT=shift,
-                                                      MAX_ONLINE=max_online, G_ONE_PAST=g_one_past)
+                                                      MAX_ONLINE=max_online, G_ONE_PAST=g_one_past, TABLE=table,
+                                                      ROWS_OF_BJ=rows_of_bj)
     return launch
 
 
@@ -337,6 +354,26 @@ def test_triton_check_catches_a_store_past_the_end_of_g():
     """g's store mask t <= T: each row stores one entry past its end, the last row past the end of g."""
     v = ch07.triton_grm_weights.evaluate(grm_launcher(g_one_past=True))
     assert v.status == "failed" and "past the end of g" in v.message, v.message
+
+
+@pytest.mark.parametrize("rows_of", ["w", "blocks"])
+def test_triton_check_catches_rows_taken_as_block_size_long(rows_of):
+    """A row of w or of blocks is J long; BJ is J rounded up to a power of two: a case has J = 3."""
+    v = ch07.triton_grm_weights.evaluate(grm_launcher(rows_of_bj=rows_of))
+    assert v.status == "failed" and "J=3 slots" in v.message, v.message
+
+
+def test_triton_check_catches_an_unmasked_load_of_the_table():
+    """The padded tokens' slots read past the end of blocks, then masked: the table is guarded as well."""
+    v = ch07.triton_grm_weights.evaluate(grm_launcher(table="unmasked"))
+    assert v.status == "failed" and "past the end of argument 3" in v.message, v.message
+
+
+def test_triton_check_catches_a_gather_through_undefined_slots():
+    """The table loaded without other=-1: the padded tokens' slots are undefined (the largest int here), and the
+    rows of pooled they index lie outside every tensor. The load is refused (a real one may crash the process)."""
+    v = ch07.triton_grm_weights.evaluate(grm_launcher(table="no_other"))
+    assert v.status == "failed" and "outside every tensor" in v.message and "other=-1" in v.message, v.message
 
 
 def test_triton_check_catches_the_missing_online_slot():

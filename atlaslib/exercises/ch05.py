@@ -18,8 +18,8 @@ from ..atlas import atlas_step as one_token
 from ..core.testing import random_gate, random_qkv
 from ..miras.optimizer import build_optimizer
 from .ch01 import clones, triton_setup
-from .checking import (CheckFailed, Registry, call, case, check_guards, check_shape, compare, compare_kernel_output,
-                       guarded, guarded_output, unpack)
+from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare,
+                       compare_kernel_output, guarded, guarded_output, unpack)
 
 EXERCISES = Registry("ch05", helpers={"atlaslib.atlas": ("newton_schulz",)})   # what the notebook may import
 
@@ -209,25 +209,35 @@ def momenta(fn, gen):
             "(resets and underflow included)")
 
 
+ZERO_HINT = " An all-zero matrix has the norm 0: divide by ||X||_F + eps, as the statement says (0/0 is NaN)."
+
+
 @EXERCISES.check("triton_ns_step", title="A Triton kernel for one Newton-Schulz step on a tile", points=3,
                   functions=("ns_step_triton",), forbidden=NEWTON_SCHULZ, needs_launch=True)
 def triton_ns_step(fn, gen):
     """fn(X [N,R,C] (R <= C), out [N,R,C], coeffs (p0, p1, p2)) -> out = NS_1 of each matrix, in fp32."""
     device, tol = triton_setup(TOL)
-    cases = [(2, 5, 7, "muon"), (1, 16, 16, "quintic"), (3, 3, 20, "random"), (1, 1, 4, "muon"),
-             (2, 9, 33, "cubic")]            # (N, R, C, coefficients): odd sizes on purpose
-    for N, R, C, name in cases:
+    # (N, R, C, coefficients, the matrix made all zero or None): odd sizes on purpose; a zero matrix's norm is 0,
+    # and its step 0 only with the statement's eps
+    cases = [(2, 5, 7, "muon", None), (1, 16, 16, "quintic", None), (3, 3, 20, "random", 1),
+             (1, 1, 4, "muon", None), (2, 9, 33, "cubic", None)]
+    for N, R, C, name, zero in cases:
         X = _batch_of_scales(N, 1, R, C, gen)[:, 0]
+        if zero is not None:
+            X[zero] = 0.0
         coeffs = _coeffs(name, gen)
         ref = newton_schulz(X, 1, coeffs)
         x_in = guarded(X.to(device))
         out = guarded_output((N, R, C), device=device)
-        with case(f"N={N}, R={R}, C={C}, coefficients {name} {coeffs}"):
+        label = f"N={N}, R={R}, C={C}, coefficients {name} {coeffs}"
+        label += f" (matrix {zero} is all zero)" if zero is not None else ""
+        hint = NAN_HINT + ZERO_HINT if zero is not None else NAN_HINT
+        with case(label):
             call(fn, x_in, out, coeffs)
             if device == "cuda":
                 torch.cuda.synchronize()
             check_guards("out", out)
-            compare_kernel_output("out", out, ref.to(device), tol)
+            compare_kernel_output("out", out, ref.to(device), tol, hint)
     # the same text on CPU and GPU, so the stored output is valid on both
     return (f"the kernel matches atlaslib.atlas.newton_schulz on {len(cases)} odd-sized cases, "
             "with no stray loads or stores")

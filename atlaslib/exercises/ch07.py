@@ -213,9 +213,11 @@ def triton_grm_weights(fn, gen):
     device, tol = triton_setup(TOL, 1e-3)
     # (N, T, K, segments, size of u, online scores): the second case's online scores are about 100 and
     # its cached ones about 1, so a row maximum over the cached slots only overflows exp on every token;
-    # the fourth has no cached state at all (S = 0: every slot is padding)
+    # the fourth has no cached state at all (S = 0: every slot is padding); the fifth has J = 3 slots,
+    # not a power of two (where J is one, a kernel that takes a row of blocks or w as BJ long passes)
     cases = [(2, 13, 5, "log", 1.0, 0.0), (1, 37, 16, 8, 1.0, 100.0), (3, 5, 3, 2, 1.0, 0.0),
-             (1, 1, 4, "log", 1.0, 0.0), (2, 40, 6, "log", 1.0, 0.0), (1, 20, 16, 4, 100.0, 0.0)]
+             (1, 1, 4, "log", 1.0, 0.0), (2, 13, 5, 4, 1.0, 0.0), (2, 40, 6, "log", 1.0, 0.0),
+             (1, 20, 16, 4, 100.0, 0.0)]
     for N, T, K, segments, size, shift in cases:
         layout = make_layout(T, segments)
         blocks = layout.blocks()
@@ -226,11 +228,12 @@ def triton_grm_weights(fn, gen):
         w_ref, g_ref = readout_weights(u[:, None], pooled[:, None], online_score[:, None], blocks, aggregate="grm")
         w_ref, g_ref = w_ref[:, 0].to(device), g_ref[:, 0].to(device)
         ins = [guarded(x.to(device)) for x in (u, pooled)]
-        table = blocks.to(device=device, dtype=torch.int32).contiguous()
+        table = guarded(blocks.to(device=device, dtype=torch.int32))   # an index read past it: the largest int
         score = guarded(online_score.to(device))
         w, g = guarded_output((N, T, J), device=device), guarded_output((N, T), device=device)
         kind = "log-linear" if segments == "log" else f"segments of {segments}"
         label = f"N={N}, T={T}, K={K}, {kind}: S={S} cached states, J={J} slots"
+        label += " (J is not a power of two: a row of blocks or w is J long, not BJ)" if J & (J - 1) else ""
         label += " (scores of about 100: exp overflows fp32)" if size > 1 else ""
         label += " (online scores of about 100, cached ones of about 1: exp overflows fp32)" if shift else ""
         with case(label):

@@ -197,8 +197,11 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     # The storage around each tensor argument that is not the argument itself: a guarded input's NaN
     # bands, an output's sentinel bands. Under TRITON_INTERPRET every load is seen with its addresses,
     # so a load there fails the check even when the value it reads never reaches an output (on a GPU
-    # such a load reads another tensor's memory, or faults).
-    bands, extents, strays = [], [], []
+    # such a load reads another tensor's memory, or faults). A load outside every argument's storage
+    # is refused before it runs: the real one could crash the process (with every argument on the CPU:
+    # the interpreter runs on host copies of the others).
+    bands, extents, strays, kernel = [], [], [], ["?"]
+    hosted = all(t.device.type == "cpu" for t in tensors)
     for label, t in [(f"argument {i + 1}", a) for i, a in enumerate(args)] + \
             [(f"argument {key}", a) for key, a in kwargs.items()]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
@@ -217,6 +220,11 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     except (ImportError, AttributeError):
         builder = None
 
+    def stray_load():
+        negative = " (a negative index, such as a padding slot of -1, too)" if "before" in strays[0] else ""
+        return ForbiddenCall(f"your kernel {kernel[0]} {strays[0]}: mask every load with the true sizes{negative} "
+                             "(on a GPU such a load reads memory that is not the tensor's, or faults)")
+
     def watched_load(self, ptrs, mask, *a, **k):
         import numpy as np
         addresses = np.asarray(ptrs.data)
@@ -224,11 +232,19 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         for lo, hi in extents:           # two arguments may be views of one buffer: each is the other's band
             addresses = addresses[(addresses < lo) | (addresses >= hi)]
         for lo, hi, where in bands:
-            n = int(((addresses >= lo) & (addresses < hi)).sum())
-            if n:
-                strays.append(f"loaded {n} value(s) {where}")
+            inside = (addresses >= lo) & (addresses < hi)
+            if inside.any():
+                strays.append(f"loaded {int(inside.sum())} value(s) {where}")
+                addresses = addresses[~inside]
+        if addresses.size and hosted:
+            if strays:                   # e.g. an index read from a guarded table's band: the cause
+                raise stray_load()
+            raise ForbiddenCall(f"your kernel {kernel[0]} loaded {addresses.size} value(s) outside every tensor it "
+                                "was given: an address computed from an undefined value, such as an index loaded "
+                                "under a mask without other= (give it one, e.g. other=-1 for a padding slot, and "
+                                "mask what it indexes); on a GPU such a load reads another tensor's memory, or faults")
         return plain_load(self, ptrs, mask, *a, **k)
-    if builder is not None and bands:
+    if builder is not None and extents:
         builder.create_masked_load = watched_load
 
     launches = [0]
@@ -268,11 +284,10 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             if first:                   # what the first launch stores: whatever is not the pattern after it
                 for _, t in outs:
                     bits(t).fill_(poison[t.element_size()])
+            kernel[0] = name
             result = _original(self, *a, **k)
             if strays:
-                negative = " (a negative index, such as a padding slot of -1, too)" if "before" in strays[0] else ""
-                raise ForbiddenCall(f"your kernel {name} {strays[0]}: mask every load with the true sizes{negative} "
-                                    "(on a GPU such a load reads memory that is not the tensor's, or faults)")
+                raise stray_load()
             for j, ((i, t), before) in enumerate(zip(outs, saved)):
                 if first:               # what it did not store must be as it came: torch's writes do not count
                     stored = bits(t) != poison[t.element_size()]
@@ -435,15 +450,16 @@ def float32_hint(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def tf32_hint(got: torch.Tensor, want: torch.Tensor, tol: float | None) -> str:
-    """Added when a kernel's float32 output is off by what TF32 products cost (above the check's tolerance,
-    below 1e-2 relative): ``tl.dot``'s default on a card, which the interpreter copies (``as_a_gpu``)."""
+    """Added when a kernel's float32 output is off by what rounding its products' operands costs (above the
+    check's tolerance, below 1e-2 relative): ``tl.dot``'s default TF32 products on a card, which the
+    interpreter copies (``as_a_gpu``), or operands cast to fp16/bf16, which input_precision cannot undo."""
     if got.dtype != torch.float32 or got.shape != want.shape or tol is None:
         return ""
     if not tol < rel_rmse(got.detach(), want.detach().to(got.dtype)) < 1e-2:
         return ""
-    return (". An error of this size is what TF32 products cost: a tl.dot without input_precision=\"ieee\" "
-            "rounds its fp32 operands to 10 mantissa bits (on a card, and in the interpreter here as on a card); "
-            "pass input_precision=\"ieee\"")
+    return (". An error of this size is what rounded operands cost: TF32 products (a tl.dot without "
+            "input_precision=\"ieee\", on a card and in the interpreter here) or operands cast to fp16/bf16; "
+            "keep them fp32 and pass input_precision=\"ieee\"")
 
 
 def dtype_hint(got, want) -> str:
@@ -585,12 +601,16 @@ SENTINEL = 1234.5   # what an output's guard bands hold; a changed value means a
 
 
 def guarded(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``x`` that sits between two bands of NaN.
+    """A contiguous copy of ``x`` that sits between two bands of NaN (of the dtype's largest value, for
+    integers).
 
     A kernel that loads past the end of its input (a missing or wrong mask) reads NaN,
-    which then shows up in its output.
+    which then shows up in its output; an index read there points far past any row it may
+    index, so the load through it fails too (refused under the interpreter; on a GPU it reads
+    far off, or faults).
     """
-    flat = torch.full((x.numel() + 2 * GUARD,), float("nan"), dtype=x.dtype, device=x.device)
+    fill = float("nan") if x.is_floating_point() else torch.iinfo(x.dtype).max
+    flat = torch.full((x.numel() + 2 * GUARD,), fill, dtype=x.dtype, device=x.device)
     view = flat[GUARD:GUARD + x.numel()].view(x.shape)
     view.copy_(x)
     view._guarded_base = flat  # keep the buffer alive with the view
