@@ -209,3 +209,29 @@ def test_default_start_state_is_a_fresh_copy():
     w2_again = w2.clone()
     w2.zero_()
     assert torch.equal(second_layer_init(1, 2, 3, 8, torch.float64, "cpu"), w2_again)
+
+
+@pytest.mark.parametrize("model", ["deltanet", "titans_mlp", "memora_mlp", "dla_mlp", "deep_transformer_taylor"])
+def test_dynamic_shapes_compile(gen, model):
+    """Under dynamic=True torch.compile traces the config's numbers and the widths as symbolic: the config's
+    checks compare instead of calling math.isfinite, messages are built from values, and the seeded default
+    weights and the monomials' tables take the sizes' values (``validation.static_int``). Three lengths, one
+    seen twice: equal to eager mode each time."""
+    from atlaslib.deep import deep_transformer, dla
+    from atlaslib.miras import miras
+    calls = {
+        "deltanet": lambda q, k, v, a: miras(q, k, v, preset="deltanet", eta=0.1, backend="chunk", chunk_size=8),
+        "titans_mlp": lambda q, k, v, a: miras(q, k, v, preset="titans", memory="mlp", alpha=a, eta=0.1, theta=0.5,
+                                               backend="chunk", chunk_size=8),
+        "memora_mlp": lambda q, k, v, a: miras(q, k, v, preset="memora", memory="mlp", alpha=a, eta=0.1,
+                                               backend="chunk", chunk_size=8),
+        "dla_mlp": lambda q, k, v, a: dla(q, k, v, memory="mlp", alpha=a, backend="chunk", chunk_size=8),
+        "deep_transformer_taylor": lambda q, k, v, a: deep_transformer(q, k, v, alpha=a, phi_star=("taylor", 2),
+                                                                       window=3, normalize=True, backend="chunk",
+                                                                       chunk_size=8)}
+    fn = lambda *args: calls[model](*args)[0]  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for length in (13, 21, 13):
+        q, k, v = random_qkv(B, H, length, K, K, generator=gen)
+        args = (q, k, v, random_gate(B, H, length, low=0.5, generator=gen))
+        assert_close(compiled(*args), fn(*args), tol=1e-5, name=f"T={length}")

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import functools
 import numbers
-import operator
 from typing import NamedTuple
 
 import torch
 
-from ..core.validation import check_int
+from ..core.validation import check_int, static_int
 
 SEGMENTATIONS = ("constant", "list", "log")
 
@@ -185,18 +184,13 @@ def make_layout(T: int, segments) -> Layout:
         # the layout's lists are Python structure, built for one T: a length that torch.compile traces as
         # symbolic (T, or a segment length under dynamic=True) is fixed to its value (a guard: each length
         # compiles its own graph)
-        fixed = [_concrete(n) for n in segments] if isinstance(segments, (list, tuple)) else _concrete(segments)
-        return _build_layout(_concrete(T), fixed)
+        fixed = [static_int(n) for n in segments] if isinstance(segments, (list, tuple)) else static_int(segments)
+        return _build_layout(static_int(T), fixed)
     if isinstance(segments, (int, str)) and not isinstance(segments, bool):
         return _cached_layout(T, type(segments).__name__, segments)
     if isinstance(segments, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in segments):
         return _cached_layout(T, "list", tuple(segments))
     return _build_layout(T, segments)
-
-
-def _concrete(n):
-    """An int (a SymInt while tracing: dynamo's isinstance calls it an int) as its value; anything else as it is."""
-    return operator.index(n) if isinstance(n, numbers.Integral) and not isinstance(n, bool) else n
 
 
 @functools.lru_cache(maxsize=CACHE_ENTRIES)

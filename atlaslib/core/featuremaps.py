@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .validation import _value_check, check_int
+from .validation import _value_check, check_int, static_int
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,9 @@ def _check_input(x) -> int:
 
 
 def check_input_dim(d) -> int:
-    """An input width d must be an int >= 1, as the feature maps' inputs [..., d] must be."""
-    return check_int("d (the input width)", d, 1)
+    """An input width d must be an int >= 1, as the feature maps' inputs [..., d] must be. Its value (a traced
+    width fixed with a guard, ``static_int``): the monomials' tables and counts are built from it."""
+    return static_int(check_int("d (the input width)", d, 1))
 
 
 def monomial_dim(d: int, degree: int) -> int:
@@ -123,7 +124,7 @@ def _multiset_table(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:
     """[..., d] -> [..., C(d+i-1, i)]: every product x_{c_1} ... x_{c_i} with c_1 <= ... <= c_i."""
-    index, _ = _multisets(x.shape[-1], i)
+    index, _ = _multisets(static_int(x.shape[-1]), static_int(i))
     # degree 0: an empty product, 1; the cast back: autocast runs prod in fp32 for bf16 x
     return x[..., index.to(x.device)].prod(dim=-1).to(x.dtype)
 
@@ -180,9 +181,9 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
                          f"{coefficients.tolist()}")
     scale = coefficients.to(device=x.device, dtype=x.dtype).sqrt()
     blocks = []
-    for i in range(scale.shape[0]):
+    for i in range(static_int(scale.shape[0])):
         if compressed:
-            _, counts = _multisets(d, i)
+            _, counts = _multisets(static_int(d), i)
             weight = counts.to(device=x.device, dtype=x.dtype).sqrt()
             blocks.append(scale[i] * weight * _monomials_of_degree(x, i))
         else:

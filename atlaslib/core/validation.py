@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import numbers
+import operator
 
 import torch
 
@@ -199,6 +200,14 @@ def check_int(name: str, x, low: int, note: str = ""):
     if x < low:
         raise ValueError(f"{name} must be >= {low}, got {x}{note}")
     return x if isinstance(x, torch.SymInt) else int(x)
+
+
+def static_int(n):
+    """An int as its value; anything else as it is. While torch.compile traces with dynamic shapes, a size
+    (or an int option) is symbolic, and what Python builds from it (a layout, a table of monomials, a seeded
+    draw, math.comb) needs the number: operator.index fixes it to its value with a guard, so each value
+    compiles its own graph. (Dynamo calls a symbolic int an int; it is never a bool.)"""
+    return operator.index(n) if isinstance(n, numbers.Integral) and not isinstance(n, bool) else n
 
 
 def check_chunk_size(chunk_size) -> int:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ..core import check_state
 from ..core.dispatch import dispatch
 from ..core.gates import alpha_from_log
+from ..core.validation import static_int
 from ..miras import miras
 from .dla import check_engine_backend, dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
@@ -54,8 +55,8 @@ def check_expansion(expansion):
 
 def second_layer_init(B, H, V, hidden, dtype, device, seed=MLP_SEED):
     """The default W2: N(0, 1/h) per head (fp64 draw, as ``Memory.init``), shared by the batch."""
-    w = seeded_w2(H, V, hidden, seed)
-    return w.to(dtype=dtype, device=device, copy=True)[None].expand(B, H, V, hidden).contiguous()
+    w = seeded_w2(static_int(H), static_int(V), static_int(hidden), seed)
+    return w.to(dtype=dtype, device=device).clone()[None].expand(B, H, V, hidden).contiguous()
 
 
 @torch.compiler.assume_constant_result

@@ -26,7 +26,7 @@ from ..core import apply_feature_map, check_chunk_size, check_qkv, gate_or_numbe
 from ..core.chunking import compute_dtype
 from ..core.dispatch import call_backend, choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu
 from ..core.gates import alpha_from_log, check_retention
-from ..core.validation import check_one_retention
+from ..core.validation import check_one_retention, static_int
 from ..core.windows import window_gates
 from .chunk import miras_chunk, titans_linear_chunk
 from .config import DEFAULT_CHUNK_SIZE, MirasConfig, make_config
@@ -95,7 +95,8 @@ def choose(backend, cfg, q, V, chunk_size) -> str:
         missing = "atlaslib/miras/kernel.py is not available in this installation"
     else:
         missing = (f"chapter 3 has a kernel only for {KERNEL_CONFIGS}; got memory={cfg.memory!r}, "
-                   f"bias={cfg.bias!r}, retention={cfg.retention!r}, optimizer={cfg.optimizer!r}, window={cfg.window}")
+                   f"bias={cfg.bias!r}, retention={cfg.retention!r}, optimizer={cfg.optimizer!r}, "
+                   f"window={static_int(cfg.window)}")
 
     def unsupported():
         from .kernel import kernel_supports

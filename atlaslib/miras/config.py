@@ -153,7 +153,7 @@ def _check_number(name, x, low, *, strict=False, integer=False, allow_none=False
     kind = numbers.Integral if integer else numbers.Real                # numpy scalars too, as check_int takes
     if isinstance(x, bool) or not isinstance(x, kind):
         raise TypeError(f"{name} must be {'an int' if integer else 'a number'}, got {x!r}")
-    if not math.isfinite(x):
+    if not (x == x and abs(x) != math.inf):          # comparisons, not math.isfinite: a traced number takes them
         raise ValueError(f"{name} must be a finite number, got {x}")
     if x < low or (strict and x == low):
         raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {x}")

@@ -40,7 +40,7 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     linear memory starts at zero (Memora: uniform weights c / (V K)). Momentum starts at 0.
     K is the width of the memory's input (the feature width when phi is used).
     """
-    from ..core.validation import check_int
+    from ..core.validation import check_int, static_int
     from .config import make_config
     from .memory import build_memory
     cfg = make_config(cfg) if not hasattr(cfg, "memory") else cfg
@@ -52,9 +52,10 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     if generator is not None or cfg.memory == "linear":
         params = draw_params(build_memory(cfg, K, V), kl, H, generator)
     else:           # a table of the arguments alone, which torch.compile takes as a constant
-        drawn = seeded_params(cfg.memory, K, V, cfg.expansion, cfg.activation, cfg.layer_norm, kl, H, seed)
+        sizes = (static_int(x) for x in (K, V, cfg.expansion))
+        drawn = seeded_params(cfg.memory, *sizes, cfg.activation, cfg.layer_norm, kl, static_int(H), seed)
         params = dict(zip(build_memory(cfg, K, V).shapes, drawn))
-    params = {n: w.to(dtype=dtype, device=device, copy=True)[None].expand(B, *w.shape).contiguous()
+    params = {n: w.to(dtype=dtype, device=device).clone()[None].expand(B, -1, -1, -1).contiguous()   # [B, H, out, in]
               for n, w in params.items()}
     momentum = {n: torch.zeros_like(w) for n, w in params.items()} if cfg.optimizer in ("momentum", "muon") else None
     if cfg.memory == "linear":
