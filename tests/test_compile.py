@@ -211,13 +211,15 @@ def test_default_start_state_is_a_fresh_copy():
     assert torch.equal(second_layer_init(1, 2, 3, 8, torch.float64, "cpu"), w2_again)
 
 
-@pytest.mark.parametrize("model", ["deltanet", "titans_mlp", "memora_mlp", "dla_mlp", "deep_transformer_taylor"])
+@pytest.mark.parametrize("model", ["deltanet", "titans_mlp", "memora_mlp", "dla_mlp", "deep_transformer_taylor",
+                                   "deep_transformer_taylor_matrix", "dot_taylor"])
 def test_dynamic_shapes_compile(gen, model):
     """Under dynamic=True torch.compile traces the config's numbers and the widths as symbolic: the config's
     checks compare instead of calling math.isfinite, messages are built from values, and the seeded default
-    weights and the monomials' tables take the sizes' values (``validation.static_int``). Three lengths, one
-    seen twice: equal to eager mode each time."""
-    from atlaslib.deep import deep_transformer, dla
+    weights and the monomials' tables take the sizes' values (``validation.static_int``), and the tables are
+    built in the graph from numbers (a constant tensor's sizes have no source a guard can name: the matrix
+    memory on Taylor features failed inside torch). Three lengths, one seen twice: equal to eager mode."""
+    from atlaslib.deep import deep_transformer, dla, dot
     from atlaslib.miras import miras
     calls = {
         "deltanet": lambda q, k, v, a: miras(q, k, v, preset="deltanet", eta=0.1, backend="chunk", chunk_size=8),
@@ -228,7 +230,11 @@ def test_dynamic_shapes_compile(gen, model):
         "dla_mlp": lambda q, k, v, a: dla(q, k, v, memory="mlp", alpha=a, backend="chunk", chunk_size=8),
         "deep_transformer_taylor": lambda q, k, v, a: deep_transformer(q, k, v, alpha=a, phi_star=("taylor", 2),
                                                                        window=3, normalize=True, backend="chunk",
-                                                                       chunk_size=8)}
+                                                                       chunk_size=8),
+        "deep_transformer_taylor_matrix": lambda q, k, v, a: deep_transformer(q, k, v, alpha=a, phi_star=("taylor", 2),
+                                                                              normalize=True, backend="chunk",
+                                                                              chunk_size=8),
+        "dot_taylor": lambda q, k, v, a: dot(q, k, v, alpha=a, phi_star=("taylor", 2), backend="chunk", chunk_size=8)}
     fn = lambda *args: calls[model](*args)[0]  # noqa: E731
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
     for length in (13, 21, 13):

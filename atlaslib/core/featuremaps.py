@@ -102,21 +102,35 @@ def monomial_dim(d: int, degree: int) -> int:
     return math.comb(check_input_dim(d) + check_degree(degree), check_degree(degree))
 
 
-@torch.compiler.assume_constant_result
 def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_multiset_table(d, i)``, which torch.compile takes as a constant (a table of d and i alone; it
-    does not trace itertools, nor honour the cache)."""
+    """The monomials of degree exactly i in d variables, as sorted index tuples [n_i, i], with their
+    multinomial coefficients i! / prod_c (count of c)! (the number of ordered index tuples, i.e. entries of
+    x^{(x)i}, that equal this monomial). Kept as tensors for the process; while torch.compile traces, built
+    in the graph from the table's numbers (a tensor taken as a constant gets sizes no guard can name under
+    dynamic shapes)."""
+    if torch.compiler.is_compiling():
+        combos, counts = _multiset_numbers(d, i)
+        return torch.tensor(combos, dtype=torch.long).view(len(combos), i), torch.tensor(counts, dtype=torch.float64)
     return _multiset_table(d, i)
+
+
+@torch.compiler.assume_constant_result
+def _multiset_numbers(d: int, i: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """The table as Python numbers, which torch.compile takes as a constant (it does not trace itertools)."""
+    return _multiset_lists(d, i)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiset_lists(d: int, i: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    combos = tuple(itertools.combinations_with_replacement(range(d), i))
+    counts = tuple(math.factorial(i) // math.prod(math.factorial(combo.count(c)) for c in set(combo))
+                   for combo in combos)
+    return combos, counts
 
 
 @functools.lru_cache(maxsize=None)
 def _multiset_table(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The monomials of degree exactly i in d variables, as sorted index tuples [n_i, i],
-    with their multinomial coefficients i! / prod_c (count of c)! (the number of ordered
-    index tuples, i.e. entries of x^{(x)i}, that equal this monomial)."""
-    combos = list(itertools.combinations_with_replacement(range(d), i))
-    counts = [math.factorial(i) // math.prod(math.factorial(combo.count(c)) for c in set(combo))
-              for combo in combos]
+    combos, counts = _multiset_lists(d, i)
     with torch.inference_mode(False):         # kept for the process: also for calls that train after an eval
         index = torch.tensor(combos, dtype=torch.long).view(len(combos), i)
         return index, torch.tensor(counts, dtype=torch.float64)
