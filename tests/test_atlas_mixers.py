@@ -258,3 +258,30 @@ def test_linear_memory_state_size_counts_the_momentum(gen):
     with torch.no_grad():
         _, cache = mixer.step(torch.randn(B, D, generator=gen))
     assert cache.memory.M.numel() + cache.memory.S.numel() == B * mixer.state_size
+
+
+@pytest.mark.parametrize("memory", ["linear", "mlp"])
+def test_state_size_without_momentum_is_the_memory(gen, memory):
+    """momentum=False: S_t is the step's gradient, never read from the cache (a perturbed carried S leaves the
+    next output as it is), so ``state_size`` counts the memory alone, half of what it counts with momentum."""
+    seeded(gen)
+    with_momentum = make_mixer("atlas", D, H, memory=memory, backend="chunk", chunk_size=1)
+    mixer = make_mixer("atlas", D, H, memory=memory, momentum=False, backend="chunk", chunk_size=1).double()
+    B = 2
+    x = torch.randn(B, 3, D, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        _, cache = mixer.step(x[:, 0])
+        _, cache = mixer.step(x[:, 1], cache)
+        if memory == "linear":
+            M, S = cache.memory.M, cache.memory.S
+            weights = M.numel()
+            shaken = cache._replace(memory=cache.memory._replace(S=S + torch.randn_like(S)))
+        else:
+            engine = cache.memory.engine
+            weights = sum(w.numel() for w in engine.Z.values())
+            moved = engine._replace(S={n: w + torch.randn_like(w) for n, w in engine.S.items()})
+            shaken = cache._replace(memory=cache.memory._replace(engine=moved))
+        y, _ = mixer.step(x[:, 2], cache)
+        y_shaken, _ = mixer.step(x[:, 2], shaken)
+    assert torch.equal(y, y_shaken)
+    assert weights == B * mixer.state_size and with_momentum.state_size == 2 * mixer.state_size

@@ -134,18 +134,37 @@ def test_beta_as_a_number_is_checked_against_both_bounds(gen):
 
 # ---- inputs read as given -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("call", ["linear", "delta"])
+def _autocast_call(call, q, k, v, alpha, backend):
+    from atlaslib.caching import memory_caching
+    from atlaslib.deep import deep_transformer, dla
+    calls = {
+        "linear": lambda: linear_attention(q, k, v, alpha=alpha, backend=backend),
+        "delta": lambda: delta_rule(q, k, v, 0.5, alpha=alpha, backend=backend),
+        "titans": lambda: miras(q, k, v, preset="titans", alpha=alpha, eta=0.1, theta=0.5, backend=backend),
+        "dla": lambda: dla(q, k, v, memory="mlp", alpha=alpha, backend=backend, chunk_size=1),
+        "atlas": lambda: atlas(q, k, v, alpha=alpha, eta=0.1, backend=backend),
+        "omega": lambda: omega_rule(q, k, v, window=3, alpha=alpha, eta=0.1, backend=backend),
+        "deep_transformer": lambda: deep_transformer(q, k, v, alpha=alpha, phi_star=("taylor", 2), normalize=True,
+                                                     backend=backend),
+        "memory_caching": lambda: memory_caching(q, k, v, base=linear_attention, base_kwargs=dict(alpha=alpha),
+                                                 segments=16, aggregate="grm", backend=backend)}
+    return calls[call]()[0]
+
+
+@pytest.mark.parametrize("call", ["linear", "delta", "titans", "dla", "atlas", "omega", "deep_transformer",
+                                  "memory_caching"])
 def test_forms_compute_as_without_autocast(gen, call):
     """Under torch.autocast (bf16 on the CPU) the library's forms choose their own precision: fp32 inputs give
-    the fp32 result, not autocast's bf16 products."""
-    q, k, v = random_qkv(1, 2, 50, 16, 16, generator=gen)
-    alpha = random_gate(1, 2, 50, low=0.8, generator=gen)
+    the fp32 result, not autocast's bf16 products (the MIRAS engine and Memory Caching, which do not go
+    through ``dispatch``, once ran their states' products in bf16)."""
+    T = 50 if call in ("linear", "delta") else 20
+    q, k, v = random_qkv(1, 2, T, 8, 8, generator=gen)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    alpha = random_gate(1, 2, T, low=0.8, generator=gen)
     for backend in ("recurrent", "chunk"):
-        run = (lambda: linear_attention(q, k, v, alpha=alpha, backend=backend)[0]) if call == "linear" else \
-            (lambda: delta_rule(q, k, v, 0.5, alpha=alpha, backend=backend)[0])
-        plain = run()
+        plain = _autocast_call(call, q, k, v, alpha, backend)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            auto = run()
+            auto = _autocast_call(call, q, k, v, alpha, backend)
         assert auto.dtype == torch.float32 and torch.equal(auto, plain), backend
 
 

@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from ..core import check_chunk_size, check_flag, check_qkv
-from ..core.dispatch import choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu, with_chunk_backward
+from ..core.dispatch import (choose_backend, lazy, matrix_kernel_limits, on_the_inputs_gpu, with_chunk_backward,
+                             without_autocast)
 from ..core.types import ModelOutput
 from .base import base_name, check_base, check_per_token, run_base
 from .chunk import AGGREGATES, cached_readout, memory_caching_chunk, readout_weights
@@ -171,12 +172,13 @@ def memory_caching(q: Tensor, k: Tensor, v: Tensor, *, base: Callable[..., Model
     args = (q, k, v, base, layout, mode, aggregate, top_k, u, pool, kw, initial_state)
     base_backend = {"recurrent": "recurrent", "chunk": "auto" if backend == "auto" else "chunk"}.get(name, backend)
     try:
-        if name == "recurrent":
-            o, state = memory_caching_recurrent(*args, chunk_size, stats)
-        elif name == "chunk":
-            o, state = memory_caching_chunk(*args, base_backend, chunk_size)
-        else:                   # the base's own kernel (explicit "triton", or "auto" chose it), the readout kernel
-            o, state = memory_caching_chunk(*args, base_backend, chunk_size, readout=kernel_readout)
+        with without_autocast(q):     # as ``dispatch``: the readout keeps its own precision (fp32 states)
+            if name == "recurrent":
+                o, state = memory_caching_recurrent(*args, chunk_size, stats)
+            elif name == "chunk":
+                o, state = memory_caching_chunk(*args, base_backend, chunk_size)
+            else:               # the base's own kernel (explicit "triton", or "auto" chose it), the readout kernel
+                o, state = memory_caching_chunk(*args, base_backend, chunk_size, readout=kernel_readout)
     except (TypeError, ValueError):
         # the base checked its arguments on the segments it was given (cut to a segment's length, batched as
         # [n B, H, L] in independent mode); run once on the whole sequence, it names the caller's own shapes

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..core.dispatch import without_autocast
 from ..core.types import FeatureMap, Gate, ModelOutput
 from ..core.validation import check_flag
 from .bias import BIASES, Bias, build_bias
@@ -130,7 +131,8 @@ def miras(q: Tensor, k: Tensor, v: Tensor, *, preset: str | MirasConfig | None =
                       gamma=gamma, phi=phi, initial_state=initial_state, backend=backend, chunk_size=chunk_size,
                       log_alpha=log_alpha, **overrides)
     check_flag("output_final_state", output_final_state)
-    o, state = run(problem)
+    with without_autocast(q):             # as ``dispatch``: the engine keeps its own precision (fp32 states)
+        o, state = run(problem)
     return o.to(q.dtype), (state if output_final_state else None)
 
 

@@ -152,12 +152,14 @@ class AtlasMixer(WindowedMixer):
 
     @property
     def state_size(self) -> int:
-        """Memory and momentum per head: 2 [V, D] (linear memory) or twice the deep memory's weights.
+        """Memory and momentum per head: 2 [V, D] (linear memory) or twice the deep memory's weights; without
+        momentum (``momentum=False``) the memory alone, as S_t is then the step's gradient and not carried.
         Not counted, as for every windowed mixer: the last c - 1 pairs (and per-source gates)."""
+        carried = 2 if self.theta_proj is not None else 1
         if self.memory == "linear":
-            return 2 * super().state_size
+            return carried * super().state_size
         shapes = build_parts(self.config(), self.feature_dim(), self.head_v_dim).memory.shapes
-        return 2 * self.n_heads * sum(o * i for o, i in shapes.values())
+        return carried * self.n_heads * sum(o * i for o, i in shapes.values())
 
     def extra_repr(self) -> str:
         options = "".join(f", {name}={value!r}" for name, value in self.memory_options.items())
