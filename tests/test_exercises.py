@@ -5,6 +5,7 @@ from the solution notebook) and reject typical wrong answers with a message that
 what is wrong. TRITON_INTERPRET=1 is set by conftest.py before triton is imported.
 """
 import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -298,6 +299,37 @@ def test_a_nan_in_a_torch_answer_points_at_the_computation():
         return o * (torch.log(torch.zeros(())) - torch.log(torch.zeros(()))), M
     v = ch01.gated_loop.evaluate(log_of_zero)
     assert v.status == "failed" and "inf - inf" in v.message and "never wrote" not in v.message, v.message
+
+
+@triton.jit
+def _nan_source_kernel(x, out, n, CAUSE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    if CAUSE == "unstored":             # the last entry's store masked off
+        tl.store(out + i, tl.load(x + i, mask=i < n, other=0.0), mask=i < n - 1)
+    elif CAUSE == "lane":               # a sum over the masked-off lanes of a load without other=
+        a = tl.load(x + i, mask=i < n).to(tl.float32)
+        tl.store(out + i, (tl.sum(a, axis=0) + a * 0).to(out.dtype.element_ty), mask=i < n)
+    else:                               # 0/0
+        a = tl.load(x + i, mask=i < n, other=0.0) * 0.0
+        tl.store(out + i, a / a, mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("cause, says", [("unstored", "never stored"), ("lane", "other=0.0"),
+                                         ("invalid", "computed it: a 0/0")])
+def test_a_nan_in_a_kernel_output_is_told_by_its_payload(cause, says, dtype):
+    """A NaN in a kernel's output names its likely cause: an entry no store reached keeps the output buffer's
+    NaN, a masked-off lane of a load without other= holds the interpreter's, and an invalid operation makes
+    the default NaN (each message was "never wrote" before, written or not)."""
+    from atlaslib.exercises.checking import CheckFailed, compare, guarded_output
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the interpreter (its undefined lanes are what the kernel reads)")
+    out = guarded_output((5,), dtype=dtype)
+    _nan_source_kernel[(1,)](torch.ones(5, dtype=dtype), out, 5, CAUSE=cause, BLOCK=8)
+    with pytest.raises(CheckFailed, match="NaN at index") as failure:
+        compare("out", out, torch.full((5,), 5.0 if cause == "lane" else 1.0, dtype=dtype), 1e-3,
+                kernel_output=True)
+    assert says in str(failure.value) and "never wrote" not in str(failure.value), str(failure.value)
 
 
 def test_capacity_passes_and_rejects_hebbian_and_normal_equations():

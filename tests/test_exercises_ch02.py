@@ -304,7 +304,7 @@ def test_triton_check_catches_stores_past_the_end():
 
 def test_triton_check_catches_zeros_never_written():
     v = ch02.triton_chunk_matrix.evaluate(chunk_matrix_launcher(lower_store_only=True))
-    assert v.status == "failed" and "NaN" in v.message and "never wrote" in v.message, v.message
+    assert v.status == "failed" and "NaN" in v.message and "never stored" in v.message, v.message
     assert "0/0" not in v.message, v.message          # a kernel's output: the torch-code guess does not apply
 
 

@@ -8,7 +8,22 @@ kernels, and nothing when called twice.
 from __future__ import annotations
 
 import numpy as np
-import triton.language as tl
+
+
+# NaNs that say where they came from: a 6-bit payload just below the quiet bit (the top of the mantissa, so
+# casts between float widths keep it, as bf16's 7 mantissa bits leave room for 6 of them). Copies keep it,
+# and so does arithmetic with one NaN operand (x86); an invalid operation (0/0, inf - inf, inf * 0) makes
+# the default NaN, payload 0. The exercises' checks read it to name a NaN's likely cause.
+QUIET_NAN = {"float16": (0x7E00, 10), "bfloat16": (0x7FC0, 7), "float32": (0x7FC0_0000, 23),
+             "float64": (0x7FF8_0000_0000_0000, 52)}          # the quiet NaN's bits, the mantissa's width
+UNDEFINED_LANE = 0b010101     # a masked-off lane of a load without other=
+NEVER_STORED = 0b101010       # an output entry no store reached (the exercises' output buffers)
+
+
+def nan_bits(dtype: str, payload: int) -> int:
+    """The bits of the quiet NaN of ``dtype`` ("float32", "bfloat16", ...) carrying ``payload`` (< 64)."""
+    quiet, mantissa = QUIET_NAN[dtype]
+    return quiet | payload << (mantissa - 7)
 
 
 def as_a_gpu() -> None:
@@ -26,10 +41,12 @@ def as_a_gpu() -> None:
     makes. A "tf32x3" product (on a card, three TF32 products of each operand split into its TF32 part and
     the rest, about 2^-21 relative) is exact here, as an "ieee" one. And a masked load without ``other``
     fills its masked-off lanes with 0, where a card leaves them undefined (whatever the register held): a
-    kernel that sums over them is right here and wrong on a card. Here those lanes hold NaN (floats; the
-    largest value for integers), so every result they reach shows it. Compiled kernels are untouched.
+    kernel that sums over them is right here and wrong on a card. Here those lanes hold NaN (floats, with
+    the payload ``UNDEFINED_LANE``; the largest value for integers), so every result they reach shows it.
+    Compiled kernels are untouched.
     """
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
         builder, convert, handle = interpreter.InterpreterBuilder, interpreter._convert_float, interpreter.TensorHandle
     except (ImportError, AttributeError):        # another Triton: leave it as it is
@@ -65,10 +82,10 @@ def as_a_gpu() -> None:
     def undefined_lanes(ptrs):
         dtype = ptrs.get_element_ty()
         np_dtype = interpreter._get_np_dtype(dtype)
-        if dtype == tl.bfloat16:
-            fill = np.uint16(0x7FC0)                # bf16 is held as its 16 bits: NaN's
+        if dtype == tl.bfloat16:                    # bf16 is held as its 16 bits: NaN's
+            fill = np.uint16(nan_bits("bfloat16", UNDEFINED_LANE))
         elif np_dtype.kind == "f":
-            fill = np.nan
+            fill = np.array(nan_bits(np_dtype.name, UNDEFINED_LANE), dtype=f"u{np_dtype.itemsize}").view(np_dtype)
         elif np_dtype.kind in "iu":
             fill = np.iinfo(np_dtype).max
         else:                                       # booleans: any value is a value

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..core.interpreter import NEVER_STORED, UNDEFINED_LANE, nan_bits
 from ..core.testing import assert_close, rel_rmse
 
 # A text mime type (not "+json"): nbformat keeps the payload as a plain string, which
@@ -412,17 +413,37 @@ def unpack(result, names: tuple[str, ...]):
     return tuple(result)
 
 
-# assert_close's guess for a NaN (written for kernels' outputs), and the likelier one in torch code
+# assert_close's guess for a NaN, replaced by the likelier one: in torch code an undefined operation; in a
+# kernel's output what the NaN's payload says (``core.interpreter``: unstored entries and undefined lanes
+# carry their own)
 NEVER_WROTE = "(an output the code never wrote?)"
 NAN_IN_TORCH = "(a 0/0, inf - inf, inf * 0 or log 0 in your computation?)"
+NAN_NEVER_STORED = "(an entry your kernel never stored, or loaded before storing it: a store missing or masked off?)"
+NAN_UNDEFINED_LANE = ("(a masked-off lane of a load without other=, undefined on a GPU: give the load other=0.0, or "
+                      "keep those lanes out of the result)")
+NAN_IN_KERNEL = ("(your kernel computed it: a 0/0, inf - inf, inf * 0 or log 0, or a value from a masked-off lane "
+                 "of a load without other=?)")
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+
+def kernel_nan_guess(got: torch.Tensor) -> str:
+    """What the first NaN of a kernel's output most likely is, read from its payload (the sign ignored)."""
+    first = got.detach().reshape(-1)[torch.isnan(got.detach().reshape(-1))][:1]
+    if got.dtype not in _BITS or not first.numel():
+        return NEVER_WROTE
+    name, width = str(got.dtype).removeprefix("torch."), 8 * got.element_size()
+    bits = int(first.cpu().view(_BITS[got.dtype]).item()) & ((1 << (width - 1)) - 1)
+    return {nan_bits(name, NEVER_STORED): NAN_NEVER_STORED,
+            nan_bits(name, UNDEFINED_LANE): NAN_UNDEFINED_LANE}.get(bits, NAN_IN_KERNEL)
 
 
 def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, kernel_output: bool = False) -> None:
     """Compare a learner tensor with the library's, through ``core.testing.assert_close``.
 
-    A failure says what a NaN most likely is (a never-stored entry of a ``kernel_output``, else an
-    undefined operation) and, when a float64 result is off by about float32's rounding, that a float32
-    tensor was made on the way."""
+    A failure says what a NaN most likely is (for a ``kernel_output``, what its payload says: an entry never
+    stored, a masked-off lane read, or an invalid operation; else an invalid operation) and, when a float64
+    result is off by about float32's rounding, that a float32 tensor was made on the way."""
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{name} should be a torch.Tensor, got {type(got).__name__}")
     if got.device != expected.device:
@@ -432,7 +453,7 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, ke
     try:
         assert_close(got.detach(), expected.detach(), tol=tol, name=name)
     except AssertionError as e:
-        message = str(e) if kernel_output else str(e).replace(NEVER_WROTE, NAN_IN_TORCH)
+        message = str(e).replace(NEVER_WROTE, kernel_nan_guess(got) if kernel_output else NAN_IN_TORCH)
         hint = dtype_hint(got.dtype, expected.dtype) or float32_hint(got, expected)
         raise CheckFailed(f"{message}{hint or (tf32_hint(got, expected, tol) if kernel_output else '')}") from None
 
@@ -618,13 +639,14 @@ def guarded(x: torch.Tensor) -> torch.Tensor:
 
 
 def guarded_output(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
-    """A NaN-filled output buffer (unwritten entries stay NaN) between two SENTINEL bands."""
+    """A NaN-filled output buffer (unwritten entries stay NaN, with the payload ``NEVER_STORED``) between two
+    SENTINEL bands."""
     n = 1
     for s in shape:
         n *= s
     flat = torch.full((n + 2 * GUARD,), SENTINEL, dtype=dtype, device=device)
     view = flat[GUARD:GUARD + n].view(*shape)
-    view.fill_(float("nan"))
+    view.view(_BITS[dtype]).fill_(nan_bits(str(dtype).removeprefix("torch."), NEVER_STORED))
     view._guarded_base = flat
     view._is_output = True     # the kernel writes into it: exempt from the inputs-unchanged check
     return view
