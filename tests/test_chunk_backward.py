@@ -12,10 +12,13 @@ T not a multiple of the chunk, K != V, and bf16 inputs at bf16 tolerance.
 import pytest
 import torch
 
-from atlaslib.core import assert_close, poisoned_outputs
+from atlaslib.atlas import atlas
+from atlaslib.core import assert_close, poisoned_outputs, random_qkv
 from atlaslib.core.chunk_backward import dstate_pass
 from atlaslib.core.chunk_kernels import CHUNK
 from atlaslib.core.kernels import chunk_gates
+from atlaslib.miras import miras
+from atlaslib.omega import omega_rule
 
 MODES = [None, "scalar", "channel"]
 
@@ -195,3 +198,27 @@ def test_refuses_what_it_cannot_hold(gen):
     q, k, do, _, dht, w, dv_local = draw(gen, None, True, T=CHUNK)
     with pytest.raises(ValueError, match="needs k, w and dv_local together"):
         dstate_pass(q, do, 0, None, dht, w=w)
+
+
+@pytest.mark.parametrize("model", ["omega", "atlas", "titans", "deep_transformer", "memory_caching"])
+def test_torch_func_grad_through_a_chunk_backward_kernel(gen, model):
+    """torch.func.grad through a kernel whose gradients come from the chunk form (``ChunkBackward``): the
+    transform differentiates the chunk form itself (it refused the Function before), and gives autograd's
+    gradient of the chunk form."""
+    from atlaslib.caching import memory_caching
+    from atlaslib.deep import deep_transformer
+    from atlaslib.linear import linear_attention
+    q, k, v = random_qkv(1, 2, 12, 4, 4, generator=gen)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    calls = {
+        "omega": lambda q, b: omega_rule(q, k, v, window=2, eta=0.3, backend=b, chunk_size=4),
+        "atlas": lambda q, b: atlas(q, k, v, eta=0.3, backend=b, chunk_size=4),
+        "titans": lambda q, b: miras(q, k, v, preset="titans", memory="linear", eta=0.3, theta=0.5, backend=b,
+                                     chunk_size=4),
+        "deep_transformer": lambda q, b: deep_transformer(q, k, v, alpha=0.9, normalize=True, backend=b),
+        "memory_caching": lambda q, b: memory_caching(q, k, v, base=linear_attention, segments=4, backend=b)}
+    loss = lambda q, b: (calls[model](q, b)[0] ** 2).sum()  # noqa: E731
+    got = torch.func.grad(lambda x: loss(x, "triton"))(q)
+    leaf = q.clone().requires_grad_(True)
+    loss(leaf, "chunk").backward()
+    assert_close(got, leaf.grad, tol=1e-6, name=f"{model}: torch.func.grad on the kernel path")

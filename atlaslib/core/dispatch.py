@@ -275,7 +275,11 @@ def backward_or_fallback(backward_triton, forward_chunk, inputs, needs, grad_out
 
 
 def with_chunk_backward(forward_triton, forward_chunk, *inputs):
-    """Run ``forward_triton`` and attach the chunk-form backward when gradients are needed."""
+    """Run ``forward_triton`` and attach the chunk-form backward when gradients are needed. Under a
+    ``torch.func`` transform (``grad``, ``vjp``, ``vmap``), which takes an autograd Function only in the form
+    with ``setup_context``, the chunk form runs itself: the same function, which the transform differentiates."""
+    if torch._C._are_functorch_transforms_active():
+        return forward_chunk(*inputs)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
         return ChunkBackward.apply(forward_triton, forward_chunk, *inputs)
     return forward_or_fallback(forward_triton, forward_chunk, *inputs)
