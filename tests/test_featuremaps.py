@@ -230,3 +230,29 @@ def test_features_first_built_in_inference_mode_still_train(gen):
     assert torch.equal(features.detach(), evaluated)
     # d/dx_c of sum_{|b|<=2} x^b = 1 + sum_{e} d(x_c x_e)/dx_c = 1 + (sum_e x_e) + x_c
     assert_close(leaf.grad, 1 + x.sum(-1, keepdim=True) + x, tol=1e-12, name="gradient of the summed monomials")
+
+
+def test_taylor_features_gradient_at_a_zero_coefficient(gen):
+    """phi(x)^T phi(y) = sum_i a_i (x^T y)^i is linear in each a_i, so its gradient in a_i is (x^T y)^i, also
+    at a_i = 0 (sqrt's infinite slope there gave NaN); the features' values are unchanged by the fix."""
+    x, y = torch.randn(2, 5, 4, generator=gen, dtype=torch.float64)
+    for a0 in ([1.0, 0.0, 0.5], [0.0, 0.0, 0.0], [0.3, 1e-30, 2.0]):
+        a = torch.tensor(a0, dtype=torch.float64, requires_grad=True)
+        for compressed in (False, True):
+            kernel = (taylor_features(x, a, compressed=compressed) * taylor_features(y, a, compressed=compressed))
+            (grad,) = torch.autograd.grad(kernel.sum(), a)
+            s = (x * y).sum(-1)
+            assert_close(grad, torch.stack([(s ** i).sum() for i in range(3)]), tol=1e-12, name=f"{a0}")
+    a = torch.tensor([1.0, 0.5, 1 / 6], dtype=torch.float64)
+    assert torch.equal(taylor_features(x, a), torch.cat([a[0].sqrt() * torch.ones(5, 1, dtype=torch.float64),
+                                                         a[1].sqrt() * x, a[2].sqrt() * tensor_power(x, 2)], -1))
+
+
+def test_taylor_features_refuse_a_negative_coefficient_on_a_device(monkeypatch):
+    """On an accelerator the value check runs on the device (no host sync), as every other value check."""
+    from atlaslib.core import featuremaps
+    monkeypatch.setattr(featuremaps, "_value_check", lambda t: "device")
+    x = torch.randn(3, 4)
+    featuremaps.taylor_features(x, torch.tensor([1.0, 0.5]))
+    with pytest.raises(RuntimeError, match="coefficients must be >= 0"):
+        featuremaps.taylor_features(x, torch.tensor([1.0, -0.5]))

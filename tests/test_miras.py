@@ -1187,3 +1187,21 @@ def test_soft_threshold_lets_nan_and_inf_through():
         got = soft_threshold(z, gamma)
         assert torch.isnan(got[0]) and got[1] == float("inf") and got[2] == -float("inf"), (gamma, got)
     assert torch.equal(soft_threshold(z[3:], 1.0), torch.tensor([0.0, -1.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_value_shift_gradient_is_finite_at_an_exact_read(dtype):
+    """psi = e + delta e / ||e||: its Jacobian in y is I + delta (I - u u^T) / ||e|| (u = e / ||e||) away from
+    e = 0, and I at e = 0 (the direction term's derivative taken as 0 there, as torch.sign's); the floored
+    norm gave 1 / sqrt(tiny) there, 1e19 in fp32 and 1e154 in fp64."""
+    gen = torch.Generator().manual_seed(3)
+    bias = BIASES["value_shift"](make_config(bias="value_shift"))
+    v = torch.randn(4, dtype=dtype, generator=gen)
+    delta = torch.tensor(0.5, dtype=dtype)
+    for y in (v.clone(), v + torch.randn(4, dtype=dtype, generator=gen)):
+        jac = torch.autograd.functional.jacobian(lambda y: bias.psi(y, v, delta), y)
+        e = (y - v).double()
+        n = e.norm()
+        eye = torch.eye(4, dtype=F64)
+        want = eye if n == 0 else eye + 0.5 * (eye - torch.outer(e, e) / n**2) / n
+        assert_close(jac.double(), want, tol=1e-5 if dtype == torch.float32 else 1e-12, name=f"|e| = {n:.2f}")

@@ -190,10 +190,18 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
         got = f"{coefficients.dtype} {list(coefficients.shape)}" if isinstance(coefficients, torch.Tensor) \
             else type(coefficients).__name__
         raise ValueError(f"coefficients must be a 1-D floating tensor a_0..a_p, got {got}")
-    if _value_check(coefficients) == "host" and not bool((coefficients >= 0).all()):
+    how = _value_check(coefficients)
+    if how == "host" and not bool((coefficients >= 0).all()):
         raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got "
                          f"{coefficients.tolist()}")
-    scale = coefficients.to(device=x.device, dtype=x.dtype).sqrt()
+    if how == "device":                 # no host sync: checked on the device, as the other value checks
+        torch._assert_async((coefficients >= 0).all(), "coefficients must be >= 0 (phi exists only for "
+                             "non-negative a_i)")
+    # sqrt(a_i + tiny): the same numbers for every a_i above 1e-30, and at a_i = 0 a finite gradient (phi^T phi
+    # depends on a_i linearly; sqrt's infinite slope at 0 times 2 sqrt(a_i) = 0 gave 0 * inf = NaN). In fp32 at
+    # least, where tiny's square root is a number (not 0)
+    a = coefficients.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+    scale = (a + torch.finfo(a.dtype).tiny).sqrt().to(x.dtype)
     blocks = []
     for i in range(static_int(scale.shape[0])):
         if compressed:

@@ -153,7 +153,10 @@ class ValueShiftBias(Bias):
 
     def psi(self, y, v, delta):
         e = y - v
-        return e + delta[..., None] * e / _norm(e)[..., None]
+        # e / ||e|| has no derivative at e = 0, and the floored norm's is 1 / sqrt(tiny) (1e19 in fp32):
+        # 0 there, as torch.sign's, so that one exact read does not swamp a step's gradient
+        unfloored = e.square().sum(-1, keepdim=True) > torch.finfo(e.dtype).tiny
+        return e + delta[..., None] * torch.where(unfloored, e / _norm(e)[..., None], torch.zeros_like(e))
 
     def loss(self, y, v, delta):
         n = _norm(y - v)
