@@ -11,8 +11,8 @@
       g_t = sigmoid(W_g x_t + b_g)  in (0, 1)^{d_model},
       y_t = g_t * SWA(x)_t + (1 - g_t) * Memory(x)_t.
 
-  The papers ([Titans] §4.2, [ATLAS] §5) combine the branches "with a gating mechanism"
-  and normalisation but leave the exact form open; this is one simple choice (no extra
+  Titans (§4.2) combines the branches "with a gating mechanism" and normalisation, and ATLAS
+  (§5, Figure 3) takes its MAG and MAL variants; both leave the exact form open. This is one simple choice (no extra
   normalisation; b_g = 0, so the gate starts centred at 1/2). g = 1 gives the SWA branch alone,
   g = 0 the memory branch alone.
 
