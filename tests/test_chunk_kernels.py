@@ -239,6 +239,28 @@ def test_interpreter_leaves_masked_off_lanes_undefined_as_a_card(dtype):
     assert not torch.isfinite(y[0]) if dtype.is_floating_point else y[0] > 1e9
 
 
+@triton.jit
+def outer_product_kernel(a_ptr, b_ptr, y_ptr, INNER: tl.constexpr):
+    """y = a b^T as one tl.dot of a [16, INNER] by an [INNER, 16] tile (INNER = 1: a column by a row)."""
+    r, c = tl.arange(0, 16), tl.arange(0, INNER)
+    a = tl.load(a_ptr + r[:, None] * INNER + c[None, :])
+    b = tl.load(b_ptr + c[:, None] * 16 + r[None, :])
+    tl.store(y_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+def test_interpreter_refuses_a_dot_a_card_cannot_compile():
+    """A card's compiler needs tl.dot's inner dimension >= 16; the bare interpreter takes 1, so a kernel
+    (a graded exercise's) could pass here and fail to build on a GPU. Here it fails as on the card."""
+    for inner in (16, 1):
+        a, b, y = torch.randn(16, inner), torch.randn(inner, 16), torch.zeros(16, 16)
+        if inner == 16:
+            outer_product_kernel[(1,)](a, b, y, INNER=inner)
+            torch.testing.assert_close(y, a @ b)
+        else:
+            with pytest.raises(Exception, match="K >= 16"):
+                outer_product_kernel[(1,)](a, b, y, INNER=inner)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch):
     """For bf16 inputs the delta rule builds R = (I + Diag(beta) L)^{-1} with TF32 products (and takes dA's

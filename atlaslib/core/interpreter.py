@@ -1,9 +1,9 @@
 """Triton's interpreter made to compute as a GPU does, where the two differ in ways a test can see.
 
 ``as_a_gpu`` swaps three methods of the interpreter's builder (Triton 3.7): ``tl.dot``, casts to bf16 and
-masked loads. The library's kernels install it when ``core.kernels`` is imported, the exercises when
-``atlaslib.exercises`` is (a learner's kernel meets the same interpreter); it changes nothing for compiled
-kernels, and nothing when called twice.
+masked loads, and gives ``tl.dot`` a card's smallest inner dimension. The library's kernels install it
+when ``core.kernels`` is imported, the exercises when ``atlaslib.exercises`` is (a learner's kernel meets
+the same interpreter); it changes nothing for compiled kernels, and nothing when called twice.
 """
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def as_a_gpu() -> None:
     fills its masked-off lanes with 0, where a card leaves them undefined (whatever the register held): a
     kernel that sums over them is right here and wrong on a card. Here those lanes hold NaN (floats, with
     the payload ``UNDEFINED_LANE``; the largest value for integers), so every result they reach shows it.
+    And ``tl.dot`` needs an inner dimension of at least 16 (32 for 8-bit operands), as a card's compiler
+    does (the interpreter takes 1: a product of a column by a row ran here and did not compile for a GPU).
     Compiled kernels are untouched.
     """
     try:
@@ -95,5 +97,12 @@ def as_a_gpu() -> None:
     def create_masked_load(self, ptrs, mask, other, *args):
         return masked_load(self, ptrs, mask, undefined_lanes(ptrs) if other is None else other, *args)
 
+    def min_dot_size(lhs, rhs):                 # a card's: an inner dimension of at least 16 (32 for 8-bit)
+        return 1, 1, 32 if lhs.scalar.primitive_bitwidth == 8 else 16
+
     create_dot.as_a_gpu = True
     builder.create_dot, builder.cast_impl, builder.create_masked_load = create_dot, cast_impl, create_masked_load
+    # the builder the interpreter made at import, which every launch uses (not the class: its __init__ ran)
+    shared = getattr(interpreter, "interpreter_builder", None)
+    if shared is not None and "min_dot_size" in getattr(shared, "codegen_fns", {}):
+        shared.codegen_fns["min_dot_size"] = min_dot_size
