@@ -464,17 +464,31 @@ def report(out: str) -> str:
         return f"{out}: {e}"
 
 
+def missing_cells(records: list[dict]) -> list[dict]:
+    """The cells of the records' grid (their size, and their step budget if a ``--steps`` run's) that no
+    record holds: an interrupted sweep's, or one run with ``--mixers``."""
+    done = {cell_key(r) for r in records}
+    cells = grid(records[0]["size"])
+    if not done & {cell_key(c) for c in cells}:                     # a --steps run: its own budget
+        cells = grid(records[0]["size"], steps=records[0]["steps"])
+    return [c for c in cells if cell_key(c) not in done]
+
+
 def _report(out: str, records: list[dict]) -> str:
+    missing = missing_cells(records)
+    partial = "" if not missing else (
+        f"\nINCOMPLETE: {len(missing)} runs of the grid are missing (of mixers "
+        f"{', '.join(dict.fromkeys(c['mixer'] for c in missing))}); the table holds the runs there are")
     if records[0]["size"] == "inversion":
         return ("MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
-                + format_table(inversion_table(records)))
+                + format_table(inversion_table(records)) + partial)
     if records[0]["size"] == "caching":
         return (f"MQAR, T=32, 8 pairs: best of lr {SIZES['small'].lrs} per seed; seeds {CACHING_SEEDS} in order\n"
-                + format_table(seed_table(records)))
+                + format_table(seed_table(records)) + partial)
     rows = leaderboard(records)
     text = format_table(rows, digits=3).replace("grows with T", "-")
     return (f"MQAR accuracy: best learning rate per mixer, task and seed, mean over seeds "
-            f"({len(records)} runs from {', '.join(result_files(out))})\n{text}")
+            f"({len(records)} runs from {', '.join(result_files(out))})\n{text}{partial}")
 
 
 def reproduce(record: dict, tol: float = 1e-6, device="cpu", progress: bool = False) -> dict:

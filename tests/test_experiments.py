@@ -181,7 +181,23 @@ def test_the_leaderboard_shows_a_dash_where_a_mixer_has_no_run(tmp_path):
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = ex.report(str(out)).splitlines()
     assert lines[1].split() == ["mixer", "T16", "kv2", "d16", "T16", "kv4", "d16"]
-    assert [line.split() for line in lines[3:]] == [["a", "0.250", "0.750"], ["b", "0.500", "-"]]
+    assert [line.split() for line in lines[3:5]] == [["a", "0.250", "0.750"], ["b", "0.500", "-"]]
+    assert lines[5].startswith("INCOMPLETE: ")            # made-up mixers: none of the grid's runs is here
+
+
+@pytest.mark.parametrize("size", ["small", "inversion", "caching"])
+def test_a_partial_sweep_is_reported_as_incomplete(tmp_path, size):
+    """An interrupted sweep (or one run with --mixers) tabulates the runs it has, and says how many of the
+    grid's runs are missing and of which mixers; a complete one says nothing of it."""
+    records = ex.read_results(str(RESULTS / f"mqar_{size}.jsonl"))
+    out = tmp_path / "r.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "INCOMPLETE" not in ex.report(str(out))
+    dropped = records[3:8]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records[:3] + records[8:]))
+    last = ex.report(str(out)).splitlines()[-1]
+    assert last.startswith("INCOMPLETE: 5 runs of the grid are missing"), last
+    assert set(last.split("of mixers ")[1].split(")")[0].split(", ")) == {r["mixer"] for r in dropped}
 
 
 def test_tables_refuse_runs_of_two_settings(tmp_path):
