@@ -28,7 +28,7 @@ help:
 	@echo "make test-lib   the tests/ folder: library, kernels (Triton interpreter), grader, book build, browser"
 	@echo "                (make test-aot: its ahead-of-time kernel builds; make test-rest: everything else)"
 	@echo "make test-notebooks  the chapters and exercise solutions under nbval (their stored outputs)"
-	@echo "make test-fast  library and kernels only, no browser, book or notebooks (about 7 min): the edit-test loop"
+	@echo "make test-fast  library and kernels only, no browser, book or notebooks (about 4 min): the edit-test loop"
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
@@ -79,7 +79,7 @@ test-notebooks: $(STAMP)
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg book exercises/solutions
 
 # The tests not marked slow (tests/conftest.py lists what is: the book, browser, notebook and grader
-# tests, and the longest library tests), in two processes as test-rest: about 7 minutes on 2 cores.
+# tests, and the longest library tests), in two processes as test-rest: about 4 minutes on 2 cores.
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PYTEST_LIB) -n 2 --dist loadfile -m "not slow" tests
 
