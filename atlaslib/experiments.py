@@ -222,10 +222,18 @@ def inversion_table(records: list[dict]) -> list[dict]:
         diffs = [f"{k}={r[k]}" for k, base in INVERSION_BASE.items() if r[k] != base]
         if r["mixer_kwargs"].get("qk_norm"):
             diffs.append("qk_norm=True")
-        return ", ".join(diffs) or "base (1000 steps, lr 1e-2, 8 pairs)"
+        return ", ".join(diffs) or order[0]
+
+    # the grid's order of conditions and seeds, whatever order the files hold the records in (a sweep
+    # split into shards writes each shard's runs to its own file)
+    order = ["base (1000 steps, lr 1e-2, 8 pairs)"] + [f"{k}={v}" for k, vs in INVERSION_KNOBS.items() for v in vs]
+
+    def place(r):
+        cond = condition(r)
+        return (order.index(cond) if cond in order else len(order), r["seed"])
 
     cells = {}
-    for r in records:
+    for r in sorted(records, key=place):
         cells.setdefault(condition(r), {}).setdefault(r["mixer"].removesuffix("+qk_norm"), []).append(r["accuracy"])
     rows = []
     for cond, by_mixer in cells.items():

@@ -36,8 +36,8 @@ def test_exp_features_kernel_values(gen, d, P, compressed):
     assert_close((fx * fy).sum(-1), taylor_exp((x * y).sum(-1), P), tol=1e-13)
 
 
-def test_exp_features_dimensions_of_the_spec():
-    # chapter 6 §1: d = 3, P = 1, 2, 3, 4, 6, 8 -> sum_n d^n = 4, 13, 40, 121, 1093, 9841
+def test_exp_features_dimensions():
+    # sum_{n <= P} d^n at d = 3 (chapter 6 §1 prints the sizes for d = 5 and d = 64)
     assert [exp_feature_dim(3, P, compressed=False) for P in (1, 2, 3, 4, 6, 8)] == [4, 13, 40, 121, 1093, 9841]
     assert exp_feature_dim(128, 2) == 8385
 

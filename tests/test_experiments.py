@@ -295,6 +295,16 @@ def test_inversion_table_averages_seeds_per_condition():
     assert "random_filler=False" in ex.report.__globals__["format_table"](ex.inversion_table(records))
 
 
+def test_inversion_table_keeps_the_grids_order_whatever_the_files_order():
+    # a sweep in three shards writes each shard's runs to its own file: records arrive out of order
+    cells = ex.grid("inversion")
+    records = [dict(c, accuracy=0.1 * (c["seed"] + 1)) for c in cells]
+    in_order = ex.inversion_table(records)
+    by_shard = [r for i in range(3) for r in ex.shard(records, i, 3)][::-1]
+    assert ex.inversion_table(by_shard) == in_order
+    assert in_order[0]["condition"].startswith("base") and in_order[0]["deltanet"] == "0.15 (0.10 0.20)"
+
+
 def test_caching_grid_is_the_board_row_with_three_seeds_and_other_segments():
     cells = ex.grid("caching")
     s = ex.SIZES["small"]
