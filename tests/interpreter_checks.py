@@ -85,13 +85,13 @@ def install() -> None:
             x, y, z = (n - 1 - i for n, i in zip(self.grid_dim, (x, y, z)))
         set_grid_idx(self, x, y, z)
 
-    def checked_load(self, ptrs, mask, *args):
+    def checked_load(self, ptrs, mask, *args, **kwargs):          # tensor descriptors pass keywords
         check_lanes(ptrs, mask, "load")
-        return load(self, ptrs, mask, *args)
+        return load(self, ptrs, mask, *args, **kwargs)
 
-    def checked_store(self, ptrs, value, mask, *args):
+    def checked_store(self, ptrs, value, mask, *args, **kwargs):
         check_lanes(ptrs, mask, "store")
-        return store(self, ptrs, value, mask, *args)
+        return store(self, ptrs, value, mask, *args, **kwargs)
 
     executor._init_args_hst = init_args_recording_extents
     builder.set_grid_idx = set_grid_idx_backwards

@@ -261,6 +261,22 @@ def test_interpreter_refuses_a_dot_a_card_cannot_compile():
                 outer_product_kernel[(1,)](a, b, y, INNER=inner)
 
 
+@triton.jit
+def descriptor_copy_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    """y = 2 x through tensor descriptors (the interpreter's load passes its options as keywords)."""
+    src = tl.make_tensor_descriptor(x_ptr, shape=[N, N], strides=[N, 1], block_shape=[16, 16])
+    dst = tl.make_tensor_descriptor(y_ptr, shape=[N, N], strides=[N, 1], block_shape=[16, 16])
+    dst.store([0, 0], src.load([0, 0]) * 2)
+
+
+def test_interpreter_as_a_card_runs_tensor_descriptors():
+    """Triton steers kernels from block pointers to tensor descriptors; the card-like masked load must take
+    the keyword options a descriptor's load passes."""
+    x, y = torch.randn(16, 16), torch.zeros(16, 16)
+    descriptor_copy_kernel[(1,)](x, y, N=16)
+    torch.testing.assert_close(y, 2 * x)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_tf32_inverse_of_16_bit_inputs_costs_no_accuracy(gen, mode, monkeypatch):
     """For bf16 inputs the delta rule builds R = (I + Diag(beta) L)^{-1} with TF32 products (and takes dA's

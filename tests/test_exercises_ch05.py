@@ -110,6 +110,16 @@ def test_ns_polynomial_names_a_missing_epsilon():
     assert "eps = 1e-7" not in v.message, v.message                      # other mistakes: no such hint
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-8, 1e-6])
+def test_ns_polynomial_blames_the_epsilon_not_float32(eps):
+    """Another eps moves the values by about float32's rounding: the message names the eps it found, and not
+    a float32 tensor the answer never made."""
+    v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c, eps=eps))
+    used = "sigma / ||sigma||" if eps == 0 else f"sigma / (||sigma|| + {eps:g})"
+    assert v.status == "failed" and f"polynomial on {used} exactly" in v.message, v.message
+    assert "float32 tensor" not in v.message, v.message
+
+
 def test_ns_polynomial_rejects_sorted_values():
     v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c).sort(descending=True).values)
     assert v.status == "failed", v.message
@@ -176,6 +186,19 @@ def test_atlas_step_names_a_float32_newton_schulz():
         return e(alpha) * M - e(eta) * newton_schulz(S_t.float(), ns_steps).double(), S_t
     v = ch05.atlas_step.evaluate(ns_in_float32)
     assert v.status == "failed" and "M_t: relative RMSE" in v.message and "float32's rounding" in v.message, v.message
+
+
+def test_atlas_step_names_another_epsilon_in_newton_schulz():
+    """All in float64, Newton-Schulz normalised by ||S_t|| + 1e-5: the hint names the eps as a possible cause."""
+    def other_eps(M, S, k, v, alpha, eta, theta, ns_steps):
+        e = lambda x: x[..., None, None]                                  # noqa: E731
+        S_t = e(theta) * S + (torch.einsum("bhvd,bhd->bhv", M, k) - v)[..., :, None] * k[..., None, :]
+        n = S_t.square().sum(dim=(-2, -1), keepdim=True).sqrt()
+        X = S_t * (n + 1e-7) / (n + 1e-5)                                 # NS_J(X) = NS_J(S_t / (||S_t|| + 1e-5))
+        return e(alpha) * M - e(eta) * newton_schulz(X, ns_steps), S_t
+    v = ch05.atlas_step.evaluate(other_eps)
+    assert v.status == "failed" and "M_t: relative RMSE" in v.message, v.message
+    assert "something other than ||S_t||_F + 1e-7" in v.message, v.message
 
 
 # ---- exercise 4: the chunk's momenta ----------------------------------------------------------------

@@ -432,6 +432,15 @@ def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
     assert str(refused.value).startswith("code cell 2: ") and named in str(refused.value), refused.value
 
 
+@pytest.mark.parametrize("source", ["from torch.linalg import solve_triangular", "import torch.linalg as LA",
+                                    "from torch.special import ndtr", "import torch.nn.functional as F"])
+def test_the_screen_lets_torch_submodules_be_imported(source):
+    """The statements allow `torch`, and point at torch.linalg.solve_triangular: importing it is allowed too."""
+    from atlaslib.exercises.checking import screen
+    cells = [("code cell 1 (set-up)", "import torch"), ("code cell 2", source)]
+    screen(cells, "ch01", set(POINTS), registry("ch01").helpers)
+
+
 @pytest.mark.parametrize("name, builtin", [("input", True), ("open", True), ("vars", True), ("In", False),
                                            ("importlib", False)])
 def test_a_refused_name_says_when_it_may_be_the_readers_own_variable(name, builtin):

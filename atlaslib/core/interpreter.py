@@ -94,8 +94,8 @@ def as_a_gpu() -> None:
             return None
         return handle(np.full(ptrs.data.shape, fill, dtype=np_dtype), dtype)
 
-    def create_masked_load(self, ptrs, mask, other, *args):
-        return masked_load(self, ptrs, mask, undefined_lanes(ptrs) if other is None else other, *args)
+    def create_masked_load(self, ptrs, mask, other, *args, **kwargs):   # tensor descriptors pass keywords
+        return masked_load(self, ptrs, mask, undefined_lanes(ptrs) if other is None else other, *args, **kwargs)
 
     def min_dot_size(lhs, rhs):                 # a card's: an inner dimension of at least 16 (32 for 8-bit)
         return 1, 1, 32 if lhs.scalar.primitive_bitwidth == 8 else 16

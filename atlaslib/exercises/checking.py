@@ -438,12 +438,14 @@ def kernel_nan_guess(got: torch.Tensor) -> str:
             nan_bits(name, UNDEFINED_LANE): NAN_UNDEFINED_LANE}.get(bits, NAN_IN_KERNEL)
 
 
-def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, kernel_output: bool = False) -> None:
+def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, kernel_output: bool = False,
+            explain: str = "") -> None:
     """Compare a learner tensor with the library's, through ``core.testing.assert_close``.
 
     A failure says what a NaN most likely is (for a ``kernel_output``, what its payload says: an entry never
     stored, a masked-off lane read, or an invalid operation; else an invalid operation) and, when a float64
-    result is off by about float32's rounding, that a float32 tensor was made on the way."""
+    result is off by about float32's rounding, that a float32 tensor was made on the way. ``explain``, when
+    the check has found the cause itself, replaces that guess."""
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{name} should be a torch.Tensor, got {type(got).__name__}")
     if got.device != expected.device:
@@ -454,7 +456,7 @@ def compare(name: str, got, expected: torch.Tensor, tol: float | None = None, ke
         assert_close(got.detach(), expected.detach(), tol=tol, name=name)
     except AssertionError as e:
         message = str(e).replace(NEVER_WROTE, kernel_nan_guess(got) if kernel_output else NAN_IN_TORCH)
-        hint = dtype_hint(got.dtype, expected.dtype) or float32_hint(got, expected)
+        hint = dtype_hint(got.dtype, expected.dtype) or explain or float32_hint(got, expected)
         raise CheckFailed(f"{message}{hint or (tf32_hint(got, expected, tol) if kernel_output else '')}") from None
 
 
@@ -685,8 +687,8 @@ def compare_kernel_output(name: str, got, want, tol: float, hint: str = NAN_HINT
 # reaches for a dynamic escape hatch. The runtime rules above stay as a second line.
 
 # Modules any cell may import (and their attributes, less the ones below)
-ALLOWED_MODULES = ("math", "torch", "torch.nn", "torch.nn.functional", "triton", "triton.language",
-                   "itertools", "collections", "__future__", "os")
+ALLOWED_MODULES = ("math", "torch", "torch.nn", "torch.nn.functional", "torch.linalg", "torch.special",
+                   "triton", "triton.language", "itertools", "collections", "__future__", "os")
 # ``os`` is there for the set-up cell's ``os.environ["TRITON_INTERPRET"] = "1"`` only
 OS_ATTRIBUTES = ("environ",)
 # Names no cell may use: ways to run code the screen cannot read, or to reach other modules
