@@ -124,3 +124,50 @@ def test_memory_caching_mixer_gives_every_parameter_a_gradient_on_one_segment(ge
     base.load_state_dict({n: p for n, p in mixer.state_dict().items() if not n.startswith("u_proj")})
     with torch.no_grad():
         assert_close(y.detach(), base(x), tol=1e-6, name="one segment vs the base mixer")
+
+
+def _clear_process_caches():
+    from atlaslib.caching import segments
+    from atlaslib.core import featuremaps
+    from atlaslib.deep import mlp
+    from atlaslib.miras import state
+    featuremaps._multiset_table.cache_clear()
+    mlp._seeded_w2.cache_clear()
+    state._seeded_params.cache_clear()
+    segments._BLOCKS.clear()
+    segments._GROUPS.clear()
+
+
+def _cached_constants(device):
+    """One call into each process-wide cache of tensors: monomial tables, the seeded W2 of an MLP memory, a
+    deep memory's seeded initial weights, a caching layout's read tables."""
+    from atlaslib.caching import make_layout
+    from atlaslib.core import monomial_features
+    from atlaslib.deep import second_layer_init
+    from atlaslib.miras import init_state
+    return [monomial_features(torch.ones(2, 3, device=device), 2),
+            second_layer_init(1, 2, 4, 8, torch.float32, device),
+            init_state(make_config("titans", memory="mlp"), 1, 2, 4, 4, device=device).memory["W1"],
+            make_layout(8, 4).blocks(device)[0]]
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+def test_a_call_under_meta_or_fake_tensors_leaves_real_tensors_in_the_caches(mode):
+    """Shape checks run under torch.device("meta") or FakeTensorMode; the tensors a cache builds meanwhile are
+    kept for the process, and a meta or fake one failed every later real call of the same sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _clear_process_caches()
+    try:
+        if mode == "meta":
+            with torch.device("meta"):
+                assert all(t.device.type == "meta" for t in _cached_constants("meta"))
+        else:
+            with FakeTensorMode(allow_non_fake_inputs=True):   # the caches' real constants meet fake inputs
+                _cached_constants("cpu")
+        real = _cached_constants("cpu")
+        _clear_process_caches()
+        fresh = _cached_constants("cpu")
+    finally:
+        _clear_process_caches()
+    for got, want in zip(real, fresh):
+        assert type(got) is torch.Tensor and torch.equal(got, want)

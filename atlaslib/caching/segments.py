@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.validation import check_int, static_int
+from ..core.validation import check_int, process_constant, static_int
 
 SEGMENTATIONS = ("constant", "list", "log")
 
@@ -48,7 +48,7 @@ class Layout(NamedTuple):
         hit = _BLOCKS.get(key)
         if hit is not None and hit[0] is self.visible:
             return hit[1]
-        with torch.inference_mode(False):     # kept: a table an eval pass built must serve a training pass
+        with process_constant():              # kept: a table an eval pass built must serve a training pass
             table = self._table(device)
         _remember(_BLOCKS, key, (self.visible, table))
         return table
@@ -77,7 +77,7 @@ class Layout(NamedTuple):
         hit = _GROUPS.get(key)
         if hit is not None and hit[0] is self.visible:
             return hit[1]
-        with torch.inference_mode(False):     # kept: also for a training pass after an eval pass
+        with process_constant():              # kept: also for a training pass after an eval pass
             groups = _groups(*self.reader_runs(), device)
         _remember(_GROUPS, key, (self.visible, groups))
         return groups

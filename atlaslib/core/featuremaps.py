@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .validation import _value_check, check_int, static_int
+from .validation import _value_check, check_int, process_constant, static_int
 
 
 def identity(x: torch.Tensor) -> torch.Tensor:
@@ -131,9 +131,9 @@ def _multiset_lists(d: int, i: int) -> tuple[tuple[tuple[int, ...], ...], tuple[
 @functools.lru_cache(maxsize=None)
 def _multiset_table(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     combos, counts = _multiset_lists(d, i)
-    with torch.inference_mode(False):         # kept for the process: also for calls that train after an eval
-        index = torch.tensor(combos, dtype=torch.long).view(len(combos), i)
-        return index, torch.tensor(counts, dtype=torch.float64)
+    with process_constant():                  # kept for the process: real CPU tensors whatever mode the caller is in
+        index = torch.tensor(combos, dtype=torch.long, device="cpu").view(len(combos), i)
+        return index, torch.tensor(counts, dtype=torch.float64, device="cpu")
 
 
 def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:

@@ -6,8 +6,8 @@ Shapes, dtypes and devices are always checked; values (ranges, NaN) never by a h
 """
 from __future__ import annotations
 
+import contextlib
 import math
-
 import numbers
 import operator
 
@@ -235,3 +235,14 @@ def gate_or_number(name: str, x, B: int, H: int, T: int, cd: torch.dtype, ref: t
         return torch.full((B, H, T), x, dtype=cd, device=ref.device)
     check_gate(name, x, B, H, T, width, low=low, high=high, ref=ref)
     return x
+
+
+@contextlib.contextmanager
+def process_constant():
+    """Where a process-wide cache builds its tensors: real tensors outside inference mode, whatever mode the
+    caller runs under (``torch.device("meta")``, ``FakeTensorMode``), which would otherwise be cached for
+    every later call. Pass ``device="cpu"`` explicitly as well (a default device is read per call). Under
+    ``FakeTensorMode`` these constants are real tensors: give it ``allow_non_fake_inputs=True``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False):
+        yield

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..core import check_state
 from ..core.dispatch import dispatch
 from ..core.gates import alpha_from_log
-from ..core.validation import static_int
+from ..core.validation import process_constant, static_int
 from ..miras import miras
 from .dla import check_engine_backend, dla, taylor_phi
 from .features import exp_feature_dim, exp_kernel
@@ -69,9 +69,9 @@ def seeded_w2(H: int, V: int, hidden: int, seed: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _seeded_w2(H, V, hidden, seed):
-    with torch.inference_mode(False):         # kept: also for calls that train after an eval pass
+    with process_constant():                  # kept: real CPU tensors, also for calls that train after an eval pass
         gen = torch.Generator().manual_seed(seed)
-        return torch.randn(H, V, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
+        return torch.randn(H, V, hidden, generator=gen, dtype=torch.float64, device="cpu") / math.sqrt(hidden)
 
 
 def mlp_start(initial_state, q, v, order, expansion=None):

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from ..core import check_state
+from ..core.validation import process_constant
 
 
 class MirasState(NamedTuple):
@@ -87,7 +88,7 @@ def seeded_params(memory: str, K: int, V: int, expansion, activation, layer_norm
 def _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed) -> tuple:
     from .memory import MEMORY_CLASSES
     mem = MEMORY_CLASSES[memory](K, V, expansion, activation, layer_norm)
-    with torch.inference_mode(False):         # kept: also for calls that train after an eval pass
+    with process_constant():                  # kept: real CPU tensors, also for calls that train after an eval pass
         params = draw_params(mem, kl, H, torch.Generator().manual_seed(seed))
     return tuple(params[name] for name in mem.shapes)
 
