@@ -3,7 +3,10 @@
 ``as_a_gpu`` swaps three methods of the interpreter's builder (Triton 3.7): ``tl.dot``, casts to bf16 and
 masked loads, and gives ``tl.dot`` a card's smallest inner dimension. The library's kernels install it
 when ``core.kernels`` is imported, the exercises when ``atlaslib.exercises`` is (a learner's kernel meets
-the same interpreter); it changes nothing for compiled kernels, and nothing when called twice.
+the same interpreter); it changes nothing for compiled kernels, and nothing when called twice. The
+library imports ``core.kernels`` at its first kernel launch, not at ``import atlaslib``; from then on, for
+the rest of the process, every interpreted kernel computes this way, a reader's own too. Call ``as_a_gpu()``
+first where a kernel of your own must not give other numbers after the library's first launch.
 """
 from __future__ import annotations
 
