@@ -33,7 +33,9 @@ DEFAULT_SEED = 20250101
 def _base_seed() -> int:
     value = os.environ.get("ATLASLIB_TEST_SEED", "").strip()
     if value == "random":
-        return int.from_bytes(os.urandom(4), "little")
+        seed = int.from_bytes(os.urandom(4), "little")
+        os.environ["ATLASLIB_TEST_SEED"] = str(seed)   # pytest-xdist's processes, started later, draw no other
+        return seed
     try:
         return int(value) if value else DEFAULT_SEED
     except ValueError:
