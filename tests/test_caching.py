@@ -637,6 +637,32 @@ def test_gradients_deep(gen, aggregate):
         assert g_c.abs().sum() > 0 and rel_rmse(g_c, g_r) < 1e-10
 
 
+@pytest.mark.parametrize("aggregate", ["grm", "soup", "ssc", "residual"])
+def test_deep_memory_over_log_segments_equals_the_definition(gen, aggregate):
+    """Titans (MLP memory) over log-linear segments, T = 21: 9 cached blocks, each token reads at most 3
+    of them (slot j of its row names which), so the chunk form weights each state through the slots
+    (no [T, N] table) and soup mixes only the states a token reads."""
+    q, k, v = random_qkv(1, 2, 21, 4, 4, generator=gen, **F64)
+    kw = dict(preset="titans", memory="mlp", eta=0.3, theta=0.5, alpha=0.9)
+    top_k = 2 if aggregate == "ssc" else None
+    got = {backend: memory_caching(q, k, v, base=miras, segments="log", mode="independent", aggregate=aggregate,
+                                   top_k=top_k, base_kwargs=kw, backend=backend, chunk_size=1)[0]
+           for backend in ("recurrent", "chunk")}
+    assert rel_rmse(got["chunk"], got["recurrent"]) < 1e-12
+
+
+def test_log_linear_readout_memory_grows_as_T_log_T(gen):
+    """Log-linear segments cache about T / 2 states and each token reads about log2 T of them: the scores
+    of those alone, never a [T, N] matrix (N ~ T / 2 made it O(T^2): 8M numbers at T = 4096)."""
+    from atlaslib.caching import log_linear_pp
+    from atlaslib.core.testing import largest_tensor
+    T = 1024
+    q, k, v = random_qkv(1, 1, T, 8, 8, generator=gen)
+    for base, kw in ((linear_attention, {}), (miras, dict(preset="ttt_mlp", expansion=1, eta=0.1))):
+        most = largest_tensor(lambda: log_linear_pp(q, k, v, base=base, base_kwargs=kw, chunk_size=16))
+        assert most <= T * T // 8, (base.__name__, most)
+
+
 def test_log_linear_pp_is_grm_over_log_segments(gen):
     from atlaslib.caching import log_linear_pp
     q, k, v, alpha, M0 = inputs(gen, T=13, h0=True)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from atlaslib.core import assert_close, random_gate, random_qkv, rel_rmse, softmax_attention
+from atlaslib.core.testing import largest_tensor
 from atlaslib.delta import delta_rule
 from atlaslib.deep import (MAX_EXPONENT, deep_transformer, dot, dot_coefficient_recurrent, exp_feature_dim,
                            exp_features)
@@ -358,25 +359,6 @@ def test_long_vectors_with_small_scores_are_allowed(gen):
     k[..., 0] = 30.0                                                  # scores near 900
     with pytest.raises(ValueError, match="overflow"):
         deep_transformer(q, k, v)
-
-
-def largest_tensor(fn, *args):
-    """The most elements of any tensor an aten op creates while fn(*args) runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        most = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for x in (out if isinstance(out, (tuple, list)) else [out]):
-                if isinstance(x, torch.Tensor):
-                    Largest.most = max(Largest.most, x.numel())
-            return out
-
-    with Largest():
-        fn(*args)
-    return Largest.most
 
 
 @pytest.mark.parametrize("window", [None, 5])

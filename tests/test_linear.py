@@ -240,9 +240,19 @@ def test_triton_on_cpu_needs_interpreter(monkeypatch):
         linear_attention(q, k, v, backend="triton")
 
 
+@pytest.mark.parametrize("T", [512, 515])
+def test_sliding_window_attention_memory_grows_with_T_times_the_window(gen, T):
+    """Softmax attention over a window of c keys holds [T, 2c] scores, not the [T, T] matrix of the whole
+    sequence (masked to its band, which made SWA, MAG and MAL quadratic in T for any window)."""
+    from atlaslib.core.testing import largest_tensor
+    q, k, v = random_qkv(1, 2, T, 8, 8, generator=gen)
+    most = largest_tensor(lambda: softmax_attention(q, k, v, window=16))
+    assert most <= 2 * 2 * (T + 16) * 2 * 16, most
+
+
 def test_softmax_attention_matches_loop(gen):
     q, k, v = random_qkv(1, 2, 13, 5, 3, generator=gen, normalize_keys=False)
-    for window in (None, 1, 4):
+    for window in (None, 1, 4, 6, 7, 13):        # 2 c < T: by blocks of c queries (13 = 3 * 4 + 1 = 2 * 6 + 1)
         o = softmax_attention(q, k, v, window=window)
         for t in range(13):
             lo = 0 if window is None else max(0, t - window + 1)
@@ -251,6 +261,9 @@ def test_softmax_attention_matches_loop(gen):
             assert_close(o[:, :, t], expect, name=f"t={t}, window={window}")
     with pytest.raises(ValueError, match="window"):
         softmax_attention(q, k, v, window=0)
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    for window in (1, 4):
+        torch.autograd.gradcheck(lambda *x: softmax_attention(*x, window=window), (q, k, v))
     for scale in (math.nan, "0.5", True):
         with pytest.raises(ValueError, match="scale must be a finite number"):
             softmax_attention(q, k, v, scale=scale)

@@ -6,7 +6,9 @@
    token reads, one ending at each token: each token is in about log2(T)/2 + 1 of them). In
    checkpoint mode the segments run one after the other, each from the previous final state.
 2. **Read out.** The relevance of cached state n to token t is r_tn = <u_t, pool(S^(n))> (one
-   product [T, K] x [K, N]); the aggregator turns the visible scores into weights (``readout_weights``);
+   product [T, K] x [K, N] for a few states; only the J ~ log T each token reads for log-linear
+   segments, whose N ~ T / 2 would make it O(T^2)); the aggregator turns the visible scores into
+   weights (``readout_weights``);
    for a matrix memory the N cached readouts of all tokens are one contraction
    y_t = gamma_s online_t + sum_n W_tn M^(n) phi(q_t) (``cached_readout``, the contract of the Triton
    kernel). Deep memories are read by running the base from each cached state with learning off
@@ -46,7 +48,11 @@ def readout_weights(u, pooled, online_score, blocks, top_k=None, aggregate="grm"
         return valid.to(cd), torch.ones(B, H, T, dtype=cd, device=u.device)
     if pooled.shape[2] == 0:                            # one segment: the online memory alone
         return u.new_zeros(B, H, T, J), torch.ones(B, H, T, dtype=cd, device=u.device)
-    r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, blocks.clamp(min=0).expand(B, H, T, J))
+    slots = blocks.clamp(min=0)
+    if pooled.shape[2] <= 2 * J:                        # few states (constant segments): all scores, then gather
+        r = torch.einsum("bhtk,bhnk->bhtn", u, pooled).gather(-1, slots.expand(B, H, T, J))
+    else:                                               # many (log-linear, N ~ T / 2): each token's J only
+        r = torch.stack([(u * pooled[:, :, slots[:, j]]).sum(-1) for j in range(J)], dim=-1)
     logits = r.masked_fill(~valid, float("-inf"))
     if aggregate == "ssc" and top_k is not None and top_k < J:
         # only the top_k most relevant cached states take part ([MC] eq. 16-17); padding has -inf. A stable
@@ -249,29 +255,30 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
     if fq is not None and cached:
         states = torch.stack([memory_part(s).to(cd) for s in cached], dim=2)
         if readout is None:
+            many = states.shape[2] > 2 * blocks.shape[1]     # the readout's per-state path needs the groups
             y = cached_readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate,
-                               groups=layout.reader_groups(q.device))
+                               groups=layout.reader_groups(q.device) if many else None)
         else:
             y = readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate)
         return y.to(online.dtype), final
     if fq is not None:                                  # one segment: MC is the base itself
         return online, final
     w, g_s = readout_weights(u, pooled, r_s, blocks, top_k, "grm" if aggregate == "soup" else aggregate)
-    W, V = dense_weights(w, blocks, len(cached)), v.shape[-1]
     if aggregate == "soup":
-        return soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size), final
+        return soup_readout(base, q, k, v, kw, layout, inits, cached, w, g_s, backend, chunk_size), final
     y = g_s[..., None] * online.to(cd)
-    B, H, T = q.shape[:3]
+    B, H, T, V = *q.shape[:3], v.shape[-1]
     for n, (a, b) in enumerate(reader_spans(layout)):   # one memory pass per cached state and reader
         read = probe(base, cached[n], q[:, :, a:b], V, slice_kwargs(kw, (B, H, T), a, b), chunk_size, backend)
-        y[:, :, a:b] = y[:, :, a:b] + W[:, :, a:b, n, None] * read.to(cd)
+        weight = (w[:, :, a:b] * (blocks[a:b] == n)).sum(-1)     # state n's weight for its readers (no [T, N])
+        y[:, :, a:b] = y[:, :, a:b] + weight[..., None] * read.to(cd)
     return y.to(online.dtype), final
 
 
-def soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chunk_size):
+def soup_readout(base, q, k, v, kw, layout, inits, cached, w, g_s, backend, chunk_size):
     """Memory soup for any memory ([MC] eq. 14-15): token t reads the memory whose parameters are
     sum_n W_tn theta^(n) + gamma_s theta^(s)_t, where theta^(s)_t is its online state after token t
-    (the base over the segment's prefix)."""
+    (the base over the segment's prefix); w [B, H, T, J] holds W_tn for the n in layout.visible[t]."""
     B, H, T = q.shape[:3]
     ys = []
     for t in range(T):
@@ -279,8 +286,9 @@ def soup_readout(base, q, k, v, kw, layout, inits, cached, W, g_s, backend, chun
         _, online_state = run_base(base, q[:, :, a:t + 1], k[:, :, a:t + 1], v[:, :, a:t + 1],
                                    slice_kwargs(kw, (B, H, T), a, t + 1), inits[layout.online[t]], backend,
                                    chunk_size)
-        weights = torch.cat([W[:, :, t], g_s[:, :, t, None]], dim=-1)
-        mixed = mix_states(weights, cached + [online_state])
+        seen = layout.visible[t]                         # slot j of blocks[t] holds seen[j]
+        weights = torch.cat([w[:, :, t, :len(seen)], g_s[:, :, t, None]], dim=-1)
+        mixed = mix_states(weights, [cached[n] for n in seen] + [online_state])
         ys.append(probe(base, mixed, q[:, :, t:t + 1], v.shape[-1], slice_kwargs(kw, (B, H, T), t, t + 1),
                         chunk_size, backend))
     return torch.cat(ys, dim=2)

@@ -148,3 +148,22 @@ def window_l2_grad(W, k, v, t: int, window: int, gamma=None):
         loss = loss + (window_gate(gamma, t, i) * 0.5 * err.square().sum(-1)).sum()
     (grad,) = torch.autograd.grad(loss, W)
     return grad
+
+
+def largest_tensor(fn, *args):
+    """The most elements of any tensor an aten op creates while fn(*args) runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(x, torch.Tensor):
+                    Largest.most = max(Largest.most, x.numel())
+            return out
+
+    with Largest():
+        fn(*args)
+    return Largest.most
