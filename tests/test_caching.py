@@ -723,6 +723,19 @@ def test_a_diverged_segment_is_named_in_checkpoint_mode(gen, backend):
                        backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["recurrent", "chunk"])
+def test_a_diverged_cached_state_is_named_when_it_is_read(gen, backend):
+    """A deep memory whose first segment holds NaN caches a non-finite state; reading it (with learning off)
+    made the base refuse an initial_state the caller never passed: the error says a segment diverged."""
+    q, k, v = random_qkv(1, 1, 8, 4, 4, generator=gen, **F64)
+    v = v.clone()
+    v[:, :, 1] = float("nan")
+    kw = dict(preset="titans", memory="mlp", eta=0.3, theta=0.5, alpha=0.9)
+    with pytest.raises(ValueError, match="the base diverged while compressing a segment"):
+        memory_caching(q, k, v, base=miras, segments=4, mode="independent", base_kwargs=kw, backend=backend,
+                       chunk_size=1)
+
+
 def test_pooled_keys_keep_their_digits_at_long_lengths(gen):
     """The pooled keys of the chunk form (one prefix sum over the sequence) against each segment's own mean,
     for fp32 keys of mean 1 at T = 16384: a difference of fp32 prefix sums lost about 5e-4 there."""

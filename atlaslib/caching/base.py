@@ -153,7 +153,14 @@ def probe(base, state, q, V: int, kw: dict, chunk_size: int, backend: str):
     if takes(base, "beta"):
         kw["beta"] = zero
     v0 = torch.zeros(B, H, T, V, dtype=q.dtype, device=q.device)
-    o, _ = run_base(base, q, q, v0, kw, without_momentum(state), backend, chunk_size)
+    try:
+        o, _ = run_base(base, q, q, v0, kw, without_momentum(state), backend, chunk_size)
+    except ValueError as err:
+        if "initial_state" not in str(err):
+            raise
+        raise ValueError(f"a state the readout reads was refused by the base {base_name(base)!r} ({err}): the base "
+                         "diverged while compressing a segment (too large a step size, or non-finite inputs "
+                         "there)") from err
     return o
 
 
