@@ -663,6 +663,17 @@ def test_log_linear_readout_memory_grows_as_T_log_T(gen):
         assert most <= T * T // 8, (base.__name__, most)
 
 
+def test_constant_segments_readout_never_mixes_a_memory_per_token(gen):
+    """Constant segments, few states (N = 7 < K = 32): the readout takes each token's N reads M^(n) q_t and
+    weights them ([T, N, V]); it built sum_n W_tn M^(n) for every token first, a [T, V, K] tensor."""
+    from atlaslib.core.testing import largest_tensor
+    B, H, T, K = 1, 2, 512, 32
+    q, k, v = random_qkv(B, H, T, K, K, generator=gen)
+    most = largest_tensor(lambda: memory_caching(q, k, v, base=linear_attention, segments=64, aggregate="grm",
+                                                 backend="chunk"))
+    assert most < B * H * T * K * K // 2, most
+
+
 def test_log_linear_pp_is_grm_over_log_segments(gen):
     from atlaslib.caching import log_linear_pp
     q, k, v, alpha, M0 = inputs(gen, T=13, h0=True)

@@ -98,14 +98,18 @@ def cached_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
 
 def weighted_reads(w, states, q, blocks, groups=None):
     """sum_j w_tj M^(blocks[t, j]) q_t. Few states (constant segments, N <= 2J): one dense contraction
-    over n. Many states that each token reads a few of (log-linear, N ~ T / 2, J ~ log T): each state
-    reads only the tokens that see it, ``readers_of`` (a contiguous run of tokens in the library's
+    over n, through whichever is smaller per token, the N reads or the weighted memory sum_n W_tn M^(n).
+    Many states that each token reads a few of (log-linear, N ~ T / 2, J ~ log T): each state reads only
+    the tokens that see it, ``readers_of`` (a contiguous run of tokens in the library's
     layouts), as one product per state; the states whose runs have one length go as one batch. So the
     cost is O(T J V K), not O(T N V K), and no state is copied once per token. groups: as in
     ``cached_readout``."""
     N, J = states.shape[2], blocks.shape[1]
     if N <= 2 * J:
-        return torch.einsum("bhtn,bhnvk,bhtk->bhtv", dense_weights(w, blocks, N), states, q)
+        W = dense_weights(w, blocks, N)
+        if N <= states.shape[4]:   # each token's N reads M^(n) q_t are fewer numbers than its mixed memory [V, K]
+            return torch.einsum("bhtn,bhtnv->bhtv", W, torch.einsum("bhnvk,bhtk->bhtnv", states, q))
+        return torch.einsum("bhtn,bhnvk,bhtk->bhtv", W, states, q)
     B, H, T, _ = q.shape
     y = q.new_zeros(B, H, T, states.shape[3])
     for n_len, ns, tokens in reader_groups(blocks, N) if groups is None else groups:   # tokens [g, n_len]
