@@ -43,7 +43,7 @@ CUDA-event medians, the two sides interleaved. On a CPU: our chunk forms (and th
 per-token loops) against fla's pure-PyTorch references at a small size. ``--json PATH`` writes the table
 with the card, versions, date and shapes. fla-core is optional and benchmark-only:
 ``pip install --no-deps -r requirements-fla.txt`` (pinned; torch and triton stay as pinned). fla-core
-0.6.0 refuses its gated backward on Hopper cards under Triton older than 3.7.1 (the version pinned here).
+0.6.0 refuses its gated backward on Hopper cards under Triton 3.4 to 3.7.0 (3.7.1 is pinned here).
 
 Every chapter adds its rows with ``core.benchcases.register_bench_case(name, builder,
 flops=...)`` in a module ``atlaslib/<chapter>/bench_cases.py``, which ``load_chapter_cases``
