@@ -129,13 +129,15 @@ def test_memory_caching_mixer_gives_every_parameter_a_gradient_on_one_segment(ge
 def _clear_process_caches():
     from atlaslib.caching import segments
     from atlaslib.core import featuremaps
-    from atlaslib.deep import mlp
+    from atlaslib.deep import features, mlp
     from atlaslib.miras import state
     featuremaps._multiset_table.cache_clear()
+    features._coefficients_on.cache_clear()
     mlp._seeded_w2.cache_clear()
     state._seeded_params.cache_clear()
     segments._BLOCKS.clear()
     segments._GROUPS.clear()
+    segments._BOUNDS.clear()
 
 
 def _cached_constants(device):
@@ -148,7 +150,7 @@ def _cached_constants(device):
     return [monomial_features(torch.ones(2, 3, device=device), 2),
             second_layer_init(1, 2, 4, 8, torch.float32, device),
             init_state(make_config("titans", memory="mlp"), 1, 2, 4, 4, device=device).memory["W1"],
-            make_layout(8, 4).blocks(device)[0]]
+            make_layout(8, 4).blocks(device)[0], make_layout(8, 4).bounds(device)[0]]
 
 
 @pytest.mark.parametrize("mode", ["meta", "fake"])
@@ -171,3 +173,59 @@ def test_a_call_under_meta_or_fake_tensors_leaves_real_tensors_in_the_caches(mod
         _clear_process_caches()
     for got, want in zip(real, fresh):
         assert type(got) is torch.Tensor and torch.equal(got, want)
+
+
+def host_copies(fn) -> int:
+    """Copies from the host to another device while fn() runs a second time (the first fills the caches)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            to = kwargs.get("device")
+            if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu" and to is not None \
+                    and torch.device(to).type != "cpu":
+                Copies.count += 1
+            return func(*args, **kwargs)
+    fn()
+    with Copies():
+        fn()
+    return Copies.count
+
+
+def test_feature_maps_and_caching_copy_nothing_from_the_host_per_call():
+    """On a GPU a copy from the host waits for the device (as a host read does): the feature maps' monomial
+    tables and coefficients, and the caching layouts' pooling bounds, are kept per device, not copied on every
+    call and every decoded token. The meta device stands in for the GPU."""
+    from atlaslib.caching import log_linear_pp
+    from atlaslib.core import monomial_features
+    from atlaslib.deep import exp_features
+    x = torch.randn(2, 2, 16, 8, device="meta")
+    assert host_copies(lambda: monomial_features(x, 2)) == 0
+    assert host_copies(lambda: exp_features(x, 2)) == 0
+    q, k, v = (torch.randn(1, 2, 32, 8, device="meta") for _ in range(3))
+    assert host_copies(lambda: memory_caching(q, k, v, base=linear_attention, segments=8, backend="chunk")) == 0
+    assert host_copies(lambda: log_linear_pp(q, k, v, base=linear_attention, backend="chunk")) == 0
+    torch.manual_seed(0)
+    mixer = make_mixer("dot", 16, 2, phi_star=("taylor", 2), chunk_size=4, backend="chunk").to("meta")
+    xs = torch.randn(1, 5, 16, device="meta")
+    with torch.no_grad():
+        _, cache = mixer.step(xs[:, 0], None)
+        assert host_copies(lambda: mixer(xs)) == host_copies(lambda: mixer.step(xs[:, 1], cache)) == 0
+
+
+def test_the_readout_kernels_backward_is_given_the_layouts_reader_groups(gen, monkeypatch):
+    """Log-linear segments through the readout kernel: its backward (the chunk form) takes the layout's reader
+    groups; finding them in the table instead reads it from the device, several syncs per backward."""
+    from atlaslib.caching import chunk, log_linear_pp
+
+    def refused(*args):
+        raise AssertionError("reader groups found in the table")
+    monkeypatch.setattr(chunk, "reader_groups", refused)
+    q, k, v = random_qkv(1, 2, 40, 16, 16, generator=gen)
+    q.requires_grad_()
+    for backend in ("chunk", "triton"):
+        o, _ = log_linear_pp(q, k, v, base=linear_attention, backend=backend)
+        o.sum().backward()

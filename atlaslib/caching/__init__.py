@@ -50,16 +50,20 @@ POOLS = ("mean", "sum")
 READOUT_KERNEL = lazy(f"{__name__}.kernel", "cached_readout_triton")
 
 
-def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm"):
+def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=None, aggregate="grm", groups=None):
     """The kernel's forward, differentiated through ``cached_readout`` (as the forward-only kernels of
     chapters 3-6 are; linear attention and the delta rule have backward kernels of their own).
     A readout the kernel refuses (K too large, fp64, a feature map that makes q wider than u) runs
-    ``cached_readout`` instead, the same function."""
+    ``cached_readout`` instead, the same function. groups: as in ``cached_readout`` (the layout's, so that
+    the backward reads nothing from the device)."""
     args = (q, u, states, pooled, online, online_score, blocks, top_k, aggregate)
     if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks, u) is not None:
-        return cached_readout(*args)
+        return cached_readout(*args, groups=groups)
+
+    def chunk_form(*a):
+        return (cached_readout(*a, groups=groups),)
     with on_the_inputs_gpu(q):
-        return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), lambda *a: (cached_readout(*a),), *args)[0]
+        return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), chunk_form, *args)[0]
 
 
 def check_options(mode: str, aggregate: str, pool: str | None, top_k: int | None, log: bool = False) -> None:

@@ -232,15 +232,12 @@ def pooled_keys(k, layout: Layout, pool: str):
     relative error 1e-3 at T = 32768, against 1e-7 for each segment's own mean). It holds an fp64 copy
     of the keys for the moment (a segmented sum in fp32 would not; not needed at the book's sizes)."""
     P = torch.cat([torch.zeros_like(k[:, :, :1], dtype=torch.float64), k.to(torch.float64).cumsum(2)], dim=2)
-    T = k.shape[2]
 
-    def pooled(starts, ends):                    # keys of tokens [start, end) pooled, one row per span
-        a, b = (torch.tensor(x, dtype=torch.int64, device=k.device).reshape(-1) for x in (starts, ends))
+    def pooled(a, b):                            # keys of tokens [a, b) pooled, one row per span
         s = P[:, :, b] - P[:, :, a]
         return (s / (b - a).to(s.dtype)[:, None] if pool == "mean" else s).to(k.dtype)
-    cached = pooled([a for a, _ in layout.cached], [b for _, b in layout.cached])
-    online = pooled([a for a, _ in layout.online], list(range(1, T + 1)))
-    return cached, online
+    cached_a, cached_b, online_a, online_b = layout.bounds(k.device)
+    return pooled(cached_a, cached_b), pooled(online_a, online_b)
 
 
 # ---- step 2: the readout ----
@@ -258,12 +255,9 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
     fq = linear_features(base, kw, final, q, k)
     if fq is not None and cached:
         states = torch.stack([memory_part(s).to(cd) for s in cached], dim=2)
-        if readout is None:
-            many = states.shape[2] > 2 * blocks.shape[1]     # the readout's per-state path needs the groups
-            y = cached_readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate,
-                               groups=layout.reader_groups(q.device) if many else None)
-        else:
-            y = readout(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate)
+        many = states.shape[2] > 2 * blocks.shape[1]         # the readout's per-state path needs the groups
+        y = (readout or cached_readout)(fq, u, states, pooled, online, r_s, blocks, top_k, aggregate,
+                                        groups=layout.reader_groups(q.device) if many else None)
         return y.to(online.dtype), final
     if fq is not None:                                  # one segment: MC is the base itself
         return online, final

@@ -42,20 +42,22 @@ class Layout(NamedTuple):
         """The int64 table [T, J] of visible cached states (J = the most any token reads), -1 padded.
         Built once per layout and device (``make_layout`` returns one layout per (T, segments)), so a
         forward pass copies nothing from the host; treat it as read-only."""
-        if torch.compiler.is_compiling():
-            return self._table(device)
-        key = (id(self.visible), str(torch.device(device)))
-        hit = _BLOCKS.get(key)
-        if hit is not None and hit[0] is self.visible:
-            return hit[1]
-        with process_constant():              # kept: a table an eval pass built must serve a training pass
-            table = self._table(device)
-        _remember(_BLOCKS, key, (self.visible, table))
-        return table
+        return self._kept(_BLOCKS, self._table, device)
 
     def _table(self, device) -> torch.Tensor:
         J = max([len(v) for v in self.visible] + [1])
         return torch.tensor([vis + [-1] * (J - len(vis)) for vis in self.visible], dtype=torch.int64, device=device)
+
+    def bounds(self, device="cpu") -> tuple:
+        """int64 tensors (starts, ends) of the cached segments [N] and (starts, ends) of each token's online
+        prefix [T] (its segment's start, t + 1): what pooling the keys reads. Kept as ``blocks`` is."""
+        return self._kept(_BOUNDS, self._bounds, device)
+
+    def _bounds(self, device) -> tuple:
+        def ints(xs):
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+        return (ints([a for a, _ in self.cached]), ints([b for _, b in self.cached]),
+                ints([a for a, _ in self.online]), ints(list(range(1, len(self.online) + 1))))
 
     def reader_runs(self) -> tuple[list, list]:
         """(first reader, number of tokens from it to the last reader) of each cached state, as ``readers_of``
@@ -71,22 +73,28 @@ class Layout(NamedTuple):
         """``reader_groups`` of the layout's table, from its own lists: nothing is read from a device, and
         torch.compile can trace a readout that is given them (the table's values are unknown to it). Built
         once per layout and device, like the table."""
+        return self._kept(_GROUPS, lambda d: _groups(*self.reader_runs(), d), device)
+
+    def _kept(self, cache: dict, build, device):
+        """build(device), once per layout and device (a copy from the host on every call waits for the GPU
+        each time); built in the graph while torch.compile traces."""
         if torch.compiler.is_compiling():
-            return _groups(*self.reader_runs(), device)
+            return build(device)
         key = (id(self.visible), str(torch.device(device)))
-        hit = _GROUPS.get(key)
+        hit = cache.get(key)
         if hit is not None and hit[0] is self.visible:
             return hit[1]
-        with process_constant():              # kept: also for a training pass after an eval pass
-            groups = _groups(*self.reader_runs(), device)
-        _remember(_GROUPS, key, (self.visible, groups))
-        return groups
+        with process_constant():              # kept: a table an eval pass built must serve a training pass
+            value = build(device)
+        _remember(cache, key, (self.visible, value))
+        return value
 
 
 # Tables built from layouts, per (layout, device), and what is derived from them: the entries hold their
 # keys' objects, so an id is never reused while its entry lives. Bounded: the oldest entry goes first.
 _BLOCKS: dict = {}
 _GROUPS: dict = {}
+_BOUNDS: dict = {}
 CACHE_ENTRIES = 64
 
 

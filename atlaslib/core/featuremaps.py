@@ -102,16 +102,18 @@ def monomial_dim(d: int, degree: int) -> int:
     return math.comb(check_input_dim(d) + check_degree(degree), check_degree(degree))
 
 
-def _multisets(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _multisets(d: int, i: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The monomials of degree exactly i in d variables, as sorted index tuples [n_i, i], with their
     multinomial coefficients i! / prod_c (count of c)! (the number of ordered index tuples, i.e. entries of
-    x^{(x)i}, that equal this monomial). Kept as tensors for the process; while torch.compile traces, built
-    in the graph from the table's numbers (a tensor taken as a constant gets sizes no guard can name under
-    dynamic shapes)."""
+    x^{(x)i}, that equal this monomial), on ``device``. Kept as tensors for the process, one copy per device
+    (a copy from the host on every call waits for the GPU each time); while torch.compile traces, built in the
+    graph from the table's numbers (a tensor taken as a constant gets sizes no guard can name under dynamic
+    shapes)."""
     if torch.compiler.is_compiling():
         combos, counts = _multiset_numbers(d, i)
-        return torch.tensor(combos, dtype=torch.long).view(len(combos), i), torch.tensor(counts, dtype=torch.float64)
-    return _multiset_table(d, i)
+        return (torch.tensor(combos, dtype=torch.long, device=device).view(len(combos), i),
+                torch.tensor(counts, dtype=torch.float64, device=device))
+    return _multiset_table(d, i, str(torch.device(device)))
 
 
 @torch.compiler.assume_constant_result
@@ -129,18 +131,18 @@ def _multiset_lists(d: int, i: int) -> tuple[tuple[tuple[int, ...], ...], tuple[
 
 
 @functools.lru_cache(maxsize=None)
-def _multiset_table(d: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _multiset_table(d: int, i: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     combos, counts = _multiset_lists(d, i)
-    with process_constant():                  # kept for the process: real CPU tensors whatever mode the caller is in
-        index = torch.tensor(combos, dtype=torch.long, device="cpu").view(len(combos), i)
-        return index, torch.tensor(counts, dtype=torch.float64, device="cpu")
+    with process_constant():                  # kept for the process: real tensors whatever mode the caller is in
+        index = torch.tensor(combos, dtype=torch.long, device=device).view(len(combos), i)
+        return index, torch.tensor(counts, dtype=torch.float64, device=device)
 
 
 def _monomials_of_degree(x: torch.Tensor, i: int) -> torch.Tensor:
     """[..., d] -> [..., C(d+i-1, i)]: every product x_{c_1} ... x_{c_i} with c_1 <= ... <= c_i."""
-    index, _ = _multisets(static_int(x.shape[-1]), static_int(i))
+    index, _ = _multisets(static_int(x.shape[-1]), static_int(i), x.device)
     # degree 0: an empty product, 1; the cast back: autocast runs prod in fp32 for bf16 x
-    return x[..., index.to(x.device)].prod(dim=-1).to(x.dtype)
+    return x[..., index].prod(dim=-1).to(x.dtype)
 
 
 def monomial_features(x: torch.Tensor, degree: int) -> torch.Tensor:
@@ -205,8 +207,8 @@ def taylor_features(x: torch.Tensor, coefficients: torch.Tensor, *, compressed: 
     blocks = []
     for i in range(static_int(scale.shape[0])):
         if compressed:
-            _, counts = _multisets(static_int(d), i)
-            weight = counts.to(device=x.device, dtype=x.dtype).sqrt()
+            _, counts = _multisets(static_int(d), i, x.device)
+            weight = counts.to(x.dtype).sqrt()
             blocks.append(scale[i] * weight * _monomials_of_degree(x, i))
         else:
             blocks.append(scale[i] * tensor_power(x, i))

@@ -11,11 +11,13 @@ call the same number ``degree``.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..core.featuremaps import check_degree, check_input_dim, taylor_features
+from ..core.validation import process_constant
 
 
 def exp_coefficients(order: int) -> torch.Tensor:
@@ -34,7 +36,21 @@ def exp_features(x: torch.Tensor, order: int, *, compressed: bool = True) -> tor
     e / (P + 1)!, so normalising q and k (and putting attention's 1/sqrt(d) into q) keeps a small
     P accurate; for large |x^T y| it grows like |x^T y|^{P+1} / (P + 1)!.
     """
-    return taylor_features(x, exp_coefficients(order), compressed=compressed)
+    return taylor_features(x, coefficients_on(order, x.device), compressed=compressed)
+
+
+def coefficients_on(order: int, device: torch.device) -> torch.Tensor:
+    """``exp_coefficients(order)`` on ``device``, kept for the process (a copy from the host on every call
+    waits for the GPU each time); built in the graph while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return exp_coefficients(order).to(device)
+    return _coefficients_on(check_degree(order), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _coefficients_on(order: int, device: str) -> torch.Tensor:
+    with process_constant():
+        return exp_coefficients(order).to(device)
 
 
 def exp_feature_dim(d: int, order: int, *, compressed: bool = True) -> int:
@@ -49,10 +65,10 @@ def exp_kernel(order=None):
     own kernel, so a coefficient loop with it equals the matrix loop on ``exp_features(., P)``)."""
     if order is None:
         return torch.exp
-    weights = exp_coefficients(order)
+    order = check_degree(order)
 
     def taylor(s):
-        terms = torch.stack([s ** n for n in range(len(weights))], dim=-1)
-        return terms @ weights.to(dtype=s.dtype, device=s.device)
+        terms = torch.stack([s ** n for n in range(order + 1)], dim=-1)
+        return terms @ coefficients_on(order, s.device).to(s.dtype)
     taylor.__name__ = f"exp_taylor_{order}"
     return taylor
