@@ -2,7 +2,9 @@
 
 Each check raises ``ValueError`` or ``TypeError`` that names the argument and the
 shape it should have, so a reader never meets an IndexError from deep inside a loop.
-Shapes, dtypes and devices are always checked; values (ranges, NaN) never by a host sync.
+Shapes, dtypes and devices are always checked; values (ranges, NaN) never by a host sync, but for
+one: the exact exponential kernel's score bound (``deep.validation.check_exponents``) costs one scalar
+read per call on an accelerator.
 """
 from __future__ import annotations
 
