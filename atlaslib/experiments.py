@@ -228,8 +228,11 @@ def inversion_table(records: list[dict]) -> list[dict]:
     # split into shards writes each shard's runs to its own file)
     order = ["base (1000 steps, lr 1e-2, 8 pairs)"] + [f"{k}={v}" for k, vs in INVERSION_KNOBS.items() for v in vs]
 
+    one_budget = len({r["steps"] for r in records}) == 1     # a --steps sweep: every condition says steps=S
+
     def place(r):
-        cond = condition(r)
+        cond = ", ".join(d for d in condition(r).split(", ") if not (one_budget and d.startswith("steps=")))
+        cond = cond or order[0]
         return (order.index(cond) if cond in order else len(order), r["seed"])
 
     cells = {}

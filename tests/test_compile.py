@@ -241,3 +241,21 @@ def test_dynamic_shapes_compile(gen, model):
         q, k, v = random_qkv(B, H, length, K, K, generator=gen)
         args = (q, k, v, random_gate(B, H, length, low=0.5, generator=gen))
         assert_close(compiled(*args), fn(*args), tol=1e-5, name=f"T={length}")
+
+
+def test_sliding_window_attention_compiles_on_views_at_every_length(gen):
+    """The mixers hand softmax attention head-split views; padding one by nothing (T a multiple of the
+    window) kept its strides in eager mode and broke the compiled graph's view of the query blocks."""
+    from atlaslib.core import softmax_attention
+
+    def swa(x, w):
+        q, k, v = ((x @ w[i]).unflatten(-1, (2, 4)).transpose(1, 2) for i in range(3))
+        return softmax_attention(q, k, v, window=3)
+    compiled = torch.compile(swa, fullgraph=True, backend="aot_eager", dynamic=True)
+    w = torch.randn(3, 8, 8, generator=gen, requires_grad=True)
+    for length in (9, 10, 12, 7):
+        x = torch.randn(1, length, 8, generator=gen)
+        want, got = swa(x, w), compiled(x, w)
+        assert_close(got, want, tol=1e-6, name=f"T={length}")
+        (g_want,), (g_got,) = (torch.autograd.grad(y.sum(), w) for y in (want, got))
+        assert_close(g_got, g_want, tol=1e-6, name=f"gradient, T={length}")

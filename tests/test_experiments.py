@@ -303,6 +303,10 @@ def test_inversion_table_keeps_the_grids_order_whatever_the_files_order():
     by_shard = [r for i in range(3) for r in ex.shard(records, i, 3)][::-1]
     assert ex.inversion_table(by_shard) == in_order
     assert in_order[0]["condition"].startswith("base") and in_order[0]["deltanet"] == "0.15 (0.10 0.20)"
+    budget = [dict(c, accuracy=0.1 * (c["seed"] + 1)) for c in ex.grid("inversion", steps=50)]   # --steps 50
+    in_order = ex.inversion_table(budget)
+    assert [r["condition"] for r in in_order][:2] == ["steps=50", "steps=50, random_filler=False"]
+    assert ex.inversion_table([r for i in range(3) for r in ex.shard(budget, i, 3)][::-1]) == in_order
 
 
 def test_caching_grid_is_the_board_row_with_three_seeds_and_other_segments():

@@ -47,7 +47,9 @@ def banded_attention(q, k, v, c, scale):
     kb, vb = blocks(k, 1), blocks(v, 1)                          # a block of zeros in front (masked below)
     keys = torch.cat([kb[:, :, :-1], kb[:, :, 1:]], dim=3)       # [B, H, n, 2c, K]: blocks i - 1 and i
     values = torch.cat([vb[:, :, :-1], vb[:, :, 1:]], dim=3)
-    s = torch.einsum("bhiak,bhijk->bhiaj", blocks(q, 0), keys) * scale
+    # contiguous: padding a view by nothing (T a multiple of c) keeps its strides in eager mode, which a
+    # compiled graph's view of the blocks does not expect
+    s = torch.einsum("bhiak,bhijk->bhiaj", blocks(q.contiguous(), 0), keys) * scale
     a = torch.arange(c, device=q.device)[:, None]                # query t = i c + a
     j = torch.arange(2 * c, device=q.device)[None, :]            # key i c - c + j
     i = torch.arange(n, device=q.device)[:, None, None]
