@@ -60,8 +60,8 @@ def kernel_readout(q, u, states, pooled, online, online_score, blocks, top_k=Non
     if lazy(f"{__name__}.kernel", "kernel_limits")(q, blocks, u) is not None:
         return cached_readout(*args, groups=groups)
 
-    def chunk_form(*a):
-        return (cached_readout(*a, groups=groups),)
+    def chunk_form(q, u, states, pooled, online, online_score, blocks, top_k, aggregate):
+        return (cached_readout(q, u, states, pooled, online, online_score, blocks, top_k, aggregate, groups),)
     with on_the_inputs_gpu(q):
         return with_chunk_backward(lambda *a: (READOUT_KERNEL(*a),), chunk_form, *args)[0]
 
