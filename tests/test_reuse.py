@@ -216,6 +216,16 @@ def test_feature_maps_and_caching_copy_nothing_from_the_host_per_call():
         assert host_copies(lambda: mixer(xs)) == host_copies(lambda: mixer.step(xs[:, 1], cache)) == 0
 
 
+@pytest.mark.parametrize("preset, memory", [("titans", "mlp"), ("moneta", "mlp"), ("memora", "linear"),
+                                            ("yaad", "linear")])
+def test_the_default_start_state_is_not_copied_from_the_host_per_call(preset, memory):
+    """miras with initial_state=None starts from seeded weights (deep memories) or zeros (the linear memory):
+    kept per device or made there, not drawn on the CPU and copied on every call."""
+    from atlaslib.miras import miras
+    q, k, v = (torch.randn(1, 2, 8, 4, device="meta") for _ in range(3))
+    assert host_copies(lambda: miras(q, k, v, preset=preset, memory=memory, backend="chunk", chunk_size=4)) == 0
+
+
 def test_the_readout_kernels_backward_is_given_the_layouts_reader_groups(gen, monkeypatch):
     """Log-linear segments through the readout kernel: its backward (the chunk form) takes the layout's reader
     groups; finding them in the table instead reads it from the device, several syncs per backward."""
@@ -229,3 +239,36 @@ def test_the_readout_kernels_backward_is_given_the_layouts_reader_groups(gen, mo
     for backend in ("chunk", "triton"):
         o, _ = log_linear_pp(q, k, v, base=linear_attention, backend=backend)
         o.sum().backward()
+
+
+@pytest.fixture
+def default_float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def test_memoras_seeded_start_does_not_depend_on_the_default_dtype(request):
+    """The default start of a deep Memora memory is a function of its sizes and seed: a caller's default
+    dtype drew a different random sequence, and the first call fixed it for the process."""
+    from atlaslib.miras import init_state
+    config = make_config("memora", memory="mlp")
+
+    def fresh_start():
+        from atlaslib.miras import state
+        state._seeded_params.cache_clear()
+        return init_state(config, 1, 2, 4, 4).memory["W1"].double()
+    under_float32 = fresh_start()
+    request.getfixturevalue("default_float64")
+    assert torch.equal(fresh_start(), under_float32)
+
+
+@pytest.mark.parametrize("name, kw", [("titans", {}), ("memora", {}), ("ttt_linear", {}), ("atlas++", {}),
+                                      ("omeganet", {"degree": 2}), ("dla", {})])
+def test_a_mixer_built_under_float64_has_only_float64_parameters(default_float64, name, kw):
+    """As nn.Linear's weights: a learned start W_0 or Taylor coefficients kept in float32 gave an fp64
+    model fp32 gradients for them (and a_i = 1/i! only to 3e-8)."""
+    torch.manual_seed(0)
+    mixer = make_mixer(name, 8, 2, backend="chunk", chunk_size=1, **kw)
+    assert {n: p.dtype for n, p in mixer.named_parameters() if p.dtype != torch.float64} == {}

@@ -247,7 +247,8 @@ class TaylorFeatures(nn.Module):
         self.degree = check_degree(degree)
         self.compressed = bool(compressed)
         # the start values are computed and checked on the CPU, also when the module is built under
-        # torch.device("meta"); the parameter then goes to the ambient device
+        # torch.device("meta"); the parameter then goes to the ambient device, in the default dtype (as
+        # nn.Linear's weights: a model built under float64 keeps a_i = 1/i! to fp64)
         cpu = dict(dtype=torch.float64, device="cpu")
         if coefficients is None:
             a = torch.tensor([1.0 / math.factorial(i) for i in range(self.degree + 1)], **cpu)
@@ -258,7 +259,8 @@ class TaylorFeatures(nn.Module):
                                  f"got {a.numel()}")
             if torch.isnan(a).any() or (a < 0).any():
                 raise ValueError(f"coefficients must be >= 0 (phi exists only for non-negative a_i), got {a.tolist()}")
-        self.raw = nn.Parameter(inverse_softplus(a.clamp_min(1e-12)).float().to(torch.empty(0).device))
+        ambient = torch.empty(0)
+        self.raw = nn.Parameter(inverse_softplus(a.clamp_min(1e-12)).to(ambient.device, ambient.dtype))
 
     @property
     def coefficients(self) -> torch.Tensor:

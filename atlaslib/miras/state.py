@@ -50,11 +50,14 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     kl = cfg.retention == "kl"
-    if generator is not None or cfg.memory == "linear":
+    if cfg.memory == "linear":              # zeros, made where they are used
+        params = build_memory(cfg, K, V).init(H, dtype=dtype, device=device)
+    elif generator is not None:
         params = draw_params(build_memory(cfg, K, V), kl, H, generator)
     else:           # a table of the arguments alone, which torch.compile takes as a constant
         sizes = (static_int(x) for x in (K, V, cfg.expansion))
-        drawn = seeded_params(cfg.memory, *sizes, cfg.activation, cfg.layer_norm, kl, static_int(H), seed)
+        drawn = seeded_params(cfg.memory, *sizes, cfg.activation, cfg.layer_norm, kl, static_int(H), seed,
+                              torch.device(device))
         params = dict(zip(build_memory(cfg, K, V).shapes, drawn))
     params = {n: w.to(dtype=dtype, device=device).clone()[None].expand(B, -1, -1, -1).contiguous()   # [B, H, out, in]
               for n, w in params.items()}
@@ -70,27 +73,28 @@ def draw_params(memory, kl: bool, H: int, generator) -> dict:
     nothing); Memora's deep log-weights are drawn again as N(0, 1)."""
     params = memory.init(H, generator, dtype=torch.float32, device="cpu")
     if kl and memory.name != "linear":
-        params = {n: torch.randn(w.shape, generator=generator) for n, w in params.items()}
+        params = {n: torch.randn(w.shape, generator=generator, dtype=torch.float32) for n, w in params.items()}
     return params
 
 
 @torch.compiler.assume_constant_result
 def seeded_params(memory: str, K: int, V: int, expansion, activation, layer_norm, kl: bool, H: int,
-                  seed: int) -> tuple:
+                  seed: int, device: torch.device) -> tuple:
     """The tensors of ``draw_params`` from a generator seeded with ``seed``, in the memory's ``shapes``
-    order; kept for the process (read-only: callers copy). torch.compile takes them as a constant: a
-    generator made while it traces stops a fullgraph compilation, and the draw is a function of these
-    arguments alone."""
-    return _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed)
+    order, on ``device``; kept for the process and per device (read-only: callers copy), so that a call on a
+    GPU does not copy them from the host (a copy that waits for the device). torch.compile takes them as a
+    constant: a generator made while it traces stops a fullgraph compilation, and the draw is a function of
+    these arguments alone."""
+    return _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed, device)
 
 
 @functools.lru_cache(maxsize=64)
-def _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed) -> tuple:
+def _seeded_params(memory, K, V, expansion, activation, layer_norm, kl, H, seed, device) -> tuple:
     from .memory import MEMORY_CLASSES
     mem = MEMORY_CLASSES[memory](K, V, expansion, activation, layer_norm)
-    with process_constant():                  # kept: real CPU tensors, also for calls that train after an eval pass
-        params = draw_params(mem, kl, H, torch.Generator().manual_seed(seed))
-    return tuple(params[name] for name in mem.shapes)
+    with process_constant():                  # kept: real tensors, also for calls that train after an eval pass
+        params = draw_params(mem, kl, H, torch.Generator().manual_seed(seed))    # drawn on the CPU everywhere
+        return tuple(params[name].to(device) for name in mem.shapes)
 
 
 def _as_dict(x, memory, what: str, B, H, ref):

@@ -79,11 +79,13 @@ def learned_start(config: MirasConfig, n_heads: int, in_dim: int, v_dim: int) ->
     """W_0 as parameters of the layer, one set per head ({name: [H, out, in]}; "M" for the linear memory):
     the engine's default initialisation (``init_state``) drawn from a seed taken from torch's global
     generator, so that ``torch.manual_seed`` fixes it and two layers differ. Drawn on the CPU, then moved
-    to the default device (a model built under ``torch.device("meta")`` gets meta parameters)."""
+    to the default device, in the default dtype (a model built under ``torch.device("meta")`` gets meta
+    parameters, one built under float64 fp64 ones, as nn.Linear does)."""
     device = torch.empty(0).device                       # the ambient default device
     with torch.device("cpu"):
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
-        start = init_state(config, 1, n_heads, in_dim, v_dim, generator=torch.Generator().manual_seed(seed)).memory
+        start = init_state(config, 1, n_heads, in_dim, v_dim, generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.get_default_dtype()).memory
     start = start if isinstance(start, dict) else {"M": start}
     return nn.ParameterDict({name: nn.Parameter(w[0].clone().to(device)) for name, w in start.items()})
 
