@@ -354,3 +354,24 @@ def test_miras_mixers_default_to_the_chapters_chunk_length(gen, name):
 def test_a_sequence_of_no_tokens_is_refused_by_name(name, kw):
     with pytest.raises(ValueError, match=r"T >= 1"):
         make_mixer(name, D, H, **kw)(torch.randn(2, 0, D))
+
+
+@pytest.mark.parametrize("name, kw", [("linear", {}), ("titans", {}), ("softmax", {}), ("memory_caching", {}),
+                                      ("mag", {"memory": "deltanet", "window": 2}),
+                                      ("mal", {"memory": "gla", "window": 2})])
+def test_a_batch_of_no_sequences_is_refused_by_name(name, kw):
+    """A [0, T, D] input stopped in a reshape ("cannot reshape tensor of 0 elements") that named no batch."""
+    mixer = make_mixer(name, D, H, **kw)
+    with pytest.raises(ValueError, match=r"B >= 1"):
+        mixer(torch.randn(0, 5, D))
+    with pytest.raises(ValueError, match=r"B >= 1"):
+        mixer.step(torch.randn(0, D), None)
+
+
+def test_the_language_model_refuses_a_batch_of_no_sequences():
+    lm = TinyLM(vocab_size=11, d_model=D, n_layers=1, n_heads=H, mixer="linear")
+    for ids in (torch.zeros(0, 5, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"B >= 1\) of at least one token \(T >= 1"):
+            lm(ids)
+    with pytest.raises(ValueError, match=r"B >= 1 and T0 >= 1"):
+        lm.generate(torch.zeros(0, 3, dtype=torch.long), 2)

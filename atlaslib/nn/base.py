@@ -230,8 +230,8 @@ class TokenMixer(nn.Module, abc.ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]."""
-        if x.dim() != 3 or x.shape[-1] != self.d_model or x.shape[1] < 1:
-            raise ValueError(f"x must have shape [B, T, {self.d_model}] with T >= 1, got {list(x.shape)}")
+        if x.dim() != 3 or x.shape[-1] != self.d_model or 0 in x.shape[:2]:
+            raise ValueError(f"x must have shape [B, T, {self.d_model}] with B >= 1 and T >= 1, got {list(x.shape)}")
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
             q, k, v = self.q_conv(q), self.k_conv(k), self.v_conv(v)
@@ -254,8 +254,8 @@ class TokenMixer(nn.Module, abc.ABC):
         The token goes through the same projections, feature map and normalisation as in
         ``forward`` (as a sequence of length 1), the convolution through its rolling buffer.
         """
-        if x_t.dim() != 2 or x_t.shape[-1] != self.d_model:
-            raise ValueError(f"x_t must have shape [B, {self.d_model}] (one token), got {list(x_t.shape)}")
+        if x_t.dim() != 2 or x_t.shape[-1] != self.d_model or x_t.shape[0] < 1:
+            raise ValueError(f"x_t must have shape [B, {self.d_model}] (one token, B >= 1), got {list(x_t.shape)}")
         if not self.steps_like_mix():
             self.no_step()
         conv, memory = (None, None) if cache is None else self.check_cache(cache, x_t.shape[0])[:2]

@@ -118,8 +118,9 @@ class Hybrid(TokenMixer):
         return f"name={self.mixer_name!r}, memory={self.memory_name!r}, window={self.window}"
 
     def check(self, x, dims):
-        if x.dim() != dims or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [B, {'T, ' if dims == 3 else ''}{self.d_model}], got {list(x.shape)}")
+        if x.dim() != dims or x.shape[-1] != self.d_model or 0 in x.shape[:-1]:
+            what = "[B, T, {}] with B >= 1 and T >= 1" if dims == 3 else "[B, {}] with B >= 1"
+            raise ValueError(f"x must have shape {what.format(self.d_model)}, got {list(x.shape)}")
 
     def split_cache(self, cache) -> HybridCache:
         """The branches' caches: None before the first token, else the ``HybridCache`` the previous step returned."""

@@ -92,8 +92,9 @@ class TinyLM(nn.Module):
 
     def forward(self, ids):
         self.check_ids("ids", ids, 2, "[B, T]")
-        if ids.shape[1] < 1:
-            raise ValueError("ids must hold at least one token per sequence (T >= 1)")
+        if 0 in ids.shape:
+            raise ValueError(f"ids must hold at least one sequence (B >= 1) of at least one token (T >= 1), "
+                             f"got shape {list(ids.shape)}")
         x = self.embed(ids)
         if self.pos is not None:
             if ids.shape[1] > self.pos.num_embeddings:
@@ -148,8 +149,8 @@ class TinyLM(nn.Module):
         generation continues what ``forward`` computes only for layers built with ``chunk_size=1``.
         """
         self.check_ids("prompt_ids", prompt_ids, 2, "[B, T0]")
-        if prompt_ids.shape[1] < 1:
-            raise ValueError(f"prompt_ids must be [B, T0] with T0 >= 1, got shape {list(prompt_ids.shape)}")
+        if 0 in prompt_ids.shape:
+            raise ValueError(f"prompt_ids must be [B, T0] with B >= 1 and T0 >= 1, got shape {list(prompt_ids.shape)}")
         check_int("max_new_tokens", max_new_tokens, 0)
         if not check_flag("greedy", greedy):
             check_positive_number("temperature", temperature, "the softmax's temperature when sampling")
