@@ -417,12 +417,18 @@ class Grader:
         (self.rows[name].problems if name in self.rows else self.setup_problems).append(text)
 
     def restart(self):
-        """A fresh kernel, and every cell that had completed run again."""
+        """A fresh kernel, and every cell that had completed run again. A cell that times out or kills the
+        kernel when re-run (a check cell draws new inputs) is left out from then on, and the replay starts
+        over in another fresh kernel: the one it left is still busy with that cell, or dead, and every later
+        call would time out behind it."""
         self.kernel.restart()
         for j in self.completed:
             if self.kernel.run(self.nb.cells[j], j) is not None:
-                self.setup_problems.append((CRASH, f"{self.cell_name(j)} failed when re-run after a restart"))
-                break
+                self.problem(exercise_of(self.nb.cells[j]),
+                             (CRASH, f"{self.cell_name(j)} failed when re-run after a restart"))
+                self.completed.remove(j)
+                self.restart()
+                return
 
     def run_cells(self, progress: bool):
         from tqdm.auto import tqdm

@@ -175,6 +175,44 @@ def test_wrong_return_type_and_shape_are_explained():
     assert v.status == "failed" and "shape" in v.message
 
 
+@pytest.mark.parametrize("setting", ["float64 default", "grad mode off"])
+def test_a_check_cell_draws_and_checks_as_the_grader_whatever_the_notebook_set(setting):
+    """A notebook under torch.set_default_dtype(torch.float64) mixed float64 and float32 inputs in every check,
+    and one under torch.set_grad_enabled(False) broke the checks whose reference uses autograd: correct answers
+    got ERROR in the notebook and full points from the grader. The settings are the notebook's again afterwards,
+    and its function runs under them."""
+    from atlaslib.exercises import ch02
+
+    def loss_gradient(M, k, v):                             # (M k - v) k^T
+        return (torch.einsum("bhvk,bhk->bhv", M, k) - v)[..., None] * k[..., None, :]
+
+    def delta_step(M, k, v, beta, alpha):                   # A - beta (A k - v) k^T, A = alpha M
+        A = alpha[..., None, None] * M
+        seen.add((torch.get_default_dtype(), torch.is_grad_enabled()))
+        return A - beta[..., None, None] * loss_gradient(A, k, v)
+    seen = set()
+    before = torch.get_default_dtype()
+    setting_now = (torch.float64, True) if setting == "float64 default" else (torch.float32, False)
+    torch.set_default_dtype(setting_now[0])
+    try:
+        with torch.set_grad_enabled(setting_now[1]):
+            verdicts = [ch01.hebbian_step.evaluate(hebbian_step_ok),
+                        ch02.delta_step.evaluate(loss_gradient, delta_step)]
+            assert (torch.get_default_dtype(), torch.is_grad_enabled()) == setting_now
+    finally:
+        torch.set_default_dtype(before)
+    assert [v.status for v in verdicts] == ["passed", "passed"], [v.message for v in verdicts]
+    assert seen == {setting_now}
+
+
+def test_a_numpy_result_gets_the_graders_verdict_in_the_notebook():
+    """The grader's kernel sends numpy arrays back as tensors (and passed them); the check cell refused them."""
+    def as_numpy(M, q, k, v, alpha):
+        M_t, y_t = hebbian_step_ok(M, q, k, v, alpha)
+        return M_t.numpy(), y_t.numpy()
+    assert ch01.hebbian_step.evaluate(as_numpy).status == "passed"
+
+
 def test_answers_that_modify_their_inputs_in_place_fail():
     def in_place(M, q, k, v, alpha):
         M.mul_(alpha[:, :, None, None]).add_(v[..., :, None] * k[..., None, :])

@@ -123,6 +123,22 @@ def test_crashing_and_hanging_answers_are_reported_not_fatal(tmp_path):
     assert "timeout" in text and "total" in text
 
 
+def test_a_cell_that_hangs_when_replayed_does_not_sink_the_later_exercises(tmp_path):
+    """After a timeout the grader restarts the kernel and runs the completed cells again; a cell that hangs on
+    that second run (a check cell draws new inputs) left the new kernel busy, and every later exercise timed
+    out behind it, correct ones included. The cell is now left out of the replay, which starts over."""
+    hangs_when_replayed = ("try:\n    torch.load('ran_once.pt')\n    while True:\n        pass\n"
+                           "except FileNotFoundError:\n    torch.save(torch.zeros(1), 'ran_once.pt')")
+    path = planted_copy(tmp_path, gated_loop={"prepend": hangs_when_replayed},
+                        chunk_step={"body": "while True:\n    pass"})
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["chunk_step"]["status"] == "timeout", table(report)
+    for name in ("chunkwise", "capacity", "triton_state_update"):
+        assert r[name]["status"] == "passed", table(report)
+    assert "failed when re-run after a restart" in json.dumps(report)
+
+
 def test_notebook_without_chapter_metadata_is_refused(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
     path = tmp_path / "plain.ipynb"

@@ -105,6 +105,28 @@ def chunk_spans(T: int, b: int):
     return [(s, min(s + b, T)) for s in range(0, T, b)]
 
 
+def chunk_windows(x, b: int, extra: int = 0, dim: int = 2) -> list:
+    """The chunks of ``chunk_spans(T, b)`` cut from x once, as views: chunk [s, e) gets the rows
+    [s, e + extra) of x along ``dim``, where x holds T + extra rows (``extra`` rows of left padding, e.g.
+    the c - 1 of a window; then chunk windows overlap). None stays None.
+
+    Slicing x[s:e] inside the chunk loop instead gives each chunk's gradient, in the backward, a
+    zero-filled tensor the size of the whole x: O(T^2 / b) work and memory traffic for an O(T) form."""
+    if x is None:
+        return None
+    T = x.shape[dim] - extra
+    if extra == 0:
+        return list(x.split(b, dim))
+    full = T // b
+    views = []
+    if full:                                      # [..., full, b + extra, ...] -> full windows
+        windows = x.narrow(dim, 0, full * b + extra).unfold(dim, b + extra, b).movedim(-1, dim + 1)
+        views = list(windows.unbind(dim))
+    if T % b:
+        views.append(x.narrow(dim, full * b, T - full * b + extra))
+    return views
+
+
 def to_chunks(x, b, fill=0.0):
     """[B, H, T, ...] -> [B*H, N, b, ...]: T cut into N chunks of b tokens, a view of a contiguous x
     whose T needs no padding, else a copy.

@@ -150,6 +150,26 @@ def window_l2_grad(W, k, v, t: int, window: int, gamma=None):
     return grad
 
 
+def created_elements(fn, *args) -> int:
+    """The elements of all tensors the aten ops create while fn(*args) runs: the work and memory traffic
+    of a call (or of a backward pass: fn = loss.backward), up to a constant."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Created(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for x in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(x, torch.Tensor) and not x._is_view():
+                    Created.total += x.numel()
+            return out
+
+    with Created():
+        fn(*args)
+    return Created.total
+
+
 def largest_tensor(fn, *args):
     """The most elements of any tensor an aten op creates while fn(*args) runs."""
     from torch.utils._python_dispatch import TorchDispatchMode

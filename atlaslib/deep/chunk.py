@@ -24,8 +24,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..core.chunking import chunk_decay, chunk_spans, compute_dtype, gate_logs
+from ..core.chunking import chunk_decay, chunk_spans, chunk_windows, compute_dtype, gate_logs
 from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import window_gates
 from ..linear.chunk import linear_attention_chunk
@@ -82,16 +83,16 @@ def exp_flushed(S: torch.Tensor) -> torch.Tensor:
     return W * kept if W.requires_grad else W.mul_(kept)           # exp's backward keeps its output
 
 
-def split_decay(row_logs, g, rows: slice, cols: slice, cd):
-    """The log-decays row_logs[t] - g[j] of a block (t in rows, j in cols) as a row part and a column part
-    about the block's first row t0: (row_logs[t] - g[t0], g[t0] - g[j]), each an fp64 difference of
+def split_decay(row_logs, col_logs, ref, cd):
+    """The log-decays row_logs[t] - g[j] of a block (row_logs: its rows' [.., n], col_logs: g at its
+    columns [.., m]) as a row part and a column part about ref = g[t0] [.., 1], t0 the block's first
+    row: (row_logs[t] - g[t0], g[t0] - g[j]), each an fp64 difference of
     the long sums, then in cd. Added to the scores one broadcast at a time, they spare building (and
     rounding) an [n, m] matrix of fp64 differences per block. The price: the two parts are rounded
     apart, so in fp32 a pair of tokens that a strong decay D inside the block separates from t0 loses
     about D * 3e-8 of relative accuracy (measured: 1e-6 at D = 44, 3e-5 at D = 1320); the length of the
     sequence costs nothing."""
-    ref = g[..., rows.start, None]
-    return (row_logs[..., rows] - ref).to(cd), (ref - g[..., cols]).to(cd)
+    return (row_logs - ref).to(cd), (ref - col_logs).to(cd)
 
 
 def kernel_weights(x, k, kernel, decay, top, lo, window=None, shift=False):
@@ -138,11 +139,22 @@ def masked_chunk(q, k, v, alpha=None, eta=None, window=None, kernel="exp", shift
     logs = gate_logs(alpha, log_alpha, torch.float64)
     g = None if logs is None else logs.cumsum(-1)        # fp64: differences of a long sum keep their digits
     outputs = []
-    for s, e in chunk_spans(T, chunk_size):
+    # each block's queries (and, with a window, keys and values) cut once, as views: slices in the loop cost
+    # the backward a zero-filled copy of the whole input per block
+    q_blocks, g_blocks = q.split(chunk_size, 2), None if g is None else g.split(chunk_size, -1)
+    if window is not None:
+        padded = (F.pad(k, (0, 0, window - 1, 0)), F.pad(v, (0, 0, window - 1, 0)),
+                  None if g is None else F.pad(g, (window - 1, 0)))
+        windows = [chunk_windows(x, chunk_size, window - 1) for x in padded]
+    for i, (s, e) in enumerate(chunk_spans(T, chunk_size)):
         lo = 0 if window is None else max(0, s - window + 1)      # the oldest key this block sees
-        decay = None if g is None else split_decay(g, g, slice(s, e), slice(lo, e), cd)
-        W = kernel_weights(q[:, :, s:e], k[:, :, lo:e], kernel, decay, s, lo, window, shift)
-        o = W @ v[:, :, lo:e]
+        if window is None:                                        # the whole prefix: O(T^2) as the model is
+            k_i, v_i, g_i = k[:, :, :e], v[:, :, :e], None if g is None else g[..., :e]
+        else:                                                     # padded rows from lo on
+            k_i, v_i, g_i = (None if w is None else w[i].narrow(2, lo - (s - window + 1), e - lo) for w in windows)
+        decay = None if g is None else split_decay(g_blocks[i], g_i, g_blocks[i][..., :1], cd)
+        W = kernel_weights(q_blocks[i], k_i, kernel, decay, s, lo, window, shift)
+        o = W @ v_i
         if normalize:
             o = o / W.sum(-1, keepdim=True) if eta is None else o[..., :-1] / o[..., -1:]
         outputs.append(o)
@@ -173,8 +185,9 @@ def dot_chunk(q, k, v, alpha=None, eta=None, kernel="exp", chunk_size=64):
     outputs = []
     for s, e in chunk_spans(T, chunk_size):
         # log-decays g_{t-1} - g_j (the state a token corrects) and g_t - g_j (the state it reads)
-        gate_prev = None if g is None else split_decay(g_prev, g, slice(s, e), slice(0, e), cd)
-        gate_now = None if g is None else split_decay(g, g, slice(s, e), slice(0, e), cd)
+        ref = None if g is None else g[..., s:s + 1]
+        gate_prev = None if g is None else split_decay(g_prev[..., s:e], g[..., :e], ref, cd)
+        gate_now = None if g is None else split_decay(g[..., s:e], g[..., :e], ref, cd)
         Kmat = kernel_weights(k[:, :, s:e], k[:, :, :e], kernel, gate_prev, s - 1, 0)   # j < t: one row up
         rhs = eta[:, :, s:e, None] * (v[:, :, s:e] - Kmat[..., :s] @ U)          # earlier blocks: known
         system = torch.eye(e - s, dtype=cd, device=q.device) + eta[:, :, s:e, None] * Kmat[..., s:]

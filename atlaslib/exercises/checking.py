@@ -109,6 +109,7 @@ class Rules:
     forbidden: tuple = ()          # dotted names of library functions that compute the answer
     needs_launch: bool = False     # the answer must launch a @triton.jit kernel
     launches: list = field(default_factory=list)   # kernel launches seen during the calls
+    learner: tuple | None = None   # the notebook's default dtype and grad mode, for its calls (None: as they are)
 
 
 RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("atlaslib_exercise_rules", default=Rules())
@@ -354,7 +355,10 @@ def call(fn, *args, **kwargs):
             result, launches = fn.remote_call(args, kwargs, rules.forbidden, outputs)
         else:
             import __main__
-            result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)], outputs)
+            dtype, grad = rules.learner or (torch.get_default_dtype(), True)   # under the notebook's settings
+            with torch_defaults(dtype, grad and torch.is_grad_enabled()):
+                result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)], outputs)
+            result = from_numpy(result)
     except CallAborted:
         raise
     except RemoteError as e:
@@ -381,6 +385,34 @@ def call(fn, *args, **kwargs):
             raise CheckFailed(f"your function changed its input ({label}) in place: work on a copy "
                               "(e.g. M = M.clone()) or use out-of-place operations")
     return result
+
+
+@contextlib.contextmanager
+def torch_defaults(dtype: torch.dtype, grad: bool):
+    """Run under this default dtype and grad mode, then put the caller's back. A check draws its inputs and
+    computes its references in float32 with grad mode on, whatever the notebook set (a notebook under
+    ``torch.set_default_dtype(torch.float64)`` mixed float64 and float32 inputs in every check); the
+    learner's function runs under the notebook's own settings, as in the grader's kernel."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.set_grad_enabled(grad):
+            yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+def from_numpy(x):
+    """A result as the grader receives it from the learner's kernel (``grade.CALL_IN_KERNEL``'s ``plain``):
+    numpy arrays become tensors and numpy scalars numbers, so that a check cell and the grader give one
+    verdict."""
+    if isinstance(x, tuple):
+        return tuple(from_numpy(y) for y in x)
+    if isinstance(x, list):
+        return [from_numpy(y) for y in x]
+    if type(x).__module__ == "numpy":
+        return torch.from_numpy(x) if hasattr(x, "shape") and x.shape else x.item()
+    return x
 
 
 # how the stub that replaces a forbidden function's code starts its message
@@ -564,10 +596,11 @@ class Exercise:
             earned = self.points if status == PASSED else 0
             return Verdict(self.chapter, self.name, self.number, self.title, self.points, earned, status, message)
 
-        rules = Rules(self.forbidden, self.needs_launch)
+        rules = Rules(self.forbidden, self.needs_launch, learner=(torch.get_default_dtype(), torch.is_grad_enabled()))
         token = RULES.set(rules)
         try:
-            summary = self.body(*fns, gen=fresh_generator())
+            with torch_defaults(torch.float32, True):
+                summary = self.body(*fns, gen=fresh_generator())
             if self.needs_launch and not any(rules.launches):
                 raise CheckFailed("your function computed the result without launching a @triton.jit kernel: "
                                   "this exercise is about writing one")

@@ -7,7 +7,7 @@ ttt_linear, ttt_mlp, titans, moneta, yaad, memora, chapter 5's atlas and chapter
 (deep linear attention). One function runs any of them:
 
     o, state = miras(q, k, v, preset="titans", alpha=a, eta=lr, theta=mom, output_final_state=True)
-    o, _ = miras(q, k, v, preset="titans", memory="linear", eta=lr)          # one axis moved
+    o, _ = miras(q, k, v, preset="titans", memory="linear", alpha=a, eta=lr, theta=mom)   # one axis moved
     o, _ = miras(q, k, v, memory="mlp", bias="huber_switch", retention="kl", delta=d)
 
 The three rooms: ``recurrent.py`` (the per-token definition, the frozen-gradient oracle

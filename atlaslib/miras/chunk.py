@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core import check_chunk_size, check_gate, check_qkv, check_state
-from ..core.chunking import LOG_FLOOR, causal_decay, chunk_spans, compute_dtype, cumulative_logs, log_gate
+from ..core.chunking import (LOG_FLOOR, causal_decay, chunk_spans, chunk_windows, compute_dtype, cumulative_logs,
+                             log_gate)
 from ..core.gates import alpha_from_log, check_retention
 from ..core.windows import band_gates
 from .config import DEFAULT_CHUNK_SIZE, make_config
@@ -132,18 +133,24 @@ def chunk_coefficients(parts: Parts, gates: Gates, T: int, chunk_size: int) -> d
     return coef
 
 
+def by_chunk(coef: dict) -> dict:
+    """``chunk_coefficients``' tensors [N, nc, ...] as tuples of nc views [N, ...], cut once: picking chunk
+    j with x[:, j] in the loop costs the backward a zero-filled copy of the whole tensor per chunk."""
+    return {key: None if x is None else x.unbind(1) for key, x in coef.items()}
+
+
 def chunk_slice(coef: dict, j: int, n: int, R: int, first: int = 0) -> dict:
-    """Chunk j's coefficients, cut to its n tokens and its window rows first .. R - 1."""
+    """Chunk j's coefficients (``by_chunk``), cut to its n tokens and its window rows first .. R - 1."""
     out = {}
     for key, x in coef.items():
         if x is None:
             out[key] = None
         elif key in ("Gamma", "E", "C"):
-            out[key] = x[:, j, :n, first:R]
+            out[key] = x[j][:, :n, first:R]
         elif key == "D":
-            out[key] = x[:, j, :n, :n]
+            out[key] = x[j][:, :n, :n]
         else:
-            out[key] = x[:, j, :n]
+            out[key] = x[j][:, :n]
     return out
 
 
@@ -207,6 +214,14 @@ def retained_states(parts: Parts, Z0: dict, U: dict, alpha_chunk, D, A) -> dict:
     return {name: torch.stack([z[name] for z in states], dim=1) for name in Z0}
 
 
+def window_rows(x, b: int, c: int) -> list | None:
+    """For each chunk [s, e) of b tokens, the rows s - c + 1 .. e - 1 of x [N, T, ...] along T (those before
+    token 0 as zero rows), cut once as views (``chunk_windows``)."""
+    if x is None:
+        return None
+    return chunk_windows(F.pad(x, (0, 0) * (x.dim() - 2) + (c - 1, 0)), b, c - 1, dim=1)
+
+
 def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size: int = 16, materialize=False):
     """Chunkwise engine (see the module docstring). Returns (o [N, T, V], Z_T, S_T).
 
@@ -222,19 +237,24 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
     alpha = gates.alpha if ret.uses_alpha else None
     group = max(1, GROUP_TOKENS // chunk_size) * chunk_size            # tokens whose coefficients exist at once
     outputs = []
-    for s, e in chunk_spans(T, chunk_size):
+    # every chunk's rows cut once: slices in the loop cost the backward a zero-filled copy of the whole input each
+    q_chunks = q.split(chunk_size, 1)
+    alpha_chunks = None if alpha is None else alpha.split(chunk_size, 1)
+    windows = [window_rows(x, chunk_size, c) for x in (k, v, gates.delta)]
+    for i, (s, e) in enumerate(chunk_spans(T, chunk_size)):
         if s % group == 0:
             g_end = min(s + group, T)
-            coef = chunk_coefficients(parts, gates.slice(s, g_end), g_end - s, chunk_size)
+            coef = by_chunk(chunk_coefficients(parts, gates.slice(s, g_end), g_end - s, chunk_size))
         # window rows r = 0 .. R - 1 are the tokens s - c + 1 + r; those before token 0 do not exist (their
         # window gate is 0) and are left out, not evaluated at zero keys and values: a bias whose gradient is
         # infinite at a zero error (lp with p < 2) would give 0 * inf = NaN gradients
         n, R = e - s, e - s + c - 1
         lo = max(0, s - c + 1)
-        cf = chunk_slice(coef, (s % group) // chunk_size, n, R, first=lo - (s - c + 1))
-        k_rows, v_rows = k[:, lo:e], v[:, lo:e]
-        delta_rows = None if gates.delta is None else gates.delta[:, lo:e]
-        scale = alpha[:, s:e] if (ret.grad_at_decayed and alpha is not None) else None   # window 1 here
+        first = lo - (s - c + 1)                                      # the window rows before token 0
+        cf = chunk_slice(coef, (s % group) // chunk_size, n, R, first=first)
+        k_rows, v_rows, delta_rows = (None if w is None else w[i].narrow(1, first, e - lo) for w in windows)
+        alpha_c = None if alpha is None else alpha_chunks[i]
+        scale = alpha_c if ret.grad_at_decayed else None                        # window 1 here
         a, x_rows = row_factors(parts, ret.read(Z), k_rows, v_rows, delta_rows, scale)
         D, A = cf["D"], cf["A"]
         if opt.linear:
@@ -247,7 +267,7 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
             if scaled:                                                # W_t = Z_t / nu_t (Moneta): norms of all Z_t
                 nu = {name: ret.divisor(z)[..., 0, 0]
                       for name, z in states_from_factors(Z, S, a, x_rows, C, A, s_vec).items()}
-            outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec, nu), q[:, s:e]))
+            outputs.append(mem.forward(dual_linear(Z, S, a, x_rows, C, A, s_vec, nu), q_chunks[i]))
             Z = end_state(Z, None if A is None else A[:, -1], S, None if s_vec is None else s_vec[:, -1],
                           a, x_rows, C[:, -1])
             S = S_end
@@ -258,8 +278,8 @@ def miras_chunk(parts: Parts, q, k, v, gates: Gates, Z: dict, S=None, chunk_size
         else:                                                         # per-row gradients -> updates -> states
             grad = {name: a[name][..., :, None] * x_rows[name][..., None, :] for name in a}   # [N, R, out, in]
             U, S = opt.updates(S, grad, cf["Gamma"], cf["eta"], cf["h"])
-            Z_all = retained_states(parts, Z, U, None if alpha is None else alpha[:, s:e], D, A)
-        outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q[:, s:e]))
+            Z_all = retained_states(parts, Z, U, alpha_c, D, A)
+        outputs.append(mem.forward(per_token_linear(ret.read(Z_all)), q_chunks[i]))
         Z = {name: z[:, -1] for name, z in Z_all.items()}
     return torch.cat(outputs, dim=1), Z, S
 

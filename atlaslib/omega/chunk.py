@@ -41,7 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..core.chunking import causal_decay, chunk_spans, compute_dtype, cumulative_logs, gate_logs, start_memory
+from ..core.chunking import (causal_decay, chunk_windows, compute_dtype, cumulative_logs, gate_logs,
+                             start_memory)
 from ..core.validation import check_chunk_size, check_form_shapes, check_window
 from ..core.windows import band_gates, window_gates  # noqa: F401  (window_gates: part of this room's story)
 from ..miras.config import DEFAULT_CHUNK_SIZE  # the Omega rule is a MIRAS model: one default chunk length
@@ -94,12 +95,13 @@ def windowed_chunk(q, k, v, window, gamma=None, alpha=None, eta=None, initial_st
     v_pad = F.pad(v, (0, 0, c - 1, 0))
     outputs = []
     b = check_chunk_size(chunk_size)
-    for s, e in chunk_spans(T, b):
-        g = None if logs is None else cumulative_logs(logs[:, :, s:e], dim=2)   # fp64
-        C = window_weights(G[:, :, s:e], eta[:, :, s:e], g, c)
-        # padded rows s .. e + c - 2 are the original tokens s - c + 1 .. e - 1
-        o, M = window_chunk_step(M, q[:, :, s:e], k_pad[:, :, s:e + c - 1], v_pad[:, :, s:e + c - 1], C, g,
-                                 hebbian)
+    # chunk [s, e) of every input, cut once; the padded rows s .. e + c - 2 are the tokens s - c + 1 .. e - 1
+    chunks = zip(*(chunk_windows(x, b) for x in (q, G, eta)), chunk_windows(k_pad, b, c - 1),
+                 chunk_windows(v_pad, b, c - 1), chunk_windows(logs, b) or [None] * -(-T // b))
+    for q_c, G_c, eta_c, k_w, v_w, logs_c in chunks:
+        g = None if logs_c is None else cumulative_logs(logs_c, dim=2)   # fp64
+        C = window_weights(G_c, eta_c, g, c)
+        o, M = window_chunk_step(M, q_c, k_w, v_w, C, g, hebbian)
         outputs.append(o)
     return torch.cat(outputs, dim=2).to(out_dtype), M
 
