@@ -94,14 +94,30 @@ def run_base(base, q, k, v, kw: dict, initial_state, backend: str, chunk_size: i
     return o, state
 
 
-def run_segment(base, q, k, v, kw: dict, a: int, b: int, init, carried: bool, backend: str, chunk_size: int):
+def cut_segments(q, k, v, kw: dict, spans) -> list:
+    """(q, k, v, kw) of each span, for consecutive spans tiling [0, T): the tensors cut once (split), so
+    the backward stacks the segments' gradients instead of zero-filling a whole-sequence gradient per
+    segment and tensor (O(T^2 / C) for segments of C tokens)."""
+    B, H, T = q.shape[:3]
+    lengths = [b - a for a, b in spans]
+    cut = lambda x: (x.split(lengths, dim=2) if isinstance(x, torch.Tensor) and x.dim() >= 3  # noqa: E731
+                     and tuple(x.shape[:3]) == (B, H, T) else [x] * len(spans))
+    qs, ks, vs = cut(q), cut(k), cut(v)
+    kws = {n: cut(x) for n, x in kw.items()}
+    return [(qs[i], ks[i], vs[i], {n: x[i] for n, x in kws.items()}) for i in range(len(spans))]
+
+
+def run_segment(base, q, k, v, kw: dict, a: int, b: int, init, carried: bool, backend: str, chunk_size: int,
+                piece=None):
     """(o, final state) of the base over tokens [a, b) from ``init``. ``carried``: init is the final state
     of the segment before (checkpoint mode), so a state the base refuses (NaN, inf) is an earlier
-    segment's divergence, and the error says so instead of naming an initial_state nobody passed."""
+    segment's divergence, and the error says so instead of naming an initial_state nobody passed.
+    ``piece``: (q, k, v, kw) of tokens [a, b) already cut (``cut_segments``); None: sliced here."""
     B, H, T = q.shape[:3]
+    if piece is None:
+        piece = (q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b))
     try:
-        return run_base(base, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], slice_kwargs(kw, (B, H, T), a, b), init,
-                        backend, chunk_size)
+        return run_base(base, *piece, init, backend, chunk_size)
     except ValueError as err:
         if not carried or "initial_state" not in str(err):
             raise

@@ -23,10 +23,11 @@ recurrent definition only at chunk_size = 1 (each segment is chunked from its ow
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.chunking import compute_dtype
 from ..core.validation import _value_check
-from .base import linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
+from .base import cut_segments, linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
 from .segments import Layout, check_top_k, reader_groups, reader_spans
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
@@ -183,7 +184,11 @@ def run_batched(base, q, k, v, kw, initial_state, spans, backend, chunk_size):
     kws = {name: batch_rows(x, spans, shape3) for name, x in kw.items()}
     init = state_bh(initial_state, lambda x: torch.cat([x] * n, dim=0))
     o, state = run_base(base, qs, ks, vs, kws, init, backend, chunk_size)
-    finals = [state_bh(state, lambda x, i=i: x[i * B:(i + 1) * B]) for i in range(n)]
+    # each state's rows cut once (split): slicing x[i B:(i + 1) B] per span would zero-fill a gradient
+    # of the whole batched state per span in the backward, O(n^2) for the n spans
+    leaves, spec = tree_flatten(state)
+    parts = [x.split(B, dim=0) if isinstance(x, torch.Tensor) else [x] * n for x in leaves]
+    finals = [tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
     return o.reshape(n, B, *o.shape[1:]), finals
 
 
@@ -194,21 +199,22 @@ def compress(base, q, k, v, kw, layout: Layout, mode, initial_state, backend, ch
     """
     B, H, T = q.shape[:3]
     spans = sorted(set(layout.cached) | set(layout.online))
-    out, finals = {}, {}
+    out, lasts, finals = {}, {}, {}
     if mode == "checkpoint":
         state = initial_state
-        for a, b in spans:                          # consecutive segments, in order
-            o, new = run_segment(base, q, k, v, kw, a, b, state, state is not initial_state, backend, chunk_size)
+        for (a, b), piece in zip(spans, cut_segments(q, k, v, kw, spans)):   # consecutive segments, in order
+            o, new = run_segment(base, q, k, v, kw, a, b, state, state is not initial_state, backend, chunk_size,
+                                 piece)
             out[(a, b)], finals[(a, b)] = o, new
             state = new
     else:
         for L in sorted({b - a for a, b in spans}):
             group = [s for s in spans if s[1] - s[0] == L]
             o, states = run_batched(base, q, k, v, kw, initial_state, group, backend, chunk_size)
-            for i, s in enumerate(group):
-                out[s], finals[s] = o[i], states[i]
+            for s, o_s, last, state in zip(group, o.unbind(0), o.select(3, -1).unbind(0), states):   # cut once
+                out[s], lasts[s], finals[s] = o_s, last, state
     if layout.log:                                  # t is the last token of its own block
-        online = torch.stack([out[s][:, :, -1] for s in layout.online], dim=2)
+        online = torch.stack([lasts[s] for s in layout.online], dim=2)
     else:                                           # the segments tile the sequence
         online = torch.cat([out[s] for s in sorted(set(layout.online))], dim=2)
     inits = segment_inits(layout, mode, finals, initial_state)
@@ -266,11 +272,22 @@ def memory_caching_chunk(q, k, v, base, layout: Layout, mode, aggregate, top_k, 
         return soup_readout(base, q, k, v, kw, layout, inits, cached, w, g_s, backend, chunk_size), final
     y = g_s[..., None] * online.to(cd)
     B, H, T, V = *q.shape[:3], v.shape[-1]
-    for n, (a, b) in enumerate(reader_spans(layout)):   # one memory pass per cached state and reader
-        read = probe(base, cached[n], q[:, :, a:b], V, slice_kwargs(kw, (B, H, T), a, b), chunk_size, backend)
-        weight = (w[:, :, a:b] * (blocks[a:b] == n)).sum(-1)     # state n's weight for its readers (no [T, N])
-        y[:, :, a:b] = y[:, :, a:b] + weight[..., None] * read.to(cd)
-    return y.to(online.dtype), final
+    # The readers' rows of q, w and the per-token gates gathered once and cut (split), the reads added once:
+    # slicing per state and assigning into y[:, :, a:b] would cost O(T) per state in the backward, O(T N).
+    spans = reader_spans(layout)
+    if not spans:
+        return y.to(online.dtype), final
+    lengths = [b - a for a, b in spans]
+    idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(q.device)
+    gather = lambda x: (x.index_select(2, idx).split(lengths, 2) if isinstance(x, torch.Tensor)  # noqa: E731
+                        and x.dim() >= 3 and tuple(x.shape[:3]) == (B, H, T) else [x] * len(spans))
+    qs, ws, kws = gather(q), gather(w), {name: gather(x) for name, x in kw.items()}
+    reads = []
+    for n, (a, b) in enumerate(spans):                  # one memory pass per cached state and reader
+        read = probe(base, cached[n], qs[n], V, {name: x[n] for name, x in kws.items()}, chunk_size, backend)
+        weight = (ws[n] * (blocks[a:b] == n)).sum(-1)     # state n's weight for its readers (no [T, N])
+        reads.append(weight[..., None] * read.to(cd))
+    return y.index_add(2, idx, torch.cat(reads, dim=2)).to(online.dtype), final
 
 
 def soup_readout(base, q, k, v, kw, layout, inits, cached, w, g_s, backend, chunk_size):

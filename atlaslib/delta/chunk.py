@@ -136,11 +136,15 @@ def delta_rule_chunk(q, k, v, beta, alpha=None, initial_state=None, chunk_size=6
     gates = None if logs is None else to_chunks(logs, b)            # and log-gates 0 keep everything
     M = M.reshape(B * H, V, K)
     outputs = []
-    for s in range(0, rows[0].shape[1], GROUP):
+    # The runs are cut once (split): slicing x[:, s:s + GROUP] per run would zero-fill a gradient of the
+    # whole input per run and tensor in the backward, O(T^2 / (GROUP b)).
+    runs = [x.split(GROUP, dim=1) for x in rows]
+    gate_runs = [None] * len(runs[0]) if gates is None else gates.split(GROUP, dim=1)
+    for *run, gr in zip(*runs, gate_runs):
         # Each run is copied chunk-major just before it is used: the copies are small, still in
         # cache when read, and recycled by the allocator from run to run.
-        qg, kg, vg, betag = (chunk_run(x, s, GROUP) for x in rows)
-        g = None if gates is None else cumulative_logs(chunk_run(gates, s, GROUP), dim=2)   # fp64
+        qg, kg, vg, betag = (chunk_run(x, 0, GROUP) for x in run)
+        g = None if gr is None else cumulative_logs(chunk_run(gr, 0, GROUP), dim=2)   # fp64
         M = chunk_group(M, qg, kg, vg, betag, g, outputs)
     o = torch.stack(outputs, dim=1).reshape(B, H, -1, V)[:, :, :T]                # stacked straight into [B*H, N, b, V]
     return o.to(out_dtype), M.reshape(B, H, V, K)
