@@ -27,7 +27,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..core.chunking import compute_dtype
 from ..core.validation import _value_check
-from .base import cut_segments, linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs, state_bh
+from .base import (cut_segments, linear_features, memory_part, mix_states, probe, run_base, run_segment, slice_kwargs,
+                   state_bh)
 from .segments import Layout, check_top_k, reader_groups, reader_spans
 
 AGGREGATES = ("residual", "grm", "soup", "ssc")
