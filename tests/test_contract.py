@@ -296,10 +296,11 @@ def test_chunk_size_none_is_the_default(gen, monkeypatch, name, fixed, default, 
 
 @contextlib.contextmanager
 def chunk_lengths_seen(monkeypatch):
-    """The chunk lengths b that the chunk forms cut T into (``to_chunks``, ``chunk_spans``) during the block."""
+    """The chunk lengths b that the chunk forms cut T into (``to_chunks``, ``chunk_spans``, ``chunk_windows``)
+    during the block."""
     from atlaslib.core import chunking
     seen = set()
-    for helper in (chunking.to_chunks, chunking.chunk_spans):
+    for helper in (chunking.to_chunks, chunking.chunk_spans, chunking.chunk_windows):
         def spy(x, b, *args, _real=helper, **kwargs):
             seen.add(b)
             return _real(x, b, *args, **kwargs)

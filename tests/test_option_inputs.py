@@ -375,3 +375,21 @@ def test_the_language_model_refuses_a_batch_of_no_sequences():
             lm(ids)
     with pytest.raises(ValueError, match=r"B >= 1 and T0 >= 1"):
         lm.generate(torch.zeros(0, 3, dtype=torch.long), 2)
+    with pytest.raises(ValueError, match=r"ids_t must hold one token for each of B >= 1"):
+        lm.step(torch.zeros(0, dtype=torch.long))
+
+
+def test_the_default_start_state_takes_device_none():
+    from atlaslib.miras import init_state, make_config
+    for memory in ("linear", "mlp"):
+        assert init_state(make_config("titans", memory=memory), 1, 2, 4, 4, device=None).memory is not None
+
+
+@pytest.mark.parametrize("dim", [1, -1])
+def test_chunk_windows_cuts_the_rows_a_slice_would(dim):
+    """Chunk [s, e) gets rows [s, e + extra) along dim, a negative dim included."""
+    from atlaslib.core.chunking import chunk_spans, chunk_windows
+    x = torch.randn(3, 13 + 2)
+    got = chunk_windows(x, 5, 2, dim=dim)
+    assert [tuple(w.shape) for w in got] == [(3, e - s + 2) for s, e in chunk_spans(13, 5)]
+    assert all(torch.equal(w, x[:, s:e + 2]) for w, (s, e) in zip(got, chunk_spans(13, 5)))

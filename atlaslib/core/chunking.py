@@ -114,6 +114,7 @@ def chunk_windows(x, b: int, extra: int = 0, dim: int = 2) -> list:
     zero-filled tensor the size of the whole x: O(T^2 / b) work and memory traffic for an O(T) form."""
     if x is None:
         return None
+    dim = dim % x.dim()                           # movedim below counts from the front
     T = x.shape[dim] - extra
     if extra == 0:
         return list(x.split(b, dim))

@@ -57,7 +57,7 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     else:           # a table of the arguments alone, which torch.compile takes as a constant
         sizes = (static_int(x) for x in (K, V, cfg.expansion))
         drawn = seeded_params(cfg.memory, *sizes, cfg.activation, cfg.layer_norm, kl, static_int(H), seed,
-                              torch.device(device))
+                              torch.device("cpu" if device is None else device))
         params = dict(zip(build_memory(cfg, K, V).shapes, drawn))
     params = {n: w.to(dtype=dtype, device=device).clone()[None].expand(B, -1, -1, -1).contiguous()   # [B, H, out, in]
               for n, w in params.items()}

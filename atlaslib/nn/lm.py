@@ -108,6 +108,8 @@ class TinyLM(nn.Module):
         """One token of ``forward``: ids_t [B] and the state after the tokens before (None at the
         start) -> (logits [B, vocab] for the next token, the state after ids_t)."""
         self.check_ids("ids_t", ids_t, 1, "[B] (one per sequence)")
+        if ids_t.shape[0] < 1:
+            raise ValueError(f"ids_t must hold one token for each of B >= 1 sequences, got shape {list(ids_t.shape)}")
         position, caches = (0, (None,) * len(self.blocks)) if state is None else self.check_state(state)
         x = self.embed(ids_t)
         if self.pos is not None:
