@@ -144,3 +144,24 @@ def test_exercise_checks_use_public_functions_or_stable_internals():
                 continue
             wrong.append(f"{path.name}: from {mod} import {name}")
     assert not wrong, "not public and not a listed stable internal:\n" + "\n".join(wrong)
+
+
+def test_stable_internals_are_named_in_the_chapters_contributing_cites():
+    """CONTRIBUTING.md's table of internals matches STABLE_INTERNALS, and the chapter each row cites names
+    every internal of the row, so that a learner meets it by name before an exercise imports it."""
+    import json
+    import re
+    text = (ROOT.parent / "CONTRIBUTING.md").read_text()
+    table = text[text.index("## Internals the exercises may use"):].split("\n## ")[0]
+    listed, unnamed = {}, []
+    for row in re.findall(r"^\| (`atlaslib.*?) \| chapter (\d+)", table, flags=re.M):
+        names, chapter = re.findall(r"`(atlaslib\.[\w.]+)`", row[0]), int(row[1])
+        (book,) = (ROOT.parent / "book").glob(f"ch{chapter:02d}_*.ipynb")
+        cells = "\n".join("".join(c["source"]) for c in json.loads(book.read_text())["cells"])
+        for full in names:
+            mod, name = full.rsplit(".", 1)
+            listed.setdefault(mod, set()).add(name)
+            if not re.search(rf"\b{name}\b", cells):
+                unnamed.append(f"{full} (chapter {chapter})")
+    assert listed == STABLE_INTERNALS
+    assert not unnamed, "not named in the chapter CONTRIBUTING.md cites: " + ", ".join(unnamed)

@@ -28,8 +28,8 @@ the k.k and q.k sums; chapter 1's ``decayed_scores`` scores them by halving the 
 every factor <= 1 whatever the gates (scalar gates: the masked [n, n] matrix of e^{g_t - g_j}).
 
 Everything but the start memory is solved ahead, for a group of chunks at once: with
-A = I + Diag(beta) L, the UT transform's R = A^{-1} (one triangular solve against I) and
-Rb = R Diag(beta), the WY pair W = Rb (K e^g), U0 = Rb V gives U = U0 - W M_0^T, so only four
+the system matrix I + Diag(beta) L, the UT transform's R = (I + Diag(beta) L)^{-1} (one triangular
+solve against I) and Rb = R Diag(beta), the WY pair W = Rb (K e^g), U0 = Rb V gives U = U0 - W M_0^T, so only four
 small matrix products per chunk run in sequence:
 
     U = U0 - W M_0^T,   Y = (Q e^g) M_0^T + P U,   M_n = M_0 e^{g_n} + U^T (K e^{g_n - g}).
@@ -86,16 +86,16 @@ def chunk_group(M, q, k, v, beta, g, outputs):
     gives them). Appends each chunk's output [BH,b,V] to ``outputs`` and returns the memory
     after the run.
 
-    P, L, the gated q and k, Rb = A^{-1} Diag(beta) and the WY pair W = Rb (K e^g), U0 = Rb V of all
+    P, L, the gated q and k, Rb = (I + Diag(beta) L)^{-1} Diag(beta) and the WY pair W = Rb (K e^g), U0 = Rb V of all
     G chunks come first, in one batch; then only four small matrix products per chunk run in sequence.
     """
     b = q.shape[2]
     P, L, q_dec, k_dec, k_end, m_dec = decayed_products(q, k, g)
-    A = torch.eye(b, dtype=q.dtype, device=q.device) + beta * L        # I + Diag(beta) L
-    # A^{-1} by one triangular solve against I (fewer right-hand sides than [K e^g | V], and
+    system = torch.eye(b, dtype=q.dtype, device=q.device) + beta * L   # I + Diag(beta) L
+    # Its inverse by one triangular solve against I (fewer right-hand sides than [K e^g | V], and
     # then two batched products): the UT transform's R; Rb = R Diag(beta), the kernel's b_Rb
     # (the DeltaNet paper's T, a name kept here for the sequence length).
-    Rb = torch.linalg.solve_triangular(A, torch.eye(b, dtype=q.dtype, device=q.device).expand_as(A),
+    Rb = torch.linalg.solve_triangular(system, torch.eye(b, dtype=q.dtype, device=q.device).expand_as(system),
                                        upper=False, unitriangular=True) * beta.mT
     W, U0 = Rb @ k_dec, Rb @ v
     # Chunks taken by unbind, not by indexing: the backward stacks their gradients once instead

@@ -54,9 +54,9 @@ gradient of v_new. Then:
 (f) ``delta_bwd_state_kernel``, per (chunk, key block), everything that reads a state:
     dq = (do h[c]) e^g + (dS * D) K  with dS = do v_new^T (causal) and D the decays of A,
     dk = (v_new dH_c) e^{g_n - g} + (dS * D)^T Q,   and dw = -dv2 h[c] (from v_new = u - w h^T);
-(g) ``delta_bwd_wy_kernel``, per chunk, back through the WY factors with du = dv2. For X = R Y
-    (Y = Diag(beta)(K e^g) or Diag(beta) V) the gradient of Y is R^T dX, and the gradient of the
-    system matrix A = I + Diag(beta) L is -R^T dX X^T, summed over both factors: R is the one (a)
+(g) ``delta_bwd_wy_kernel``, per chunk, back through the WY factors with du = dv2. For X = R Z
+    (Z = Diag(beta)(K e^g) or Diag(beta) V) the gradient of Z is R^T dX, and the gradient of the
+    system matrix I + Diag(beta) L is -R^T dX X^T, summed over both factors: R is the one (a)
     stored and is never differentiated itself. Its strictly lower part, times beta,
     is the gradient of L, which sends k.k gradients to both keys of every pair; the row sums of
     the same products give dbeta.
@@ -271,7 +271,7 @@ def delta_bwd_state_kernel(
 
 @triton.jit
 def wy_factor_grads(dx_ptr, s_dx, x_ptr, s_x, b_Rt, o_t, m_t, o_n, m_n, PRECISION: tl.constexpr):
-    """One block of channels of a WY factor X = R Y, from dX: (dX X^T, its share of G; dY = R^T dX), fp32."""
+    """One block of channels of a WY factor X = R Z, from dX: (dX X^T, its share of G; dZ = R^T dX), fp32."""
     b_dx = load_block(dx_ptr, s_dx, o_t, o_n, m_t, m_n).to(b_Rt.dtype)
     b_x = load_block(x_ptr, s_x, o_t, o_n, m_t, m_n)
     return tl.dot(b_dx, tl.trans(b_x), input_precision=PRECISION), tl.dot(b_Rt, b_dx, input_precision=PRECISION)
@@ -288,7 +288,7 @@ def delta_bwd_wy_kernel(
 ):
     """Chunk i_c: from dw, du (= dv2) back through w = R Diag(beta)(K e^g), u = R Diag(beta) V.
 
-    With Y = Diag(beta)(K e^g) or Diag(beta) V and X = R Y: dY = R^T dX, and
+    With Z = Diag(beta)(K e^g) or Diag(beta) V and X = R Z: dZ = R^T dX, and
     d(Diag(beta) L) = strictly lower part of -R^T (dw w^T + du u^T), with R^T as ``delta_wy_kernel`` stored
     it (fp32 [B*H, Tp, BT]). Adds dk1 (the state kernel's
     partial dk) and writes dk, dv in their dtypes, dbeta fp32 [B*H, T], dg fp32 [B*H, Tp].
@@ -317,13 +317,13 @@ def delta_bwd_wy_kernel(
     b_Rt32 = tl.load(r_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :])     # R^T
     b_Rt = b_Rt32.to(dt)
 
-    # dY = R^T dX for both factors; G = dw w^T + du u^T; the diagonal parts of dbeta
+    # dZ = R^T dX for both factors; G = dw w^T + du u^T; the diagonal parts of dbeta
     b_G = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dbk = tl.zeros([BT], dtype=tl.float32)           # sum_k dYw * (K e^g): dbeta's part through w
-    b_dbv = tl.zeros([BT], dtype=tl.float32)           # sum_v dYu * V: dbeta's part through u
+    b_dbk = tl.zeros([BT], dtype=tl.float32)           # sum_k dZw * (K e^g): dbeta's part through w
+    b_dbv = tl.zeros([BT], dtype=tl.float32)           # sum_v dZu * V: dbeta's part through u
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k, m_k = channel_block(i_k, BK, K)
-        b_dww, b_dY = wy_factor_grads(dw_ptr, s_dw, w_ptr, s_w, b_Rt, o_t, m_t, o_k, m_k, PRECISION)
+        b_dww, b_dZ = wy_factor_grads(dw_ptr, s_dw, w_ptr, s_w, b_Rt, o_t, m_t, o_k, m_k, PRECISION)
         b_G += b_dww
         b_k = load_block(k_ptr, s_k, o_t, o_k, m_t, m_k).to(tl.float32)
         if GATE == GATE_SCALAR:
@@ -331,19 +331,19 @@ def delta_bwd_wy_kernel(
         elif GATE == GATE_CHANNEL:
             b_gk, _ = chunk_log_gates(g_ptr, i_bh, i_c, o_t, o_k, m_k, Tp, K, BT, GATE)
             b_k *= decay(b_gk)
-        b_dbk += tl.sum(b_dY * b_k, axis=1)
+        b_dbk += tl.sum(b_dZ * b_k, axis=1)
     for i_v in range(0, tl.cdiv(V, BV)):
         o_v, m_v = channel_block(i_v, BV, V)
-        b_duu, b_dY = wy_factor_grads(du_ptr, s_du, u_ptr, s_u, b_Rt, o_t, m_t, o_v, m_v, PRECISION)
+        b_duu, b_dZ = wy_factor_grads(du_ptr, s_du, u_ptr, s_u, b_Rt, o_t, m_t, o_v, m_v, PRECISION)
         b_G += b_duu
         b_v = load_block(v_ptr, s_v, o_t, o_v, m_t, m_v)
-        b_dbv += tl.sum(b_dY * b_v.to(tl.float32), axis=1)
-        store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dY * b_beta[:, None])
+        b_dbv += tl.sum(b_dZ * b_v.to(tl.float32), axis=1)
+        store_tile(dv_ptr, s_dv, o_t, o_v, m_t, m_v, b_dZ * b_beta[:, None])
 
     # d(Diag(beta) L) = strict lower part of -R^T G; dL = Diag(beta) of it
-    b_dM = tl.where(m_strict, -tl.dot(b_Rt32, b_G, input_precision=INV_PRECISION), 0.0)
-    b_dL = b_dM * b_beta[:, None]
-    tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dM * b_L, axis=1), mask=m_t)
+    b_dBL = tl.where(m_strict, -tl.dot(b_Rt32, b_G, input_precision=INV_PRECISION), 0.0)
+    b_dL = b_dBL * b_beta[:, None]
+    tl.store(dbeta_ptr + i_bh * T + o_t, b_dbk + b_dbv + tl.sum(b_dBL * b_L, axis=1), mask=m_t)
     if GATE == GATE_CHANNEL:
         tl.store(dl_ptr + i_bh * Tp * BT + o_t[:, None] * BT + o_i[None, :], b_dL)
     if GATE == GATE_SCALAR:
