@@ -218,6 +218,20 @@ def test_every_chapter_numbers_its_sections_and_ends_with_summary_and_references
         assert "{cite:" in text.split("\n## References\n")[-1], f"{path.name}: References cites nothing"
 
 
+def test_directives_with_math_use_colon_fences():
+    """A directive fenced with backticks (```{admonition}) is a code block to JupyterLab, which then shows
+    its formulas as raw TeX; a colon fence (:::{admonition}) renders the same in the book and as Markdown in
+    JupyterLab."""
+    offenders = []
+    for where, text in book_prose():
+        if " cell " not in where:
+            continue                                        # Markdown pages are not opened in JupyterLab
+        for m in re.finditer(r"^(`{3,})\{[^}]+\}.*\n(?:.*\n)*?\1$", text, flags=re.M):
+            if "$" in m.group(0):
+                offenders.append(f"{where}: {m.group(0).splitlines()[0]}")
+    assert not offenders, "backtick-fenced directives with math:\n" + "\n".join(offenders)
+
+
 def test_every_widget_view_has_its_saved_state():
     """A widget cell's output names a model of the notebook's saved widget state, which holds the default
     figure the rendered book shows; a cell re-run without saving that state leaves a dangling name."""
