@@ -404,6 +404,7 @@ ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
                                   "g = getattr(chunk_step, '__glo' + 'bals__')\n"
                                   "imp = g['__builtins__']['__imp' + 'ort__']\nimp('subprocess').run(['true'])"),
     "builtin_shadowed": dict(setup="def isinstance(*a):\n    return True"),
+    "module_chain": dict(setup="import torch\ntorch.glob.re.enum.bltns.exec('import subprocess')"),
     "ipython_shadowed": dict(setup="def get_ipython():\n    return None"),
 }
 
@@ -434,12 +435,25 @@ SCREENED = [   # (a cell, what the refusal names): the screen alone must refuse 
     ("def frame_of(tb):\n    return tb.tb_frame", "`.tb_frame`"),
     ("from atlaslib.linear.chunk import linear_attention_chunk",     # not the one name its module may give
      "`from atlaslib.linear.chunk import linear_attention_chunk` is not allowed"),
+    # modules reached through torch's attributes: builtins, operator, TorchScript, a shell command
+    ("import torch\nshell = torch.glob.re.enum.bltns", "reaches the module `glob`"),
+    ("import torch\nget = torch.functional.operator.attrgetter('x')", "reaches the module `torch.functional`"),
+    ("import torch\nfrom atlaslib.linear.chunk import chunk_step\ncopy = torch.jit.trace(chunk_step, ())",
+     "reaches the module `torch.jit`"),
+    ("import torch\ntorch.utils.collect_env.run('id')", "reaches the module `torch.utils`"),
+    ("from torch import glob", "`from torch import glob` is not allowed"),
+    ("import torch\nt = torch\nre = t.glob.re", "the module `torch` may only be used through its attributes"),
+    ("import torch\ndef lib():\n    return torch", "the module `torch` may only be used through its attributes"),
+    ("import triton\nlanguage = triton.language", "`triton.language` is a module"),
+    ("def node_backward(x, dx):\n    return x.grad_fn(dx)", "`.grad_fn`"),
+    ("def run(space):\n    return space.exec('1')", "`.exec`"),
 ]
 
 
 @pytest.mark.parametrize("source, named", SCREENED, ids=[
     "getattr", "setattr", "vars", "globals", "open", "compile", "private_attribute", "guard_band", "function_globals",
-    "frame", "library_function"])
+    "frame", "library_function", "builtins_via_torch", "operator_via_torch", "torchscript", "shell_via_torch",
+    "module_import", "module_alias", "module_returned", "submodule_alias", "autograd_node", "exec_attribute"])
 def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
     from atlaslib.exercises.checking import Rejected, screen
     cells = [("code cell 1 (set-up)", "import torch"), ("code cell 2", source)]
@@ -449,7 +463,10 @@ def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
 
 
 @pytest.mark.parametrize("source", ["from torch.linalg import solve_triangular", "import torch.linalg as LA",
-                                    "from torch.special import ndtr", "import torch.nn.functional as F"])
+                                    "from torch.special import ndtr", "import torch.nn.functional as F",
+                                    "import torch\ngpu = torch.cuda.is_available()\nspectrum = torch.fft.rfft",
+                                    "import triton\nimport triton.language as tl\nn = triton.next_power_of_2(5)",
+                                    "from torch import nn\nact = nn.functional.gelu"])
 def test_the_screen_lets_torch_submodules_be_imported(source):
     """The statements allow `torch`, and point at torch.linalg.solve_triangular: importing it is allowed too."""
     from atlaslib.exercises.checking import screen

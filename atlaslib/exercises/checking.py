@@ -724,6 +724,12 @@ ALLOWED_MODULES = ("math", "torch", "torch.nn", "torch.nn.functional", "torch.li
                    "triton", "triton.language", "itertools", "collections", "__future__", "os")
 # ``os`` is there for the set-up cell's ``os.environ["TRITON_INTERPRET"] = "1"`` only
 OS_ATTRIBUTES = ("environ",)
+# Modules an attribute chain may pass through (``torch.cuda.is_available()``): the importable ones and a
+# few of torch's numerical namespaces. Torch's other submodules lead on to modules that run code the screen
+# cannot read (``torch.glob.re.enum.bltns.exec``, ``torch.jit.trace`` of a library function, a shell
+# command in ``torch.utils``), so a chain that reaches one is refused.
+TRAVERSABLE_MODULES = frozenset(ALLOWED_MODULES) | {
+    "torch.cuda", "torch.fft", "torch.autograd", "torch.testing", "torch.nn.init", "triton.language.math"}
 # Names no cell may use: ways to run code the screen cannot read, or to reach other modules
 FORBIDDEN_NAMES = frozenset({
     "__import__", "importlib", "exec", "eval", "compile", "globals", "locals", "vars", "getattr", "setattr",
@@ -738,7 +744,11 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "load_library", "cpp_extension", "hub", "library", "serialization", "package", "shutil", "pathlib",
     "signal", "socket", "multiprocessing", "threading",
     # raw memory: a kernel may only touch the tensors it is given, through their own pointers
-    "data_ptr", "pointer_type", "untyped_storage", "storage", "set_", "inline_asm_elementwise"})
+    "data_ptr", "pointer_type", "untyped_storage", "storage", "set_", "inline_asm_elementwise",
+    # autograd's graph: calling a node's backward is autograd by another name
+    "grad_fn", "next_functions", "get_gradient_edge",
+    # the forbidden built-ins, reached as attributes of an object (a module's ``builtins``, say)
+    "exec", "getattr", "setattr", "delattr", "globals", "locals", "vars", "breakpoint"})
 ALLOWED_DUNDERS = frozenset({"__init__", "__call__", "__name__", "__doc__"})
 
 
@@ -758,6 +768,8 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
     ``helpers``: {module: names} of library functions the chapter's cells may import.
     """
     import ast
+    import importlib
+    import types
 
     from IPython.core.inputtransformer2 import TransformerManager
     transform = TransformerManager().transform_cell
@@ -765,6 +777,7 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
     builtin = _builtin_names()
     checks: set = set()            # names bound to the chapter's check module
     modules: set = set()           # names bound by imports (their attributes are read-only)
+    bound: dict = {}               # name -> the object an import binds it to (in this process)
     os_names: set = set()          # names bound to the os module
     trees = []
     for label, source in cells:
@@ -785,6 +798,11 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                         refuse(label, f"`import {alias.name}` is not allowed "
                                       f"(allowed: {', '.join(m for m in ALLOWED_MODULES if m != '__future__')})")
                     modules.add((alias.asname or alias.name).split(".")[0])
+                    name = alias.asname or alias.name.split(".")[0]
+                    try:
+                        bound[name] = importlib.import_module(alias.name if alias.asname else name)
+                    except ImportError:
+                        pass       # the kernel cannot import it either
                     if alias.name == "os":
                         os_names.add(alias.asname or "os")
             elif isinstance(node, ast.ImportFrom):
@@ -816,6 +834,15 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                         refuse(label, f"`from {module} import {alias.name}` is not allowed")
                     if module != "__future__":
                         modules.add(alias.asname or alias.name)
+                        try:
+                            value = getattr(importlib.import_module(module), alias.name, None)
+                        except ImportError:
+                            value = None
+                        if isinstance(value, types.ModuleType) and value.__name__ not in TRAVERSABLE_MODULES:
+                            refuse(label, f"`from {module} import {alias.name}` is not allowed (it is the module "
+                                          f"`{value.__name__}`)")
+                        if value is not None:
+                            bound[alias.asname or alias.name] = value
 
     def root(node):
         while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
@@ -845,11 +872,33 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
         visit(tree)
         return out
 
+    def resolve(node):
+        """The object an attribute chain rooted at an imported name reaches in this process (None: unknown)."""
+        chain = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in bound:
+            return None
+        value = bound[node.id]
+        for attr in reversed(chain):
+            if isinstance(value, types.ModuleType) and value.__name__ not in TRAVERSABLE_MODULES:
+                return value       # the chain passes through a module it may not
+            value = getattr(value, attr, None)
+            if value is None:
+                return None
+        return value
+
     for label, tree in trees:
         parents = {}
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 parents[child] = node
+
+        def used_through_attribute(node):
+            parent = parents.get(node)
+            return isinstance(parent, ast.Attribute) and parent.value is node
+
         for name in module_level_targets(tree):
             if name in builtin or name in FORBIDDEN_NAMES or name.startswith("__"):
                 refuse(label, f"the cell rebinds `{name}` for the whole notebook: use another name")
@@ -859,6 +908,10 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                     if name in builtin or name.startswith("__"):
                         refuse(label, f"`global {name}` is not allowed")
             if isinstance(node, ast.Name):
+                if isinstance(bound.get(node.id), types.ModuleType) and isinstance(node.ctx, ast.Load) \
+                        and not used_through_attribute(node):
+                    refuse(label, f"the module `{node.id}` may only be used through its attributes "
+                                  f"(`{node.id}.name`), not passed, returned or bound to another name")
                 if node.id in FORBIDDEN_NAMES or node.id.startswith("__"):
                     # the screen reads names, not scopes: a variable of the reader's own called `input` looks
                     # like the built-in, so say so
@@ -875,6 +928,15 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                 attr = node.attr
                 if attr in FORBIDDEN_ATTRIBUTES or (attr.startswith("_") and attr not in ALLOWED_DUNDERS):
                     refuse(label, f"the attribute `.{attr}` is not allowed in a graded notebook")
+                reached = resolve(node)
+                if isinstance(reached, types.ModuleType):
+                    chain = ast.unparse(node)
+                    if reached.__name__ not in TRAVERSABLE_MODULES:
+                        refuse(label, f"`{chain}` reaches the module `{reached.__name__}`, which a graded notebook "
+                                      "may not use")
+                    if not used_through_attribute(node):
+                        refuse(label, f"`{chain}` is a module: use what it holds through it (`{chain}.name`), "
+                                      f"or import it (`import {reached.__name__} as ...`)")
                 base = root(node)
                 if isinstance(node.value, ast.Name) and node.value.id in os_names and attr not in OS_ATTRIBUTES:
                     refuse(label, f"`os.{attr}` is not allowed (only `os.environ`)")
