@@ -37,8 +37,10 @@ each build once its shared memory is allocated, before LLVM and ptxas: about a s
 instead of up to minutes, with everything checked but registers and spills. ``make test`` runs
 the tests that assert every configuration builds, fits and addresses 64-bit offsets on fast
 builds; ``make aot`` runs them on full builds and checks registers too. Results are cached in
-``_build/aot/`` keyed by the kernel's source hash, the arguments' specialisation, the
-target and the 64-bit offset check (``checks_version``), so an unchanged kernel is not rebuilt.
+``_build/aot/`` of the repository's checkout (an installed copy: ``$XDG_CACHE_HOME/atlaslib/aot``,
+by default ``~/.cache/atlaslib/aot``; ``ATLAS_AOT_CACHE`` overrides both) keyed by the kernel's
+source hash, the arguments' specialisation, the target and the 64-bit offset check
+(``checks_version``), so an unchanged kernel is not rebuilt.
 Needs the real kernels: run it with ``TRITON_INTERPRET`` unset (it re-executes itself that way
 when asked from an interpreted process). Uses Triton's JIT internals
 (``create_function_from_signature``, ``_pack_args``), pinned by ``triton==3.7.1``.
@@ -89,7 +91,18 @@ CHUNK_FORM_ON = {"sm_86": {
     ("omega_fwd_kernel", "omega: c=8 b=64 D=V=100 fp32"),
     ("omega_fwd_kernel", "omega: c=8 b=64 D=V=128 fp32"),
 }}
-CACHE_DIR = Path(os.environ.get("ATLAS_AOT_CACHE") or Path(__file__).resolve().parents[1] / "_build" / "aot")
+
+
+def default_cache_dir() -> Path:
+    """The checkout's ``_build/aot``; for an installed copy (no pyproject.toml beside the package, whose
+    parent is site-packages) the user's cache, not a folder next to the installed packages."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "_build" / "aot"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atlaslib" / "aot"
+
+
+CACHE_DIR = Path(os.environ.get("ATLAS_AOT_CACHE") or default_cache_dir())
 INT32_MAX = 2**31 - 1
 
 

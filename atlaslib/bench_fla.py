@@ -78,7 +78,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 FLA_VERSION = "0.6.0"
-INSTALL = "pip install --no-deps -r requirements-fla.txt"
+# The pins of the repository's requirements-fla.txt, spelled out for an installed copy, which has no such file
+# (--no-deps: pip keeps the torch and triton already installed).
+INSTALL = f"pip install --no-deps fla-core=={FLA_VERSION} einops==0.8.2"
 MODELS = ("linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda")
 GATES = {"linear": None, "linear_scalar_gate": "scalar", "linear_channel_gate": "channel", "deltanet": None,
          "gated_deltanet": "scalar", "kda": "channel"}

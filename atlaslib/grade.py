@@ -740,6 +740,14 @@ def write_csv(reports: list[dict], out) -> None:
         writer.writerow(row)
 
 
+GRADING_PACKAGES = ("nbformat", "nbclient", "jupyter_client", "ipykernel")    # pyproject's ``grade`` extra
+
+
+def missing_grading_packages() -> list[str]:
+    import importlib.util
+    return [name for name in GRADING_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atlaslib.grade", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -761,6 +769,10 @@ def main(argv=None) -> int:
             print(json.dumps({"notebook": args.notebook, "error": message}))
         return 2
 
+    missing = missing_grading_packages()
+    if missing:                   # the grader's own packages, before a worker reports the notebook as dead
+        return refuse(f"python -m atlaslib.grade needs {', '.join(missing)}: pip install 'atlaslib[grade]' "
+                      "(the repository's `make` installs them)")
     target = Path(args.notebook)
     if not 0 < args.timeout < math.inf:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout:g}")

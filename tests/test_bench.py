@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from atlaslib import bench
+from atlaslib import bench, bench_fla
 
 COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time_ms", "peak_MiB", "speedup"]
 
@@ -519,7 +519,7 @@ def test_every_case_runs_in_half_precision(dtype):
 
 # ---------------------------------------------------------------------------- bench --vs fla
 
-FLA_SKIP = "fla-core is not installed (benchmark-only: pip install --no-deps -r requirements-fla.txt)"
+FLA_SKIP = f"fla-core is not installed (benchmark-only: {bench_fla.INSTALL})"
 FLA_MODELS = ["linear", "linear_scalar_gate", "linear_channel_gate", "deltanet", "gated_deltanet", "kda"]
 
 
@@ -604,7 +604,16 @@ def test_vs_fla_without_fla_says_how_to_install(monkeypatch, capsys):
         bench.main(["--vs", "fla"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install --no-deps -r requirements-fla.txt" in err
+    assert len(err.splitlines()) == 1 and bench_fla.INSTALL in err
+
+
+def test_the_install_line_names_the_pins_of_requirements_fla():
+    """The one line printed without fla names requirements-fla.txt's pins (an installed copy has no such file)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pins = {line.split("#")[0].strip() for line in (root / "requirements-fla.txt").read_text().splitlines()} - {""}
+    assert bench_fla.INSTALL.startswith("pip install --no-deps ")
+    assert set(bench_fla.INSTALL.split()[3:]) == pins
 
 
 def _fake_fla_chunk_ops():

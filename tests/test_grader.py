@@ -3,6 +3,7 @@
 Each test runs a whole notebook in a fresh kernel (a few seconds each on 2 cores).
 """
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -278,6 +279,28 @@ def test_a_folder_needs_notebooks_and_takes_no_save(grade_cli, capsys, tmp_path)
         grade_cli([str(tmp_path), "--csv", str(tmp_path / "missing" / "x.csv")])
     assert exit_.value.code == 2
     assert f"error: --csv {tmp_path}/missing/x.csv: no folder {tmp_path}/missing" in capsys.readouterr().err
+
+
+def test_missing_grading_packages_are_named_before_a_notebook_is_graded(grade_cli, monkeypatch, capsys):
+    """Without the ``grade`` extra (nbclient and the rest) the grader says what to install, in one line, instead
+    of reporting that the notebook's grading died."""
+    import importlib.util
+
+    from atlaslib import grade as grade_module
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nbclient" else real(name, *a))
+    assert grade_cli([str(STUDENT)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "nbclient" in err and "pip install 'atlaslib[grade]'" in err, err
+    assert set(grade_module.GRADING_PACKAGES) <= {"nbformat", "nbclient", "jupyter_client", "ipykernel"}
+
+
+def test_the_grade_extra_lists_the_packages_the_grader_needs():
+    import tomllib
+
+    from atlaslib.grade import GRADING_PACKAGES
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["grade"]
+    assert sorted(re.split(r"[<>=!~ ]", req)[0] for req in extra) == sorted(GRADING_PACKAGES)
 
 
 def test_a_notebook_whose_grading_died_exits_2(monkeypatch, capsys):

@@ -165,3 +165,26 @@ def test_stable_internals_are_named_in_the_chapters_contributing_cites():
                 unnamed.append(f"{full} (chapter {chapter})")
     assert listed == STABLE_INTERNALS
     assert not unnamed, "not named in the chapter CONTRIBUTING.md cites: " + ", ".join(unnamed)
+
+
+def test_an_installed_copy_keeps_its_builds_in_the_users_cache(tmp_path):
+    """``atlaslib.aot`` caches builds in the checkout's ``_build/aot``; a copy installed without the repository
+    (no pyproject.toml beside it) uses the user's cache, not a folder next to the installed packages."""
+    import os
+    import shutil
+    site = tmp_path / "site"
+    shutil.copytree(ROOT, site / "atlaslib", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k not in ("ATLAS_AOT_CACHE", "XDG_CACHE_HOME", "PYTHONPATH")}
+    env.update(PYTHONPATH=str(site), HOME=str(tmp_path / "home"))
+    code = "import atlaslib.aot as a; print(a.__file__); print(a.CACHE_DIR)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == [str(site / "atlaslib" / "aot.py"), str(tmp_path / "home" / ".cache" / "atlaslib" / "aot")]
+    from atlaslib import aot
+    assert aot.default_cache_dir() == ROOT.parent / "_build" / "aot"       # this checkout
+
+
+def test_the_package_says_it_is_typed():
+    import tomllib
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+    assert (ROOT / "py.typed").is_file() and "py.typed" in config["tool"]["setuptools"]["package-data"]["atlaslib"]
