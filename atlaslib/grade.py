@@ -457,8 +457,10 @@ class Grader:
         return f"code cell {n}" + (f" (exercise {name})" if name else " (set-up)")
 
     def defined_in(self, name: str) -> str:
-        """The code cell that defines ``name``, as a reader finds it."""
-        for i, cell in enumerate(self.nb.cells):
+        """The code cell whose definition of ``name`` is the one graded: the last one, as the notebook runs
+        top to bottom (a later cell that defines it again replaces an earlier one, checked or not)."""
+        for i in reversed(range(len(self.nb.cells))):
+            cell = self.nb.cells[i]
             if cell.cell_type == "code" and f"def {name}(" in cell.source:
                 return f"defined in {self.cell_name(i)}"
         return "not defined"

@@ -124,6 +124,22 @@ def test_crashing_and_hanging_answers_are_reported_not_fatal(tmp_path):
     assert "timeout" in text and "total" in text
 
 
+def test_a_verdict_names_the_definition_that_was_graded():
+    """A notebook that defines a function again in a later cell is graded on the later definition (the kernel
+    holds it after the last cell): a timeout or crash must name that cell, not the first one."""
+    import functools
+    import types
+
+    from atlaslib.grade import Grader
+    nb = nbformat.read(SOLUTION, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("def hebbian_step(M, k, v):\n    while True:\n        pass"))
+    reader = types.SimpleNamespace(nb=nb)
+    reader.cell_name = functools.partial(Grader.cell_name, reader)
+    last = sum(c.cell_type == "code" for c in nb.cells)
+    assert Grader.defined_in(reader, "hebbian_step") == f"defined in code cell {last} (set-up)"
+    assert Grader.defined_in(reader, "no_such_function") == "not defined"
+
+
 def test_a_cell_that_hangs_when_replayed_does_not_sink_the_later_exercises(tmp_path):
     """After a timeout the grader restarts the kernel and runs the completed cells again; a cell that hangs on
     that second run (a check cell draws new inputs) left the new kernel busy, and every later exercise timed
