@@ -572,6 +572,49 @@ def test_triton_check_requires_a_kernel_launch():
     assert v.status == "failed" and "without launching a @triton.jit kernel" in v.message, v.message
 
 
+@triton.jit
+def _put(out_ptr, i, x):
+    tl.store(out_ptr + i, x)
+
+
+@triton.jit
+def _put_row(out_ptr, row_ptr, i, K, BK: tl.constexpr):
+    c = tl.arange(0, BK)        # one row, loaded from an input it was given: a read, so a replay changes it
+    tl.store(out_ptr + i * K + c, tl.load(row_ptr + c, mask=c < K, other=0.0), mask=c < K)
+
+
+def test_triton_check_refuses_values_handed_to_the_kernel_as_numbers():
+    """Computed with torch and stored entry by entry by a kernel that receives each value as a number: every
+    entry is stored by the notebook's own kernel, from its own arguments, yet the kernel computes nothing. The
+    launches, run again on the inputs reordered, store the same values: refused."""
+    def smuggler(M, k, v, g, out):
+        g_last = g[:, -1:]
+        want = torch.exp(g_last)[:, :, None] * M + torch.einsum("nt,ntv,ntk->nvk", torch.exp(g_last - g), v, k)
+        for i, x in enumerate(want.reshape(-1).tolist()):
+            _put[(1,)](out, i, x)
+        return out
+    v = ch01.triton_state_update.evaluate(smuggler)
+    assert v.status == "failed" and "stored the same values when the check ran its launches again" in v.message, \
+        v.message
+
+
+def test_a_kernel_that_reads_an_input_it_was_given_is_not_taken_for_a_smuggler():
+    """The replay only refuses kernels whose stores never changed: one that copies a row of its input (whatever
+    else it does) stores other values once the inputs are reordered."""
+    from atlaslib.exercises.checking import guarded, guarded_output, run_under_rules
+    rows = guarded(torch.randn(3, 5))
+
+    def copy_rows(x, out):
+        for i in range(3):
+            _put_row[(1,)](out, x[i], i, 5, BK=8)
+        return out
+    out = guarded_output((3, 5))
+    result, (launches, moved) = run_under_rules(copy_rows, (rows, out), {}, (), outputs=(1,))
+    assert torch.equal(out, rows) and launches == 3 and moved is True
+    constant = guarded(torch.ones(3, 5))            # nothing to reorder: no verdict either way
+    assert run_under_rules(copy_rows, (constant, guarded_output((3, 5))), {}, (), outputs=(1,))[1] == (3, None)
+
+
 def test_triton_check_catches_unmasked_loads():
     v = ch01.triton_state_update.evaluate(launcher(mask_loads=False))
     assert v.status == "failed" and "loaded" in v.message and "mask every load" in v.message

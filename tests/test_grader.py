@@ -234,6 +234,31 @@ def test_library_backed_answers_lose_their_points(tmp_path):
     assert report["earned"] == report["points"] - POINTS["chunk_step"], table(report)
 
 
+def test_a_kernel_handed_its_values_as_numbers_scores_nothing(tmp_path):
+    """The launcher computes the answer with torch and has a kernel store it entry by entry, each value passed as
+    a number: the grader's replay of the launches, on the inputs reordered, stores the same values."""
+    nb = nbformat.read(SOLUTION, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    cell = next(c for c in nb.cells if "def state_update(" in c.source)
+    launch = "    state_update_kernel[(N,)](M, k, v, g, out, b, K, V, BT=BT, BK=BK, BV=BV)\n"
+    assert launch in cell.source
+    cell.source = ("@triton.jit\ndef put(out_ptr, i, x):\n    tl.store(out_ptr + i, x)\n\n\n"
+                   + cell.source.replace(launch, (
+                       "    decayed = torch.einsum('nt,ntv,ntk->nvk', torch.exp(g[:, -1:] - g), v, k)\n"
+                       "    want = torch.exp(g[:, -1:])[:, :, None] * M + decayed\n"
+                       "    for i, x in enumerate(want.reshape(-1).tolist()):\n"
+                       "        put[(1,)](out, i, x)\n")))
+    path = tmp_path / "ch01_linear.ipynb"
+    nbformat.write(nb, path)
+    report = grade(path, timeout=TIMEOUT, progress=False)
+    r = rows(report)
+    assert r["triton_state_update"]["status"] == "failed", table(report)
+    assert "stored the same values" in r["triton_state_update"]["verdict"], table(report)
+    assert report["earned"] == report["points"] - POINTS["triton_state_update"], table(report)
+
+
 @pytest.mark.parametrize("content, why", [
     ('{"a": 1}', "not a notebook"),
     ('{"cells": [', "invalid JSON"),

@@ -109,6 +109,7 @@ class Rules:
     forbidden: tuple = ()          # dotted names of library functions that compute the answer
     needs_launch: bool = False     # the answer must launch a @triton.jit kernel
     launches: list = field(default_factory=list)   # kernel launches seen during the calls
+    moved: list = field(default_factory=list)      # per call: did the replayed launches store other values?
     learner: tuple | None = None   # the notebook's default dtype and grad mode, for its calls (None: as they are)
 
 
@@ -119,7 +120,8 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     """``fn(*args, **kwargs)`` with the ``forbidden`` library functions made to raise, however the
     answer reaches them (their code is swapped, so a default argument, a closure, a partial or a list
     holding one calls the stub too; the names bound to them in atlaslib's modules and ``namespaces``
-    are swapped as well); returns ``(result, number of launches of the notebook's own @triton.jit kernels)``.
+    are swapped as well); returns ``(result, (number of launches of the notebook's own @triton.jit kernels,
+    moved))``.
 
     ``outputs``: positions of the output buffers of a Triton exercise. Before the first launch of the
     notebook's own kernel they are filled with a NaN pattern; afterwards the entries it did not store get
@@ -128,6 +130,10 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     or the inputs, before or between launches. When ``fn`` returns, every entry must have been stored by
     one of its kernels, and nothing may have changed them since. The kernels may only be given the function's
     own tensors (views of them included: no scratch buffers); a library kernel may not be launched.
+    Then the launches run once more on copies of the inputs with their values permuted: ``moved`` says
+    whether the outputs came out different (None: no input changed, or the replay raised). Kernels that
+    compute from their inputs store other values; values computed with torch and handed to a kernel as
+    numbers come out the same.
 
     Self-contained on purpose: the grader sends this function's source into the learner's
     kernel and runs it there.
@@ -250,7 +256,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
         builder.create_masked_load = watched_load
 
     launches = [0]
-    counted = []
+    counted, recorded = [], []
     for module, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
         try:
             klass = getattr(importlib.import_module(module), cls)
@@ -290,6 +296,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             result = _original(self, *a, **k)
             if strays:
                 raise stray_load()
+            recorded.append((self, _original, a, k))
             for j, ((i, t), before) in enumerate(zip(outs, saved)):
                 if first:               # what it did not store must be as it came: torch's writes do not count
                     stored = bits(t) != poison[t.element_size()]
@@ -307,6 +314,36 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             return result
         klass.run = counting
         counted.append((klass, original))
+    def replay():
+        # The recorded launches again, each tensor argument replaced by the same view of a copy of its storage,
+        # the floating inputs' values reversed in order and the outputs as they came.
+        copies = {}
+
+        def twin(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            key = x.untyped_storage().data_ptr()
+            if key not in copies:
+                copies[key] = x.untyped_storage().clone()
+            return x.new_empty(0).set_(copies[key], x.storage_offset(), x.shape, x.stride())
+        with torch.no_grad():
+            changed = False
+            for _, t, came in ins:
+                if t.is_floating_point():
+                    permuted = came.reshape(-1).flip(0).reshape(came.shape)
+                    changed = changed or not torch.equal(bits(permuted), bits(came))
+                    twin(t).copy_(permuted)
+            if not changed:
+                return None
+            for j, (_, t) in enumerate(outs):
+                twin(t).copy_(initial[j])
+            try:
+                for jit_fn, run, a, k in recorded:
+                    run(jit_fn, *(twin(x) for x in a), **{key: twin(x) for key, x in k.items()})
+            except Exception:
+                return None
+            return any(not torch.equal(bits(twin(t)), bits(t)) for _, t in outs)
+
     try:
         result = fn(*args, **kwargs)
         for j, (i, t) in enumerate(outs if launches[0] else ()):      # no launch: the check says so
@@ -320,7 +357,9 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             if not torch.equal(bits(t), bits(after[j])):
                 raise ForbiddenCall(f"argument {i + 1} (an output) was changed after your kernel stored it: "
                                     "the values must be the ones your kernel computed")
-        return result, launches[0]
+        if builder is not None:
+            builder.create_masked_load = plain_load      # the replay reads copies, not the arguments
+        return result, (launches[0], replay() if recorded and outs else None)
     finally:
         if builder is not None:
             builder.create_masked_load = plain_load
@@ -352,12 +391,13 @@ def call(fn, *args, **kwargs):
     outputs = tuple(i for i, a in enumerate(args) if getattr(a, "_is_output", False)) if rules.needs_launch else ()
     try:
         if hasattr(fn, "remote_call"):
-            result, launches = fn.remote_call(args, kwargs, rules.forbidden, outputs)
+            result, (launches, moved) = fn.remote_call(args, kwargs, rules.forbidden, outputs)
         else:
             import __main__
             dtype, grad = rules.learner or (torch.get_default_dtype(), True)   # under the notebook's settings
             with torch_defaults(dtype, grad and torch.is_grad_enabled()):
-                result, launches = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)], outputs)
+                result, (launches, moved) = run_under_rules(fn, args, kwargs, rules.forbidden, [vars(__main__)],
+                                                            outputs)
             result = from_numpy(result)
     except CallAborted:
         raise
@@ -379,6 +419,7 @@ def call(fn, *args, **kwargs):
             raise NotImplementedYet(str(e)) from None
         raise LearnerError(f"your function raised {short(e)}") from None
     rules.launches.append(launches)
+    rules.moved.append(moved)
     for label, t, before in inputs:
         if not torch.equal(torch.nan_to_num(t, nan=0.5), torch.nan_to_num(before, nan=0.5)) \
                 or not torch.equal(t.isnan(), before.isnan()):
@@ -604,6 +645,12 @@ class Exercise:
             if self.needs_launch and not any(rules.launches):
                 raise CheckFailed("your function computed the result without launching a @triton.jit kernel: "
                                   "this exercise is about writing one")
+            replayed = [m for m in rules.moved if m is not None]
+            if self.needs_launch and replayed and not any(replayed):
+                raise CheckFailed("your kernel stored the same values when the check ran its launches again on "
+                                  "the inputs reordered: the values came from the numbers it was given, not from "
+                                  "its input tensors (computed with torch, they do not count); the kernel must "
+                                  "compute the outputs from its inputs")
         except CallAborted:
             raise
         except NotImplementedYet:
