@@ -314,6 +314,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
             return result
         klass.run = counting
         counted.append((klass, original))
+
     def replay():
         # The recorded launches again, each tensor argument replaced by the same view of a copy of its storage,
         # the floating inputs' values reversed in order and the outputs as they came.
