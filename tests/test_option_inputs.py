@@ -301,6 +301,11 @@ def test_numpy_integers_are_ints_everywhere(gen):
              lambda w: deep_transformer(q, k, v, memory="mlp", expansion=w, backend="recurrent")]
     for call in calls:
         assert torch.equal(call(np.int64(2))[0], call(2)[0])
+    from atlaslib.omega import swla               # the window kernels take them as launch arguments
+    for f, kw in ((omega_rule, {"eta": 0.1}), (swla, {})):
+        for w, b in ((np.int64(2), 4), (2, np.int64(4))):
+            assert torch.equal(f(q.float(), k.float(), v.float(), window=w, chunk_size=b, backend="triton", **kw)[0],
+                               f(q.float(), k.float(), v.float(), window=2, chunk_size=4, backend="triton", **kw)[0])
     assert all(torch.equal(a, b) for a, b in zip(mqar(np.int64(4), np.int64(64), 8, 128), mqar(4, 64, 8, 128)))
     from atlaslib.miras import make_config
     config = make_config("titans", window=np.int64(2), expansion=np.int64(2))

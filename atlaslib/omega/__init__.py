@@ -130,8 +130,8 @@ def omega_rule(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = No
     """
     chunk_size = OMEGA_CHUNK_SIZE if chunk_size is None else chunk_size
     check_flag("output_final_state", output_final_state)
-    fq, fk, gamma, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, memory,
-                                                                  initial_state, chunk_size, log_alpha)
+    fq, fk, gamma, alpha, eta, log_alpha, initial_state, window, chunk_size = prepare(
+        q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha)
     check_memory_options("omega_rule", memory, memory_options)
     if memory in DEEP_MEMORIES:
         return omega_deep(fq, fk, v, window, gamma, alpha, eta, memory, initial_state, output_final_state,
@@ -168,8 +168,8 @@ def swla(q: Tensor, k: Tensor, v: Tensor, *, window: int, gamma: Gate = None, al
     """
     chunk_size = SWLA_CHUNK_SIZE if chunk_size is None else chunk_size
     check_flag("output_final_state", output_final_state)
-    fq, fk, gamma, alpha, eta, log_alpha, initial_state = prepare(q, k, v, window, gamma, alpha, eta, phi, "linear",
-                                                                  initial_state, chunk_size, log_alpha)
+    fq, fk, gamma, alpha, eta, log_alpha, initial_state, window, chunk_size = prepare(
+        q, k, v, window, gamma, alpha, eta, phi, "linear", initial_state, chunk_size, log_alpha)
     o, state = dispatch(backend, fq, SWLA_BACKENDS, fq, fk, v, window, gamma, alpha, eta, initial_state,
                         chunk_size, log_alpha, unsupported=lambda: kernel_limits(fq, window, chunk_size),
                         model="swla")

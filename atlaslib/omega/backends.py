@@ -23,20 +23,21 @@ from .recurrent import omega_frozen_seq, omega_recurrent, swla_recurrent
 
 def prepare(q, k, v, window, gamma, alpha, eta, phi, memory, initial_state, chunk_size, log_alpha=None):
     """Validate every argument and apply phi to q and k. Returns (phi(q), phi(k), gamma, alpha, eta, log_alpha,
-    initial_state): gates given as numbers become [B, H, T] tensors in the compute dtype, and a linear
-    memory's ``MirasState(M, None)`` start becomes M."""
+    initial_state, window, chunk_size): gates given as numbers become [B, H, T] tensors in the compute dtype, a
+    linear memory's ``MirasState(M, None)`` start becomes M, and window and chunk_size plain ints (a numpy
+    integer stopped the kernel's launch)."""
     if memory not in MEMORIES:
         raise ValueError(f"memory must be one of {MEMORIES}, got {memory!r}")
     B, H, T, K, V = check_qkv(q, k, v)
-    check_window(window)
+    window = check_window(window)
     gamma = gate_or_number("gamma", gamma, B, H, T, compute_dtype(q), q, width=window)
     alpha, log_alpha, eta = step_gates(alpha, log_alpha, eta, B, H, T, q)
-    check_chunk_size(chunk_size)
+    chunk_size = check_chunk_size(chunk_size)
     fq, fk = apply_feature_map(phi, q, k)
     if memory == "linear":                  # deep memories' states are checked by atlaslib.miras
         initial_state = memory_of_state(initial_state)
         check_state("initial_state", initial_state, (B, H, V, fk.shape[-1]), q)
-    return fq, fk, gamma, alpha, eta, log_alpha, initial_state
+    return fq, fk, gamma, alpha, eta, log_alpha, initial_state, window, chunk_size
 
 
 def step_gates(alpha, log_alpha, eta, B: int, H: int, T: int, q: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
