@@ -31,7 +31,10 @@ runs) took 4.6 min summed; its seed-0 runs of the board's two mixers reproduced 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import glob
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -369,6 +372,41 @@ def library_version() -> str:
     return v or importlib.metadata.version("atlaslib")
 
 
+# Not part of what a run computes: the exercises, the grader, and the build and timing tools.
+NOT_TRAINING = ("exercises", "grade.py", "aot.py", "bench.py", "bench_fla.py", "bench_cases.py")
+
+
+@functools.lru_cache(maxsize=None)
+def code_fingerprint(root: str | None = None) -> str:
+    """12 hex digits of a SHA-256 over the library's Python sources (paths and contents) but ``NOT_TRAINING``:
+    runs with one fingerprint ran the same code. The version number cannot tell: training at this budget is
+    chaotic, and a change that only reorders floating-point sums moves some runs by a tenth (chapter 8,
+    section 6)."""
+    base = os.path.dirname(os.path.abspath(__file__)) if root is None else root
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(base, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(path, base)
+        if any(part in NOT_TRAINING for part in rel.split(os.sep)):
+            continue
+        with open(path, "rb") as f:
+            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def code_states(records: list[dict]) -> collections.Counter:
+    """Runs per code fingerprint ("unrecorded": records stored before runs carried one)."""
+    return collections.Counter(r.get("code", "unrecorded") for r in records)
+
+
+def mixed_code_note(records: list[dict]) -> str:
+    states = code_states(records)
+    if len(states) < 2:
+        return ""
+    return (f"\nMIXED CODE: these runs come from {len(states)} states of the library's code ("
+            + ", ".join(f"{code}: {n} runs" for code, n in states.most_common())
+            + "); a change that only reorders floating-point sums moves some runs, so compare runs of one state")
+
+
 def run_cell(cell: dict, device: str | torch.device = "cpu", progress: bool = True) -> dict:
     """Train one cell; return its record (the key plus the outcome)."""
     task = MQARTask(cell["vocab_size"], cell["seq_len"], cell["num_kv_pairs"], cell["num_train"], cell["num_test"],
@@ -384,7 +422,8 @@ def run_cell(cell: dict, device: str | torch.device = "cpu", progress: bool = Tr
     tail = res.losses[-10:]
     return {**{f: cell[f] for f in KEY_FIELDS}, "accuracy": res.accuracy, "final_loss": sum(tail) / len(tail),
             "seconds": res.seconds, "state_size": res.state_size, "params": res.n_params,
-            "device": str(device), "torch": torch.__version__, "atlaslib": library_version()}
+            "device": str(device), "torch": torch.__version__, "atlaslib": library_version(),
+            "code": code_fingerprint()}
 
 
 def shard_path(out: str, index: int, count: int) -> str:
@@ -431,8 +470,12 @@ def _end_torn_line(path: str) -> None:
 def sweep(size: str, out: str, *, mixers=None, steps=None, shard_index=0, shard_count=1, device="cpu",
           progress=True) -> list[dict]:
     """Run this shard's cells that no results file of ``out`` holds yet; return the new records."""
-    done = {cell_key(r) for r in read_results(out)}
+    stored = read_results(out)
+    done = {cell_key(r) for r in stored}
     todo = [c for c in shard(grid(size, mixers, steps), shard_index, shard_count) if cell_key(c) not in done]
+    if todo and stored and set(code_states(stored)) != {code_fingerprint()}:
+        warnings.warn(f"{out} holds runs of another state of the library's code ({dict(code_states(stored))}; "
+                      f"this one is {code_fingerprint()}): the report will say so", stacklevel=2)
     path = shard_path(out, shard_index, shard_count)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     _end_torn_line(path)
@@ -490,6 +533,7 @@ def _report(out: str, records: list[dict]) -> str:
     partial = "" if not missing else (
         f"\nINCOMPLETE: {len(missing)} runs of the grid are missing (of mixers "
         f"{', '.join(dict.fromkeys(c['mixer'] for c in missing))}); the table holds the runs there are")
+    partial += mixed_code_note(records)
     if records[0]["size"] == "inversion":
         return ("MQAR, chapter 2's setting: accuracy per condition, mean over seeds (seed 0, seed 1)\n"
                 + format_table(inversion_table(records)) + partial)

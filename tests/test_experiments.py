@@ -102,6 +102,35 @@ def test_report_keeps_the_best_lr_and_averages_seeds(tmp_path):
     assert "kv2" in text and "kv4" in text and f"{rows['a']['T16 kv2 d16']:.3f}" in text
 
 
+def test_the_code_fingerprint_follows_the_sources_a_run_depends_on(tmp_path):
+    """A run records a fingerprint of the library's code: it changes with any source a run executes (a reordered
+    sum moves chaotic runs), not with the exercises or the tools."""
+    import shutil
+    root = tmp_path / "atlaslib"
+    shutil.copytree(Path(ex.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    before = ex.code_fingerprint(str(root))
+    assert before == ex.code_fingerprint()
+    for tool in ("grade.py", "bench.py", "exercises/ch01.py"):
+        (root / tool).write_text((root / tool).read_text() + "\n# a comment\n")
+        assert ex.code_fingerprint.__wrapped__(str(root)) == before, tool
+    (root / "delta" / "chunk.py").write_text((root / "delta" / "chunk.py").read_text() + "\n# a comment\n")
+    assert ex.code_fingerprint.__wrapped__(str(root)) != before
+
+
+def test_a_report_says_when_its_runs_come_from_two_states_of_the_code(tmp_path):
+    out = tmp_path / "r.jsonl"
+    records = [dict(_record(m, 16, 2, lr, 0, 0.5), code="aaa") for m in ("a", "b") for lr in (1e-3, 1e-2)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "MIXED CODE" not in ex.report(str(out))
+    records[0]["code"] = "bbb"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "MIXED CODE: these runs come from 2 states of the library's code (aaa: 3 runs, bbb: 1 runs)" \
+        in ex.report(str(out))
+    del records[0]["code"]                              # stored before runs carried a fingerprint
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "unrecorded: 1 runs" in ex.report(str(out))
+
+
 def test_real_tiny_runs_resume_and_reproduce(tmp_path):
     out = str(tmp_path / "res.jsonl")
     new = ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False)
@@ -109,8 +138,10 @@ def test_real_tiny_runs_resume_and_reproduce(tmp_path):
     lines = [json.loads(x) for x in open(out)]
     assert lines == json.loads(json.dumps(new))
     for r in lines:
-        for f in (*ex.KEY_FIELDS, "accuracy", "final_loss", "seconds", "state_size", "params", "torch", "atlaslib"):
+        for f in (*ex.KEY_FIELDS, "accuracy", "final_loss", "seconds", "state_size", "params", "torch", "atlaslib",
+                  "code"):
             assert f in r, f
+        assert r["code"] == ex.code_fingerprint()
         assert 0 <= r["accuracy"] <= 1 and r["final_loss"] > 0 and r["params"] > 0 and r["steps"] == 3
 
     assert ex.sweep("tiny", out, mixers=TWO, steps=3, progress=False) == []     # nothing re-runs

@@ -621,3 +621,20 @@ def test_kernel_limits_states_the_tile_rule():
     for D, window, chunk_size in ((200, 1, 64), (64, 120, 16)):      # a side over 128, the product within
         assert tile(chunk_size + window - 1) * tile(D) <= 128 * 128
         assert kernel_limits(torch.zeros(1, 1, 4, D), window, chunk_size) is None
+
+
+@pytest.mark.parametrize("f", [swla, omega_rule])
+def test_kernel_padding_rows_stay_finite_under_strong_decay(f):
+    """The rows of a chunk's tile past its tokens read the log-gate 0; unmasked, their decays e^{0 - g_n}
+    overflowed (inf, then inf * 0 = NaN in the weights' product). Never stored, but a card computes them too:
+    the kernel masks them, and the interpreter raises no floating-point error."""
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 40, 8, generator=gen) for _ in range(3))
+    log_alpha = torch.full((1, 1, 40), -0.1)
+    log_alpha[..., ::3] = -30.0
+    kw = dict(window=2, eta=0.5, gamma=0.7)
+    with np.errstate(over="raise", invalid="raise"):
+        o = f(q, k, v, log_alpha=log_alpha, backend="triton", **kw)[0]
+    ref = f(q.double(), k.double(), v.double(), log_alpha=log_alpha.double(), backend="chunk", **kw)[0]
+    assert rel_rmse(o, ref) < 1e-5

@@ -115,7 +115,8 @@ def omega_fwd_kernel(
         if g_ptr is not None:
             b_g = tl.load(g_ptr + i_bh * Tp + o_t, mask=m_t, other=0.0)
             b_g_last = tl.load(g_ptr + i_bh * Tp + start + b - 1)       # padding rows repeat the last
-            b_decay = decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))
+            # rows past the chunk read g = 0: masked, or e^{0 - g_n} overflows there (never stored, but inf * 0)
+            b_decay = decay(tl.where(m_causal & m_t[:, None], b_g[:, None] - b_g[None, :], float("-inf")))
             b_A = decay(b_g)
             b_A_end = decay(b_g_last)
             b_to_end = decay(b_g_last - b_g)
