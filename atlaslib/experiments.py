@@ -15,7 +15,9 @@ results file, holding the cell's full key and its outcome, so an interrupted swe
 whose key is already in a results file is skipped. N processes split the grid by cell index
 (cell i goes to shard i mod N); each writes ``<out>.rank<i>.jsonl``, the report reads them all, and
 ``--merge`` moves them into ``<out>``. Under torchrun every process trains its own cells on its own
-device (no DDP, no process group).
+device (no DDP, no process group). A record also holds ``code``, a fingerprint of the library's sources
+(``code_fingerprint``): training at this budget is chaotic, a change that only reorders floating-point sums
+moves some runs, and the report says when a file mixes runs of two states of the code.
 
 The report keeps, per mixer, task and seed, the best accuracy over the learning rates, then
 averages over seeds (Zoology's protocol: each architecture gets its own best learning rate).
