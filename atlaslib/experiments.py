@@ -375,7 +375,7 @@ def library_version() -> str:
 
 
 # Not part of what a run computes: the exercises, the grader, and the build and timing tools.
-NOT_TRAINING = ("exercises", "grade.py", "aot.py", "bench.py", "bench_fla.py", "bench_cases.py")
+NOT_TRAINING = ("exercises", "grade.py", "aot.py", "bench.py", "bench_fla.py", "bench_cases.py", "benchcases.py")
 
 
 @functools.lru_cache(maxsize=None)

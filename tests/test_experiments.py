@@ -110,7 +110,7 @@ def test_the_code_fingerprint_follows_the_sources_a_run_depends_on(tmp_path):
     shutil.copytree(Path(ex.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
     before = ex.code_fingerprint(str(root))
     assert before == ex.code_fingerprint()
-    for tool in ("grade.py", "bench.py", "exercises/ch01.py"):
+    for tool in ("grade.py", "bench.py", "exercises/ch01.py", "core/benchcases.py", "delta/bench_cases.py"):
         (root / tool).write_text((root / tool).read_text() + "\n# a comment\n")
         assert ex.code_fingerprint.__wrapped__(str(root)) == before, tool
     (root / "delta" / "chunk.py").write_text((root / "delta" / "chunk.py").read_text() + "\n# a comment\n")

@@ -468,7 +468,7 @@ ESCAPES = {   # what a dishonest notebook tries -> where the rule must stop it
                                   "g = getattr(chunk_step, '__glo' + 'bals__')\n"
                                   "imp = g['__builtins__']['__imp' + 'ort__']\nimp('subprocess').run(['true'])"),
     "builtin_shadowed": dict(setup="def isinstance(*a):\n    return True"),
-    "module_chain": dict(setup="import torch\ntorch.glob.re.enum.bltns.exec('import subprocess')"),
+    "module_chain": dict(setup="import torch\nshell = torch.glob.re.enum"),
     "ipython_shadowed": dict(setup="def get_ipython():\n    return None"),
 }
 
@@ -500,8 +500,8 @@ SCREENED = [   # (a cell, what the refusal names): the screen alone must refuse 
     ("from atlaslib.linear.chunk import linear_attention_chunk",     # not the one name its module may give
      "`from atlaslib.linear.chunk import linear_attention_chunk` is not allowed"),
     # modules reached through torch's attributes: builtins, operator, TorchScript, a shell command
-    ("import torch\nshell = torch.glob.re.enum.bltns", "reaches the module `glob`"),
-    ("import torch\nget = torch.functional.operator.attrgetter('x')", "reaches the module `torch.functional`"),
+    ("import torch\nshell = torch.glob.re.enum", "reaches the module `glob`"),
+    ("import torch\nget = torch.functional.operator", "reaches the module `torch.functional`"),
     ("import torch\nfrom atlaslib.linear.chunk import chunk_step\ncopy = torch.jit.trace(chunk_step, ())",
      "reaches the module `torch.jit`"),
     ("import torch\ntorch.utils.collect_env.run('id')", "reaches the module `torch.utils`"),
@@ -511,13 +511,18 @@ SCREENED = [   # (a cell, what the refusal names): the screen alone must refuse 
     ("import triton\nlanguage = triton.language", "`triton.language` is a module"),
     ("def node_backward(x, dx):\n    return x.grad_fn(dx)", "`.grad_fn`"),
     ("def run(space):\n    return space.exec('1')", "`.exec`"),
+    # a module reached from a call's result, which the chain rule cannot follow
+    ("import torch\nx = torch.get_device_module('cpu').torch", "`.get_device_module`"),
+    ("import torch\nx = torch.cpu_module().torch.glob.re.enum.bltns", "`.bltns`"),
+    ("import torch\nx = torch.nn.Module().eval('1 + 1')", "`.eval(...)` with an argument"),
 ]
 
 
 @pytest.mark.parametrize("source, named", SCREENED, ids=[
     "getattr", "setattr", "vars", "globals", "open", "compile", "private_attribute", "guard_band", "function_globals",
     "frame", "library_function", "builtins_via_torch", "operator_via_torch", "torchscript", "shell_via_torch",
-    "module_import", "module_alias", "module_returned", "submodule_alias", "autograd_node", "exec_attribute"])
+    "module_import", "module_alias", "module_returned", "submodule_alias", "autograd_node", "exec_attribute",
+    "device_module", "builtins_alias", "eval_attribute"])
 def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
     from atlaslib.exercises.checking import Rejected, screen
     cells = [("code cell 1 (set-up)", "import torch"), ("code cell 2", source)]
@@ -530,7 +535,12 @@ def test_the_screen_refuses_hostile_cells_and_names_the_cell(source, named):
                                     "from torch.special import ndtr", "import torch.nn.functional as F",
                                     "import torch\ngpu = torch.cuda.is_available()\nspectrum = torch.fft.rfft",
                                     "import triton\nimport triton.language as tl\nn = triton.next_power_of_2(5)",
-                                    "from torch import nn\nact = nn.functional.gelu"])
+                                    "from torch import nn\nact = nn.functional.gelu",
+                                    # a function's own variable named like a module alias of the set-up cell
+                                    "import torch.nn.functional as F\ndef width(x):\n    N, T, F = x.shape\n"
+                                    "    return F",
+                                    "import triton.language as tl\ndef scale(tl, x):\n    return x * tl",
+                                    "import torch\nsigned = torch.qint8.is_signed\nm = torch.nn.Module().eval()"])
 def test_the_screen_lets_torch_submodules_be_imported(source):
     """The statements allow `torch`, and point at torch.linalg.solve_triangular: importing it is allowed too."""
     from atlaslib.exercises.checking import screen

@@ -777,7 +777,8 @@ OS_ATTRIBUTES = ("environ",)
 # cannot read (``torch.glob.re.enum.bltns.exec``, ``torch.jit.trace`` of a library function, a shell
 # command in ``torch.utils``), so a chain that reaches one is refused.
 TRAVERSABLE_MODULES = frozenset(ALLOWED_MODULES) | {
-    "torch.cuda", "torch.fft", "torch.autograd", "torch.testing", "torch.nn.init", "triton.language.math"}
+    "torch.cuda", "torch.fft", "torch.autograd", "torch.testing", "torch.nn.init", "torch.random",
+    "triton.language.math"}
 # Names no cell may use: ways to run code the screen cannot read, or to reach other modules
 FORBIDDEN_NAMES = frozenset({
     "__import__", "importlib", "exec", "eval", "compile", "globals", "locals", "vars", "getattr", "setattr",
@@ -795,8 +796,10 @@ FORBIDDEN_ATTRIBUTES = frozenset({
     "data_ptr", "pointer_type", "untyped_storage", "storage", "set_", "inline_asm_elementwise",
     # autograd's graph: calling a node's backward is autograd by another name
     "grad_fn", "next_functions", "get_gradient_edge",
-    # the forbidden built-ins, reached as attributes of an object (a module's ``builtins``, say)
-    "exec", "getattr", "setattr", "delattr", "globals", "locals", "vars", "breakpoint"})
+    # the forbidden built-ins, reached as attributes of an object (a module's ``builtins``, say), and what
+    # reaches modules from a call's result, which the screen cannot follow
+    "exec", "getattr", "setattr", "delattr", "globals", "locals", "vars", "breakpoint", "bltns", "attrgetter",
+    "methodcaller", "get_device_module"})
 ALLOWED_DUNDERS = frozenset({"__init__", "__call__", "__name__", "__doc__"})
 
 
@@ -932,7 +935,10 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
         for attr in reversed(chain):
             if isinstance(value, types.ModuleType) and value.__name__ not in TRAVERSABLE_MODULES:
                 return value       # the chain passes through a module it may not
-            value = getattr(value, attr, None)
+            try:
+                value = getattr(value, attr, None)
+            except Exception:      # a property that raises (``torch.qint8.is_signed``): the kernel's problem
+                return None
             if value is None:
                 return None
         return value
@@ -947,6 +953,23 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
             parent = parents.get(node)
             return isinstance(parent, ast.Attribute) and parent.value is node
 
+        def local_to_a_function(node):
+            """Whether ``node``'s name is a parameter or an assigned name of a function around it (``N, T, F =
+            x.shape`` beside ``import torch.nn.functional as F``). Imports are not counted: they bind modules,
+            and a module reaches any other local only through a use that this screen refuses where it is."""
+            scope = parents.get(node)
+            while scope is not None:
+                if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    a = scope.args
+                    params = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if x}
+                    body = scope.body if isinstance(scope.body, list) else [scope.body]
+                    assigned = {n.id for stmt in body for n in ast.walk(stmt)
+                                if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del))}
+                    if node.id in params | assigned:
+                        return True
+                scope = parents.get(scope)
+            return False
+
         for name in module_level_targets(tree):
             if name in builtin or name in FORBIDDEN_NAMES or name.startswith("__"):
                 refuse(label, f"the cell rebinds `{name}` for the whole notebook: use another name")
@@ -957,9 +980,10 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                         refuse(label, f"`global {name}` is not allowed")
             if isinstance(node, ast.Name):
                 if isinstance(bound.get(node.id), types.ModuleType) and isinstance(node.ctx, ast.Load) \
-                        and not used_through_attribute(node):
+                        and not used_through_attribute(node) and not local_to_a_function(node):
                     refuse(label, f"the module `{node.id}` may only be used through its attributes "
-                                  f"(`{node.id}.name`), not passed, returned or bound to another name")
+                                  f"(`{node.id}.name`), not passed, returned or bound to another name (a variable "
+                                  "of that name outside a function looks like the module: rename it)")
                 if node.id in FORBIDDEN_NAMES or node.id.startswith("__"):
                     # the screen reads names, not scopes: a variable of the reader's own called `input` looks
                     # like the built-in, so say so
@@ -991,6 +1015,10 @@ def screen(cells, chapter: str, exercises, helpers: dict) -> None:
                 if isinstance(node.ctx, (ast.Store, ast.Del)) and base in modules | checks:
                     refuse(label, f"the cell changes `{ast.unparse(node)}`, part of a module: "
                                   "keep your changes to your own objects")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "eval" \
+                    and (node.args or node.keywords):
+                refuse(label, "`.eval(...)` with an argument is not allowed (a module's `.eval()` takes none; "
+                              "the built-in `eval` runs code the screen cannot read)")
             elif isinstance(node, ast.keyword) and node.arg in ("weights_only", "pickle_module"):
                 refuse(label, f"`{node.arg}=` is not allowed (loading pickled objects can run any code)")
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
