@@ -5,6 +5,7 @@ from the solution notebook) and reject typical wrong answers with a message that
 what is wrong. TRITON_INTERPRET=1 is set by conftest.py before triton is imported.
 """
 import json
+import math
 import os
 from pathlib import Path
 
@@ -613,6 +614,31 @@ def test_a_kernel_that_reads_an_input_it_was_given_is_not_taken_for_a_smuggler()
     assert torch.equal(out, rows) and launches == 3 and moved is True
     constant = guarded(torch.ones(3, 5))            # nothing to reorder: no verdict either way
     assert run_under_rules(copy_rows, (constant, guarded_output((3, 5))), {}, (), outputs=(1,))[1] == (3, None)
+
+
+@triton.jit
+def _exp_of_steps(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    step = tl.load(x_ptr + r + 1, mask=r < n - 1, other=0.0) - tl.load(x_ptr + r, mask=r < n - 1, other=0.0)
+    tl.store(out_ptr + r, tl.exp(step), mask=r < n - 1)
+
+
+def test_the_replay_keeps_its_overflows_to_itself():
+    """Reordered, a decreasing input (cumulative log-gates) increases: e^{x_{i+1} - x_i} overflows in the
+    replay, which must not warn the learner about a kernel that is correct on the inputs it was given."""
+    import warnings
+
+    from atlaslib.exercises.checking import guarded, guarded_output, run_under_rules
+    x = guarded(-100.0 * torch.arange(6, dtype=torch.float32))
+
+    def steps(x, out):
+        _exp_of_steps[(1,)](x, out, 6, BLOCK=8)
+        return out
+    out = guarded_output((5,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, (launches, moved) = run_under_rules(steps, (x, out), {}, (), outputs=(1,))
+    assert launches == 1 and moved is True and torch.allclose(out, torch.full((5,), math.exp(-100.0)))
 
 
 def test_triton_check_catches_unmasked_loads():
