@@ -599,6 +599,27 @@ def test_triton_check_refuses_values_handed_to_the_kernel_as_numbers():
         v.message
 
 
+@triton.jit
+def _put_if_unmoved(out_ptr, k_ptr, i, x, k0):
+    if tl.load(k_ptr) != k0:          # raises (in the interpreter) once the inputs are reordered
+        tl.static_assert(False, "the inputs moved")
+    tl.store(out_ptr + i, x)
+
+
+def test_triton_check_refuses_a_kernel_whose_replay_always_raises():
+    """The smuggler above, with a kernel that reads one input only to fail when its values move: no replay
+    stores anything, so the replay cannot vouch for the kernel, and the check says so."""
+    def smuggler(M, k, v, g, out):
+        g_last = g[:, -1:]
+        want = torch.exp(g_last)[:, :, None] * M + torch.einsum("nt,ntv,ntk->nvk", torch.exp(g_last - g), v, k)
+        k0 = k.reshape(-1)[0].item()
+        for i, x in enumerate(want.reshape(-1).tolist()):
+            _put_if_unmoved[(1,)](out, k, i, x, k0)
+        return out
+    v = ch01.triton_state_update.evaluate(smuggler)
+    assert v.status == "failed" and "raised whenever the check ran its launches again" in v.message, v.message
+
+
 def test_a_kernel_that_reads_an_input_it_was_given_is_not_taken_for_a_smuggler():
     """The replay only refuses kernels whose stores never changed: one that copies a row of its input (whatever
     else it does) stores other values once the inputs are reordered."""

@@ -414,6 +414,20 @@ def test_a_folder_of_submissions_gives_one_csv_row_each(tmp_path):
 
 # ---- the static rules: a notebook that reaches past them is refused before it runs --------------
 
+def test_the_rules_name_every_module_a_chain_may_reach():
+    """The screen lets attribute chains pass through ``TRAVERSABLE_MODULES`` and refuses every other module:
+    the exercises' README lists them (by their names through ``torch`` and ``triton.language``), and every
+    statement's *Allowed* line points there."""
+    from atlaslib.exercises.checking import ALLOWED_MODULES, TRAVERSABLE_MODULES
+    readme = " ".join((ROOT / "exercises" / "README.md").read_text().split())
+    for module in sorted(TRAVERSABLE_MODULES - set(ALLOWED_MODULES)):
+        name = module.replace("triton.language.", "")
+        assert f"`{name}`" in readme, module
+    for path in sorted((ROOT / "exercises").glob("**/ch0*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if "*Allowed:*" in cell.source:
+                assert "namespaces of it that `exercises/README.md` lists" in cell.source, path.name
+
 def with_code(tmp_path, setup="", exercise=None, code="", body=None, name="ch01_linear.ipynb", source=SOLUTION):
     """A copy of the solutions with ``setup`` appended to the set-up cell and ``code`` put before the
     solution cell of ``exercise`` (or its solution block replaced by ``body``)."""

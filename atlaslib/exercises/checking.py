@@ -131,7 +131,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
     one of its kernels, and nothing may have changed them since. The kernels may only be given the function's
     own tensors (views of them included: no scratch buffers); a library kernel may not be launched.
     Then the launches run once more on copies of the inputs with their values permuted: ``moved`` says
-    whether the outputs came out different (None: no input changed, or the replay raised). Kernels that
+    whether the outputs came out different (None: no input changed; "raised": the replay raised). Kernels that
     compute from their inputs store other values; values computed with torch and handed to a kernel as
     numbers come out the same.
 
@@ -347,7 +347,7 @@ def run_under_rules(fn, args, kwargs, forbidden, namespaces=(), outputs=()):
                     for jit_fn, run, a, k in recorded:
                         run(jit_fn, *(twin(x) for x in a), **{key: twin(x) for key, x in k.items()})
             except Exception:
-                return None
+                return "raised"
             return any(not torch.equal(bits(twin(t)), bits(t)) for _, t in outs)
 
     try:
@@ -652,7 +652,11 @@ class Exercise:
                 raise CheckFailed("your function computed the result without launching a @triton.jit kernel: "
                                   "this exercise is about writing one")
             replayed = [m for m in rules.moved if m is not None]
-            if self.needs_launch and replayed and not any(replayed):
+            if self.needs_launch and replayed and all(m == "raised" for m in replayed):
+                raise CheckFailed("your kernel raised whenever the check ran its launches again on the inputs "
+                                  "reordered, so the check cannot tell that it computes the outputs from its input "
+                                  "tensors: a kernel that reads its inputs runs on any values of them")
+            if self.needs_launch and replayed and not any(m is True for m in replayed):
                 raise CheckFailed("your kernel stored the same values when the check ran its launches again on "
                                   "the inputs reordered: the values came from the numbers it was given, not from "
                                   "its input tensors (computed with torch, they do not count); the kernel must "
