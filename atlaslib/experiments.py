@@ -15,9 +15,10 @@ results file, holding the cell's full key and its outcome, so an interrupted swe
 whose key is already in a results file is skipped. N processes split the grid by cell index
 (cell i goes to shard i mod N); each writes ``<out>.rank<i>.jsonl``, the report reads them all, and
 ``--merge`` moves them into ``<out>``. Under torchrun every process trains its own cells on its own
-device (no DDP, no process group). A record also holds ``code``, a fingerprint of the library's sources
-(``code_fingerprint``): training at this budget is chaotic, a change that only reorders floating-point sums
-moves some runs, and the report says when a file mixes runs of two states of the code.
+device (no DDP, no process group). A record also holds ``code``, a fingerprint of the library's code
+(``code_fingerprint``; comments and docstrings do not count): training at this budget is chaotic, a change
+that only reorders floating-point sums moves some runs, and the report says when a file mixes runs of two
+states of the code.
 
 The report keeps, per mixer, task and seed, the best accuracy over the learning rates, then
 averages over seeds (Zoology's protocol: each architecture gets its own best learning rate).
@@ -33,14 +34,17 @@ runs) took 4.6 min summed; its seed-0 runs of the board's two mixers reproduced 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import functools
 import glob
 import hashlib
 import importlib.metadata
+import io
 import itertools
 import json
 import os
+import tokenize
 import warnings
 from dataclasses import dataclass
 
@@ -378,20 +382,41 @@ def library_version() -> str:
 NOT_TRAINING = ("exercises", "grade.py", "aot.py", "bench.py", "bench_fla.py", "bench_cases.py", "benchcases.py")
 
 
+def code_only(source: str) -> str:
+    """``source`` without its comments, docstrings and blank lines: what the fingerprint hashes, so that a
+    change to the text around the code does not count as a change of the code."""
+    tree = ast.parse(source)
+    spans = []                               # (start, end) as (line, column) pairs, 1-based lines
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            doc = body[0]
+            spans.append(((doc.lineno, doc.col_offset), (doc.end_lineno, doc.end_col_offset)))
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            spans.append((tok.start, tok.end))
+    lines = source.splitlines()
+    for (l0, c0), (l1, c1) in sorted(spans, reverse=True):    # from the end: earlier positions stay valid
+        lines[l0 - 1:l1] = [lines[l0 - 1][:c0] + lines[l1 - 1][c1:]]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
 @functools.lru_cache(maxsize=None)
 def code_fingerprint(root: str | None = None) -> str:
-    """12 hex digits of a SHA-256 over the library's Python sources (paths and contents) but ``NOT_TRAINING``:
-    runs with one fingerprint ran the same code. The version number cannot tell: training at this budget is
-    chaotic, and a change that only reorders floating-point sums moves some runs by a tenth (chapter 8,
-    section 6)."""
+    """12 hex digits of a SHA-256 over the library's Python code (paths, and sources without their comments
+    and docstrings: ``code_only``) but ``NOT_TRAINING``: runs with one fingerprint ran the same code. The
+    version number cannot tell: training at this budget is chaotic, and a change that only reorders
+    floating-point sums moves some runs by a tenth (chapter 8, section 6)."""
     base = os.path.dirname(os.path.abspath(__file__)) if root is None else root
     digest = hashlib.sha256()
     for path in sorted(glob.glob(os.path.join(base, "**", "*.py"), recursive=True)):
         rel = os.path.relpath(path, base)
         if any(part in NOT_TRAINING for part in rel.split(os.sep)):
             continue
-        with open(path, "rb") as f:
-            digest.update(rel.encode() + b"\0" + f.read() + b"\0")
+        with open(path, encoding="utf-8") as f:
+            digest.update(rel.replace(os.sep, "/").encode() + b"\0" + code_only(f.read()).encode() + b"\0")
     return digest.hexdigest()[:12]
 
 

@@ -1,4 +1,5 @@
 """The MQAR sweep runner: protocol coverage, resume, shards, the report and reproduction."""
+import ast
 import json
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def test_report_keeps_the_best_lr_and_averages_seeds(tmp_path):
 
 def test_the_code_fingerprint_follows_the_sources_a_run_depends_on(tmp_path):
     """A run records a fingerprint of the library's code: it changes with any source a run executes (a reordered
-    sum moves chaotic runs), not with the exercises or the tools."""
+    sum moves chaotic runs), not with the exercises or the tools, nor with comments and docstrings."""
     import shutil
     root = tmp_path / "atlaslib"
     shutil.copytree(Path(ex.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
@@ -113,7 +114,13 @@ def test_the_code_fingerprint_follows_the_sources_a_run_depends_on(tmp_path):
     for tool in ("grade.py", "bench.py", "exercises/ch01.py", "core/benchcases.py", "delta/bench_cases.py"):
         (root / tool).write_text((root / tool).read_text() + "\n# a comment\n")
         assert ex.code_fingerprint.__wrapped__(str(root)) == before, tool
-    (root / "delta" / "chunk.py").write_text((root / "delta" / "chunk.py").read_text() + "\n# a comment\n")
+    chunk = root / "delta" / "chunk.py"
+    source = chunk.read_text()
+    # text around the code: a comment, a docstring's wording, a blank line
+    doc = ast.get_docstring(ast.parse(source), clean=False)
+    chunk.write_text(source.replace(doc, doc + " More words.", 1) + "\n\n# a comment\n")
+    assert ex.code_fingerprint.__wrapped__(str(root)) == before
+    chunk.write_text(source + "\nUNUSED = 1\n")                 # code, even code no run executes
     assert ex.code_fingerprint.__wrapped__(str(root)) != before
 
 
