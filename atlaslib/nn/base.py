@@ -38,7 +38,9 @@ In another training loop: every mixer pickles (``torch.save(model)``), builds un
 their own precision: fp32 sums and states for bf16 q, k, v). Gradient checkpointing works with
 ``use_reentrant=True`` everywhere; the mixers on chapter 3's engine (ttt_linear, ttt_mlp, titans,
 moneta, yaad, memora, dla, atlas++, and atlas with a deep memory) take their per-row gradients with
-``torch.func.vjp``, which saved-tensor hooks (``use_reentrant=False``, ``save_on_cpu``) do not support.
+``torch.func.vjp`` in their PyTorch forms (``backend="chunk"``, the default, and ``"recurrent"``), which
+saved-tensor hooks (``use_reentrant=False``, ``save_on_cpu``) do not support (a Triton form that has a
+kernel, ttt_linear's, takes them).
 """
 from __future__ import annotations
 
