@@ -120,6 +120,16 @@ def test_ns_polynomial_blames_the_epsilon_not_float32(eps):
     assert "float32 tensor" not in v.message, v.message
 
 
+def test_ns_polynomial_names_a_second_normalisation():
+    """Normalising the spectrum twice moves every value by about 1e-7, as float32 would: say which it is."""
+    def twice(sigma, steps, coeffs):
+        once = sigma / (sigma.norm() + 1e-7)
+        return singular_values_scalar(once, steps, coeffs) if steps else sigma
+    v = ch05.ns_polynomial.evaluate(twice)
+    assert v.status == "failed" and "normalised twice" in v.message, v.message
+    assert "float32 tensor" not in v.message, v.message
+
+
 def test_ns_polynomial_rejects_sorted_values():
     v = ch05.ns_polynomial.evaluate(lambda s, k, c: singular_values_scalar(s, k, c).sort(descending=True).values)
     assert v.status == "failed", v.message

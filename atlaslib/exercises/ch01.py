@@ -16,7 +16,7 @@ from ..core.testing import random_gate, random_qkv
 from ..linear import linear_attention
 from ..tasks.capacity import least_squares_memory
 from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output, compare_number,
-                       guarded, guarded_output, unpack)
+                       guarded, guarded_output, uneven_norms, unpack)
 
 EXERCISES = Registry("ch01", helpers={"atlaslib.linear.chunk": ("chunk_step",)})   # what the notebook may import
 
@@ -52,6 +52,7 @@ def hebbian_step(fn, gen):
     shapes = [(2, 3, 5, 7), (1, 1, 4, 4), (2, 1, 16, 3)]   # K != V first: a transposed answer fails on shape
     for B, H, K, V in shapes:
         q, k, v = random_qkv(B, H, 1, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         alpha = random_gate(B, H, 1, low=0.3, high=1.0, generator=gen)
         M = torch.randn(B, H, V, K, generator=gen)
         y_ref, M_ref = reference(q, k, v, alpha, M)
@@ -77,6 +78,7 @@ def gated_loop(fn, gen):
     ]
     for B, H, T, K, V, per_channel, low in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         if T == 1:      # read the key just stored: a random q.k can cancel to ~1e-4, beyond fp32's relative reach
             q = k.clone()
         alpha = random_gate(B, H, T, K if per_channel else None, low=low, generator=gen)
@@ -98,6 +100,7 @@ def chunk_step(fn, gen):
     cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, b, K, V)
     for B, H, b, K, V in cases:
         q, k, v = random_qkv(B, H, b, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         alpha = random_gate(B, H, b, low=0.5, generator=gen)
         M = torch.randn(B, H, V, K, generator=gen)
         g = torch.log(alpha).cumsum(dim=-1)
@@ -121,6 +124,7 @@ def chunkwise(fn, gen):
     ]
     for B, H, T, K, V, sizes in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         alpha = random_gate(B, H, T, low=0.5, generator=gen)
         o_ref, M_ref = reference(q, k, v, alpha)
         for c in sizes:
@@ -182,6 +186,7 @@ def triton_state_update(fn, gen):
     cases = [(2, 5, 6, 3), (1, 16, 16, 16), (3, 11, 20, 9), (1, 1, 4, 4)]   # (N, b, K, V): odd sizes on purpose
     for N, b, K, V in cases:
         q, k, v = random_qkv(N, 1, b, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         alpha = random_gate(N, 1, b, low=0.5, generator=gen)
         M = torch.randn(N, 1, V, K, generator=gen)
         _, M_ref = reference(q, k, v, alpha, M)

@@ -18,7 +18,7 @@ from ..delta import delta_rule, longhorn_beta
 from ..delta.chunk import decayed_products
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, Registry, call, case, check_guards, compare, compare_kernel_output, guarded,
-                       guarded_output, unpack)
+                       guarded_output, uneven_norms, unpack)
 
 EXERCISES = Registry("ch02")
 
@@ -56,6 +56,7 @@ def delta_step(grad_fn, step_fn, gen):
     cases = [(2, 3, 5, 7, 0.3), (1, 2, 6, 6, 0.3), (2, 1, 16, 3, 0.6), (1, 2, 4, 4, 1.0)]  # (B, H, K, V, lowest gate)
     for B, H, K, V, low in cases:
         q, k, v = random_qkv(B, H, 1, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         M = torch.randn(B, H, V, K, generator=gen)
         beta = random_beta(B, H, 1, gen)
         alpha = random_gate(B, H, 1, low=low, generator=gen)
@@ -99,6 +100,7 @@ def ut_solve(fn, gen):
     ]
     for B, H, b, K, V, low in cases:
         _, k, v = random_qkv(B, H, b, K, V, generator=gen)
+        k = uneven_norms(gen, k)
         beta = random_beta(B, H, b, gen)
         alpha = random_gate(B, H, b, low=low, generator=gen)
         M0 = torch.randn(B, H, V, K, generator=gen)
@@ -121,6 +123,7 @@ def chunkwise(fn, gen):
     ]
     for B, H, T, K, V, gated, sizes in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         beta = random_beta(B, H, T, gen, high=1.0)
         alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
         o_ref, M_ref = recurrent(q, k, v, beta, alpha)
@@ -188,6 +191,7 @@ def triton_chunk_matrix(fn, gen):
              (2, 7, 3, 1.0, 1.0), (2, 30, 8, 0.001, 0.05)]
     for N, b, K, low, high in cases:
         _, k, _ = random_qkv(N, 1, b, K, 1, generator=gen)
+        k = uneven_norms(gen, k)
         beta = random_beta(N, 1, b, gen)
         g = torch.log(random_gate(N, 1, b, low=low, high=high, generator=gen)).cumsum(dim=-1)
         _, L, *_ = decayed_products(k, k, g)             # strictly lower e^{g_t - g_j} k_t.k_j
@@ -233,6 +237,7 @@ def wy_backward(fn, gen):
     ]
     for B, H, b, K, D, low in cases:
         _, k, _ = random_qkv(B, H, b, K, 1, generator=gen)
+        k = uneven_norms(gen, k)
         g = torch.log(random_gate(B, H, b, low=low, generator=gen)).cumsum(dim=-1)
         _, L, *_ = decayed_products(k, k, g)                       # tril(Gamma * K K^T, -1), as in the chunk
         beta = 2 * torch.rand(B, H, b, generator=gen)              # beta in [0, 2]

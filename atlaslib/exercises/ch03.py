@@ -21,7 +21,7 @@ from ..miras.optimizer import build_optimizer
 from ..miras.retention import build_retention
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare,
-                       compare_kernel_output, guarded, guarded_output, unpack)
+                       compare_kernel_output, guarded, guarded_output, uneven_norms, unpack)
 
 EXERCISES = Registry("ch03")
 
@@ -83,6 +83,7 @@ def yaad_step(fn, gen):
     cases = [(2, 3, 5, 7), (1, 4, 6, 6), (3, 2, 16, 3), (1, 1, 2, 9)]     # (B, H, K, V): K != V first
     for B, H, K, V in cases:
         _, k, v = random_qkv(B, H, 1, K, V, generator=gen)
+        k = uneven_norms(gen, k)
         k, v = k[:, :, 0], v[:, :, 0]
         M = torch.randn(B, H, V, K, generator=gen)
         alpha = random_gate(B, H, 1, low=0.5, generator=gen)[..., 0]
@@ -110,6 +111,7 @@ def memora_loop(fn, gen):
     cases = [(2, 2, 9, 5, 4, 1.0), (1, 3, 16, 6, 6, 3.0), (1, 1, 1, 3, 7, 0.5), (2, 1, 40, 8, 5, 8.0)]
     for B, H, T, K, V, c in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         Z0 = torch.randn(B, H, V, K, generator=gen)
         alpha = random_gate(B, H, T, low=0.6, generator=gen)
         eta = 0.5 + 4.5 * torch.rand(B, H, T, generator=gen)       # large steps: the memory moves a lot

@@ -24,7 +24,8 @@ from ..omega.chunk import window_weights
 from ..omega.recurrent import window_gradient
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_features,
-                       compare_kernel_output, compare_number, guarded, guarded_output, unpack)
+                       compare_kernel_output, compare_number, guarded, guarded_output, uneven_norms,
+                       unpack)
 
 EXERCISES = Registry("ch04")
 
@@ -72,7 +73,7 @@ def monomials(features_fn, dim_fn, gen):
 
 def window_rows(B, H, c, D, V, gen):
     _, k, v = random_qkv(B, H, c, D, V, generator=gen)
-    return k, v
+    return uneven_norms(gen, k), v
 
 
 @EXERCISES.check("omega_step", title="One Omega step with gates", points=2,
@@ -133,6 +134,7 @@ def chunkwise(fn, gen):
     ]
     for B, H, T, D, V, c, gated, sizes in cases:
         q, k, v = random_qkv(B, H, T, D, V, generator=gen)
+        q, k = uneven_norms(gen, q, k)
         gamma = random_gate(B, H, T, c, low=0.2, generator=gen)
         alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
         eta = (0.2 + 0.8 * torch.rand(B, H, T, generator=gen)) / c

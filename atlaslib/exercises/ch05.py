@@ -19,7 +19,7 @@ from ..core.testing import random_gate, random_qkv
 from ..miras.optimizer import build_optimizer
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, check_shape, compare,
-                       compare_kernel_output, float32_hint, guarded, guarded_output, unpack)
+                       compare_kernel_output, float32_hint, guarded, guarded_output, uneven_norms, unpack)
 
 EXERCISES = Registry("ch05", helpers={"atlaslib.atlas": ("newton_schulz",)})   # what the notebook may import
 
@@ -73,18 +73,28 @@ def _orthonormal(m, r, gen):
 
 def _epsilon_hint(got, sigma, steps, coeffs) -> str:
     """Added when the answer is the polynomial on sigma / (||sigma|| + e) with an e other than Muon's 1e-7
-    (none at all, or another constant): against norms near 1 that moves the values by more than the check's
-    tolerance, by about what float32's rounding would, and this says which it is."""
+    (none at all, or another constant), or on a spectrum normalised twice: against norms near 1 either moves
+    the values by more than the check's tolerance, by about what float32's rounding would, and this says
+    which it is."""
     if steps == 0 or not isinstance(got, torch.Tensor) or got.shape != sigma.shape:
         return ""
-    for eps in (0.0, 1e-12, 1e-10, 1e-9, 1e-8, 1e-6, 1e-5, 1e-4):
-        s = sigma / (sigma.norm() + eps)
+    def polynomial(s):
         for _ in range(steps):
             s = coeffs[0] * s + coeffs[1] * s**3 + coeffs[2] * s**5
-        if torch.allclose(got.detach().double(), s, rtol=1e-10, atol=1e-12):
+        return s
+
+    def matches(s):
+        return torch.allclose(got.detach().double(), polynomial(s), rtol=1e-10, atol=1e-12)
+
+    for eps in (0.0, 1e-12, 1e-10, 1e-9, 1e-8, 1e-6, 1e-5, 1e-4):
+        if matches(sigma / (sigma.norm() + eps)):
             used = "sigma / ||sigma||" if eps == 0 else f"sigma / (||sigma|| + {eps:g})"
             return (f". Your values are the polynomial on {used} exactly: the normalisation of Exercise 1 "
                     "divides by ||G||_F + eps with eps = 1e-7, and so must this one")
+    once = sigma / (sigma.norm() + 1e-7)
+    if matches(once / (once.norm() + 1e-7)):
+        return (". Your values are the polynomial on a spectrum normalised twice: NS_J normalises once, "
+                "before its first step (a second division by ||sigma|| + 1e-7 moves every value by about 1e-7)")
     return ""
 
 
@@ -138,6 +148,7 @@ def atlas_step(fn, gen):
     cases = [(2, 3, 5, 7, 5), (1, 2, 6, 6, 1), (2, 1, 4, 9, 0), (1, 1, 16, 8, 5), (2, 2, 3, 1, 2)]  # (B, H, D, V, k)
     for B, H, D, V, steps in cases:
         _, k, v = random_qkv(B, H, 1, D, V, generator=gen, dtype=torch.float64)
+        k = uneven_norms(gen, k)
         k, v = k[:, :, 0], v[:, :, 0]
         M = torch.randn(B, H, V, D, generator=gen, dtype=torch.float64)
         S = torch.randn(B, H, V, D, generator=gen, dtype=torch.float64)

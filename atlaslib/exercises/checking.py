@@ -559,9 +559,10 @@ def tf32_hint(got: torch.Tensor, want: torch.Tensor, tol: float | None) -> str:
         return ""
     if not tol < rel_rmse(got.detach(), want.detach().to(got.dtype)) < 1e-2:
         return ""
-    return (". An error of this size is what rounded operands cost: TF32 products (a tl.dot without "
-            "input_precision=\"ieee\", on a card and in the interpreter here) or operands cast to fp16/bf16; "
-            "keep them fp32 and pass input_precision=\"ieee\"")
+    return (". An error of this size is what rounded operands cost, if that is the cause: TF32 products (a "
+            "tl.dot without input_precision=\"ieee\", on a card and in the interpreter here) or operands cast "
+            "to fp16/bf16; keep them fp32 and pass input_precision=\"ieee\" (if every tl.dot already does, "
+            "the error is a small mistake of another kind)")
 
 
 def dtype_hint(got, want) -> str:
@@ -711,6 +712,16 @@ class Registry:
 # ---- Triton exercises: catch reads and writes past the end of a buffer -------------------
 GUARD = 4096        # elements of padding on each side: wider than any block-sized overrun
 SENTINEL = 1234.5   # what an output's guard bands hold; a changed value means a stray store
+
+
+def uneven_norms(gen: torch.Generator, *xs: torch.Tensor, low: float = 0.6, high: float = 1.15):
+    """``xs`` (vectors along the last dimension, unit ones from ``random_qkv``) each rescaled to a norm drawn
+    uniformly from [low, high]. The checks draw keys and queries this way, so that an answer that assumes unit
+    keys (normalises k, divides by ||k||^2, uses k k^T k = k) fails; ``high`` keeps beta ||k||^2 below 2 for
+    the betas the checks draw (at most 1.5), where the delta rule stays stable."""
+    out = tuple(x * (low + (high - low) * torch.rand(x.shape[:-1], generator=gen, dtype=torch.float64))
+                .to(x.dtype)[..., None] for x in xs)
+    return out[0] if len(out) == 1 else out
 
 
 def guarded(x: torch.Tensor) -> torch.Tensor:
