@@ -29,8 +29,9 @@ def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     1/2 ||v_t - M k_t||^2 + 1/(2 beta_t) ||M - M'_t||_F^2 (implicit / proximal GD), where
     M'_t = M_{t-1} Diag(alpha_t) is the decayed previous state (M_{t-1} without gates).
     beta: [B, H, T] with values >= 0; k: [B, H, T, K]. The result satisfies step * ||k||^2 < 1
-    (<= 1 after rounding, reached for a very large beta), so the update never overshoots, however
-    large beta is.
+    (<= 1 after rounding, by one ulp, reached for a very large beta), so the update never overshoots,
+    however large beta is, as long as beta ||k||^2 is finite in the compute dtype (above about 3e38 in
+    fp32 it is inf and the step 0: the token writes nothing).
     Computed in fp32 (fp64 if either input is fp64). Shapes are checked here; beta >= 0 is the caller's
     (``delta_rule`` checks it).
     """

@@ -39,9 +39,9 @@ def init_state(cfg, B: int, H: int, K: int, V: int, *, generator: torch.Generato
     ``generator`` (default: a generator seeded with ``seed``, so ``miras`` with
     ``initial_state=None`` is deterministic); Memora's deep log-weights are N(0, 1). The
     linear memory starts at zero (Memora: uniform weights c / (V K)). Momentum starts at 0.
-    K is the width of the memory's input (the feature width when phi is used). The draws are made in
-    fp32 on the CPU and then cast to ``dtype`` and moved to ``device``: one seed gives the same start
-    (up to that cast) in every dtype and on every device.
+    K is the width of the memory's input (the feature width when phi is used). The draws are made on
+    the CPU (in fp64, kept as fp32: ``memory.Memory.init``), then cast to ``dtype`` and moved to
+    ``device``: one seed gives the same start (up to that cast) in every dtype and on every device.
     """
     from ..core.validation import check_int, static_int
     from .config import make_config
