@@ -32,7 +32,7 @@ help:
 	@echo "make lab        JupyterLab on the chapters with the project's environment"
 	@echo "make browser    install Chromium (Debian) for the browser tests"
 	@echo "make bench      timing and peak-memory tables (python -m atlaslib.bench)"
-	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study, the filler and the caching checks (about 1 h 20 min on 2 cores; resumes)"
+	@echo "make experiments  chapter 8: the MQAR sweep over every mixer (--size small), the inversion study, the filler and the caching checks (about 1 h 10 min on 2 cores; resumes)"
 	@echo "make aot        full builds of every Triton kernel for sm_80/sm_90/sm_86 without a GPU, registers included (slow: minutes per kernel)"
 	@echo "make gpu-test   on a CUDA machine: every kernel against its chunk form, then bench --vs fla (results/gpu_bench.json)"
 	@echo "make exercises  regenerate the student notebooks from exercises/solutions"

@@ -23,13 +23,13 @@ states of the code.
 The report keeps, per mixer, task and seed, the best accuracy over the learning rates, then
 averages over seeds (Zoology's protocol: each architecture gets its own best learning rate).
 
-Time, measured on this project's 2-core CPU machine with two shards of one thread each:
-``mqar --size small`` (156 runs) took 39 min of wall time, 76 min of summed run time. Other jobs
-shared the machine for part of it; without them, about 34 min. ATLAS++ is the slowest mixer by far
-(300-460 s a run in that sweep; 245-270 s when its six cells were rerun alone, 26 min summed, after its
-W_0 became a learned parameter), against 4-7 s for most matrix memories. ``inversion`` (42 runs of chapter 2's
-model, 500-2000 steps) took 28 min, 50 min summed. ``filler`` (42 runs) took 14 min summed. ``caching`` (24
-runs) took 4.6 min summed; its seed-0 runs of the board's two mixers reproduced the board's accuracies exactly.
+Time, measured on this project's 2-core CPU machine with two shards of one thread each (the sweep whose
+runs are committed; other jobs shared the machine for part of it): ``mqar --size small`` (156 runs) took
+36 min of wall time, 71 min of summed run time; ATLAS++ is the slowest mixer by far (276-370 s a run),
+against 4-14 s for most matrix memories. ``inversion`` (42 runs of chapter 2's model, 500-2000 steps) took
+30 min, 59 min summed. ``filler`` (42 runs) took 3.3 min, 6.3 min summed. ``caching`` (24 runs) took 2 min,
+3.6 min summed; its seed-0 runs of the board's two mixers reproduced the board's accuracies exactly. All
+four: 71 min.
 """
 from __future__ import annotations
 

@@ -429,6 +429,45 @@ def test_a_committed_cell_reproduces():
     assert check["ok"], check
 
 
+def markdown_of(notebook: str) -> str:
+    cells = json.loads((RESULTS.parent / "book" / notebook).read_text())["cells"]
+    return " ".join(" ".join("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown")
+
+
+def test_the_chapters_quote_the_committed_studies():
+    """Chapters 2, 4 and 7 quote chapter 8's inversion study and caching check: the numbers they print are
+    the committed runs' (a re-run sweep that moves one fails here, naming the sentence to update)."""
+    runs = {}
+    for r in ex.read_results(str(RESULTS / "mqar_inversion.jsonl")):
+        knobs = (r["steps"], r["num_kv_pairs"], r["random_filler"], r["lr"], bool(r["mixer_kwargs"].get("qk_norm")))
+        runs[r["mixer"].removesuffix("+qk_norm"), knobs, r["seed"]] = f"{r['accuracy']:.2f}"
+
+    def acc(mixer, seed, steps=1000, pairs=8, random_filler=True):
+        return runs[mixer, (steps, pairs, random_filler, 1e-2, False), seed]
+    lin, dn, gdn = "linear", "deltanet", "gated_deltanet"
+    seeds = {row["mixer"]: row for row in ex.seed_table(ex.read_results(str(RESULTS / "mqar_caching.jsonl")))}
+    quotes = {
+        "ch02_delta_rule.ipynb": [
+            f"seed 0 gives linear attention {acc(lin, 0)}, DeltaNet {acc(dn, 0)} and Gated DeltaNet {acc(gdn, 0)}",
+            f"(linear attention {acc(lin, 1)}, DeltaNet {acc(dn, 1)})",
+            f"falls to {acc(lin, 0, random_filler=False)} with seed 0 and still answers "
+            f"{acc(lin, 1, random_filler=False)} with seed 1",
+            f"DeltaNet gets {acc(dn, 0, pairs=16)} and {acc(dn, 1, pairs=16)} and linear attention "
+            f"{acc(lin, 0, pairs=16)} and {acc(lin, 1, pairs=16)}",
+        ],
+        "ch04_omega_rule.ipynb": [
+            f"(Gated DeltaNet goes from {acc(gdn, 0)} to {acc(gdn, 0, random_filler=False)})",
+        ],
+        "ch07_memory_caching.ipynb": [
+            f"({seeds['memory_caching_c8']['mean']} on average against {seeds['gated_deltanet']['mean']})",
+        ],
+    }
+    for notebook, phrases in quotes.items():
+        text = markdown_of(notebook)
+        for phrase in phrases:
+            assert phrase in text, (notebook, phrase)
+
+
 def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):
     """A results file holding another JSON line (train's losses, a stray object) still reports its records."""
     out = tmp_path / "r.jsonl"
