@@ -139,8 +139,7 @@ def chunkwise(fn, gen):
 
 def keys_of_norm(B, H, K, gen, low, high):
     """Keys [B,H,K] with random directions and norms uniform in [low, high]."""
-    k = F.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
-    return k * (low + (high - low) * torch.rand(B, H, 1, generator=gen))
+    return uneven_norms(gen, F.normalize(torch.randn(B, H, K, generator=gen), dim=-1), low=low, high=high)
 
 
 @EXERCISES.check("kda_beta", title="KDA as a proximal step: the right beta", points=2,
