@@ -303,6 +303,40 @@ def test_chunk_step_passes_and_rejects_missing_inter_chunk_decay():
     assert v.status == "failed" and "o:" in v.message
 
 
+def chunk_step_masked(after_exp):
+    """chapter 1's chunk by its matrix form; the mask on e^{g_t - g_i} as -inf before exp, or as 0/1 after it."""
+    def step(M, q, k, v, g):
+        b = q.shape[2]
+        diff = g[..., :, None] - g[..., None, :]
+        lower = torch.ones(b, b, dtype=torch.bool).tril()
+        D = torch.exp(diff) * lower if after_exp else torch.exp(diff.masked_fill(~lower, -math.inf))
+        o = torch.exp(g)[..., None] * (q @ M.transpose(-1, -2)) + ((q @ k.transpose(-1, -2)) * D) @ v
+        tail = torch.exp(g[..., -1:] - g)[..., None]
+        return o, torch.exp(g[..., -1])[..., None, None] * M + (v * tail).transpose(-1, -2) @ k
+    return step
+
+
+def chunkwise_over(step):
+    def run(q, k, v, alpha, chunk_size):
+        M = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], q.shape[-1])
+        outs = []
+        for s in range(0, q.shape[2], chunk_size):
+            e = min(s + chunk_size, q.shape[2])
+            o, M = step(M, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], torch.log(alpha[:, :, s:e]).cumsum(-1))
+            outs.append(o)
+        return torch.cat(outs, 2), M
+    return run
+
+
+def test_chunk_exercises_reject_a_mask_applied_after_the_exponential():
+    """The statement: mask before you exponentiate. A 0/1 mask after it is right until e^{g_t - g_i} above the
+    diagonal overflows (strong gates over a long chunk), then inf * 0 is NaN: the checks have such a chunk."""
+    for exercise, wrap in ((ch01.chunk_step, lambda f: f), (ch01.chunkwise, chunkwise_over)):
+        assert exercise.evaluate(wrap(chunk_step_masked(after_exp=False))).status == "passed"
+        v = exercise.evaluate(wrap(chunk_step_masked(after_exp=True)))
+        assert v.status == "failed" and "NaN" in v.message and "gates in [0.01, 0.05]" in v.message, v.message
+
+
 def test_chunkwise_passes_and_rejects_a_gate_that_is_not_restarted():
     def chunkwise_ok(q, k, v, alpha, chunk_size):
         return linear_attention(q, k, v, alpha=alpha, output_final_state=True, backend="chunk", chunk_size=chunk_size)

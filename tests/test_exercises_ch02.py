@@ -7,6 +7,8 @@ exercises/solutions/ch02_delta.ipynb. TRITON_INTERPRET=1 is set by conftest.py b
 triton is imported.
 """
 
+import math
+
 import pytest
 import torch
 import triton
@@ -96,13 +98,13 @@ def test_delta_step_left_multiplication_fails_on_shape_when_k_differs_from_v():
 # ---- exercise 2: the UT transform -----------------------------------------------------------
 
 def ut_forward_substitution(M0, k, v, beta, alpha):
-    """Row by row: u_t = beta_t (v_t - A_t M0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j)."""
-    A = torch.cumprod(alpha, dim=-1)
+    """Row by row: u_t = beta_t (v_t - A_t M0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j), A_t/A_j = e^{g_t - g_j}."""
+    g = torch.log(alpha).cumsum(dim=-1)
     U = []
     for t in range(k.shape[2]):
-        r = v[:, :, t] - A[:, :, t, None] * mv(M0, k[:, :, t])
+        r = v[:, :, t] - torch.exp(g[:, :, t, None]) * mv(M0, k[:, :, t])
         for j in range(t):
-            w = (A[:, :, t] / A[:, :, j]) * (k[:, :, j] * k[:, :, t]).sum(-1)
+            w = torch.exp(g[:, :, t] - g[:, :, j]) * (k[:, :, j] * k[:, :, t]).sum(-1)
             r = r - w[..., None] * U[j]
         U.append(beta[:, :, t, None] * r)
     return torch.stack(U, dim=2)
@@ -136,6 +138,38 @@ def test_ut_solve_rejects_typical_mistakes(kw):
     assert v.status == "failed" and "U: relative RMSE" in v.message and "chunk length b=" in v.message
 
 
+def test_ut_solve_rejects_gamma_masked_after_the_exponential_or_built_from_products():
+    """The statement: Gamma_tj = e^{g_t - g_j}, masked before exponentiating. A 0/1 mask after exp, or A_t / A_j
+    from the running products, is right until a chunk of strong gates overflows (inf * 0) or underflows (0 / 0)."""
+    def solve(gamma):
+        def ut(M0, k, v, beta, alpha):
+            b = k.shape[2]
+            system = torch.eye(b) + beta[..., None] * gamma(alpha, b) * (k @ k.transpose(-1, -2))
+            rhs = v - torch.exp(torch.log(alpha).cumsum(-1))[..., None] * (k @ M0.transpose(-1, -2))
+            return torch.linalg.solve(system, beta[..., None] * rhs)      # reads the upper triangle too
+        return ut
+
+    def strict(b):
+        return torch.ones(b, b, dtype=torch.bool).tril(-1)
+
+    def masked_before(alpha, b):
+        g = torch.log(alpha).cumsum(-1)
+        return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~strict(b), -math.inf))
+
+    def masked_after(alpha, b):
+        g = torch.log(alpha).cumsum(-1)
+        return torch.exp(g[..., :, None] - g[..., None, :]) * strict(b)
+
+    def ratio_of_products(alpha, b):
+        A = torch.cumprod(alpha, -1)
+        return A[..., :, None] / A[..., None, :] * strict(b)
+
+    assert ch02.ut_solve.evaluate(solve(masked_before)).status == "passed"
+    for wrong in (masked_after, ratio_of_products):
+        v = ch02.ut_solve.evaluate(solve(wrong))
+        assert v.status == "failed" and "NaN" in v.message and "gates in [0.01, 0.05]" in v.message, v.message
+
+
 # ---- exercise 3: the chunkwise pass ----------------------------------------------------------
 
 def chunkwise_library(q, k, v, beta, alpha, chunk_size):
@@ -167,7 +201,7 @@ def test_chunkwise_passes_correct_answers():
 
 def test_chunkwise_rejects_gate_not_restarted_and_state_not_carried():
     v = ch02.chunkwise.evaluate(chunkwise_by_steps(global_gate=True))
-    assert v.status == "failed" and "scalar gates, chunk_size=" in v.message
+    assert v.status == "failed" and "scalar gates in " in v.message and "chunk_size=" in v.message
     v = ch02.chunkwise.evaluate(chunkwise_by_steps(reset_state=True))
     assert v.status == "failed" and "chunk_size=" in v.message
 

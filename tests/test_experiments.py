@@ -1,6 +1,7 @@
 """The MQAR sweep runner: protocol coverage, resume, shards, the report and reproduction."""
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -466,6 +467,17 @@ def test_the_chapters_quote_the_committed_studies():
         text = markdown_of(notebook)
         for phrase in phrases:
             assert phrase in text, (notebook, phrase)
+
+
+def test_chapter_8s_figure_descriptions_quote_the_committed_grid():
+    """The figures' alt texts (what a screen reader says for them, and the page shows when an image fails)
+    give ATLAS++'s accuracy at the most pairs: the committed grid's, as the figures plot it."""
+    board = {row["mixer"]: row for row in ex.leaderboard(ex.read_results(str(RESULTS / "mqar_small.jsonl")))}
+    hardest = list(board["atlas++"])[-1]
+    cells = json.loads((RESULTS.parent / "book" / "ch08_leaderboard.ipynb").read_text())["cells"]
+    alts = [c["metadata"].get("mystnb", {}).get("image", {}).get("alt", "") for c in cells]
+    quoted = [m for a in alts for m in re.findall(r"ATLAS\+\+[^()]*\((\d\.\d\d)", a)]
+    assert quoted and set(quoted) == {f"{board['atlas++'][hardest]:.2f}"}, quoted
 
 
 def test_a_line_that_is_not_a_record_is_skipped_with_a_warning(tmp_path):

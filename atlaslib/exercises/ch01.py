@@ -97,15 +97,19 @@ def gated_loop(fn, gen):
                              "atlaslib.linear.chunk.linear_attention_chunk"))
 def chunk_step(fn, gen):
     """fn(M, q, k, v, g) -> (o [B,H,b,V], M_next [B,H,V,K]); g [B,H,b] = cumsum of log alpha in the chunk."""
-    cases = [(2, 2, 1, 5, 3), (1, 2, 4, 6, 6), (2, 1, 9, 7, 4), (1, 1, 16, 16, 8)]  # (B, H, b, K, V)
-    for B, H, b, K, V in cases:
+    cases = [  # (B, H, b, K, V, gates' range)
+        (2, 2, 1, 5, 3, (0.5, 1.0)), (1, 2, 4, 6, 6, (0.5, 1.0)), (2, 1, 9, 7, 4, (0.5, 1.0)),
+        (1, 1, 16, 16, 8, (0.5, 1.0)),
+        (1, 1, 32, 4, 3, (0.01, 0.05)),  # strong gates: e^{g_t - g_i} above the diagonal overflows
+    ]
+    for B, H, b, K, V, (low, high) in cases:
         q, k, v = random_qkv(B, H, b, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
-        alpha = random_gate(B, H, b, low=0.5, generator=gen)
+        alpha = random_gate(B, H, b, low=low, high=high, generator=gen)
         M = torch.randn(B, H, V, K, generator=gen)
         g = torch.log(alpha).cumsum(dim=-1)
         o_ref, M_ref = reference(q, k, v, alpha, M)
-        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}"):
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, gates in [{low}, {high}]"):
             o, M_next = unpack(call(fn, *clones(M, q, k, v, g)), ("o", "M_next"))
             compare("o", o, o_ref, TOL)
             compare("M_next", M_next, M_ref, TOL)
@@ -117,22 +121,23 @@ def chunk_step(fn, gen):
                   forbidden=LIBRARY_FORMS)
 def chunkwise(fn, gen):
     """fn(q, k, v, alpha, chunk_size) -> (o, M_T); scalar gates alpha [B,H,T]."""
-    cases = [  # (B, H, T, K, V, chunk sizes)
-        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20)),
-        (1, 1, 32, 8, 8, (8, 16, 7)),
-        (1, 2, 1, 4, 3, (1, 4)),
+    cases = [  # (B, H, T, K, V, chunk sizes, gates' range)
+        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20), (0.5, 1.0)),
+        (1, 1, 32, 8, 8, (8, 16, 7), (0.5, 1.0)),
+        (1, 2, 1, 4, 3, (1, 4), (0.5, 1.0)),
+        (1, 1, 40, 4, 3, (32,), (0.01, 0.05)),  # strong gates: e^{g_t - g_i} above the diagonal overflows
     ]
-    for B, H, T, K, V, sizes in cases:
+    for B, H, T, K, V, sizes, (low, high) in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
-        alpha = random_gate(B, H, T, low=0.5, generator=gen)
+        alpha = random_gate(B, H, T, low=low, high=high, generator=gen)
         o_ref, M_ref = reference(q, k, v, alpha)
         for c in sizes:
-            with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, chunk_size={c}"):
+            with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, chunk_size={c}, gates in [{low}, {high}]"):
                 o, M_T = unpack(call(fn, *clones(q, k, v, alpha), c), ("o", "M_T"))
                 compare("o", o, o_ref, TOL)
                 compare("M_T", M_T, M_ref, TOL)
-    n = sum(len(c[-1]) for c in cases)
+    n = sum(len(c[-2]) for c in cases)
     return f"matches the per-token loop for {n} (sequence, chunk size) pairs, T a multiple of the chunk or not"
 
 

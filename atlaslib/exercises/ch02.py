@@ -91,21 +91,22 @@ def corrected_values(M0, k, v, beta, alpha):
                   forbidden=DELTA_RULE + CHUNK_FORMS)
 def ut_solve(fn, gen):
     """fn(M0 [B,H,V,K], k [B,H,b,K], v [B,H,b,V], beta [B,H,b], alpha [B,H,b]) -> U [B,H,b,V]."""
-    cases = [  # (B, H, b, K, V, lowest gate)
-        (2, 2, 1, 5, 3, 0.5),
-        (1, 2, 6, 6, 4, 0.5),
-        (2, 1, 9, 7, 5, 1.0),       # gates exactly 1: DeltaNet
-        (1, 1, 16, 16, 8, 0.3),
-        (1, 3, 12, 4, 6, 0.8),      # b > K: the keys are linearly dependent
+    cases = [  # (B, H, b, K, V, gates' range)
+        (2, 2, 1, 5, 3, (0.5, 1.0)),
+        (1, 2, 6, 6, 4, (0.5, 1.0)),
+        (2, 1, 9, 7, 5, (1.0, 1.0)),       # gates exactly 1: DeltaNet
+        (1, 1, 16, 16, 8, (0.3, 1.0)),
+        (1, 3, 12, 4, 6, (0.8, 1.0)),      # b > K: the keys are linearly dependent
+        (1, 1, 32, 4, 3, (0.01, 0.05)),    # strong gates: e^{g_t - g_j} above the diagonal overflows
     ]
-    for B, H, b, K, V, low in cases:
+    for B, H, b, K, V, (low, high) in cases:
         _, k, v = random_qkv(B, H, b, K, V, generator=gen)
         k = uneven_norms(gen, k)
         beta = random_beta(B, H, b, gen)
-        alpha = random_gate(B, H, b, low=low, generator=gen)
+        alpha = random_gate(B, H, b, low=low, high=high, generator=gen)
         M0 = torch.randn(B, H, V, K, generator=gen)
         U_ref = corrected_values(M0, k, v, beta, alpha)
-        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, gates in [{low}, 1]"):
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, gates in [{low}, {high}]"):
             compare("U", call(fn, *clones(M0, k, v, beta, alpha)), U_ref, TOL)
     return f"U matches the per-token corrected values on {len(cases)} random chunks"
 
@@ -115,19 +116,20 @@ def ut_solve(fn, gen):
                   forbidden=DELTA_RULE + CHUNK_FORMS + PER_TOKEN)
 def chunkwise(fn, gen):
     """fn(q, k, v, beta, alpha, chunk_size) -> (o [B,H,T,V], M_T [B,H,V,K]); alpha None or [B,H,T]."""
-    cases = [  # (B, H, T, K, V, gated, chunk sizes)
-        (2, 2, 13, 5, 4, True, (1, 3, 4, 13, 20)),
-        (1, 2, 13, 6, 3, False, (1, 5, 16)),
-        (1, 1, 32, 8, 8, True, (8, 16, 7)),
-        (1, 2, 1, 4, 3, True, (1, 4)),
+    cases = [  # (B, H, T, K, V, gates' range or None, chunk sizes)
+        (2, 2, 13, 5, 4, (0.5, 1.0), (1, 3, 4, 13, 20)),
+        (1, 2, 13, 6, 3, None, (1, 5, 16)),
+        (1, 1, 32, 8, 8, (0.5, 1.0), (8, 16, 7)),
+        (1, 2, 1, 4, 3, (0.5, 1.0), (1, 4)),
+        (1, 1, 40, 4, 3, (0.01, 0.05), (32,)),   # strong gates: e^{g_t - g_j} above the diagonal overflows
     ]
-    for B, H, T, K, V, gated, sizes in cases:
+    for B, H, T, K, V, gates, sizes in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         beta = random_beta(B, H, T, gen, high=1.0)
-        alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
+        alpha = random_gate(B, H, T, low=gates[0], high=gates[1], generator=gen) if gates else None
         o_ref, M_ref = recurrent(q, k, v, beta, alpha)
-        kind = "scalar gates" if gated else "alpha=None"
+        kind = f"scalar gates in [{gates[0]}, {gates[1]}]" if gates else "alpha=None"
         for c in sizes:
             with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, {kind}, chunk_size={c}"):
                 o, M_T = unpack(call(fn, *clones(q, k, v, beta, alpha), c), ("o", "M_T"))
