@@ -371,3 +371,115 @@ def test_code_references_in_the_book_resolve():
             if not list(ROOT.glob(path.rstrip("/.").replace("NN", "[0-9][0-9]"))):
                 stale.append(f"{where}: {path} does not exist")
     assert not stale, "stale code references in the book's prose:\n" + "\n".join(stale)
+
+
+# The chapters' "kernel line(s) | math" tables quote the kernels' lines in short (chapter 1, section 8):
+# without the ``tl.`` prefix, the dtype casts, the ``input_precision`` argument, broadcast indices such as
+# ``[:, None]`` and a reduction's axis; ``-inf`` for ``float("-inf")`` and ``...`` for what is left out.
+KERNEL_COLUMN = ("kernel", "kernel line(s)", "lines")
+QUOTE = re.compile(r"`([^`\n]+)`")
+
+
+def table_cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split(" | ")]
+
+
+def kernel_table_quotes() -> list[tuple[str, str]]:
+    """(where, quote) for every backticked span in the kernel column of the chapters' kernel tables."""
+    quotes = []
+    for where, text in book_prose():
+        if not where.startswith("book/ch"):
+            continue
+        lines = text.split("\n")
+        for i, line in enumerate(lines[:-1]):
+            if not (line.startswith("|") and re.match(r"\|\s*:?-{3,}", lines[i + 1])):
+                continue
+            header = table_cells(line)
+            if not set(header) & set(KERNEL_COLUMN):
+                continue
+            column = next(j for j, cell in enumerate(header) if cell in KERNEL_COLUMN)
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                quotes += [(where, q) for q in QUOTE.findall(table_cells(row)[column])]
+    return quotes
+
+
+def without_casts(code: str) -> str:
+    """``code`` without its ``.to(...)`` casts, and without the brackets that held a cast's operand."""
+    while (i := code.find(".to(")) >= 0:
+        j = code.index(")", i) + 1
+        k = i - 1
+        if k >= 0 and code[k] == ")":                 # the operand's brackets: (x * y).to(dt), or a call's
+            depth = 0
+            while (depth := depth + {")": 1, "(": -1}.get(code[k], 0)) != 0:
+                k -= 1
+        if k >= 0 and code[k] == "(" and not (k and (code[k - 1].isalnum() or code[k - 1] == "_")):
+            code = code[:k] + code[k + 1:i - 1] + code[j:]
+        else:
+            code = code[:i] + code[j:]
+    return code
+
+
+def squeezed(code: str) -> str:
+    """``code`` without whitespace, except one space between two names (``if GATE``)."""
+    return re.sub(r"(?<=\W) | (?=\W)", "", re.sub(r"\s+", " ", code.strip()))
+
+
+def kernel_source_shorthand(code: str) -> str:
+    """Code written as the tables write it (see above), without whitespace (``squeezed``)."""
+    code = squeezed(code).replace('float("-inf")', "-inf")
+    code = without_casts(re.sub(r"\btl\.", "", code))
+    code = re.sub(r",(input_precision|axis)=[\w\"']+", "", code)
+    code = re.sub(r"\b(sum|max|min)\(([^(),]*),\d\)", r"\1(\2)", code)      # a reduction's axis
+    code = re.sub(r"\[(:|None)(,(:|None))+\]", "", code)
+    return re.sub(r"\b(\d+)\.0\b", r"\1", code)
+
+
+def quote_pattern(quote: str) -> re.Pattern:
+    """The shorthand of a quoted line as a pattern: ``...`` stands for any code within one statement."""
+    parts = [re.escape(kernel_source_shorthand(p)) for p in quote.split("...")]
+    return re.compile(r"(?<!\w)" + r"[^;]{0,200}?".join(parts) + r"(?!\w)")   # whole names at either end
+
+
+def logical_lines(source: str) -> list[str]:
+    """The statements of a Python module, each on one line, without comments."""
+    import io
+    import tokenize
+    lines, line = [], []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+            lines.append(" ".join(line))
+            line = []
+        elif token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT):
+            line.append(token.string)
+    return lines
+
+
+def kernel_sources() -> str:
+    """Every module of the library that holds a Triton kernel, as written (no whitespace) and in shorthand,
+    statements separated by ';'."""
+    texts = [p.read_text() for p in sorted((ROOT / "atlaslib").rglob("*.py"))]
+    lines = [line for t in texts if "@triton.jit" in t for line in logical_lines(t)]
+    return ";".join([squeezed(line) for line in lines] + [kernel_source_shorthand(line) for line in lines])
+
+
+def stale_kernel_quotes(quotes, source) -> list[str]:
+    return [f"{where}: `{q}`" for where, q in quotes if not quote_pattern(q).search(source)]
+
+
+def test_kernel_table_quotes_detector_finds_a_broken_quote():
+    line = 'b_A *= decay(tl.where(m_causal, b_g[:, None] - b_g[None, :], float("-inf")))'
+    source = kernel_source_shorthand(line)
+    good = ("here", "b_A *= decay(where(m_causal, ..., -inf))")
+    assert not stale_kernel_quotes([good], source)
+    assert stale_kernel_quotes([("here", "b_A *= decay(where(m_lower, ..., -inf))")], source)
+
+
+def test_kernel_table_quotes_occur_in_the_kernels():
+    """Every line the kernel tables quote is in a kernel module, modulo the shorthand: a kernel edited or
+    split leaves a quote that no longer says what the code does."""
+    quotes = kernel_table_quotes()
+    assert len(quotes) > 50, f"found only {len(quotes)} quotes: has the tables' layout changed?"
+    stale = stale_kernel_quotes(quotes, kernel_sources())
+    assert not stale, "kernel lines quoted in the book that are not in the kernels:\n" + "\n".join(stale)

@@ -215,12 +215,17 @@ def momentum_loop(M0, S0, G, alpha, theta, eta):
     return torch.stack(out, 1), S
 
 
-def momentum_masked(M0, S0, G, alpha, theta, eta, ratio="right", order="AB", carry=True):
+def momentum_masked(M0, S0, G, alpha, theta, eta, ratio="right", order="AB", carry=True, alpha_ratio="log"):
     """M_t = A_t M0 + c_t S0 - sum_i (D_A D_B)[t, i] eta_i G_i, with D_B[t, i] = B_t / B_i (i <= t) by default."""
     N, n = alpha.shape
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     la, lb = torch.log(alpha).cumsum(-1), torch.log(theta).cumsum(-1)
     DA = causal_decay(la[None], causal)[0]
+    if alpha_ratio == "quotient":                                # A_t / A_m as a quotient of cumulative products
+        A = alpha.cumprod(-1)
+        DA = (A[:, :, None] / A[:, None, :]).masked_fill(~causal, 0.0)
+    elif alpha_ratio == "mask_after":                            # exp of every difference, then a 0/1 mask
+        DA = torch.exp(la[:, :, None] - la[:, None, :]) * causal
     if ratio == "right":                                         # theta_{i+1} ... theta_t
         DB = causal_decay(lb[None], causal)[0]
     elif ratio == "inclusive":                                   # theta_i ... theta_t: one factor too many
@@ -253,6 +258,14 @@ def test_momentum_chunk_rejects_typical_mistakes(kw):
 def test_momentum_chunk_rejects_quotients_of_cumulative_products():
     # right in exact arithmetic, and on mild gates; 0/0 once the products underflow fp32
     fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, ratio="quotient"), where="theta in [0.02, 0.2]")
+
+
+@pytest.mark.parametrize("alpha_ratio", ["quotient", "mask_after"])
+def test_momentum_chunk_stresses_the_retention_ratios_too(alpha_ratio):
+    """The statement's rule holds for D_alpha as for D_theta: a chunk of strong retention gates has them underflow
+    (0/0) or overflow above the diagonal (inf * 0)."""
+    fails(ch03.momentum_chunk, lambda *a: momentum_masked(*a, alpha_ratio=alpha_ratio),
+          where="retention alpha in [0.02, 0.2]")
 
 
 def test_momentum_chunk_names_the_division_by_zero():

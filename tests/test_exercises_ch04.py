@@ -217,6 +217,51 @@ def test_chunkwise_rejects_the_chunk_sized_mask():
     assert v.status == "failed" and "chunk_size=" in v.message, v.message
 
 
+def chunkwise_masked_after_exp(q, k, v, gamma, alpha, eta, chunk_size):
+    """The chunk's D = e^{g_t - g_s} times a 0/1 causal mask, from the Exercise's formulas; right on mild gates."""
+    B, H, T, D = q.shape
+    c = gamma.shape[-1]
+    M = q.new_zeros(B, H, v.shape[-1], D)
+    log_alpha = torch.log(alpha) if alpha is not None else torch.zeros(B, H, T)
+    outs = []
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        b = e - s
+        g = log_alpha[:, :, s:e].cumsum(-1)
+        Dm = torch.exp(g[..., :, None] - g[..., None, :]) * torch.ones(b, b).tril()
+        # window rows s - c + 1 .. e - 1 (zero before the sequence) and the banded gates Gamma [b, b + c - 1]
+        src = torch.arange(s - c + 1, e)
+        valid = (src >= 0).to(q.dtype)
+        idx = src.clamp(min=0)
+        KW, VW = k[:, :, idx] * valid[:, None], v[:, :, idx] * valid[:, None]
+        Gam = q.new_zeros(B, H, b, b + c - 1)
+        for t in range(b):
+            for j in range(c):                                   # gamma[t, j] weighs row t - j
+                col = t + c - 1 - j
+                if s + t - j >= 0:
+                    Gam[:, :, t, col] = gamma[:, :, s + t, j]
+        C = Dm @ (eta[:, :, s:e, None] * Gam)
+        E = KW @ M.transpose(-1, -2) - VW
+        outs.append(torch.exp(g)[..., None] * (q[:, :, s:e] @ M.transpose(-1, -2))
+                    - (C * (q[:, :, s:e] @ KW.transpose(-1, -2))) @ E)
+        M = torch.exp(g[..., -1])[..., None, None] * M - (C[:, :, -1, :, None] * E).transpose(-1, -2) @ KW
+    return torch.cat(outs, 2), M
+
+
+def test_chunkwise_rejects_a_mask_applied_after_the_exponential():
+    """Right wherever e^{g_t - g_s} stays finite above the diagonal (checked against the library at mild gates);
+    the check's chunk of strong gates overflows it, and inf * 0 is NaN."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 13, n, generator=gen) for n in (4, 4, 3))
+    gamma = torch.rand(1, 2, 13, 3, generator=gen)
+    alpha, eta = 0.5 + 0.5 * torch.rand(1, 2, 13, generator=gen), 0.1 * torch.rand(1, 2, 13, generator=gen)
+    for mine, ref in zip(chunkwise_masked_after_exp(q, k, v, gamma, alpha, eta, 5),
+                         chunkwise_library(q, k, v, gamma, alpha, eta, 5)):
+        torch.testing.assert_close(mine, ref)
+    v = ch04.chunkwise.evaluate(chunkwise_masked_after_exp)
+    assert v.status == "failed" and "NaN" in v.message and "scalar gates in [0.01, 0.05]" in v.message, v.message
+
+
 def test_chunkwise_rejects_the_per_token_rule():
     """Frozen gradients are a different model: the exact rule fails for chunk sizes above 1."""
     v = ch04.chunkwise.evaluate(chunkwise_per_token)

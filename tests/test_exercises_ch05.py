@@ -28,7 +28,7 @@ def test_registered_with_at_least_four_exercises():
 
 # ---- exercise 1: one Newton-Schulz step -----------------------------------------------------------
 
-def ns_step_right_gram(G, coeffs, norm=None, batch_norm=False, gram_left=False):
+def ns_step_right_gram(G, coeffs, norm=None, batch_norm=False, gram_left=False, eps=1e-7):
     """X -> a X + b X (X^T X) + c X (X^T X)^2 (the other Gram matrix: the same map), with switchable slips."""
     a, b, c = coeffs
     if batch_norm:
@@ -38,7 +38,7 @@ def ns_step_right_gram(G, coeffs, norm=None, batch_norm=False, gram_left=False):
     elif norm == "none":
         scale = 1.0
     else:
-        scale = torch.linalg.matrix_norm(G, keepdim=True) + 1e-7
+        scale = torch.linalg.matrix_norm(G, keepdim=True) + eps
     X = G / scale
     if gram_left:                                                          # (X^T X) X: only square matrices
         A = X.transpose(-1, -2) @ X
@@ -58,6 +58,12 @@ def test_ns_step_passes_correct_answers():
 def test_ns_step_rejects_wrong_normalisation(kw):
     v = ch05.ns_step.evaluate(lambda G, c: ns_step_right_gram(G, c, **kw))
     assert v.status == "failed" and "NS_1(G): relative RMSE" in v.message, v.message
+
+
+def test_ns_step_rejects_a_normalisation_without_eps():
+    """Invisible on matrices of norm 0.6 to 60; the check's all-zero matrix makes it 0/0."""
+    v = ch05.ns_step.evaluate(lambda G, c: ns_step_right_gram(G, c, eps=0.0))
+    assert v.status == "failed" and "is all zero" in v.message and "||X||_F + eps" in v.message, v.message
 
 
 def test_ns_step_rejects_reversed_coefficients_and_the_wrong_gram():

@@ -93,13 +93,16 @@ def test_dyadic_catches_float_log2():
 # ---- exercises 2 and 3: one token's GRM readout and the soup ----------------------------------------
 
 def grm_math(q, u, states, pooled, online, online_pool, include_online=True, shift=True, weights="softmax",
-             transpose=False):
+             transpose=False, shift_by_cached_only=False):
     """gamma = softmax(<u, p_i>, <u, p_s>); y = gamma_s online + sum_i gamma_i M^(i) q, with switchable slips."""
     r = torch.einsum("bhk,bhnk->bhn", u, pooled)
     r_s = (u * online_pool).sum(-1, keepdim=True)
     logits = torch.cat([r, r_s], dim=-1) if include_online else r
     if weights == "ones":
         gamma = torch.ones_like(logits)
+    elif shift_by_cached_only and r.shape[-1]:                 # the largest *cached* score subtracted
+        e = torch.exp(logits - r.amax(-1, keepdim=True))
+        gamma = e / e.sum(-1, keepdim=True)
     elif shift:
         gamma = torch.softmax(logits, dim=-1)
     else:
@@ -127,7 +130,8 @@ def test_grm_readout_passes_correct_answers():
     (dict(include_online=False), "y: relative RMSE"),     # the softmax over the cached states only, online added as is
     (dict(weights="ones"), "y: relative RMSE"),           # residual memory, not GRM
     (dict(shift=False), "not finite"),                     # exp(100) in fp32
-], ids=["online_outside_softmax", "residual", "no_shift"])
+    (dict(shift_by_cached_only=True), "an online relevance of 100"),   # exp(99): the online score is the largest
+], ids=["online_outside_softmax", "residual", "no_shift", "shift_by_the_cached_scores"])
 def test_grm_readout_rejects_typical_mistakes(kw, where):
     v = ch07.grm_readout.evaluate(lambda *a: grm_math(*a, **kw))
     assert v.status == "failed" and where in v.message, v.message

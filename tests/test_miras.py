@@ -330,7 +330,8 @@ def engine_against_oracle(gen, name, overrides, oracle_name, oracle_overrides):
 
 # The models of book ch. 3 as the papers give them (book ch. 3 §3 and its summary table, [M] Table 1), written
 # out here rather than read from PRESETS: deep memories of hidden width 4 d_k with GELU; Moneta (p, q) = (3, 4);
-# Memora's simplex of mass c = 1; LayerNorm on the residual branch of all three MIRAS models.
+# Memora's simplex of mass c = 1 (the papers give no c: the library's default); LayerNorm on the residual
+# branch of all three MIRAS models.
 HIDDEN = dict(expansion=4, activation="gelu")
 PAPER_MODELS = {
     "ttt_mlp": dict(memory="mlp", bias="l2", retention="none", optimizer="gd", **HIDDEN),

@@ -143,16 +143,17 @@ def momentum_chunk(fn, gen):
     M_t = alpha_t M_{t-1} + S_t.
     """
     opt, ret = titans_parts()
-    # (N, b, V, K, momentum decay range); the last chunk's cumulative products underflow fp32
-    # (theta <= 0.2 over 64 tokens: log of the product about -150 +- 5, below fp32's -103 for every draw;
+    # (N, b, V, K, momentum decay range, retention range); the last two chunks' cumulative products underflow
+    # fp32 (a gate <= 0.2 over 64 tokens: log of the product about -150 +- 5, below fp32's -103 for every draw;
     # over 48 tokens about 1 draw in 100 stayed above it), where quotients of cumulative products give 0/0
-    cases = [(2, 5, 3, 4, 0.3, 1.0), (1, 16, 4, 4, 0.05, 1.0), (3, 1, 2, 5, 0.5, 1.0), (2, 9, 6, 2, 0.8, 1.0),
-             (1, 64, 3, 3, 0.02, 0.2)]
-    for N, b, V, K, low, high in cases:
+    cases = [(2, 5, 3, 4, (0.3, 1.0), (0.5, 1.0)), (1, 16, 4, 4, (0.05, 1.0), (0.5, 1.0)),
+             (3, 1, 2, 5, (0.5, 1.0), (0.5, 1.0)), (2, 9, 6, 2, (0.8, 1.0), (0.8, 1.0)),
+             (1, 64, 3, 3, (0.02, 0.2), (0.5, 1.0)), (1, 64, 3, 3, (0.5, 1.0), (0.02, 0.2))]
+    for N, b, V, K, (low, high), (a_low, a_high) in cases:
         M0 = torch.randn(N, V, K, generator=gen)
         S0 = torch.randn(N, V, K, generator=gen)
         G = torch.randn(N, b, V, K, generator=gen)
-        alpha = random_gate(N, 1, b, low=max(low, 0.5), generator=gen)[:, 0]
+        alpha = random_gate(N, 1, b, low=a_low, high=a_high, generator=gen)[:, 0]
         theta = random_gate(N, 1, b, low=low, high=high, generator=gen)[:, 0]
         eta = 0.1 + 0.9 * torch.rand(N, b, generator=gen)
         M, S, states = {"M": M0}, {"M": S0}, []
@@ -161,7 +162,8 @@ def momentum_chunk(fn, gen):
             M = ret.combine(M, u, alpha[:, t])
             states.append(M["M"])
         M_ref, S_ref = torch.stack(states, dim=1), S["M"]
-        with case(f"N={N}, chunk b={b}, V={V}, K={K}, momentum decay theta in [{low}, {high}]"):
+        with case(f"N={N}, chunk b={b}, V={V}, K={K}, momentum decay theta in [{low}, {high}], "
+                  f"retention alpha in [{a_low}, {a_high}]"):
             got_M, got_S = unpack(call(fn, *clones(M0, S0, G, alpha, theta, eta)), ("M", "S_b"))
             check_shape("M", got_M, M_ref.shape)
             check_shape("S_b", got_S, S_ref.shape)

@@ -131,14 +131,16 @@ def chunkwise(fn, gen):
         (1, 2, 14, 6, 3, 6, False, (1, 2, 4, 7)),       # c > chunk: windows reach into the previous chunk
         (1, 1, 24, 8, 8, 1, True, (3, 8)),              # c = 1: the delta rule with frozen gradients
         (1, 2, 1, 4, 3, 2, True, (1, 4)),
+        (1, 1, 40, 4, 3, 3, (0.01, 0.05), (32,)),   # strong gates: e^{g_t - g_s} above the diagonal overflows
     ]
     for B, H, T, D, V, c, gated, sizes in cases:
         q, k, v = random_qkv(B, H, T, D, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         gamma = random_gate(B, H, T, c, low=0.2, generator=gen)
-        alpha = random_gate(B, H, T, low=0.5, generator=gen) if gated else None
+        low, high = gated if isinstance(gated, tuple) else (0.5, 1.0)
+        alpha = random_gate(B, H, T, low=low, high=high, generator=gen) if gated else None
         eta = (0.2 + 0.8 * torch.rand(B, H, T, generator=gen)) / c
-        kind = "scalar gates" if gated else "alpha=None"
+        kind = f"scalar gates in [{low}, {high}]" if gated else "alpha=None"
         for b in sizes:
             o_ref, M_ref = omega_frozen_seq(q, k, v, c, gamma, alpha, eta, None, b)
             with case(f"B={B}, H={H}, T={T}, D={D}, V={V}, window c={c}, {kind}, chunk_size={b}"):

@@ -46,22 +46,32 @@ def _batch_of_scales(B, H, m, n, gen, dtype=torch.float32):
     return (scale * torch.randn(B, H, m, n, generator=gen)).to(dtype)
 
 
+ZERO_HINT = " An all-zero matrix has the norm 0: divide by ||X||_F + eps, as the statement says (0/0 is NaN)."
+
+
 @EXERCISES.check("ns_step", title="One Newton-Schulz step", points=2,
                   functions=("ns_step",), forbidden=NEWTON_SCHULZ)
 def ns_step(fn, gen):
     """fn(G [B,H,m,n], coeffs (p0, p1, p2)) -> NS_1(G): each matrix normalised by its own Frobenius norm, then
     X -> p0 X + p1 (X X^T) X + p2 (X X^T)^2 X (tall matrices may be transposed: the result is the same)."""
-    cases = [(2, 3, 5, 7, "muon"), (1, 2, 9, 4, "quintic"), (2, 1, 6, 6, "random"), (1, 1, 1, 5, "muon"),
-             (3, 2, 7, 3, "cubic"), (1, 3, 16, 33, "muon")]          # (B, H, m, n, coefficients)
-    for B, H, m, n, name in cases:
+    # (B, H, m, n, coefficients, the matrix [b, h] made all zero or None): a zero matrix's norm is 0, and its step
+    # 0 only with the statement's eps
+    cases = [(2, 3, 5, 7, "muon", None), (1, 2, 9, 4, "quintic", None), (2, 1, 6, 6, "random", None),
+             (1, 1, 1, 5, "muon", None), (3, 2, 7, 3, "cubic", None), (1, 3, 16, 33, "muon", None),
+             (2, 2, 4, 6, "muon", (1, 0))]
+    for B, H, m, n, name, zero in cases:
         G = _batch_of_scales(B, H, m, n, gen)
+        if zero is not None:
+            G[zero] = 0.0
         coeffs = _coeffs(name, gen)
         ref = newton_schulz(G, 1, coeffs)
         shape = "tall" if m > n else ("square" if m == n else "wide")
-        with case(f"B={B}, H={H}, {m} x {n} ({shape}), coefficients {name} {coeffs}"):
+        label = f"B={B}, H={H}, {m} x {n} ({shape}), coefficients {name} {coeffs}"
+        label += f" (matrix {list(zero)} is all zero)" if zero is not None else ""
+        with case(label):
             got = call(fn, G.clone(), coeffs)
             check_shape("NS_1(G)", got, G.shape)
-            compare("NS_1(G)", got, ref, TOL)
+            compare("NS_1(G)", got, ref, TOL, explain=ZERO_HINT if zero is not None else "")
     return f"NS_1(G) matches atlaslib.atlas.newton_schulz on {len(cases)} batches (wide, square and tall matrices)"
 
 
@@ -222,9 +232,6 @@ def momenta(fn, gen):
             compare("S", got, ref, TOL)
     return (f"all the chunk's momenta match the per-token recursion on {len(cases)} chunks "
             "(resets and underflow included)")
-
-
-ZERO_HINT = " An all-zero matrix has the norm 0: divide by ||X||_F + eps, as the statement says (0/0 is NaN)."
 
 
 @EXERCISES.check("triton_ns_step", title="A Triton kernel for one Newton-Schulz step on a tile", points=3,

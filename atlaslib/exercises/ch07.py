@@ -106,10 +106,12 @@ def _token_inputs(B, H, N, K, V, gen, large=False):
     pooled = torch.randn(B, H, N, K, generator=gen) / K ** 0.5
     online_state = torch.randn(B, H, V, K, generator=gen) / K ** 0.5
     online_pool = torch.randn(B, H, K, generator=gen) / K ** 0.5
-    if large and N:     # a cached segment with a relevance of 100 and the online one at 95: exp overflows fp32
+    if large is True and N:     # a cached segment with a relevance of 100 and the online one at 95: exp overflows fp32
         unit = u / u.square().sum(-1, keepdim=True)
         pooled[:, :, 0] = 100 * unit
         online_pool = 95 * unit
+    if large == "online":   # the online relevance at 100, the cached ones about 1: a maximum over the cached only
+        online_pool = 100 * u / u.square().sum(-1, keepdim=True)       # leaves exp(99), which overflows fp32
     return q, u, states, pooled, online_state, online_pool
 
 
@@ -124,11 +126,12 @@ def _grm_reference(q, u, states, pooled, online, online_pool):
 
 
 TOKEN_CASES = [(2, 3, 4, 5, 7, False), (1, 2, 1, 6, 3, False), (1, 1, 0, 4, 4, False), (2, 2, 9, 8, 5, False),
-               (1, 2, 6, 4, 3, True)]      # (B, H, N, K, V, large scores)
+               (1, 2, 6, 4, 3, True), (1, 2, 5, 4, 3, "online")]      # (B, H, N, K, V, large scores)
 
 
 def _label(B, H, N, K, V, large):
-    extra = " (relevances of 100: exp overflows fp32)" if large else ""
+    extra = (" (an online relevance of 100, cached ones about 1: exp overflows fp32)" if large == "online" else
+             " (relevances of 100: exp overflows fp32)" if large else "")
     extra += " (no cached state: a token of the first segment)" if N == 0 else ""
     return f"B={B}, H={H}, N={N}, K={K}, V={V}{extra}"
 

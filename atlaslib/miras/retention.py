@@ -19,9 +19,10 @@ gives alpha_t M_{t-1}(I - eta_t k k^T) + eta_t v k^T, Gated DeltaNet.
 
 kl is the KL divergence on the scaled simplex {W >= 0, sum W = c} with negative-entropy
 regularisation; its closed form W_t = c Softmax(alpha_t log W_{t-1} - eta_t grad) ([M]
-eq 31, which calls the gate beta_t; book ch. 3 §5, the softmax over *all* entries of each matrix) is computed in the
-log domain: softmax is shift-invariant, so the logits Z_t = alpha_t Z_{t-1} - eta_t grad_t
-give exactly the same W_t, and the recursion on Z is linear (what the chunk form needs).
+eq 31, where the gate is 1 - lambda_t; eq 10 calls it beta_t; book ch. 3 §5, the softmax over *all*
+entries of each matrix) is computed in the log domain: softmax is shift-invariant, so the logits
+Z_t = alpha_t Z_{t-1} - eta_t grad_t give exactly the same W_t, and the recursion on Z is linear (what
+the chunk form needs).
 lq is Moneta's normalisation: a linear accumulator Z_t = alpha_t Z_{t-1} - eta_t grad ([M]'s A_t), read
 as W_t = Z_t / ||Z_t||_q^(q-2) with the entrywise q-norm of each whole matrix ([M] eq 8;
 [M] Table 1 writes ||A||_2^2; q > 2 lies outside the range where it follows from a
