@@ -169,6 +169,16 @@ def test_exception_is_reported_by_name_without_traceback():
     assert "B=2, H=3" in v.message    # says which case
 
 
+def test_a_cuda_fault_says_to_restart_the_kernel():
+    """After an illegal memory access every later CUDA call of the process fails: the verdict says so."""
+    def faults(*a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    v = ch01.hebbian_step.evaluate(faults)
+    assert v.status == "error" and "restart the notebook's kernel" in v.message, v.message
+    v = ch01.hebbian_step.evaluate(lambda *a: {}["missing"])
+    assert "restart" not in v.message
+
+
 def test_wrong_return_type_and_shape_are_explained():
     v = ch01.hebbian_step.evaluate(lambda M, q, k, v, a: M)
     assert v.status == "failed" and "expected a tuple (M_t, y_t)" in v.message

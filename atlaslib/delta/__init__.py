@@ -23,7 +23,8 @@ BETA_MAX = 2.0
 
 
 def longhorn_beta(beta: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Longhorn's implicit step: beta_t / (1 + beta_t ||k_t||^2).
+    """Longhorn's implicit step: beta_t / (1 + beta_t ||k_t||^2), ``beta`` the weight of the proximal term
+    (eta_R in the book's notation, ch. 2 §4; the result is the delta rule's step beta_t of the book).
 
     With this step, one delta-rule update lands exactly on the minimiser of
     1/2 ||v_t - M k_t||^2 + 1/(2 beta_t) ||M - M'_t||_F^2 (implicit / proximal GD), where
@@ -78,7 +79,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | float, *, alpha: 
             never rounded to the activation dtype (a bf16 gate 1 - 2^-12 is exactly 1.0). Train a gate
             through it: a gradient with respect to a small alpha (< 1e-3) can lose its digits in fp32, and
             one below e^-60 (0 included) is 0 in the chunk and Triton forms, as ``linear_attention`` says.
-        longhorn: interpret ``beta`` as Longhorn's implicit step and use
+        longhorn: read ``beta`` as the weight eta_R of Longhorn's proximal term (book ch. 2 §4) and use
             ``longhorn_beta(beta, k)`` = beta / (1 + beta ||k||^2) as the delta-rule step;
             the update is then the exact minimiser of
             1/2 ||v - M k||^2 + 1/(2 beta) ||M - M_{t-1} Diag(alpha_t)||^2.

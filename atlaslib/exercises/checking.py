@@ -88,9 +88,25 @@ class Verdict:
             display({"text/plain": self.text(), MIME: json.dumps(asdict(self), sort_keys=True)}, raw=True)
 
 
+def compile_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Triton ``CompilationError`` or one of its subclasses (``UnsupportedLanguageConstruct``,
+    ...): what a GPU's JIT raises at the launch of a kernel it cannot compile."""
+    return any(c.__name__ == "CompilationError" for c in type(exc).__mro__)
+
+
+def compile_message(exc: BaseException) -> str:
+    """A compilation error's cause first, then the kernel's line it points at: its text lists up to 12 lines
+    of the kernel before the cause, which a message cut to a few hundred characters would keep instead."""
+    lines = [line for line in str(exc).split("\n") if line.strip()]
+    node, src = getattr(exc, "node", None), getattr(exc, "src", None) or ""
+    row = getattr(node, "lineno", 0)
+    code = src.split("\n")[row - 1].strip() if 0 < row <= len(src.split("\n")) else ""
+    return f"{lines[-1] if lines else ''} (line {row} of the kernel: {code})" if code else " ".join(lines)
+
+
 def short(exc: BaseException, limit: int = 400) -> str:
     """``TypeError: message`` on one line, cut to ``limit`` characters."""
-    msg = " ".join(str(exc).split())
+    msg = " ".join((compile_message(exc) if compile_error(exc) else str(exc)).split())
     text = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -414,7 +430,7 @@ def call(fn, *args, **kwargs):
             raise CheckFailed(e.message[len(FORBIDDEN_MARK):]) from None
         if e.not_implemented:
             raise NotImplementedYet(e.message) from None
-        raise LearnerError(f"your function raised {e}") from None
+        raise LearnerError(f"your function raised {e}{cuda_fault_hint(str(e))}") from None
     except Exception as e:  # the learner's bug, reported without a traceback wall
         e = root_cause(e)
         if type(e).__name__ == "ForbiddenCall":
@@ -423,7 +439,7 @@ def call(fn, *args, **kwargs):
             raise CheckFailed(str(e)[len(FORBIDDEN_MARK):]) from None
         if is_not_implemented(e):
             raise NotImplementedYet(str(e)) from None
-        raise LearnerError(f"your function raised {short(e)}") from None
+        raise LearnerError(f"your function raised {short(e)}{cuda_fault_hint(str(e))}") from None
     rules.launches.append(launches)
     rules.moved.append(moved)
     for label, t, before in inputs:
@@ -466,10 +482,18 @@ def from_numpy(x):
 FORBIDDEN_MARK = "ForbiddenCall: "
 
 
+def cuda_fault_hint(message: str) -> str:
+    """Added to a CUDA fault (a load or store far out of bounds on a card): after one, every later CUDA call of
+    the process fails, so the notebook's other checks would report errors that are not theirs."""
+    if "illegal memory access" not in message and "illegal address" not in message:
+        return ""
+    return (". A CUDA fault leaves the GPU unusable for this kernel: look for an unmasked load or store, then "
+            "restart the notebook's kernel before running another check")
+
+
 def is_not_implemented(e: BaseException) -> bool:
     """The untouched stub: NotImplementedError, or a Triton kernel whose body raises it (on a GPU)."""
-    return isinstance(e, NotImplementedError) or (
-        type(e).__name__ == "CompilationError" and "NotImplementedError" in str(e))
+    return isinstance(e, NotImplementedError) or (compile_error(e) and "NotImplementedError" in str(e))
 
 
 def root_cause(e: BaseException) -> BaseException:

@@ -31,7 +31,7 @@ and the cache holds that state and the convolution's last inputs: a fixed size, 
 that grow with T (``state_size`` None: softmax attention, the DeepTransformer without a window, DOT's
 exact form, Memory Caching), whose state is itself the past they keep. The step is
 the per-token rule: for the mixers whose chunk length is part of the model (frozen gradients per chunk:
-chapters 3-5, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size=1``.
+chapters 3-5 except SWLA, DLA, DOT with a window) it equals ``forward`` only at ``chunk_size=1``.
 
 In another training loop: every mixer pickles (``torch.save(model)``), builds under
 ``torch.device("meta")``, and runs under ``torch.autocast`` (the library's forms switch it off and keep

@@ -1,4 +1,5 @@
-"""Chapter 7 mixer: Memory Caching over a chapter 1 or 2 mixer, ``make_mixer("memory_caching", ...)``.
+"""Chapter 7 mixer: Memory Caching over a chapter 1 or 2 mixer, ``make_mixer("memory_caching", ...)``
+(bases: linear, mamba2, gla, deltanet, gated_deltanet, kda; RetNet is not offered).
 
 The layer is its base mixer (projections, short convolution, q/k normalisation, gates: the base's own
 classes, inherited) whose sequence mixing is ``atlaslib.caching.memory_caching`` over the base's library

@@ -8,13 +8,13 @@
 * ``"mag"`` (memory as a gate): both branches read x and are mixed per channel by a learned
   sigmoid gate,
 
-      g_t = sigmoid(W_g x_t + b_g)  in (0, 1)^{d_model},
-      y_t = g_t * SWA(x)_t + (1 - g_t) * Memory(x)_t.
+      mu_t = sigmoid(W_mu x_t + b_mu)  in (0, 1)^{d_model},
+      y_t = mu_t * SWA(x)_t + (1 - mu_t) * Memory(x)_t     (mu_t, not g_t: g is the book's log-gate).
 
   Titans (§4.2) combines the branches "with a gating mechanism" and normalisation, and ATLAS
   (§5, Figure 3) takes its MAG and MAL variants; both leave the exact form open. This is one simple choice (no extra
-  normalisation; b_g = 0, so the gate starts centred at 1/2). g = 1 gives the SWA branch alone,
-  g = 0 the memory branch alone.
+  normalisation; b_mu = 0, so the gate starts centred at 1/2). mu = 1 gives the SWA branch alone,
+  mu = 0 the memory branch alone.
 
 Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
 memory="atlas", window=16, **memory_kw)``. ``window`` is the attention's window; every other
@@ -150,7 +150,7 @@ class MAL(Hybrid):
 
 @register_mixer("mag")
 class MAG(Hybrid):
-    """Memory as a gate: y = g * SWA(x) + (1 - g) * Memory(x), g = sigmoid(W_g x + b_g) per channel."""
+    """Memory as a gate: y = mu * SWA(x) + (1 - mu) * Memory(x), mu = sigmoid(W_mu x + b_mu) per channel."""
 
     def __init__(self, d_model, n_heads, **kw):
         super().__init__(d_model, n_heads, **kw)
