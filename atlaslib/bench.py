@@ -2,7 +2,7 @@
 
 For every registered model (a *bench case*) and every backend it prints
 
-    model  backend  device  dtype  B  H  T  K  V  time_ms  peak_MiB  speedup  [TFLOP/s  GB/s]
+    model  backend  device  dtype  B  H  T  K  V  time_ms  peak_MiB  speedup  speedup_vs  [TFLOP/s  GB/s]
 
 * ``time_ms``: median wall time of ``--repeats`` calls after ``--warmup`` calls (CUDA
   calls are synchronised before the clock stops). The backends of one model and T are
@@ -16,8 +16,9 @@ For every registered model (a *bench case*) and every backend it prints
   running sum of those sizes in time order is the memory held at each moment, and its
   maximum is the peak. (This counts tensor storage only, not Python objects, which is
   what grows with T.)
-* ``speedup``: recurrent-loop time / this backend's time, for the same model and shape (or,
-  for a case that registers another ``reference`` backend, that one's time: ``deep_vs_sdpa``
+* ``speedup``: the time of the ``speedup_vs`` backend / this backend's time, for the same model and
+  shape: the recurrent loop's (or, for a case that registers another ``reference`` backend, that
+  one's: ``deep_vs_sdpa``
   divides PyTorch's ``scaled_dot_product_attention`` by chapter 6's kernel-trick forms, chapter 7's
   ``mc_gdn_*`` the chunk form by the kernel, the loop being compared under the table); the
   reference's own row reads 1.0x. Ratios below 0.1 keep two significant digits.
@@ -160,6 +161,16 @@ def peak_memory_mib(fn, device) -> float:
     return peak / 2**20
 
 
+def falls_back(fn) -> bool:
+    """Whether ``fn()`` ran the chunk form in place of a Triton kernel the card refused
+    (``core.dispatch.forward_or_fallback``'s warning): its time is then the chunk form's."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return any("does not fit this GPU" in str(w.message) for w in caught)
+
+
 def case_backends(case: BenchCase, backends, device) -> list[str]:
     """The backends of ``case`` to time: those of ``backends`` it has, in that order; by default
     (``backends`` None) every one it registers, baselines such as "sdpa" included, the Triton
@@ -188,13 +199,17 @@ def run_benchmarks(models=None, Ts=(1024, 4096), *, backends=None, device="cpu",
         call = case.builder(shape, torch.Generator().manual_seed(seed))
         fns = {b: (lambda b=b: call(b)) for b in case_backends(case, backends, device)}
         with torch.no_grad():
+            # a Triton backend that fell back to the chunk form is timed, but labelled as what ran
+            ran = {b: f"{b} (ran chunk: kernel did not fit)" if b.startswith("triton") and falls_back(fn) else b
+                   for b, fn in fns.items()}
             times = time_calls(fns, device, warmup=warmup, repeats=repeats)      # backends interleaved
             peaks = {b: peak_memory_mib(fn, device) for b, fn in fns.items()}
         ref = times.get(case.reference)
         for backend, ms in times.items():
-            row = {"model": name, "backend": backend, "device": str(device),
+            row = {"model": name, "backend": ran[backend], "device": str(device),
                    "dtype": str(dtype).replace("torch.", ""), "B": B, "H": H, "T": T, "K": K, "V": V,
-                   "time_ms": ms, "peak_MiB": peaks[backend], "speedup": (ref / ms) if ref else None}
+                   "time_ms": ms, "peak_MiB": peaks[backend], "speedup": (ref / ms) if ref else None,
+                   "speedup_vs": case.reference if ref else None}
             if on_gpu:
                 # FLOPs of the chunkwise algorithm: meaningless for the token loop, so left blank there
                 row["TFLOP/s"] = (case.flops(shape) / (ms * 1e-3) / 1e12
@@ -210,6 +225,7 @@ def scaling(models=None, Ts=(1024, 2048, 4096, 8192), *, backend="chunk", **kw) 
     for r in rows:
         r["MiB_per_1k_tokens"] = r["peak_MiB"] / (r["T"] / 1024)
         r.pop("speedup")
+        r.pop("speedup_vs")
     return rows
 
 
@@ -273,7 +289,11 @@ def write_rows_json(path, rows: list[dict], **settings) -> dict:
     import json
 
     from .bench_fla import environment
-    doc = {**environment(), "settings": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in settings.items()},
+    env = environment()
+    if not str(settings.get("device", "cpu")).startswith("cuda"):
+        env["card"] = None                               # nothing ran on a card, whatever the machine has
+    doc = {**env, "settings": {k: str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v
+                               for k, v in settings.items()},
            "rows": finite_rows(rows)}
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
@@ -393,12 +413,13 @@ def main(argv=None):
         Ts = args.T or ([256] if args.quick else [1024, 4096])
         rows = run_benchmarks(args.models, Ts, backends=args.backends, **kw)
         print(_table(rows))
-        if args.json:
-            write_rows_json(args.json, rows, Ts=Ts, **{k: v for k, v in kw.items() if k != "progress"})
-            print(f"wrote {args.json}")
+        print("speedup = the time of the speedup_vs backend / this row's time (> 1: this row faster)")
         notes = case_notes(args.models, Ts, **kw)
         if notes:
             print("\n" + "\n".join(notes))
+        if args.json:
+            write_rows_json(args.json, rows, Ts=Ts, notes=notes, **{k: v for k, v in kw.items() if k != "progress"})
+            print(f"wrote {args.json}")
     if str(args.device).startswith("cuda"):
         peaks = measured_peaks(args.device)
         print(f"measured peaks on this card: fp32 matmul {peaks['matmul_TFLOP/s']:.1f} TFLOP/s "

@@ -175,8 +175,14 @@ def ours(model: str, x: dict, backend: str) -> torch.Tensor:
 
 def fla_inputs(model: str, x: dict, impl: str) -> dict:
     """``x`` in the layout of fla's ``impl`` ("chunk": the CUDA ops, "naive": the CPU references)."""
+    if impl == "naive" and model in ("linear_channel_gate", "deltanet"):
+        # these references fix the scale at K^-0.5: they get q * K^0.5, made here, outside the timed call
+        x = {**x, "q": x["q"] * x["q"].shape[-1] ** 0.5}
     if impl == "naive" and model == "deltanet":                # delta_rule_chunkwise is head-first
         return {name: t.contiguous() for name, t in x.items()}
+    if impl == "chunk" and model == "deltanet" and x["q"].dtype == torch.float32:
+        # fp32 DeltaNet runs as chunk_gated_delta_rule with g = 0 (see fla_call): the zeros made once, here
+        x = {**x, "g0": torch.zeros_like(x["beta"], dtype=torch.float32)}
     return {name: to_fla(t) for name, t in x.items()}
 
 
@@ -189,8 +195,8 @@ def fla_call(model: str, impl: str, dtype: torch.dtype, fns=None):
     if impl == "chunk":
         if model == "deltanet" and dtype == torch.float32:
             gdn = get(FLA_CHUNK["gated_deltanet"])
-            return (lambda f: from_fla(gdn(f["q"], f["k"], f["v"], g=torch.zeros_like(f["beta"], dtype=torch.float32),
-                                           beta=f["beta"], scale=1.0, use_qk_l2norm_in_kernel=False, **off)[0]),
+            return (lambda f: from_fla(gdn(f["q"], f["k"], f["v"], g=f["g0"], beta=f["beta"], scale=1.0,
+                                           use_qk_l2norm_in_kernel=False, **off)[0]),
                     "chunk_gated_delta_rule", "g = 0: chunk_delta_rule refuses fp32")
         fn = get(FLA_CHUNK[model])
         if model == "linear":
@@ -214,10 +220,10 @@ def fla_call(model: str, impl: str, dtype: torch.dtype, fns=None):
         return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], scale=1.0, normalize=False))), *name
     if model == "linear_scalar_gate":
         return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], scale=1.0, **off)[0])), *name
-    if model == "linear_channel_gate":           # fixed scale K^-0.5: hand it q * K^0.5
-        return (lambda f: from_fla(fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["g"], **off)[0])), *name
-    if model == "deltanet":                      # head-first, fixed scale, 32-token chunks
-        return (lambda f: fn(f["q"] * f["q"].shape[-1] ** 0.5, f["k"], f["v"], f["beta"], chunk_size=32)[0]), *name
+    if model == "linear_channel_gate":           # fixed scale K^-0.5: fla_inputs hands it q * K^0.5
+        return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], **off)[0])), *name
+    if model == "deltanet":                      # head-first, fixed scale (q * K^0.5 as above), 32-token chunks
+        return (lambda f: fn(f["q"], f["k"], f["v"], f["beta"], chunk_size=32)[0]), *name
     if model == "gated_deltanet":
         return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], f["beta"], scale=1.0, **off)[0])), *name
     return (lambda f: from_fla(fn(f["q"], f["k"], f["v"], f["g"], f["beta"], scale=1.0, **off)[0])), *name
@@ -323,7 +329,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
     path) can be replaced, e.g. by a test. ``profile``: each row also gets "profile", the forward's
     ``kernel_times`` on both sides. "wall_s" and "fwdbwd_wall_s": the wall time the forward and the
     forward + backward columns took, compilation and fla's autotuning included."""
-    from .bench import peak_memory_mib
+    from .bench import falls_back, peak_memory_mib
     on_gpu = str(device).startswith("cuda")
     impl = impl or ("chunk" if on_gpu else "naive")
     backend = backend or ("triton" if on_gpu else "chunk")
@@ -340,6 +346,9 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
         started = time.perf_counter()
         if forward:
             with torch.no_grad():
+                if backend.startswith("triton") and falls_back(lambda: ours(model, x, backend)):
+                    row["ours"] = f"{backend} (ran chunk: kernel did not fit)"       # what the times are of
+                    note = (note + "; " if note else "") + "our kernel did not fit this card: chunk form timed"
                 o_ours, o_fla = ours(model, x, backend), fla_fn(f)
                 row["rel_err"] = relative_error(o_ours, o_fla)
                 if not on_gpu:
@@ -360,6 +369,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
             # kind of view of a contiguous tensor, so that fla's backward gets it contiguous, as ours does
             both = {"ours": forward_backward(lambda z: ours(model, z, backend), xg, do),
                     "fla": forward_backward(fla_fn, fg, from_fla(to_fla(do)) if impl == "chunk" else do)}
+            ours_grads = both["ours"]()           # both sides called once before the timer: compiled alike
             try:
                 fla_grads = both["fla"]()
             except RuntimeError as e:     # fla refuses some backward passes on some cards and Triton versions
@@ -372,7 +382,7 @@ def compare(models=MODELS, shape: Shape = CPU_SHAPE, *, device="cpu", impl=None,
                 row.update(fla_fwdbwd_ms=t["fla"], fwdbwd_speedup=t["fla"] / t["ours"],
                            fla_fwdbwd_MiB=peak(both["fla"], device))
                 back = (lambda t: t) if impl == "naive" and model == "deltanet" else from_fla
-                row["grad_rel_err"] = max(relative_error(a, back(b)) for a, b in zip(both["ours"](), fla_grads))
+                row["grad_rel_err"] = max(relative_error(a, back(b)) for a, b in zip(ours_grads, fla_grads))
             row["fwdbwd_wall_s"] = time.perf_counter() - started
         if note:
             row["note"] = note
@@ -475,8 +485,10 @@ def run(device, *, shapes=None, models=MODELS, warmup=1, repeats=None, json_path
     shapes = shapes or (GPU_SHAPES if on_gpu else (CPU_SHAPE,))
     repeats = repeats or (10 if on_gpu else 3)
     env = environment()
-    out(f"atlaslib vs fla-core {env['fla-core']} on {env['card'] if on_gpu else 'CPU'}: torch {env['torch']}, "
-        f"triton {env['triton']}")
+    where = f"{env['card']} (CUDA {env['cuda']})" if on_gpu else f"CPU {env['cpu']}, {env['threads']} threads"
+    out(f"atlaslib vs fla-core {env['fla-core']} on {where}: torch {env['torch']}, triton {env['triton']}; "
+        f"median of {repeats} {'CUDA-event' if on_gpu else 'wall-clock'} timings, the two sides interleaved, "
+        f"after {warmup} warm-up round(s)")
     if not on_gpu:
         out("(CPU: our chunk forms against fla's PyTorch references; loop_rel_err: our per-token loop against them)")
     meta = dict(device=str(device), warmup=warmup, repeats=repeats, ours_backend="triton" if on_gpu else "chunk")

@@ -7,7 +7,8 @@ import torch
 
 from atlaslib import bench, bench_fla
 
-COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time_ms", "peak_MiB", "speedup"]
+COLUMNS = ["model", "backend", "device", "dtype", "B", "H", "T", "K", "V", "time_ms", "peak_MiB", "speedup",
+           "speedup_vs"]
 
 
 def test_table_prints_all_columns(capsys):
@@ -15,7 +16,8 @@ def test_table_prints_all_columns(capsys):
     setting, _, out = capsys.readouterr().out.strip().partition("\n")
     assert setting.startswith("# CPU ") and " threads; torch " in setting and "median of 1 after 1 warm-up" in setting
     table, notes = out.split("\n\n")
-    lines = table.splitlines()
+    *lines, footer = table.splitlines()
+    assert footer.startswith("speedup = the time of the speedup_vs backend")
     assert lines[0].split() == COLUMNS
     rows = [line.split() for line in lines[2:]]
     assert any(line.startswith("atlas_c8 T=20: Newton-Schulz") for line in notes.splitlines())
@@ -988,3 +990,70 @@ def test_the_setting_line_needs_no_triton(monkeypatch):
     assert env["triton"] is None and env["threads"] >= 1
     line = bench.setting_line(dict(device="cpu", chunk_size=64, repeats=3, warmup=1))
     assert line.startswith("# CPU ") and "triton None" in line, line
+
+
+def test_a_triton_row_that_ran_the_chunk_form_says_so(monkeypatch):
+    """A card that refuses a kernel's tiles gets the chunk form with a warning (core.dispatch): the row that
+    times it names what ran, instead of reporting the chunk form's time as the kernel's."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    import atlaslib.linear.kernel as kernel
+
+    def refuse(*a, **kw):
+        raise OutOfResources(300000, 232448, "shared memory")
+    monkeypatch.setattr(kernel, "linear_attention_autograd", refuse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = bench.run_benchmarks(["linear"], [16], backends=["chunk", "triton"], H=1, K=8, V=8,
+                                    warmup=0, repeats=1, progress=False)
+    assert [r["backend"] for r in rows] == ["chunk", "triton (ran chunk: kernel did not fit)"]
+
+
+def test_the_table_names_what_each_speedup_divides(capsys):
+    """speedup = the time of the speedup_vs backend / this row's: the loop for most cases, sdpa for deep_vs_sdpa."""
+    bench.main(["--T", "16", "--H", "1", "--K", "8", "--V", "8", "--models", "linear", "deep_vs_sdpa",
+                "--repeats", "1", "--warmup", "0", "--no-progress"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["model", "backend"])
+    column = lines[head].split().index("speedup_vs")
+    rows = [line.split() for line in lines[head + 2:] if line.strip() and not line.startswith("speedup")]
+    assert {(r[0], r[-1]) for r in rows} == {("linear", "recurrent"), ("deep_vs_sdpa", "sdpa")}, rows
+    assert column == len(lines[head].split()) - 1
+    assert "speedup = the time of the speedup_vs backend / this row's time" in out
+
+
+def test_vs_fla_header_names_the_machine_and_the_statistic():
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    lines = []
+    bench_fla.run("cpu", shapes=[bench_fla.Shape(1, 1, 64, 8, 4)], models=["linear"], warmup=0, repeats=1,
+                  out=lines.append)
+    env = bench_fla.environment()
+    assert env["cpu"] in lines[0] and f"{env['threads']} threads" in lines[0], lines[0]
+    assert "median of 1 wall-clock timings, the two sides interleaved, after 0 warm-up" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("model", ["linear_channel_gate", "deltanet"])
+def test_fla_references_get_their_scaled_query_outside_the_timed_call(model):
+    """fla's references with a fixed K^-0.5 scale are handed q * K^0.5, made once by fla_inputs."""
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    seen = []
+    fakes = {bench_fla.FLA_NAIVE[model]: lambda q, *a, **kw: seen.append(q) or (q, None)}
+    call, *_ = bench_fla.fla_call(model, "naive", torch.float32, fns=fakes)
+    x = bench_fla.make_inputs(model, bench_fla.Shape(1, 1, 64, 8, 4))
+    f = bench_fla.fla_inputs(model, x, "naive")
+    call(f)
+    assert seen[0] is f["q"]
+    torch.testing.assert_close(bench_fla.from_fla(f["q"]) if model != "deltanet" else f["q"], x["q"] * 8 ** 0.5)
+
+
+def test_fla_fp32_deltanet_gets_its_zero_gate_made_once():
+    pytest.importorskip("fla", reason=FLA_SKIP)
+    seen = []
+    fakes = {bench_fla.FLA_CHUNK["gated_deltanet"]: lambda q, k, v, g, beta, **kw: seen.append(g) or (v, None)}
+    call, *_ = bench_fla.fla_call("deltanet", "chunk", torch.float32, fns=fakes)
+    f = bench_fla.fla_inputs("deltanet", bench_fla.make_inputs("deltanet", bench_fla.Shape(1, 1, 16, 8, 4)), "chunk")
+    call(f), call(f)
+    assert seen[0] is seen[1] and not seen[0].any()

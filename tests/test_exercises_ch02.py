@@ -99,7 +99,7 @@ def test_delta_step_left_multiplication_fails_on_shape_when_k_differs_from_v():
 
 def ut_forward_substitution(M0, k, v, beta, alpha):
     """Row by row: u_t = beta_t (v_t - A_t M0 k_t - sum_{j<t} (A_t/A_j) (k_j.k_t) u_j), A_t/A_j = e^{g_t - g_j}."""
-    g = torch.log(alpha).cumsum(dim=-1)
+    g = torch.log(alpha).clamp_min(-60.0).cumsum(dim=-1)
     U = []
     for t in range(k.shape[2]):
         r = v[:, :, t] - torch.exp(g[:, :, t, None]) * mv(M0, k[:, :, t])
@@ -113,11 +113,11 @@ def ut_forward_substitution(M0, k, v, beta, alpha):
 def ut_variant(diagonal=False, gates=True, transposed=False, rhs_decay=True, rhs_beta=True):
     def solve(M0, k, v, beta, alpha):
         n = k.shape[2]
-        g = torch.log(alpha).cumsum(-1) if gates else torch.zeros_like(alpha)
+        g = torch.log(alpha).clamp_min(-60.0).cumsum(-1) if gates else torch.zeros_like(alpha)
         diff = g[..., :, None] - g[..., None, :]
         Gamma = torch.exp((-diff if transposed else diff).tril(0 if diagonal else -1)).tril(0 if diagonal else -1)
         system = torch.eye(n) + beta[..., None] * Gamma * (k @ k.transpose(-1, -2))
-        decay = torch.exp(torch.log(alpha).cumsum(-1)) if rhs_decay else torch.ones_like(alpha)
+        decay = torch.exp(torch.log(alpha).clamp_min(-60.0).cumsum(-1)) if rhs_decay else torch.ones_like(alpha)
         rhs = v - decay[..., None] * (k @ M0.transpose(-1, -2))
         rhs = beta[..., None] * rhs if rhs_beta else rhs
         return torch.linalg.solve(system, rhs)
@@ -145,7 +145,7 @@ def test_ut_solve_rejects_gamma_masked_after_the_exponential_or_built_from_produ
         def ut(M0, k, v, beta, alpha):
             b = k.shape[2]
             system = torch.eye(b) + beta[..., None] * gamma(alpha, b) * (k @ k.transpose(-1, -2))
-            rhs = v - torch.exp(torch.log(alpha).cumsum(-1))[..., None] * (k @ M0.transpose(-1, -2))
+            rhs = v - torch.exp(torch.log(alpha).clamp_min(-60.0).cumsum(-1))[..., None] * (k @ M0.transpose(-1, -2))
             return torch.linalg.solve(system, beta[..., None] * rhs)      # reads the upper triangle too
         return ut
 
@@ -153,7 +153,7 @@ def test_ut_solve_rejects_gamma_masked_after_the_exponential_or_built_from_produ
         return torch.ones(b, b, dtype=torch.bool).tril(-1)
 
     def masked_before(alpha, b):
-        g = torch.log(alpha).cumsum(-1)
+        g = torch.log(alpha).clamp_min(-60.0).cumsum(-1)
         return torch.exp((g[..., :, None] - g[..., None, :]).masked_fill(~strict(b), -math.inf))
 
     def masked_after(alpha, b):
@@ -181,7 +181,7 @@ def chunkwise_by_steps(global_gate=False, reset_state=False):
     def run(q, k, v, beta, alpha, chunk_size):
         B, H, T, K = q.shape
         M = q.new_zeros(B, H, v.shape[-1], K)
-        logs = None if alpha is None else torch.log(alpha)
+        logs = None if alpha is None else torch.log(alpha).clamp_min(-60.0)
         outs = []
         for s in range(0, T, chunk_size):
             e = min(s + chunk_size, T)

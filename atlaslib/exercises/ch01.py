@@ -16,7 +16,7 @@ from ..core.testing import random_gate, random_qkv
 from ..linear import linear_attention
 from ..tasks.capacity import least_squares_memory
 from .checking import (CheckFailed, Registry, call, case, check_guards, compare, compare_kernel_output, compare_number,
-                       guarded, guarded_output, uneven_norms, unpack)
+                       guarded, guarded_output, uneven_norms, unpack, with_resets)
 
 EXERCISES = Registry("ch01", helpers={"atlaslib.linear.chunk": ("chunk_step",)})   # what the notebook may import
 
@@ -121,23 +121,26 @@ def chunk_step(fn, gen):
                   forbidden=LIBRARY_FORMS)
 def chunkwise(fn, gen):
     """fn(q, k, v, alpha, chunk_size) -> (o, M_T); scalar gates alpha [B,H,T]."""
-    cases = [  # (B, H, T, K, V, chunk sizes, gates' range)
-        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20), (0.5, 1.0)),
-        (1, 1, 32, 8, 8, (8, 16, 7), (0.5, 1.0)),
-        (1, 2, 1, 4, 3, (1, 4), (0.5, 1.0)),
-        (1, 1, 40, 4, 3, (32,), (0.01, 0.05)),  # strong gates: e^{g_t - g_i} above the diagonal overflows
+    cases = [  # (B, H, T, K, V, chunk sizes, gates' range, resets)
+        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20), (0.5, 1.0), False),
+        (1, 1, 32, 8, 8, (8, 16, 7), (0.5, 1.0), False),
+        (1, 2, 1, 4, 3, (1, 4), (0.5, 1.0), False),
+        (1, 1, 40, 4, 3, (32,), (0.01, 0.05), False),  # strong gates: e^{g_t - g_i} above the diagonal overflows
+        (1, 2, 20, 5, 4, (1, 6, 20), (0.5, 1.0), True),  # gates of exactly 0: log 0 = -inf
     ]
-    for B, H, T, K, V, sizes, (low, high) in cases:
+    for B, H, T, K, V, sizes, (low, high), resets in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         alpha = random_gate(B, H, T, low=low, high=high, generator=gen)
+        alpha = with_resets(alpha) if resets else alpha
         o_ref, M_ref = reference(q, k, v, alpha)
+        gates = f"gates in [{low}, {high}]" + (", gates of 0 (resets) at t = 3, 10, 17" if resets else "")
         for c in sizes:
-            with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, chunk_size={c}, gates in [{low}, {high}]"):
+            with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, chunk_size={c}, {gates}"):
                 o, M_T = unpack(call(fn, *clones(q, k, v, alpha), c), ("o", "M_T"))
                 compare("o", o, o_ref, TOL)
                 compare("M_T", M_T, M_ref, TOL)
-    n = sum(len(c[-2]) for c in cases)
+    n = sum(len(c[5]) for c in cases)
     return f"matches the per-token loop for {n} (sequence, chunk size) pairs, T a multiple of the chunk or not"
 
 

@@ -18,7 +18,7 @@ from ..delta import delta_rule, longhorn_beta
 from ..delta.chunk import decayed_products
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, Registry, call, case, check_guards, compare, compare_kernel_output, guarded,
-                       guarded_output, uneven_norms, unpack)
+                       guarded_output, uneven_norms, unpack, with_resets)
 
 EXERCISES = Registry("ch02")
 
@@ -98,15 +98,18 @@ def ut_solve(fn, gen):
         (1, 1, 16, 16, 8, (0.3, 1.0)),
         (1, 3, 12, 4, 6, (0.8, 1.0)),      # b > K: the keys are linearly dependent
         (1, 1, 32, 4, 3, (0.01, 0.05)),    # strong gates: e^{g_t - g_j} above the diagonal overflows
+        (1, 2, 12, 5, 3, (0.5, 1.0, "resets")),    # gates of exactly 0 at t = 3, 10: log 0 = -inf
     ]
-    for B, H, b, K, V, (low, high) in cases:
+    for B, H, b, K, V, (low, high, *resets) in cases:
         _, k, v = random_qkv(B, H, b, K, V, generator=gen)
         k = uneven_norms(gen, k)
         beta = random_beta(B, H, b, gen)
         alpha = random_gate(B, H, b, low=low, high=high, generator=gen)
+        alpha = with_resets(alpha) if resets else alpha
         M0 = torch.randn(B, H, V, K, generator=gen)
         U_ref = corrected_values(M0, k, v, beta, alpha)
-        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, gates in [{low}, {high}]"):
+        gates = f"gates in [{low}, {high}]" + (", gates of 0 (resets) at t = 3, 10" if resets else "")
+        with case(f"B={B}, H={H}, chunk length b={b}, K={K}, V={V}, {gates}"):
             compare("U", call(fn, *clones(M0, k, v, beta, alpha)), U_ref, TOL)
     return f"U matches the per-token corrected values on {len(cases)} random chunks"
 
@@ -122,14 +125,17 @@ def chunkwise(fn, gen):
         (1, 1, 32, 8, 8, (0.5, 1.0), (8, 16, 7)),
         (1, 2, 1, 4, 3, (0.5, 1.0), (1, 4)),
         (1, 1, 40, 4, 3, (0.01, 0.05), (32,)),   # strong gates: e^{g_t - g_j} above the diagonal overflows
+        (1, 2, 20, 5, 4, (0.5, 1.0, "resets"), (1, 6, 20)),   # gates of exactly 0: log 0 = -inf
     ]
     for B, H, T, K, V, gates, sizes in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         beta = random_beta(B, H, T, gen, high=1.0)
         alpha = random_gate(B, H, T, low=gates[0], high=gates[1], generator=gen) if gates else None
+        alpha = with_resets(alpha) if gates and len(gates) > 2 else alpha
         o_ref, M_ref = recurrent(q, k, v, beta, alpha)
         kind = f"scalar gates in [{gates[0]}, {gates[1]}]" if gates else "alpha=None"
+        kind += ", gates of 0 (resets) at t = 3, 10, 17" if gates and len(gates) > 2 else ""
         for c in sizes:
             with case(f"B={B}, H={H}, T={T}, K={K}, V={V}, {kind}, chunk_size={c}"):
                 o, M_T = unpack(call(fn, *clones(q, k, v, beta, alpha), c), ("o", "M_T"))

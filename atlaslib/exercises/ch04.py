@@ -25,7 +25,7 @@ from ..omega.recurrent import window_gradient
 from .ch01 import clones, triton_setup
 from .checking import (NAN_HINT, CheckFailed, Registry, call, case, check_guards, compare, compare_features,
                        compare_kernel_output, compare_number, guarded, guarded_output, uneven_norms,
-                       unpack)
+                       unpack, with_resets)
 
 EXERCISES = Registry("ch04")
 
@@ -132,15 +132,18 @@ def chunkwise(fn, gen):
         (1, 1, 24, 8, 8, 1, True, (3, 8)),              # c = 1: the delta rule with frozen gradients
         (1, 2, 1, 4, 3, 2, True, (1, 4)),
         (1, 1, 40, 4, 3, 3, (0.01, 0.05), (32,)),   # strong gates: e^{g_t - g_s} above the diagonal overflows
+        (1, 2, 20, 4, 3, 3, (0.5, 1.0, "resets"), (1, 6, 20)),   # gates of exactly 0: log 0 = -inf
     ]
     for B, H, T, D, V, c, gated, sizes in cases:
         q, k, v = random_qkv(B, H, T, D, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         gamma = random_gate(B, H, T, c, low=0.2, generator=gen)
-        low, high = gated if isinstance(gated, tuple) else (0.5, 1.0)
+        low, high, *resets = gated if isinstance(gated, tuple) else (0.5, 1.0)
         alpha = random_gate(B, H, T, low=low, high=high, generator=gen) if gated else None
+        alpha = with_resets(alpha) if resets else alpha
         eta = (0.2 + 0.8 * torch.rand(B, H, T, generator=gen)) / c
         kind = f"scalar gates in [{low}, {high}]" if gated else "alpha=None"
+        kind += ", gates of 0 (resets) at t = 3, 10, 17" if resets else ""
         for b in sizes:
             o_ref, M_ref = omega_frozen_seq(q, k, v, c, gamma, alpha, eta, None, b)
             with case(f"B={B}, H={H}, T={T}, D={D}, V={V}, window c={c}, {kind}, chunk_size={b}"):

@@ -748,6 +748,15 @@ def uneven_norms(gen: torch.Generator, *xs: torch.Tensor, low: float = 0.6, high
     return out[0] if len(out) == 1 else out
 
 
+def with_resets(alpha: torch.Tensor, first: int = 3, every: int = 7) -> torch.Tensor:
+    """``alpha`` [B, H, T] with the gates of tokens first, first + every, ... exactly 0: full resets, which
+    the statements allow (alpha_t in [0, 1]) and which a chunk form that takes log(alpha) must floor (the
+    library floors it at -60): log 0 = -inf, and -inf - (-inf) is NaN."""
+    alpha = alpha.clone()
+    alpha[..., first::every] = 0.0
+    return alpha
+
+
 def guarded(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``x`` that sits between two bands of NaN (of the dtype's largest value, for
     integers).
