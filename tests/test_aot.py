@@ -427,16 +427,8 @@ def test_each_target_has_its_cards_documented_limit_and_architecture():
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
     """Real builds (fast, every target, a fresh cache) of the kernels in tests/aot_probe_kernels.py."""
-    import subprocess
-    import sys
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(ATLAS_AOT_CACHE=str(tmp_path_factory.mktemp("aot_cache")),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(root / "tests" / "aot_probe_kernels.py")], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    from aot_builds import real_builds
+    out = real_builds("aot_probe_kernels.py", tmp_path_factory.mktemp("aot_cache"))
     return {(b["config"].removeprefix("probe: "), b["target"]): b for b in out}
 
 

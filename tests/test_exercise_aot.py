@@ -1,28 +1,15 @@
 """The graded Triton exercises on a GPU, checked without one: every worked solution's kernel builds for
 sm_80 and sm_90 at each launch its check makes and fits the card's shared memory, and every untouched stub
 fails to compile in the way the checks read as "not implemented yet" (tests/aot_exercise_kernels.py)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from aot_builds import real_builds
 
 from atlaslib import aot
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(ATLAS_AOT_CACHE=str(tmp_path_factory.mktemp("aot_cache")),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "aot_exercise_kernels.py")], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return real_builds("aot_exercise_kernels.py", tmp_path_factory.mktemp("aot_cache"))
 
 
 def test_every_solution_kernel_builds_and_fits_at_its_checks_cases(builds):
