@@ -121,14 +121,14 @@ def chunk_step(fn, gen):
                   forbidden=LIBRARY_FORMS)
 def chunkwise(fn, gen):
     """fn(q, k, v, alpha, chunk_size) -> (o, M_T); scalar gates alpha [B,H,T]."""
-    cases = [  # (B, H, T, K, V, chunk sizes, gates' range, resets)
-        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20), (0.5, 1.0), False),
-        (1, 1, 32, 8, 8, (8, 16, 7), (0.5, 1.0), False),
-        (1, 2, 1, 4, 3, (1, 4), (0.5, 1.0), False),
-        (1, 1, 40, 4, 3, (32,), (0.01, 0.05), False),  # strong gates: e^{g_t - g_i} above the diagonal overflows
-        (1, 2, 20, 5, 4, (1, 6, 20), (0.5, 1.0), True),  # gates of exactly 0: log 0 = -inf
+    cases = [  # (B, H, T, K, V, chunk sizes, gates' range[, "resets"])
+        (2, 2, 13, 5, 4, (1, 3, 4, 13, 20), (0.5, 1.0)),
+        (1, 1, 32, 8, 8, (8, 16, 7), (0.5, 1.0)),
+        (1, 2, 1, 4, 3, (1, 4), (0.5, 1.0)),
+        (1, 1, 40, 4, 3, (32,), (0.01, 0.05)),  # strong gates: e^{g_t - g_i} above the diagonal overflows
+        (1, 2, 20, 5, 4, (1, 6, 20), (0.5, 1.0, "resets")),  # gates of exactly 0: log 0 = -inf
     ]
-    for B, H, T, K, V, sizes, (low, high), resets in cases:
+    for B, H, T, K, V, sizes, (low, high, *resets) in cases:
         q, k, v = random_qkv(B, H, T, K, V, generator=gen)
         q, k = uneven_norms(gen, q, k)
         alpha = random_gate(B, H, T, low=low, high=high, generator=gen)
