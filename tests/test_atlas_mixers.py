@@ -51,14 +51,41 @@ def test_swa_with_a_long_window_is_softmax_attention(gen):
 
 
 @pytest.mark.parametrize("memory", ["atlas", "gla"])
-def test_mal_with_a_long_window_is_attention_after_the_memory(gen, memory):
+def test_mal_with_a_long_window_is_attention_after_the_normalised_memory(gen, memory):
+    """y = SWA(RMSNorm(Memory(x))): the RMS norm written out here, with a weight that is not all ones."""
     seeded(gen)
     x = x_of(gen)
     mal = make_mixer("mal", D, H, memory=memory, window=x.shape[1], backend="chunk")
     full = make_mixer("softmax", D, H)
     full.load_state_dict(mal.attention.state_dict())
+    weight = torch.rand(D, generator=gen, dtype=x.dtype) + 0.5
     with torch.no_grad():
-        assert_close(mal(x), full(mal.memory(x)))
+        mal.norm.weight.copy_(weight)
+        h = mal.memory(x)
+        eps = torch.finfo(h.dtype).eps
+        assert_close(mal(x), full(h / (h.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight))
+
+
+def test_mal_attention_learns_from_the_start_as_a_plain_window_does(gen):
+    """The reason for MAL's norm: at initialisation (memory at zero, small steps) the memory's output is
+    small, and without the norm the attention's query projection gets gradients orders of magnitude
+    smaller than a sliding window's on the same input; with it, of the same order."""
+    seeded(gen)
+    x = torch.randn(4, 16, D, generator=gen)
+    mal = make_mixer("mal", D, H, memory="atlas", window=4)
+    swa = make_mixer("swa", D, H, window=4)
+    target = torch.randn(4, 16, D, generator=gen)
+
+    def q_grad(mixer, inputs):
+        mixer.zero_grad()
+        ((mixer(inputs) - target) ** 2).mean().backward()
+        return mixer.attention.q_proj.weight.grad.norm() if mixer is mal else mixer.q_proj.weight.grad.norm()
+
+    with torch.no_grad():
+        raw = mal.memory(x)
+    assert raw.pow(2).mean().sqrt() < 0.2, "the memory's output starts small"
+    ratio = q_grad(mal, x) / q_grad(swa, x)
+    assert 0.1 < ratio < 10, ratio
 
 
 @pytest.mark.parametrize("g, branch", [(1.0, "attention"), (0.0, "memory")])

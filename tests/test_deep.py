@@ -421,6 +421,27 @@ def test_exponent_check_tiles_find_the_largest_visible_score(gen, window, monkey
     assert_close(problem._top_score(q, k, window), want.float(), tol=1e-6)
 
 
+def test_windowed_exponent_check_costs_linear_in_the_length():
+    """With a window each tile of query rows sees rows + window - 1 keys, so the tiles are sized by that
+    span: four times the length is about four times the ops (tiles sized by T gave sixteen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from atlaslib.deep import validation as problem
+
+    class CountOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(T):
+        q = k = torch.ones(1, 2, T, 4)
+        with CountOps() as mode:
+            mode.n = 0
+            problem._top_score(q, k, 16)
+        return mode.n
+
+    assert ops(4096) < 5 * ops(1024), (ops(1024), ops(4096))
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"memory": "residual"}, ValueError, "memory"),
     ({"phi_star": ("taylor", -1)}, ValueError, "phi_star"),

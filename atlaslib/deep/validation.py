@@ -59,11 +59,22 @@ def _norm_bound(q, k) -> torch.Tensor:
     return (qn * kn).amax() * (1 + 1e-6)                          # a hair of slack for the rounding
 
 
+def _tile_rows(budget: int, T: int, window: int | None) -> int:
+    """The most query rows r whose tile of scores fits ``budget`` elements per (batch, head): r * T without
+    a window, r * (r + window - 1) with one (r at least 1, at most T)."""
+    if window is None:
+        return max(1, min(T, budget // max(1, T)))
+    span = min(window, T) - 1                           # keys a tile sees beyond its own rows
+    r = int((math.isqrt(span * span + 4 * budget) - span) // 2)     # r * (r + span) <= budget
+    return max(1, min(T, r))
+
+
 def _top_score(q, k, window) -> torch.Tensor:
     """max over the visible pairs (i <= t, and i > t - window) of k_i^T q_t, a 0-dim tensor, computed a
-    tile of query rows at a time (each tile against the keys it can see)."""
+    tile of query rows at a time (each tile against the keys it can see: rows + window - 1 of them with a
+    window, so the tiles are sized by that span and their number grows as T, not T^2)."""
     B, H, T = q.shape[:3]
-    rows = max(1, min(T, TILE_ELEMENTS // max(1, B * H * T)))
+    rows = _tile_rows(TILE_ELEMENTS // max(1, B * H), T, window)
     qf, kf = q.float(), k.float()
     top = torch.full((), -math.inf, device=q.device)
     for a in range(0, T, rows):

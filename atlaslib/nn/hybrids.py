@@ -3,8 +3,9 @@
 * ``"swa"``: causal softmax attention over the last ``window`` tokens (key i is seen by
   query t iff t - window < i <= t), ``core.softmax_attention(window=...)``; ``step`` keeps
   only the last ``window`` keys and values (a fixed-size cache).
-* ``"mal"`` (memory as a layer): y = SWA(Memory(x)), the memory mixer's output (already
-  projected back to d_model) is the input of a sliding-window attention mixer.
+* ``"mal"`` (memory as a layer): y = SWA(RMSNorm(Memory(x))), the memory mixer's output (already
+  projected back to d_model), normalised as a block's input is, is the input of a sliding-window
+  attention mixer.
 * ``"mag"`` (memory as a gate): both branches read x and are mixed per channel by a learned
   sigmoid gate,
 
@@ -13,7 +14,7 @@
 
   Titans (§4.2) combines the branches "with a gating mechanism" and normalisation, and ATLAS
   (§5, Figure 3) takes its MAG and MAL variants; both leave the exact form open. This is one simple choice (no extra
-  normalisation; b_mu = 0, so the gate starts centred at 1/2). mu = 1 gives the SWA branch alone,
+  normalisation in MAG; b_mu = 0, so the gate starts centred at 1/2). mu = 1 gives the SWA branch alone,
   mu = 0 the memory branch alone.
 
 Both hybrids take any registered mixer as the memory: ``make_mixer("mag", d_model, n_heads,
@@ -134,17 +135,26 @@ class Hybrid(TokenMixer):
 
 @register_mixer("mal")
 class MAL(Hybrid):
-    """Memory as a layer: y = SWA(Memory(x))."""
+    """Memory as a layer: y = SWA(RMSNorm(Memory(x))).
+
+    The RMSNorm (learned per-channel weight, as a block's pre-norm) is what a stack of two layers puts
+    before its second one: without it the attention reads the memory's raw output, whose size at
+    initialisation (memory at zero, small steps) is a few percent of a normalised input's, and its query and
+    key projections start with gradients orders of magnitude smaller than a plain SWA's."""
+
+    def __init__(self, d_model, n_heads, **kw):
+        super().__init__(d_model, n_heads, **kw)
+        self.norm = nn.RMSNorm(d_model)
 
     def forward(self, x):
         self.check(x, 3)
-        return self.attention(self.memory(x))
+        return self.attention(self.norm(self.memory(x)))
 
     def step(self, x_t, cache=None):
         self.check(x_t, 2)
         mem_cache, att_cache = self.split_cache(cache)
         h, mem_cache = self.memory.step(x_t, mem_cache)
-        y, att_cache = self.attention.step(h, att_cache)
+        y, att_cache = self.attention.step(self.norm(h), att_cache)
         return y, HybridCache(mem_cache, att_cache)
 
 
