@@ -354,10 +354,11 @@ def test_triton_check_catches_stores_past_the_end():
     assert v.status == "failed" and "wrote" in v.message, v.message
 
 
-def test_triton_check_catches_a_store_past_the_end_of_g():
-    """g's store mask t <= T: each row stores one entry past its end, the last row past the end of g."""
+def test_triton_check_catches_a_store_past_the_end_of_gamma_s():
+    """gamma_s's store mask t <= T: each row stores one entry past its end, the last row past the end of
+    gamma_s."""
     v = ch07.triton_grm_weights.evaluate(grm_launcher(g_one_past=True))
-    assert v.status == "failed" and "past the end of g" in v.message, v.message
+    assert v.status == "failed" and "past the end of gamma_s" in v.message, v.message
 
 
 @pytest.mark.parametrize("rows_of", ["w", "blocks"])

@@ -211,8 +211,9 @@ def ssc_weights(fn, gen):
 @EXERCISES.check("triton_grm_weights", title="A Triton kernel for the GRM weights of a block of tokens",
                   points=3, functions=("grm_weights_triton",), forbidden=READOUTS, needs_launch=True)
 def triton_grm_weights(fn, gen):
-    """fn(u [N,T,K], pooled [N,S,K], blocks int32 [T,J] (-1 padded), online_score [N,T], w [N,T,J], g [N,T]):
-    r_tj = <u_t, pooled[blocks[t, j]]>, (w_t, g_t) = softmax over the visible slots and the online score."""
+    """fn(u [N,T,K], pooled [N,S,K], blocks int32 [T,J] (-1 padded), online_score [N,T], w [N,T,J],
+    gamma_s [N,T]): r_tj = <u_t, pooled[blocks[t, j]]>, (w_t, gamma_s_t) = softmax over the visible slots and
+    the online score."""
     device, tol = triton_setup(TOL, 1e-3)
     # (N, T, K, segments, size of u, online scores): the second case's online scores are about 100 and
     # its cached ones about 1, so a row maximum over the cached slots only overflows exp on every token;
@@ -233,27 +234,27 @@ def triton_grm_weights(fn, gen):
         ins = [guarded(x.to(device)) for x in (u, pooled)]
         table = guarded(blocks.to(device=device, dtype=torch.int32))   # an index read past it: the largest int
         score = guarded(online_score.to(device))
-        w, g = guarded_output((N, T, J), device=device), guarded_output((N, T), device=device)
+        w, gamma_s = guarded_output((N, T, J), device=device), guarded_output((N, T), device=device)
         kind = "log-linear" if segments == "log" else f"segments of {segments}"
         label = f"N={N}, T={T}, K={K}, {kind}: S={S} cached states, J={J} slots"
         label += " (J is not a power of two: a row of blocks or w is J long, not BJ)" if J & (J - 1) else ""
         label += " (scores of about 100: exp overflows fp32)" if size > 1 else ""
         label += " (online scores of about 100, cached ones of about 1: exp overflows fp32)" if shift else ""
         with case(label):
-            call(fn, *ins, table, score, w, g)
+            call(fn, *ins, table, score, w, gamma_s)
             if device == "cuda":
                 torch.cuda.synchronize()
             check_guards("w", w)
-            check_guards("g", g)
-            for name, got in (("w", w), ("g", g)):    # inf or NaN in either output first: the hint names the cause
+            check_guards("gamma_s", gamma_s)
+            for name, got in (("w", w), ("gamma_s", gamma_s)):    # inf or NaN in either output first: the hint names the cause
                 if not torch.isfinite(got).all():
                     raise CheckFailed(f"{name} is not finite (inf or NaN){KERNEL_HINT}")
-            compare("g", g, g_ref, tol)
+            compare("gamma_s", gamma_s, g_ref, tol)
             if shift:   # cached weights of about e^-99 are subnormal in fp32 (a GPU may flush them to 0):
                 # checked on the scale of the weights, 1, not on their own
                 err = (w - w_ref).abs().max().item()
                 if not err <= tol:
-                    raise CheckFailed(f"w: largest difference {err:.3g} > {tol:g} (the weights sum to 1 with g)")
+                    raise CheckFailed(f"w: largest difference {err:.3g} > {tol:g} (the weights sum to 1 with gamma_s)")
             else:
                 compare("w", w, w_ref, tol)
     # the same text on CPU and GPU, so the stored output is valid on both
