@@ -681,6 +681,27 @@ def test_triton_check_refuses_a_kernel_whose_replay_always_raises():
     assert v.status == "failed" and "raised whenever the check ran its launches again" in v.message, v.message
 
 
+def test_triton_check_names_both_outcomes_when_a_replay_raises_on_some_cases_only():
+    """The smuggler once more, raising on every other case's replay and storing the same values on the rest:
+    refused, and the message says both, not only "the same values"."""
+    calls = []
+
+    def smuggler(M, k, v, g, out):
+        calls.append(None)
+        g_last = g[:, -1:]
+        want = torch.exp(g_last)[:, :, None] * M + torch.einsum("nt,ntv,ntk->nvk", torch.exp(g_last - g), v, k)
+        k0 = k.reshape(-1)[0].item()
+        for i, x in enumerate(want.reshape(-1).tolist()):
+            if len(calls) % 2:
+                _put_if_unmoved[(1,)](out, k, i, x, k0)
+            else:
+                _put[(1,)](out, i, x)
+        return out
+    v = ch01.triton_state_update.evaluate(smuggler)
+    assert len(calls) > 1
+    assert v.status == "failed" and "raised or stored the same values when the check ran" in v.message, v.message
+
+
 def test_a_kernel_that_reads_an_input_it_was_given_is_not_taken_for_a_smuggler():
     """The replay only refuses kernels whose stores never changed: one that copies a row of its input (whatever
     else it does) stores other values once the inputs are reordered."""

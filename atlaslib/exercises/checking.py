@@ -682,7 +682,8 @@ class Exercise:
                                   "reordered, so the check cannot tell that it computes the outputs from its input "
                                   "tensors: a kernel that reads its inputs runs on any values of them")
             if self.needs_launch and replayed and not any(m is True for m in replayed):
-                raise CheckFailed("your kernel stored the same values when the check ran its launches again on "
+                how = "raised or stored the same values" if "raised" in replayed else "stored the same values"
+                raise CheckFailed(f"your kernel {how} when the check ran its launches again on "
                                   "the inputs reordered: the values came from the numbers it was given, not from "
                                   "its input tensors (computed with torch, they do not count); the kernel must "
                                   "compute the outputs from its inputs")
