@@ -246,7 +246,8 @@ def triton_grm_weights(fn, gen):
                 torch.cuda.synchronize()
             check_guards("w", w)
             check_guards("gamma_s", gamma_s)
-            for name, got in (("w", w), ("gamma_s", gamma_s)):    # inf or NaN in either output first: the hint names the cause
+            # inf or NaN in either output first: the hint names the cause
+            for name, got in (("w", w), ("gamma_s", gamma_s)):
                 if not torch.isfinite(got).all():
                     raise CheckFailed(f"{name} is not finite (inf or NaN){KERNEL_HINT}")
             compare("gamma_s", gamma_s, g_ref, tol)
