@@ -398,11 +398,16 @@ def test_dot_taylor_c1_runs_chapter_2s_kernel_on_the_features(gen):
 
 
 def test_unnormalised_fp16_weights_past_fp16s_range_stay_finite(gen):
-    # unnormalised fp16 keeps its weights e^S in fp32 (fp16 ends at 65504 = e^11.09): scores of 11 to 16, legal
-    # (below the cap of 80), must give finite outputs within fp16 rounding of fp64 on the same inputs
-    q, k = (torch.randn(1, 1, 40, 16, generator=gen) for _ in range(2))
+    # unnormalised fp16 keeps its weights e^S in fp32 (fp16 ends at 65504 = e^11.09): scores up to 16, legal
+    # (below the cap of 80), must give finite outputs within fp16 rounding of fp64 on the same inputs.
+    # Queries and keys near one shared direction (cosines about 0.9) put most scores past 11.09 for every seed
+    # (independent directions reach it for about half the seeds). Many such weights in every row also make the
+    # error ratio a stable statistic: 1.7x-3.1x over 1000 seeds in the interpreter (TF32 drops the weights'
+    # low bits), where rows ruled by one weight gave up to 8.7x.
+    u = torch.randn(16, generator=gen)
+    q, k = (u / u.norm() + 0.1 * torch.randn(1, 1, 40, 16, generator=gen) for _ in range(2))
     q, k = 4 * q / q.norm(dim=-1, keepdim=True), 4 * k / k.norm(dim=-1, keepdim=True)
-    v = 1e-3 * torch.randn(1, 1, 40, 8, generator=gen)
+    v = 1e-4 * torch.randn(1, 1, 40, 8, generator=gen)
     q, k, v = q.half(), k.half(), v.half()
     assert math.log(65504) < float((q.float() @ k.float().mT).tril().max())
     want = reference(q, k, v, None, None, normalize=False)
