@@ -328,8 +328,15 @@ def test_bad_input(gen):
         deep_transformer(q, k, v, expansion=2)
     with pytest.raises(ValueError, match="sets h"):              # W2's width is h = 5, not 2 K
         dot(q, k, v, memory="mlp", expansion=2, initial_state=st)
-    with pytest.raises(ValueError, match="initial_state"):
+    with pytest.raises(ValueError, match="initial_state") as refused:
         dot(q, k, v, initial_state=st)
+    assert "memory='mlp'" in str(refused.value)
+    dot(q, k, v, memory="mlp", initial_state=st)                    # what the message offers runs
+    with pytest.raises(ValueError, match="output_final_state") as refused:
+        dot(q, k, v, output_final_state=True)
+    assert "memory='mlp'" not in str(refused.value)                 # which has no final state here either
+    with pytest.raises(ValueError, match="output_final_state"):
+        dot(q, k, v, memory="mlp", output_final_state=True)
 
 
 @pytest.mark.parametrize("loop", [deep_mlp_recurrent, dot_mlp_recurrent])

@@ -356,8 +356,11 @@ def dot(q: Tensor, k: Tensor, v: Tensor, *, window: int = 1, gamma: Gate = None,
     alpha = alpha_from_log(alpha, log_alpha, cd)
     initial_state = memory_of_state(initial_state)
     if form == "kernel" and memory == "linear" and (initial_state is not None or output_final_state):
-        raise ValueError("dot: initial_state and output_final_state need phi_star=('taylor', P) (or memory='mlp'): "
-                         "the kernel form keeps one coefficient per past token, not a fixed-size matrix state")
+        # memory='mlp' takes a start W2 on the exact features, but its first layer has no final state either
+        asked, fix = (("output_final_state", "") if output_final_state
+                      else ("initial_state", " (or memory='mlp', which starts from a given W2)"))
+        raise ValueError(f"dot: {asked} needs phi_star=('taylor', P){fix}: the kernel form keeps one "
+                         "coefficient per past token, not a fixed-size matrix state")
     if alpha is not None:
         check_positive_alpha(alpha, from_log=log_alpha is not None)
     chunk_size = default_chunk_size(chunk_size, frozen=c > 1 or memory == "mlp")
